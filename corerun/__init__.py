@@ -1,0 +1,76 @@
+"""corerun: the model-runner core of an LLM inference engine, made pluggable.
+
+Public API::
+
+    from corerun import LLM, SamplingParams
+
+Plugin authors use ``corerun.hookimpl``, the capability classes and the protocols in
+``corerun.protocols``.  Importing ``corerun`` itself imports no torch: heavy names load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from corerun._version import PROTOCOL_VERSION, __version__
+from corerun.capabilities import (
+    AttentionCapabilities,
+    GraphRunnerCapabilities,
+    KVCacheCapabilities,
+    SamplerCapabilities,
+)
+from corerun.errors import (
+    ConfigError,
+    CorerunError,
+    PluginError,
+    PluginNotFoundError,
+    PluginUnavailableError,
+    RequestError,
+    UnsupportedError,
+)
+from corerun.hookspecs import hookimpl
+
+_LAZY = {
+    "LLM": "corerun.llm",
+    "CompletionOutput": "corerun.outputs",
+    "RequestOutput": "corerun.outputs",
+    "Logprob": "corerun.outputs",
+    "SamplingParams": "corerun.sampling_params",
+    "Config": "corerun.config",
+    "load_config": "corerun.config",
+    "get_registry": "corerun.registry",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from corerun.config import Config, load_config
+    from corerun.llm import LLM
+    from corerun.outputs import CompletionOutput, Logprob, RequestOutput
+    from corerun.registry import get_registry
+    from corerun.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'corerun' has no attribute {name!r}")
+
+
+__all__ = [
+    "__version__",
+    "PROTOCOL_VERSION",
+    "hookimpl",
+    "AttentionCapabilities",
+    "GraphRunnerCapabilities",
+    "KVCacheCapabilities",
+    "SamplerCapabilities",
+    "ConfigError",
+    "CorerunError",
+    "PluginError",
+    "PluginNotFoundError",
+    "PluginUnavailableError",
+    "RequestError",
+    "UnsupportedError",
+    *_LAZY,
+]

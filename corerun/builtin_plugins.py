@@ -1,0 +1,49 @@
+"""corerun's own implementations, registered through the same hooks as any installed plugin."""
+
+from __future__ import annotations
+
+from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities
+from corerun.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def corerun_attention_backends(register: Register) -> None:
+    register(
+        "torch",
+        "corerun.attention.torch_backend:TorchAttentionBackend",
+        capabilities=AttentionCapabilities(
+            dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
+            devices=frozenset({"cpu", "cuda"}),
+            gqa=True,
+            cuda_graph_decode=True,
+        ),
+        priority=0,
+        description="reference paged attention in plain torch; runs anywhere; the conformance oracle (float64)",
+    )
+
+
+@hookimpl
+def corerun_kv_cache_managers(register: Register) -> None:
+    register(
+        "paged",
+        "corerun.kv_cache.paged:PagedKVCacheManager",
+        capabilities=KVCacheCapabilities(prefix_caching=True),
+        description="fixed-size blocks, reference counts, prefix caching by chained block hashes",
+    )
+
+
+@hookimpl
+def corerun_graph_runners(register: Register) -> None:
+    register(
+        "eager",
+        "corerun.graph.eager:EagerGraphRunner",
+        capabilities=GraphRunnerCapabilities(devices=frozenset({"cpu", "cuda"}), captures=False),
+        description="runs every step eagerly",
+    )
+    register(
+        "cuda",
+        "corerun.graph.cuda:CudaGraphRunner",
+        capabilities=GraphRunnerCapabilities(devices=frozenset({"cuda"}), captures=True),
+        probe="corerun.graph.cuda:probe",
+        description="captures pure-decode steps in CUDA graphs by batch-size bucket, replays them",
+    )

@@ -1,0 +1,101 @@
+"""Capability declarations: plain data, importable without torch (plugins register them at listing time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Sampling fields the engine itself handles; every sampler "honours" them.
+ENGINE_PARAMS = frozenset({"n", "max_tokens", "ignore_eos", "stop_token_ids"})
+
+
+def _fmt(values: frozenset) -> str:
+    return "{" + ", ".join(str(v) for v in sorted(values)) + "}"
+
+
+def _dtype_str(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _device_type(device: Any) -> str:
+    return getattr(device, "type", None) or str(device).split(":")[0]
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What an attention backend supports. ``None`` for a set means "any value".
+
+    ``check(spec)`` returns every reason an :class:`~corerun.protocols.AttentionSpec` is not supported.
+    """
+
+    dtypes: frozenset[str] = frozenset({"float16", "bfloat16", "float32"})
+    head_sizes: frozenset[int] | None = None
+    block_sizes: frozenset[int] | None = None
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    gqa: bool = True  # num_kv_heads < num_heads (including MQA)
+    cuda_graph_decode: bool = False  # a pure-decode step may be captured in a CUDA graph
+    max_head_size: int | None = None  # for backends that take "any head size up to N"
+
+    def check(self, spec: Any) -> list[str]:
+        reasons: list[str] = []
+        name = _dtype_str(spec.dtype)
+        if name not in self.dtypes:
+            reasons.append(f"dtype {name} not in {_fmt(self.dtypes)}")
+        if self.head_sizes is not None and spec.head_size not in self.head_sizes:
+            reasons.append(f"head size {spec.head_size} not in {_fmt(self.head_sizes)}")
+        if self.max_head_size is not None and spec.head_size > self.max_head_size:
+            reasons.append(f"head size {spec.head_size} above the maximum {self.max_head_size}")
+        if self.block_sizes is not None and spec.block_size not in self.block_sizes:
+            reasons.append(f"block size {spec.block_size} not in {_fmt(self.block_sizes)}")
+        dev = _device_type(spec.device)
+        if dev not in self.devices:
+            reasons.append(f"device {dev} not in {_fmt(self.devices)}")
+        if spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
+        elif spec.num_kv_heads != spec.num_heads and not self.gqa:
+            reasons.append(
+                f"grouped-query attention ({spec.num_heads} query / {spec.num_kv_heads} KV heads) not supported"
+            )
+        return reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtypes": sorted(self.dtypes),
+            "head_sizes": None if self.head_sizes is None else sorted(self.head_sizes),
+            "max_head_size": self.max_head_size,
+            "block_sizes": None if self.block_sizes is None else sorted(self.block_sizes),
+            "devices": sorted(self.devices),
+            "gqa": self.gqa,
+            "cuda_graph_decode": self.cuda_graph_decode,
+        }
+
+
+@dataclass(frozen=True)
+class SamplerCapabilities:
+    """The ``SamplingParams`` fields a sampler honours (beyond the engine's own ones)."""
+
+    params: frozenset[str]
+
+    def check(self, params: Any) -> list[str]:
+        """Every field of ``params`` set away from its no-op value that this sampler does not honour."""
+        return sorted(params.non_default_fields() - self.params - ENGINE_PARAMS)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"params": sorted(self.params)}
+
+
+@dataclass(frozen=True)
+class KVCacheCapabilities:
+    prefix_caching: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefix_caching": self.prefix_caching}
+
+
+@dataclass(frozen=True)
+class GraphRunnerCapabilities:
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    captures: bool = False  # replays captured graphs (vs. always eager)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": sorted(self.devices), "captures": self.captures}

@@ -1,0 +1,186 @@
+"""The configuration: one pydantic model, loaded from YAML, every field defaulted, unknown keys rejected.
+
+The same keys work as keyword overrides in Python (``LLM(attention="triton", kv_cache={"block_size": 32})``)
+and on the command line (``--set kv_cache.block_size=32``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from corerun.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Choice(_Strict):
+    """An implementation picked by name, with options its plugin validates (``{name: triton, options: {...}}``)."""
+
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a non-empty implementation name")
+        return v.strip()
+
+
+class KVCacheConfig(_Strict):
+    manager: Choice = Choice(name="paged")
+    block_size: int = Field(16, ge=1)
+    num_blocks: int | Literal["auto"] = "auto"
+    memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    prefix_caching: bool = True
+    cpu_memory_gb: float = Field(2.0, gt=0.0)  # the KV budget on CPU when num_blocks is auto
+
+    @field_validator("block_size")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+    @field_validator("num_blocks")
+    @classmethod
+    def _blocks(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"num_blocks must be >= 1 or 'auto', got {v}")
+        return v
+
+
+class GraphConfig(_Strict):
+    runner: Choice = Choice(name="auto")
+    max_batch_size: int = Field(256, ge=1)
+
+
+class SchedulerConfig(_Strict):
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_model_len: int | Literal["auto"] = "auto"
+    chunked_prefill: bool = True
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _len(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"max_model_len must be >= 1 or 'auto', got {v}")
+        return v
+
+
+class Config(_Strict):
+    """Every knob of an engine. ``Config()`` is a working configuration (the built-in default model)."""
+
+    model: str | None = None  # a Hugging Face model folder; None: the built-in default model
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention: Choice = Choice(name="auto")
+    sampler: Choice = Choice(name="full")
+    kv_cache: KVCacheConfig = KVCacheConfig()
+    graph: GraphConfig = GraphConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    tensor_parallel_size: int = Field(1, ge=1)
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    allow_pickle_weights: bool = False  # load pytorch_model.bin through torch.load (unsafe); safetensors otherwise
+    max_logprobs: int = Field(20, ge=0)
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(Config, [p for p in e["loc"][:-1] if isinstance(p, str)])
+            allowed = ", ".join(parent.model_fields) if parent else "?"
+            lines.append(f"  {loc}: unknown key (allowed here: {allowed})")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+    return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    for part in path:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in override.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(dict(out[k]), v)
+        elif isinstance(v, Mapping) and isinstance(out.get(k), str) and "name" not in v and k in {"attention", "sampler", "manager", "runner"}:
+            out[k] = {"name": out[k], **v}
+        else:
+            out[k] = v
+    return out
+
+
+def parse_set(items: Sequence[str]) -> dict[str, Any]:
+    """``["kv_cache.block_size=32", "attention=triton"]`` -> a nested dict; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE (e.g. kv_cache.block_size=32), got {item!r}")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {p} was already set to a value")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    sets: Sequence[str] = (),
+) -> Config:
+    """Read YAML at ``path`` (optional), apply keyword ``overrides`` then ``--set`` items, validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {source} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {source} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {source} must hold a mapping of keys, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        data = deep_merge(data, {k: v for k, v in overrides.items() if v is not None})
+        source += " + keyword overrides" if path else " + keyword overrides"
+    if sets:
+        data = deep_merge(data, parse_set(sets))
+        source += " + --set"
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None

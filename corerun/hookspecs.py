@@ -1,0 +1,77 @@
+"""The plugin hooks. One hook per kind of implementation, each handed a ``register`` callback.
+
+A plugin module implements any of them with ``@corerun.hookimpl`` and is exposed through an entry
+point in the group ``corerun`` (the entry-point name is the plugin's id).  ``register`` takes::
+
+    register(
+        name,                      # the short name users select, e.g. "triton"
+        factory,                   # "package.module:attr" (imported lazily) or a callable
+        *,
+        capabilities=None,         # AttentionCapabilities / SamplerCapabilities / ... (plain data)
+        probe=None,                # "module:attr" or callable () -> list[str]: reasons it cannot run here
+        options=None,              # a pydantic model validating the user's `options:` for this name
+        protocol_version=PROTOCOL_VERSION,
+        priority=0,                # `auto` prefers higher priorities among capable, available backends
+        description="",
+    )
+
+Importing a plugin's entry-point module must not import torch, triton or any kernel library: the
+factory and probe strings are only resolved when the implementation is used or its availability is
+asked.  A hook may accept fewer arguments than the spec passes (pluggy's argument-subset rule), so
+specs can grow without breaking plugins.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("corerun")
+hookimpl = pluggy.HookimplMarker("corerun")
+
+Register = Callable[..., None]
+
+
+@hookspec
+def corerun_attention_backends(register: Register) -> None:
+    """Register attention backends: ``register(name, factory, capabilities=AttentionCapabilities(...), ...)``.
+
+    The factory is called as ``factory(spec: AttentionSpec, **options)``.
+    """
+
+
+@hookspec
+def corerun_kv_cache_managers(register: Register) -> None:
+    """Register KV-cache managers: ``register(name, factory, capabilities=KVCacheCapabilities(...), ...)``.
+
+    The factory is called as ``factory(num_blocks, block_size, *, prefix_caching, **options)``.
+    """
+
+
+@hookspec
+def corerun_graph_runners(register: Register) -> None:
+    """Register graph runners: ``register(name, factory, capabilities=GraphRunnerCapabilities(...), ...)``.
+
+    The factory is called as ``factory(model, attention, limits, **options)``.
+    """
+
+
+@hookspec
+def corerun_samplers(register: Register) -> None:
+    """Register samplers: ``register(name, factory, capabilities=SamplerCapabilities(params=...), ...)``.
+
+    The factory is called as ``factory(vocab_size, device, **options)``.
+    """
+
+
+HOOKS: dict[str, str] = {
+    "attention": "corerun_attention_backends",
+    "kv_cache": "corerun_kv_cache_managers",
+    "graph": "corerun_graph_runners",
+    "sampler": "corerun_samplers",
+}
+
+__all__ = ["hookspec", "hookimpl", "HOOKS", "Register"]
+
+

@@ -1,0 +1,54 @@
+"""The ``KVCacheManager`` protocol: which physical blocks hold which sequence's tokens.
+
+The manager does bookkeeping only (block ids, reference counts, prefix hashes); the tensors
+themselves belong to the attention backend.  A sequence goes through:
+
+1. ``get_computed_prefix(seq_id, token_ids)`` on its first scheduling: claims cached blocks holding a
+   block-aligned prefix of ``token_ids`` (never the whole prompt: the last prompt token is always
+   recomputed so its logits exist) and returns how many tokens they cover.
+2. ``allocate_slots(seq_id, num_tokens)`` before each step: grows the block table to hold
+   ``num_tokens`` tokens.  Returns ``False`` and changes nothing when free blocks run out
+   (exhaustion is reported, never raised); the scheduler then preempts.
+3. ``cache_blocks(seq_id, token_ids, num_computed)`` after a step: registers the hashes of blocks
+   that became full so later sequences can share them.
+4. ``free(seq_id)`` when finished, aborted or preempted: drops references; freed blocks that hold
+   cached content stay reusable until evicted (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, Sequence, runtime_checkable
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    num_free_blocks: int  # allocatable now (includes evictable cached blocks)
+    num_cached_blocks: int  # blocks with a registered prefix hash
+    prefix_queries: int  # tokens looked up by get_computed_prefix
+    prefix_hits: int  # tokens found
+
+
+@runtime_checkable
+class KVCacheManager(Protocol):
+    """Factory signature: ``factory(num_blocks: int, block_size: int, *, prefix_caching: bool = True, **options)``."""
+
+    name: ClassVar[str]
+    block_size: int
+    num_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int: ...
+
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool: ...
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
+
+    def block_table(self, seq_id: int) -> list[int]: ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def stats(self) -> KVCacheStats: ...

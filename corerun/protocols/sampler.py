@@ -1,0 +1,82 @@
+"""The ``Sampler`` protocol: logits for a batch of requests with mixed parameters -> next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from corerun.capabilities import SamplerCapabilities
+from corerun.sampling_params import SamplingParams
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling inputs; row ``i`` belongs to ``params[i]``.  Built once per step by the runner.
+
+    - ``params``: the request's parameters (already accepted by ``Sampler.check``).
+    - ``prompt_token_ids`` / ``output_token_ids``: the request's history (for penalties and
+      ``min_tokens``); ``len(output_token_ids[i])`` is also the index of the token being drawn, which
+      seeded requests use so that a seed gives the same tokens in any batch at any position.
+    - ``eos_token_ids``: the model's end-of-sequence ids (masked until ``min_tokens`` is reached, with
+      the request's ``stop_token_ids``).
+    """
+
+    params: Sequence[SamplingParams]
+    prompt_token_ids: Sequence[Sequence[int]]
+    output_token_ids: Sequence[Sequence[int]]
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        n = len(self.params)
+        if len(self.prompt_token_ids) != n or len(self.output_token_ids) != n:
+            raise ValueError(
+                f"SamplingMetadata rows disagree: {n} params, {len(self.prompt_token_ids)} prompts, "
+                f"{len(self.output_token_ids)} outputs"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.params)
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of a batch, vLLM's layout.
+
+    - ``token_ids`` int64 ``[B, 1 + k]``: column 0 is the sampled (or prompt) token, then the top-k.
+    - ``logprobs`` float32 ``[B, 1 + k]``: their log-probabilities.
+    - ``ranks`` int64 ``[B]``: rank of the column-0 token in its row (1 = most likely).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    """``sampled_token_ids`` int64 ``[B]``; ``logprobs`` when any row asked for them (rows that did not are padding)."""
+
+    sampled_token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None = None
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Factory signature: ``factory(vocab_size: int, device: torch.device, **options) -> Sampler``."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[SamplerCapabilities]
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise :class:`corerun.errors.UnsupportedError` naming each parameter this sampler cannot honour."""
+        ...
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits`` float ``[B, vocab_size]`` (any float dtype) -> next tokens, without a host sync."""
+        ...
+
+    def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+        """Logprobs of ``token_ids`` ``[N]`` under ``logits`` ``[N, V]`` (row j predicts token j) with the top ``num_logprobs``."""
+        ...

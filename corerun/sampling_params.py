@@ -1,0 +1,142 @@
+"""``SamplingParams``: vLLM's names and validation rules, as a pydantic model."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Upper bound on ``logprobs`` / ``prompt_logprobs`` (vLLM's ``max_logprobs`` default).
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """How to pick each next token of one request.
+
+    ``temperature == 0`` means greedy.  Every field keeps vLLM's meaning; a bad value raises
+    ``pydantic.ValidationError`` (a ``ValueError``) naming the field and the value.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    n: int = Field(1, ge=1, le=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0):  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {v}")
+        return 0 if v == -1 else v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float) -> float:
+        if not (0.0 <= v <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float, info: Any) -> float:
+        if not (-2.0 <= v <= 2.0):
+            raise ValueError(f"{info.field_name} must be in [-2, 2], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {v}")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {v}")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {v}")
+        return v
+
+    @field_validator("logprobs", "prompt_logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and not (0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"{info.field_name} must be between 0 and {MAX_LOGPROBS}, got {v}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        bad = [t for t in v if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return v
+        for tok, bias in v.items():
+            if tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite, got {bias} for token {tok}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids in ``logit_bias`` and ``stop_token_ids`` inside the vocabulary."""
+        for field, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", list(self.stop_token_ids))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab_size}): {bad}")
+
+    def non_default_fields(self) -> set[str]:
+        """Sampling fields set away from their no-op value (what a sampler must honour)."""
+        return {name for name, field in type(self).model_fields.items() if getattr(self, name) != field.default}

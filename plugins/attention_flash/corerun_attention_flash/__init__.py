@@ -1,0 +1,3 @@
+"""flash-attn attention backend for corerun."""
+
+__version__ = "0.1.0"

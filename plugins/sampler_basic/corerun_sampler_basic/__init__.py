@@ -1,0 +1,3 @@
+"""temperature-only sampler for corerun."""
+
+__version__ = "0.1.0"

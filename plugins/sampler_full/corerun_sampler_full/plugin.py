@@ -1,0 +1,21 @@
+"""Entry point of corerun-sampler-full: registers the ``full`` sampler (imports no torch)."""
+
+from corerun import SamplerCapabilities, hookimpl
+
+HONOURED = frozenset(
+    {
+        "temperature", "seed", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
+    }
+)
+
+
+@hookimpl
+def corerun_samplers(register):
+    register(
+        "full",
+        "corerun_sampler_full.sampler:FullSampler",
+        capabilities=SamplerCapabilities(params=HONOURED),
+        priority=10,
+        description="vLLM's pipeline: logit bias, min_tokens, penalties, temperature, min-p, top-k, top-p, logprobs, seeds",
+    )
