@@ -6,6 +6,7 @@ and on the command line (``--set kv_cache.block_size=32``).
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
@@ -29,7 +30,11 @@ class Choice(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, v: Any) -> Any:
-        return {"name": v} if isinstance(v, str) else v
+        if isinstance(v, str):
+            return {"name": v}
+        if not isinstance(v, (Mapping, Choice)):
+            raise ValueError(f"must be an implementation name or {{name: ..., options: {{...}}}}, got {v!r}")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -100,16 +105,34 @@ class Config(_Strict):
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
-    lines = []
+    lines: list[str] = []
+    by_loc: dict[str, tuple[list[str], Any]] = {}  # a union (int | "auto") errs once per member: one line per key
     for e in exc.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
         if e["type"] == "extra_forbidden":
-            parent = _model_at(Config, [p for p in e["loc"][:-1] if isinstance(p, str)])
-            allowed = ", ".join(parent.model_fields) if parent else "?"
-            lines.append(f"  {loc}: unknown key (allowed here: {allowed})")
+            path = [str(p) for p in e["loc"]]
+            parent = _model_at(Config, path[:-1])
+            allowed = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(path[-1], allowed, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            lines.append(f"  {'.'.join(path)}: unknown key ({hint}allowed here: {', '.join(allowed) or '?'})")
         else:
-            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+            by_loc.setdefault(_field_path(e["loc"]), ([], e.get("input")))[0].append(e["msg"].removeprefix("Value error, "))
+    for loc, (msgs, value) in by_loc.items():
+        text = "; or ".join(msgs)
+        lines.append(f"  {loc}: {text}" + ("" if f"got {value!r}" in text else f" (got {value!r})"))
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """The config keys of a pydantic error location, without union-member tags like ``int`` or ``literal['auto']``."""
+    model: type[BaseModel] | None = Config
+    keys: list[str] = []
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            break
+        keys.append(str(part))
+        model = _model_at(model, [str(part)])
+    return ".".join(keys) or ".".join(map(str, loc))
 
 
 def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:

@@ -198,6 +198,11 @@ class Registry:
         except Exception as exc:
             self.load_errors.append(LoadError(plugin, distribution, f"{type(exc).__name__}: {exc}"))
             return
+        problem = self._hook_problem(module)
+        if problem:  # reported for this plugin alone, instead of check_pending() failing every plugin
+            self.pm.unregister(module)
+            self.load_errors.append(LoadError(plugin, distribution, problem))
+            return
         self.plugins[plugin] = (distribution, version)
         for kind, hook_name in hookspecs.HOOKS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
@@ -211,6 +216,24 @@ class Registry:
                     self.load_errors.append(
                         LoadError(plugin, distribution, f"hook {hook_name} raised {type(exc).__name__}: {exc}", traceback.format_exc())
                     )
+
+    def _hook_problem(self, module: Any) -> str:
+        """Why ``module`` cannot be used: hook implementations no spec matches, or hooks left unmarked."""
+        hooks = list(hookspecs.HOOKS.values())
+        unknown = [
+            hc.name for hc in self.pm.get_hookcallers(module) or []
+            if not hc.has_spec() and any(not i.optionalhook for i in hc.get_hookimpls() if i.plugin is module)
+        ]
+        if unknown:
+            hints = [
+                f"'{n}'" + (f" (did you mean '{close[0]}'?)" if (close := difflib.get_close_matches(n, hooks, n=1)) else "")
+                for n in sorted(unknown)
+            ]
+            return f"implements unknown hook(s) {', '.join(hints)}; corerun's hooks are {', '.join(hooks)}"
+        unmarked = [n for n in hooks if callable(getattr(module, n, None)) and self.pm.parse_hookimpl_opts(module, n) is None]
+        if unmarked:
+            return f"defines {', '.join(unmarked)} without the @corerun.hookimpl decorator, so corerun would never call it"
+        return ""
 
     def _register_callback(self, kind: str, plugin: str, distribution: str, version: str) -> Callable[..., None]:
         def register(
@@ -275,12 +298,14 @@ class Registry:
             return table[name]
         installed = ", ".join(f"{n} ({r.distribution})" for n, r in sorted(table.items())) or "none"
         msg = f"no {KIND_TITLES[kind]} named '{name}'. Installed: {installed}."
-        close = difflib.get_close_matches(name, list(table) + [n for (k, n) in KNOWN_DISTRIBUTIONS if k == kind], n=1)
+        candidates = {*table, *(n for (k, n) in KNOWN_DISTRIBUTIONS if k == kind)} - {name}
+        close = difflib.get_close_matches(name, sorted(candidates), n=1)
         if close:
             msg += f" Did you mean '{close[0]}'?"
-        dist = KNOWN_DISTRIBUTIONS.get(key)
+        hinted = name if key in KNOWN_DISTRIBUTIONS else close[0] if close and close[0] not in table else None
+        dist = KNOWN_DISTRIBUTIONS.get((kind, hinted)) if hinted else None
         if dist:
-            msg += f" '{name}' is provided by {dist}: pip install {dist}"
+            msg += f" '{hinted}' is provided by {dist}: pip install {dist}"
             if os.environ.get(ENV_ALLOW_LIST) is not None:
                 msg += f" (and allow it in {ENV_ALLOW_LIST})"
         failed = [e for e in self.load_errors if e.plugin == name or name in e.error]

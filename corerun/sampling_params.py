@@ -9,12 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # Upper bound on ``logprobs`` / ``prompt_logprobs`` (vLLM's ``max_logprobs`` default).
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by them overflows.
+SAMPLING_EPS = 1e-5
 
 
 class SamplingParams(BaseModel):
     """How to pick each next token of one request.
 
-    ``temperature == 0`` means greedy.  Every field keeps vLLM's meaning; a bad value raises
+    ``temperature == 0`` (or below ``SAMPLING_EPS``, as in vLLM) means greedy.  A ``logit_bias`` of
+    ``-inf`` bans a token.  Every field keeps vLLM's meaning; a bad value raises
     ``pydantic.ValidationError`` (a ``ValueError``) naming the field and the value.
     """
 
@@ -36,6 +39,17 @@ class SamplingParams(BaseModel):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+
+    @field_validator(
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+        mode="before",
+    )
+    @classmethod
+    def _not_bool(cls, v: Any, info: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would read True as 1 / 1.0
+            raise ValueError(f"{info.field_name} must be a number, got {v!r}")
+        return v
 
     @field_validator("temperature")
     @classmethod
@@ -79,6 +93,13 @@ class SamplingParams(BaseModel):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {v}")
         return v
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not (-(2**63) <= v < 2**64):
+            raise ValueError(f"seed must be a 64-bit integer in [-2**63, 2**64), got {v}")
+        return v
+
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int) -> int:
@@ -111,13 +132,13 @@ class SamplingParams(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
-        if v is None:
-            return v
+        if not v:  # {} is no bias: the default, so samplers without logit_bias accept it
+            return None
         for tok, bias in v.items():
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
-            if not math.isfinite(bias):
-                raise ValueError(f"logit_bias values must be finite, got {bias} for token {tok}")
+            if math.isnan(bias) or bias == math.inf:
+                raise ValueError(f"logit_bias values must be finite, or -inf to ban a token, got {bias} for token {tok}")
         return v
 
     @model_validator(mode="after")
@@ -128,7 +149,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether this request takes the most likely token (``temperature < SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
 
     def check_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: token ids in ``logit_bias`` and ``stop_token_ids`` inside the vocabulary."""
@@ -136,6 +158,9 @@ class SamplingParams(BaseModel):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{field} has token ids outside the vocabulary [0, {vocab_size}): {bad}")
+        banned = sum(1 for bias in (self.logit_bias or {}).values() if bias == -math.inf)
+        if banned >= vocab_size:
+            raise ValueError(f"logit_bias bans all {vocab_size} tokens of the vocabulary (-inf); at least one must stay")
 
     def non_default_fields(self) -> set[str]:
         """Sampling fields set away from their no-op value (what a sampler must honour)."""

@@ -1,6 +1,8 @@
 """Entry point of corerun-attention-flash: registers the ``flash`` backend (imports no torch or flash_attn)."""
 
-from corerun import AttentionCapabilities, hookimpl
+from corerun import hookimpl
+
+from corerun_attention_flash.capabilities import FLASH_CAPABILITIES
 
 
 @hookimpl
@@ -8,15 +10,11 @@ def corerun_attention_backends(register):
     register(
         "flash",
         "corerun_attention_flash.backend:FlashAttentionBackend",
-        capabilities=AttentionCapabilities(
-            dtypes=frozenset({"float16", "bfloat16"}),
-            head_sizes=frozenset({32, 64, 96, 128, 160, 192, 224, 256}),
-            block_sizes=frozenset({256, 512, 1024}),
-            devices=frozenset({"cuda"}),
-            gqa=True,
-            cuda_graph_decode=True,
-        ),
+        capabilities=FLASH_CAPABILITIES,
         probe="corerun_attention_flash.probe:probe",
         priority=20,
-        description="flash-attn varlen prefill + flash_attn_with_kvcache decode over the paged cache",
+        description=(
+            "flash-attn over the paged cache: flash_attn_varlen_func (prefill, mixed) + "
+            "flash_attn_with_kvcache (decode); FA3 (flash_attn_interface) on Hopper"
+        ),
     )

@@ -1,6 +1,21 @@
 """Entry point of corerun-attention-triton: registers the ``triton`` backend (imports no torch or triton)."""
 
-from corerun import AttentionCapabilities, hookimpl
+from __future__ import annotations
+
+from typing import Any
+
+from corerun import hookimpl
+
+from corerun_attention_triton.capabilities import CAPABILITIES
+
+
+def _options_model() -> Any:
+    """The pydantic model for ``options:`` (``None`` where pydantic is missing; the factory still checks its arguments)."""
+    try:
+        from corerun_attention_triton.options import TritonAttentionOptions
+    except ImportError:
+        return None
+    return TritonAttentionOptions
 
 
 @hookimpl
@@ -8,15 +23,12 @@ def corerun_attention_backends(register):
     register(
         "triton",
         "corerun_attention_triton.backend:TritonAttentionBackend",
-        capabilities=AttentionCapabilities(
-            dtypes=frozenset({"float16", "bfloat16", "float32"}),
-            max_head_size=256,
-            block_sizes=frozenset({16, 32, 64, 128}),
-            devices=frozenset({"cpu", "cuda"}),
-            gqa=True,
-            cuda_graph_decode=True,
-        ),
+        capabilities=CAPABILITIES,
         probe="corerun_attention_triton.probe:probe",
+        options=_options_model(),
         priority=10,
-        description="Triton unified paged attention (prefill chunks + decodes in one launch), split-KV decode",
+        description=(
+            "Triton unified paged attention (prefill chunks + decodes in one launch), split-KV decode; "
+            "compiled on CUDA, interpreted on CPU"
+        ),
     )

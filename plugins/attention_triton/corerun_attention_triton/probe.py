@@ -1,17 +1,53 @@
-"""Availability probe: can Triton run here, and in which mode."""
+"""Availability probe: every reason the Triton kernels cannot run here, and the mode they would run in.
+
+``probe()`` returns the reasons (empty when available) and logs the mode at INFO level;
+``mode()`` is ``"compiled on CUDA"`` or ``"interpreter (TRITON_INTERPRET=1) on CPU"``.
+Neither imports triton or changes ``TRITON_INTERPRET``.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import importlib.util
+import logging
 import os
 
+from corerun_attention_triton import _mode
 
-def probe() -> list[str]:
-    if importlib.util.find_spec("triton") is None:
-        return ["triton is not installed (pip install triton)"]
-    return []
+logger = logging.getLogger("corerun_attention_triton")
+
+MIN_TRITON = (3, 0)
 
 
 def mode() -> str:
-    """``"interpreter"`` on CPU (TRITON_INTERPRET=1), ``"compiled"`` on a CUDA device."""
-    return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+    """Where the kernels would run if the backend were built now."""
+    return _mode.mode()
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def probe() -> list[str]:
+    reasons: list[str] = []
+    if importlib.util.find_spec("triton") is None:
+        reasons.append("triton is not installed (pip install 'triton>=3.0')")
+    else:
+        version = md.version("triton")
+        if _version_tuple(version) < MIN_TRITON:
+            reasons.append(f"triton {version} is too old; corerun-attention-triton needs triton >= 3.0")
+    interpret = _mode.will_interpret()
+    if interpret and importlib.util.find_spec("numpy") is None:
+        reasons.append("Triton's interpreter (used on CPU) needs numpy (pip install numpy)")
+    if not interpret and not _mode.cuda_available():
+        reasons.append(
+            f"{_mode.ENV}={os.environ.get(_mode.ENV)!r} asks for compiled kernels, but there is no CUDA device; "
+            f"unset it (or set {_mode.ENV}=1) to run in the interpreter on CPU"
+        )
+    if not reasons:
+        logger.info("triton attention: kernels run %s", mode())
+    return reasons

@@ -2,12 +2,15 @@
 
 from corerun import SamplerCapabilities, hookimpl
 
+# The one declaration of what ``basic`` honours; ``BasicSampler.capabilities`` is this object.
+CAPABILITIES = SamplerCapabilities(params=frozenset({"temperature", "seed"}))
+
 
 @hookimpl
 def corerun_samplers(register):
     register(
         "basic",
         "corerun_sampler_basic.sampler:BasicSampler",
-        capabilities=SamplerCapabilities(params=frozenset({"temperature", "seed"})),
+        capabilities=CAPABILITIES,
         description="temperature scaling and greedy; exponential-race sampling",
     )

@@ -2,6 +2,8 @@
 
 from corerun import SamplerCapabilities, hookimpl
 
+from corerun_sampler_full.options import FullSamplerOptions
+
 HONOURED = frozenset(
     {
         "temperature", "seed", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -9,13 +11,17 @@ HONOURED = frozenset(
     }
 )
 
+# The one declaration of what ``full`` honours; ``FullSampler.capabilities`` is this object.
+CAPABILITIES = SamplerCapabilities(params=HONOURED)
+
 
 @hookimpl
 def corerun_samplers(register):
     register(
         "full",
         "corerun_sampler_full.sampler:FullSampler",
-        capabilities=SamplerCapabilities(params=HONOURED),
+        capabilities=CAPABILITIES,
+        options=FullSamplerOptions,
         priority=10,
         description="vLLM's pipeline: logit bias, min_tokens, penalties, temperature, min-p, top-k, top-p, logprobs, seeds",
     )

@@ -1,0 +1,1 @@
+"""corerun's built-in attention backend (the ``torch`` reference)."""

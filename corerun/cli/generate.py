@@ -1,0 +1,63 @@
+"""``corerun generate``: print completions for prompts."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from corerun.cli.options import build_config, engine_options
+from corerun.errors import CorerunError
+
+
+@click.command()
+@click.argument("prompts", nargs=-1)
+@engine_options
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
+@click.option("--max-tokens", type=int, default=32, show_default=True)
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--chat/--no-chat", default=False, help="Wrap each prompt in the model's chat template (instruct models).")
+@click.option("--stream/--no-stream", default=None, help="Print tokens as they come (default: on for a single prompt).")
+def generate(
+    prompts: tuple[str, ...], config_path, sets, model, attention, sampler, device, dtype,
+    temperature, max_tokens, top_p, top_k, seed, chat, stream,
+) -> None:
+    """Generate completions for PROMPTs (reads one prompt per line from stdin when none are given)."""
+    from corerun.llm import LLM
+    from corerun.sampling_params import SamplingParams
+
+    if not prompts:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise click.UsageError("give at least one PROMPT (or pipe prompts, one per line, on stdin)")
+        prompts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+    try:
+        cfg = build_config(config_path, sets, model=model, attention=attention, sampler=sampler, device=device, dtype=dtype)
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, seed=seed,
+            **({"top_p": top_p} if top_p is not None else {}), **({"top_k": top_k} if top_k is not None else {}),
+        )
+        llm = LLM(config=cfg)
+        texts = list(prompts)
+        if chat:
+            tok = llm.get_tokenizer()
+            if tok is None or not getattr(tok, "chat_template", None):
+                raise click.UsageError("--chat: this model has no chat template")
+            texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in texts]
+        if stream if stream is not None else len(texts) == 1:
+            for i, text in enumerate(texts):
+                click.echo(prompts[i], nl=False)
+                shown = 0
+                for out in llm.stream([text], params):
+                    new = out.outputs[0].text
+                    click.echo(new[shown:], nl=False)
+                    shown = len(new)
+                click.echo()
+        else:
+            for p, out in zip(prompts, llm.generate(texts, params)):
+                click.echo(f"{p}{out.outputs[0].text}")
+    except CorerunError as exc:
+        raise click.ClickException(str(exc)) from None
+    except ValueError as exc:  # pydantic validation of the sampling flags
+        raise click.ClickException(str(exc)) from None

@@ -1,0 +1,258 @@
+"""``AttentionBackendSuite``: every attention backend must pass it.
+
+Each forward check builds one step (:mod:`corerun.conformance.attention_scenario`): random Q/K/V in
+the case's dtype, a paged cache full of finite garbage with shuffled block tables, a poisoned (NaN)
+``out``; it then compares the real rows with a float64 reference that reads K/V through the block
+table (:mod:`corerun.conformance.reference.attention`), and checks the cache slot by slot.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from corerun.conformance.attention_matrix import AttentionConfig, attention_configs, unsupported_configs
+from corerun.conformance.attention_scenario import Scenario, build_scenario, cache_failures, output_failures
+from corerun.conformance.suite import Case, ConformanceSuite
+from corerun.conformance.target import Target
+from corerun.errors import UnsupportedError
+
+
+def _fail(case: Case, what: str, problems: list[str]) -> None:
+    pytest.fail(f"{case.full_id}: {what}:\n  - " + "\n  - ".join(problems), pytrace=False)
+
+
+class AttentionBackendSuite(ConformanceSuite):
+    """The attention conformance suite.  Adopt it with::
+
+        class TestMine(AttentionBackendSuite):
+            implementation = "mine"          # a registered name, or:
+            # factory = staticmethod(make)   # factory(spec, **options) -> backend
+            # capabilities = AttentionCapabilities(...)
+    """
+
+    kind = "attention"
+
+    # ------------------------------------------------------------------ cases
+    def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
+        caps = target.capabilities
+        if check == "unsupported":
+            cases: list[tuple[str, Any]] = [(cid, (cfg, what, None)) for cid, cfg, what in unsupported_configs(caps)]
+            base = attention_configs(caps, full=False)
+            if "cpu" not in caps.devices and base:
+                cases.append(("device-cpu", (base[0], "device cpu", "cpu")))
+            if not cases:
+                return (
+                    f"{target.name} declares every dtype, any head size, any block size and GQA: "
+                    "there is no undeclared combination to refuse"
+                )
+            return cases
+        configs = attention_configs(caps, full)
+        if not configs:
+            return f"{target.name} declares no dtype / head size / block size it supports"
+        return [(c.id, c) for c in configs]
+
+    # ------------------------------------------------------------------ helpers
+    def _backend(self, case: Case, config: AttentionConfig | None = None, device: str | None = None) -> tuple[Any, Any]:
+        cfg = config or case.config
+        spec = cfg.spec(device or case.device)
+        try:
+            return spec, case.target.create(spec)
+        except UnsupportedError as exc:
+            pytest.fail(f"{case.full_id}: {case.target.label} declares {cfg.id} but refused it: {exc}", pytrace=False)
+
+    @staticmethod
+    def _seed(case: Case, salt: str = "") -> int:
+        return zlib.crc32(f"{case.key}{salt}".encode())
+
+    def _step(self, case: Case, requests: list[tuple[int, int]], what: str, **kwargs: Any) -> Scenario:
+        """Run one step through ``plan`` + ``forward`` into a NaN-poisoned ``out`` and check everything."""
+        spec, backend = self._backend(case)
+        sc = build_scenario(backend, spec, requests, seed=self._seed(case, str(kwargs)), **kwargs)
+        out = torch.full((sc.batch.num_tokens, spec.num_heads, spec.head_size), float("nan"), dtype=spec.dtype, device=spec.device)
+        metadata = backend.plan(sc.batch)
+        result = backend.forward(sc.query, sc.key, sc.value, sc.cache, metadata, out=out)
+        problems = [f"out: {p}" for p in output_failures(sc, out)]
+        if result is not None and result is not out:
+            problems += [f"returned tensor: {p}" for p in output_failures(sc, result)]
+        problems += cache_failures(sc, backend)
+        if problems:
+            _fail(case, what, problems)
+        return sc
+
+    # ------------------------------------------------------------------ checks
+    def test_cache_layout(self, case: Case) -> None:
+        """``kv_cache_view`` gives ``[num_blocks, block_size, num_kv_heads, head_size]`` views whose writes land
+        in the cache, and ``kv_cache_bytes_per_block`` matches what ``allocate_kv_cache`` allocates."""
+        self.start(case)
+        spec, backend = self._backend(case)
+        problems = []
+        per_block = backend.kv_cache_bytes_per_block()
+        minimum = 2 * spec.block_size * spec.num_kv_heads * spec.head_size * torch.tensor([], dtype=spec.dtype).element_size()
+        if per_block < minimum:
+            problems.append(f"kv_cache_bytes_per_block() is {per_block}, less than K and V need ({minimum})")
+        sizes: dict[int, int] = {}
+        for n in (3, 7):
+            cache = backend.allocate_kv_cache(n)
+            sizes[n] = nbytes = cache.numel() * cache.element_size()
+            if nbytes < n * per_block:
+                problems.append(f"allocate_kv_cache({n}) holds {nbytes} bytes, less than {n} x kv_cache_bytes_per_block() = {n * per_block}")
+            k, v = backend.kv_cache_view(cache)
+            want = (n, spec.block_size, spec.num_kv_heads, spec.head_size)
+            for name, view in (("K", k), ("V", v)):
+                if tuple(view.shape) != want or view.dtype != spec.dtype or view.device.type != spec.device.type:
+                    problems.append(
+                        f"kv_cache_view {name} is {tuple(view.shape)} {view.dtype} on {view.device}, "
+                        f"expected {want} {spec.dtype} on {spec.device.type}"
+                    )
+            if problems:
+                break
+            fill_k = torch.randn(want, dtype=torch.float64).to(spec.dtype).to(spec.device)
+            fill_v = torch.randn(want, dtype=torch.float64).to(spec.dtype).to(spec.device)
+            k.copy_(fill_k)
+            v.copy_(fill_v)
+            k2, v2 = backend.kv_cache_view(cache)
+            if not (torch.equal(k2, fill_k) and torch.equal(v2, fill_v)):
+                problems.append("values written through kv_cache_view are not read back through a fresh view (K and V overlap?)")
+        if not problems and sizes[7] - sizes[3] != 4 * per_block:
+            problems.append(
+                f"each block costs {(sizes[7] - sizes[3]) / 4:g} bytes (allocate_kv_cache(7) - allocate_kv_cache(3), over 4), "
+                f"but kv_cache_bytes_per_block() says {per_block}: memory sizing would be wrong"
+            )
+        if problems:
+            _fail(case, "cache layout", problems)
+
+    def test_kv_write(self, case: Case) -> None:
+        """``write_kv`` into a NaN-poisoned cache: exactly the named slots change; ``-1`` writes nothing."""
+        self.start(case)
+        spec, backend = self._backend(case)
+        bs, num_blocks = spec.block_size, 5
+        gen = torch.Generator().manual_seed(self._seed(case))
+        cache = backend.allocate_kv_cache(num_blocks)
+        kview, vview = backend.kv_cache_view(cache)
+        kview.fill_(float("nan"))
+        vview.fill_(float("nan"))
+        chosen = torch.randperm(num_blocks * bs, generator=gen)[: 2 * bs + 3].tolist()
+        slots = chosen[:bs] + [-1, -1] + chosen[bs:] + [-1]
+        n = len(slots)
+        shape = (n, spec.num_kv_heads, spec.head_size)
+        key = torch.randn(shape, generator=gen, dtype=torch.float64).to(spec.dtype).to(spec.device)
+        value = torch.randn(shape, generator=gen, dtype=torch.float64).to(spec.dtype).to(spec.device)
+        backend.write_kv(key, value, cache, torch.tensor(slots, dtype=torch.int64, device=spec.device))
+        kview, vview = backend.kv_cache_view(cache)
+        problems = []
+        real = [(i, s) for i, s in enumerate(slots) if s >= 0]
+        idx = torch.tensor([s for _, s in real])
+        rows = [i for i, _ in real]
+        for name, view, new in (("K", kview, key), ("V", vview, value)):
+            got = view.detach().cpu()
+            written = got[idx // bs, idx % bs]
+            wrong = (written != new[rows].cpu()).flatten(1).any(-1)
+            if wrong.any():
+                first = int(torch.nonzero(wrong)[0])
+                s = real[first][1]
+                problems.append(
+                    f"{name}: {int(wrong.sum())} of {len(real)} named slots do not hold the written values "
+                    f"(first: token {real[first][0]} -> slot {s} = block {s // bs} offset {s % bs})"
+                )
+            untouched = torch.ones(num_blocks, bs, dtype=torch.bool)
+            untouched[idx // bs, idx % bs] = False
+            stray = (~torch.isnan(got[untouched])).flatten(1).any(-1)
+            if stray.any():
+                flat = torch.nonzero(untouched.flatten()).flatten()[torch.nonzero(stray).flatten()]
+                first = int(flat[0])
+                problems.append(
+                    f"{name}: {int(stray.sum())} slots no token names were written (first: slot {first} = block "
+                    f"{first // bs} offset {first % bs}); slot_mapping -1 must write nothing"
+                )
+        if problems:
+            _fail(case, "write_kv", problems)
+
+    def test_prefill(self, case: Case) -> None:
+        """Prefill with nothing cached: causal attention within each prompt, ragged prompt lengths."""
+        self.start(case)
+        bs = case.config.block_size
+        self._step(case, [(0, bs + 3), (0, 2), (0, 2 * bs)], "prefill without a cached prefix")
+
+    def test_prefill_cached_prefix(self, case: Case) -> None:
+        """Prefill chunks after a cached prefix (block-aligned and not): queries attend to cache + chunk."""
+        self.start(case)
+        bs = case.config.block_size
+        self._step(case, [(bs, 5), (3, bs + 2), (2 * bs + 1, 3)], "prefill with a cached prefix")
+
+    def test_decode(self, case: Case) -> None:
+        """Pure decode over ragged context lengths (including an empty context)."""
+        self.start(case)
+        bs = case.config.block_size
+        self._step(case, [(5, 1), (0, 1), (2 * bs + 6, 1), (bs - 2, 1), (3 * bs + 1, 1), (11, 1)], "decode")
+
+    def test_mixed(self, case: Case) -> None:
+        """Decodes first, then prefill chunks with and without a cached prefix, in one batch."""
+        self.start(case)
+        bs = case.config.block_size
+        self._step(case, [(bs + 2, 1), (7, 1), (2 * bs - 1, 1), (0, bs + 1), (bs, 5), (5, 3)], "mixed prefill + decode batch")
+
+    def test_block_boundaries(self, case: Case) -> None:
+        """Sequences ending exactly on a block boundary, one before and one past it."""
+        self.start(case)
+        bs = case.config.block_size
+        requests = [(bs - 1, 1), (bs, 1), (2 * bs - 1, 1), (2 * bs, 1), (0, bs), (0, bs + 1), (bs, bs), (bs - 1, 2)]
+        self._step(case, requests, "block boundaries")
+
+    def test_shuffled_block_tables(self, case: Case) -> None:
+        """The same kind of batch over descending and randomly permuted physical blocks."""
+        self.start(case)
+        bs = case.config.block_size
+        requests = [(2 * bs + 3, 1), (bs + 1, 1), (bs - 1, bs + 2)]
+        self._step(case, requests, "descending block table", layout="reversed")
+        self._step(case, requests, "randomly permuted block table", layout="random", spare_blocks=6)
+
+    def test_padding_slots(self, case: Case) -> None:
+        """CUDA-graph padding rows (slot -1, length 1) write nothing and leave real rows intact;
+        ``max_seq_len`` may be a loose upper bound."""
+        self.start(case)
+        bs = case.config.block_size
+        requests = [(bs + 4, 1), (3, 1), (2 * bs, 1)]
+        self._step(case, requests, "decode batch with padding rows", num_padding=3, extra_seq_len=2 * bs)
+
+    def test_out_fully_written(self, case: Case) -> None:
+        """``forward`` returns ``out`` itself when given (every real row written) and works without it."""
+        self.start(case)
+        spec, backend = self._backend(case)
+        bs = spec.block_size
+        sc = build_scenario(backend, spec, [(bs + 1, 1), (2, bs)], seed=self._seed(case))
+        out = torch.full((sc.batch.num_tokens, spec.num_heads, spec.head_size), float("nan"), dtype=spec.dtype, device=spec.device)
+        result = backend.forward(sc.query, sc.key, sc.value, sc.cache, backend.plan(sc.batch), out=out)
+        problems = []
+        if result is None or result.data_ptr() != out.data_ptr():
+            problems.append("forward(..., out=out) did not return out itself")
+        problems += [f"out: {p}" for p in output_failures(sc, out)]
+        sc2 = build_scenario(backend, spec, [(bs + 1, 1), (2, bs)], seed=self._seed(case, "no-out"))
+        fresh = backend.forward(sc2.query, sc2.key, sc2.value, sc2.cache, backend.plan(sc2.batch))
+        problems += [f"without out: {p}" for p in output_failures(sc2, fresh)]
+        if problems:
+            _fail(case, "output buffer", problems)
+
+    def test_unsupported(self, case: Case) -> None:
+        """A combination the backend did not declare raises ``corerun.UnsupportedError`` at construction."""
+        self.start(case)
+        cfg, what, device = case.config
+        spec = cfg.spec(device or case.device)
+        try:
+            backend = case.target.create(spec)
+        except UnsupportedError:
+            return
+        except Exception as exc:
+            pytest.fail(
+                f"{case.full_id}: building for {what} (undeclared) raised {type(exc).__name__}: {exc}; "
+                "it must raise corerun.UnsupportedError naming what is unsupported",
+                pytrace=False,
+            )
+        pytest.fail(
+            f"{case.full_id}: {case.target.label} does not declare {what} ({case.target.capabilities}) but "
+            f"constructed {type(backend).__name__} for it; undeclared combinations must raise corerun.UnsupportedError",
+            pytrace=False,
+        )

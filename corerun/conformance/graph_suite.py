@@ -1,0 +1,209 @@
+"""``GraphRunnerSuite``: every graph runner must pass it.
+
+The runner wraps a tiny model (:mod:`corerun.conformance.graph_model`) whose attention goes through
+the registered ``torch`` backend.  For every pure-decode batch size from 1 to ``max_batch_size`` the
+runner's output must equal the eager model's; rows it pads with never change real rows nor write the
+KV cache; prefill / mixed batches and batches above the maximum must still come out right (eagerly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from corerun.conformance.graph_model import TinyModel
+from corerun.conformance.suite import Case, ConformanceSuite
+from corerun.conformance.target import Target
+from corerun.conformance.tolerances import SHORT_DTYPE, within
+from corerun.protocols.attention import DTYPE_NAMES, AttentionBatch, AttentionSpec
+from corerun.protocols.graph import GraphLimits, ModelInputs
+
+VOCAB, HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 97, 64, 4, 2, 16
+BLOCKS_PER_SEQ = 6
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    dtype: str
+    block_size: int
+    max_batch_size: int
+
+    @property
+    def id(self) -> str:
+        return f"{SHORT_DTYPE[self.dtype]}-bs{self.block_size}-max{self.max_batch_size}"
+
+
+@dataclass
+class World:
+    """Model, attention backend and runner of one case; request ``r`` owns a fixed set of blocks and context."""
+
+    spec: AttentionSpec
+    attention: Any
+    model: TinyModel
+    runner: Any
+    tables: list[list[int]]
+    contexts: list[int]
+
+    def inputs(self, requests: list[tuple[int, int]]) -> ModelInputs:
+        """A step for ``[(request, query_len), ...]`` (decodes first) over the requests' cached contexts."""
+        bs, dev = self.spec.block_size, self.spec.device
+        ids, pos, slots = [], [], []
+        for r, q in requests:
+            ctx = self.contexts[r]
+            for j in range(q):
+                ids.append((r * 31 + (ctx + j) * 7) % VOCAB)
+                pos.append(ctx + j)
+                slots.append(self.tables[r][(ctx + j) // bs] * bs + (ctx + j) % bs)
+        qlens = [q for _, q in requests]
+        seq = [self.contexts[r] + q for r, q in requests]
+        qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+        seq_t = torch.tensor(seq, dtype=torch.int32)
+        width = max(-(-s // bs) for s in seq)
+        batch = AttentionBatch(
+            query_start_loc=qsl.to(dev), seq_lens=seq_t.to(dev),
+            context_lens=torch.tensor([self.contexts[r] for r, _ in requests], dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([self.tables[r][:width] for r, _ in requests], dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_reqs=len(requests), num_tokens=len(ids), max_query_len=max(qlens), max_seq_len=max(seq),
+            num_decodes=sum(1 for q in qlens if q == 1), query_start_loc_cpu=qsl, seq_lens_cpu=seq_t,
+        )
+        return ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), batch)
+
+
+class GraphRunnerSuite(ConformanceSuite):
+    """The graph-runner conformance suite.  Adopt it with::
+
+        class TestMine(GraphRunnerSuite):
+            implementation = "mine"   # or factory = staticmethod(make); factory(model, attention, limits, **options)
+    """
+
+    kind = "graph"
+    attention_backend: ClassVar[str] = "torch"  # the registered backend the tiny model attends with
+
+    def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
+        dtypes = ("float32", "bfloat16", "float16") if full else ("float32", "bfloat16")
+        sizes = (16, 32) if full else (16,)
+        return [(c.id, c) for c in (GraphConfig(d, b, 8) for d in dtypes for b in sizes)]
+
+    # ------------------------------------------------------------------ helpers
+    def _world(self, case: Case) -> World:
+        from corerun.registry import get_registry
+
+        cfg: GraphConfig = case.config
+        dev = torch.device(case.device)
+        spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, DTYPE_NAMES[cfg.dtype], cfg.block_size, dev)
+        attention = get_registry().get("attention", self.attention_backend).create(spec)
+        num_requests = cfg.max_batch_size + 3
+        num_blocks = num_requests * BLOCKS_PER_SEQ + 2
+        model = TinyModel(attention, spec, VOCAB, HIDDEN, num_blocks)
+        gen = torch.Generator().manual_seed(11)
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        tables = [order[r * BLOCKS_PER_SEQ:(r + 1) * BLOCKS_PER_SEQ] for r in range(num_requests)]
+        max_len = BLOCKS_PER_SEQ * cfg.block_size
+        contexts = [(r * 13 + 5) % (max_len - 8) for r in range(num_requests)]
+        k, v = attention.kv_cache_view(model.kv_cache)
+        k.copy_((torch.randn(k.shape, generator=gen, dtype=torch.float64)).to(spec.dtype).to(dev))
+        v.copy_((torch.randn(v.shape, generator=gen, dtype=torch.float64)).to(spec.dtype).to(dev))
+        limits = GraphLimits(cfg.max_batch_size, max_len, cfg.block_size, HIDDEN, spec.dtype, dev)
+        runner = case.target.create(model, attention, limits)
+        runner.capture()
+        return World(spec, attention, model, runner, tables, contexts)
+
+    def _compare(self, w: World, requests: list[tuple[int, int]], label: str, per_row: bool = False) -> list[str]:
+        """Run the step through the runner and eagerly (restoring the cache between), compare output and cache."""
+        inputs = w.inputs(requests)
+        cache = w.model.kv_cache
+        snapshot = cache.clone()
+        out = w.runner.run(inputs)
+        after_runner = cache.clone()
+        cache.copy_(snapshot)
+        if per_row:
+            parts = []
+            for r, q in requests:
+                one = w.inputs([(r, q)])
+                parts.append(w.model(one.input_ids, one.positions, w.attention.plan(one.batch)))
+                cache.copy_(snapshot)
+            ref = torch.cat(parts)
+        else:
+            ref = w.model(inputs.input_ids, inputs.positions, w.attention.plan(inputs.batch))
+        after_eager = cache.clone()
+        cache.copy_(snapshot)
+        problems: list[str] = []
+        want = (inputs.batch.num_tokens, HIDDEN)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            return [f"{label}: run() returned {shape}, expected hidden states of shape {want}"]
+        ok, how = within(str(w.spec.dtype).removeprefix("torch."), out, ref)
+        if not ok:
+            rows = (out.double() - ref.double()).abs().amax(-1)
+            problems.append(f"{label}: hidden states differ from the eager model ({how}); worst row {int(rows.argmax())}")
+        bs = w.spec.block_size
+        for name, got, exp, snap in zip(
+            "KV", w.attention.kv_cache_view(after_runner), w.attention.kv_cache_view(after_eager), w.attention.kv_cache_view(snapshot)
+        ):
+            mask = torch.zeros(got.shape[:2], dtype=torch.bool)
+            slots = inputs.batch.slot_mapping.cpu()
+            slots = slots[slots >= 0]
+            mask[slots // bs, slots % bs] = True
+            g, e, s = got.cpu(), exp.cpu(), snap.cpu()
+            stray = ((g != s).flatten(2).any(-1) & ~mask).nonzero().tolist()
+            if stray:
+                b, o = stray[0]
+                problems.append(f"{label}: {len(stray)} {name}-cache slots no real token names were written (first: block {b} offset {o})")
+            ok, how = within(str(w.spec.dtype).removeprefix("torch."), g[mask], e[mask])
+            if not ok:
+                problems.append(f"{label}: the {name} written for this step differs from the eager model's ({how})")
+        return problems
+
+    def _fail(self, case: Case, what: str, problems: list[str]) -> None:
+        pytest.fail(f"{case.full_id}: {what}:\n  - " + "\n  - ".join(problems), pytrace=False)
+
+    # ------------------------------------------------------------------ checks
+    def test_decode_matches_eager(self, case: Case) -> None:
+        """Every pure-decode batch size 1..max_batch_size equals the eager model (output and KV written)."""
+        self.start(case)
+        w = self._world(case)
+        replays_before = w.runner.stats.replays
+        problems: list[str] = []
+        for b in range(1, case.config.max_batch_size + 1):
+            problems += self._compare(w, [(r, 1) for r in range(b)], f"decode batch of {b}")
+        captures = bool(getattr(case.target.capabilities, "captures", False))
+        if captures and not problems:
+            stats = w.runner.stats
+            if not stats.captured_sizes or max(stats.captured_sizes) > case.config.max_batch_size:
+                problems.append(f"declares captures but stats.captured_sizes is {stats.captured_sizes} after capture()")
+            elif stats.replays <= replays_before:
+                problems.append("declares captures but stats.replays did not grow over pure-decode batches")
+        if problems:
+            self._fail(case, "decode batches", problems)
+
+    def test_padding_isolation(self, case: Case) -> None:
+        """Each real row of a (possibly padded) decode batch equals that request run alone."""
+        self.start(case)
+        w = self._world(case)
+        m = case.config.max_batch_size
+        problems: list[str] = []
+        for b in sorted({3, 5, m - 1, m} - {0}):
+            problems += self._compare(w, [(r, 1) for r in reversed(range(b))], f"decode batch of {b} vs one request at a time", per_row=True)
+        if problems:
+            self._fail(case, "padding rows", problems)
+
+    def test_prefill_and_mixed(self, case: Case) -> None:
+        """Prefill and mixed prefill + decode steps (never captured) still equal the eager model."""
+        self.start(case)
+        w = self._world(case)
+        problems = self._compare(w, [(0, 1), (1, 1), (2, 5)], "mixed batch")
+        problems += self._compare(w, [(3, 4), (4, 2)], "prefill batch")
+        if problems:
+            self._fail(case, "prefill / mixed steps", problems)
+
+    def test_oversize_batch(self, case: Case) -> None:
+        """A decode batch larger than max_batch_size runs (eagerly) and equals the eager model."""
+        self.start(case)
+        w = self._world(case)
+        problems = self._compare(w, [(r, 1) for r in range(case.config.max_batch_size + 2)], "decode batch above max_batch_size")
+        if problems:
+            self._fail(case, "oversize batch", problems)

@@ -1,0 +1,319 @@
+"""``KVCacheManagerSuite``: every KV-cache manager must pass it.
+
+Bookkeeping only (no tensors): block accounting never leaks, exhaustion is reported (``False``,
+state unchanged) not raised, prefix hits happen only on identical block-aligned token prefixes and
+never cover the whole prompt, shared blocks are reference counted, and cached blocks are evicted
+least recently freed first.  Sequences follow the protocol's order: ``get_computed_prefix`` on first
+scheduling, ``allocate_slots`` before a step, ``cache_blocks`` after it, ``free`` at the end.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pytest
+
+from corerun.conformance.suite import Case, ConformanceSuite
+from corerun.conformance.target import Target
+
+PREFIX_CHECKS = ("prefix_identical_only", "prefix_never_whole_prompt", "prefix_reference_counting", "eviction_order")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    block_size: int
+    prefix_caching: bool
+
+    @property
+    def id(self) -> str:
+        return f"bs{self.block_size}-{'prefix' if self.prefix_caching else 'noprefix'}"
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Tokens:
+    """Random token ids from a huge vocabulary, so unrelated sequences never share a block by chance."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.randrange(10**6) for _ in range(n)]
+
+
+class KVCacheManagerSuite(ConformanceSuite):
+    """The KV-cache manager conformance suite.  Adopt it with::
+
+        class TestMine(KVCacheManagerSuite):
+            implementation = "mine"     # or factory = staticmethod(make); factory(num_blocks, block_size, *, prefix_caching)
+    """
+
+    kind = "kv_cache"
+
+    def pick_device(self, target: Target) -> str:
+        return "cpu"  # bookkeeping only
+
+    def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
+        declared = bool(getattr(target.capabilities, "prefix_caching", True))
+        modes = [True, False] if declared else [False]
+        if check in PREFIX_CHECKS:
+            if not declared:
+                return f"{target.name} does not declare prefix caching"
+            modes = [True]
+        if check == "prefix_disabled":
+            modes = [False]
+        sizes = (1, 4, 16, 64) if full else (4, 16)
+        return [(KVConfig(b, m).id, KVConfig(b, m)) for b in sizes for m in modes]
+
+    # ------------------------------------------------------------------ helpers
+    def _manager(self, case: Case, num_blocks: int) -> Any:
+        cfg: KVConfig = case.config
+        return case.target.create(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
+
+    @staticmethod
+    def _table(m: Any, seq_id: int) -> list[int]:
+        try:
+            return list(m.block_table(seq_id))
+        except LookupError:  # a sequence holding nothing may be unknown
+            return []
+
+    def _fail(self, case: Case, what: str, problem: str) -> None:
+        pytest.fail(f"{case.full_id}: {what}: {problem}", pytrace=False)
+
+    def _expect(self, case: Case, what: str, got: Any, want: Any, context: str) -> None:
+        if got != want:
+            self._fail(case, what, f"{context}: got {got!r}, expected {want!r}")
+
+    def _admit(self, case: Case, m: Any, seq_id: int, tokens: Sequence[int], expect_hit: int | None = None) -> int:
+        """First scheduling of a prompt: prefix lookup, allocation for all of it, then cache its full blocks."""
+        hit = m.get_computed_prefix(seq_id, list(tokens))
+        if expect_hit is not None:
+            self._expect(case, "prefix lookup", hit, expect_hit, f"get_computed_prefix of a {len(tokens)}-token prompt")
+        if not m.allocate_slots(seq_id, len(tokens)):
+            self._fail(case, "allocation", f"allocate_slots({seq_id}, {len(tokens)}) failed with {m.num_free_blocks} free blocks")
+        m.cache_blocks(seq_id, list(tokens), len(tokens))
+        return hit
+
+    def _probe(self, m: Any, seq_id: int, tokens: Sequence[int]) -> int:
+        """Prefix length a new prompt would get; the probe sequence is freed again."""
+        hit = m.get_computed_prefix(seq_id, list(tokens))
+        m.free(seq_id)
+        return hit
+
+    # ------------------------------------------------------------------ checks
+    def test_allocation_accounting(self, case: Case) -> None:
+        """Tables grow block by block (never shrink), blocks are distinct and in range, frees return every block."""
+        self.start(case)
+        bs, n = case.config.block_size, 32
+        m = self._manager(case, n)
+        tok = _Tokens(1)
+        what = "accounting"
+        self._expect(case, what, (m.num_blocks, m.block_size, m.num_free_blocks), (n, bs, n), "(num_blocks, block_size, num_free_blocks) of a new manager")
+        self._expect(case, what, m.get_computed_prefix(1, tok(3 * bs + 1)), 0, "prefix of a prompt on an empty cache")
+        steps = [(1, 1), (bs, 1), (bs + 1, 2), (1, 2), (3 * bs, 3)]
+        first = None
+        for tokens, blocks in steps:
+            self._expect(case, what, m.allocate_slots(1, tokens), True, f"allocate_slots(1, {tokens}) with {m.num_free_blocks} free")
+            table = self._table(m, 1)
+            self._expect(case, what, len(table), blocks, f"block table length after allocate_slots(1, {tokens})")
+            first = first if first is not None else table[0]
+            self._expect(case, what, table[0], first, "first block after growing (tables only grow)")
+            self._expect(case, what, m.num_free_blocks, n - blocks, f"num_free_blocks after allocate_slots(1, {tokens})")
+        m.get_computed_prefix(2, tok(2 * bs))
+        self._expect(case, what, m.allocate_slots(2, 2 * bs), True, "allocate_slots(2, 2 * block_size)")
+        t1, t2 = self._table(m, 1), self._table(m, 2)
+        if set(t1) & set(t2) or len(set(t1 + t2)) != len(t1 + t2) or not all(0 <= b < n for b in t1 + t2):
+            self._fail(case, what, f"block tables overlap or leave [0, {n}): {t1} and {t2}")
+        stats = m.stats()
+        self._expect(case, what, (stats.num_blocks, stats.num_free_blocks), (n, n - 5), "stats() (num_blocks, num_free_blocks)")
+        m.free(1)
+        self._expect(case, what, m.num_free_blocks, n - 2, "num_free_blocks after freeing a 3-block sequence")
+        m.free(2)
+        self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing everything")
+
+    def test_no_leak_random(self, case: Case) -> None:
+        """300 random admit / grow / free operations: free count, table sizes and disjointness always add up."""
+        self.start(case)
+        bs, n = case.config.block_size, 24
+        m = self._manager(case, n)
+        tok, rng = _Tokens(2), random.Random(3)
+        live: dict[int, list[int]] = {}  # seq -> tokens it holds slots for
+        next_id = 100
+        for step in range(300):
+            free_before = m.num_free_blocks
+            op = rng.random()
+            if op < 0.4 and len(live) < 6:
+                tokens = tok(rng.randint(1, 4 * bs))
+                seq, next_id = next_id, next_id + 1
+                self._expect(case, "random ops", m.get_computed_prefix(seq, tokens), 0, f"step {step}: prefix of an unrelated prompt")
+                ok, want = m.allocate_slots(seq, len(tokens)), _ceil(len(tokens), bs) <= free_before
+                self._expect(case, "random ops", ok, want, f"step {step}: allocate_slots({seq}, {len(tokens)}) with {free_before} free blocks")
+                if ok:
+                    live[seq] = tokens
+                else:
+                    m.free(seq)
+            elif op < 0.75 and live:
+                seq = rng.choice(sorted(live))
+                old = live[seq]
+                if case.config.prefix_caching:
+                    m.cache_blocks(seq, old, len(old))
+                new = old + tok(rng.randint(1, 2 * bs))
+                table_before = self._table(m, seq)
+                ok = m.allocate_slots(seq, len(new))
+                want = _ceil(len(new), bs) - _ceil(len(old), bs) <= free_before
+                self._expect(case, "random ops", ok, want, f"step {step}: growing seq {seq} to {len(new)} tokens with {free_before} free blocks")
+                if ok:
+                    live[seq] = new
+                else:
+                    self._expect(case, "random ops", self._table(m, seq), table_before, f"step {step}: table after a refused growth")
+            elif live:
+                seq = rng.choice(sorted(live))
+                m.free(seq)
+                del live[seq]
+            held = {s: self._table(m, s) for s in live}
+            for s, table in held.items():
+                self._expect(case, "random ops", len(table), _ceil(len(live[s]), bs), f"step {step}: table length of seq {s} holding {len(live[s])} tokens")
+            every = [b for t in held.values() for b in t]
+            if len(set(every)) != len(every) or not all(0 <= b < n for b in every):
+                self._fail(case, "random ops", f"step {step}: live tables share blocks or leave [0, {n}): {held}")
+            self._expect(case, "random ops", m.num_free_blocks, n - len(every), f"step {step}: num_free_blocks with {len(every)} blocks held")
+        for seq in list(live):
+            m.free(seq)
+        self._expect(case, "random ops", m.num_free_blocks, n, "num_free_blocks after freeing every sequence (a leak otherwise)")
+
+    def test_exhaustion(self, case: Case) -> None:
+        """Running out of blocks returns False and changes nothing; freeing makes room again."""
+        self.start(case)
+        bs, n = case.config.block_size, 8
+        m = self._manager(case, n)
+        tok = _Tokens(4)
+        what = "exhaustion"
+        self._admit(case, m, 1, tok(5 * bs))
+        m.get_computed_prefix(2, tok(4 * bs))
+        snapshot = (m.num_free_blocks, self._table(m, 1), self._table(m, 2), m.stats())
+        try:
+            refused = [m.allocate_slots(2, 4 * bs), m.allocate_slots(1, 8 * bs + 1)]
+        except Exception as exc:
+            self._fail(case, what, f"allocate_slots raised {type(exc).__name__} ({exc}) when blocks ran out; it must return False")
+        self._expect(case, what, refused, [False, False], "allocate_slots needing 4 blocks with 3 free (new seq, growing seq)")
+        after = (m.num_free_blocks, self._table(m, 1), self._table(m, 2), m.stats())
+        self._expect(case, what, after, snapshot, "(num_free_blocks, tables, stats) after refused allocations")
+        self._expect(case, what, m.allocate_slots(2, 3 * bs), True, "allocate_slots of exactly the 3 free blocks")
+        self._expect(case, what, (m.num_free_blocks, m.allocate_slots(1, 5 * bs + 1)), (0, False), "(free, allocate one more block) when full")
+        m.free(2)
+        self._expect(case, what, m.allocate_slots(1, 5 * bs + 1), True, "allocate_slots after freeing a sequence")
+        m.free(1)
+        self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing everything")
+
+    def test_prefix_identical_only(self, case: Case) -> None:
+        """Hits only on identical block-aligned prefixes (hashes chain: the same block after a different one misses)."""
+        self.start(case)
+        bs = case.config.block_size
+        m = self._manager(case, 40)
+        tok = _Tokens(5)
+        a = tok(3 * bs + 2)
+        self._admit(case, m, 1, a, expect_hit=0)
+        hits_before = m.stats().prefix_hits
+        b = a[: 2 * bs] + tok(bs + 2)
+        self._expect(case, "prefix", m.get_computed_prefix(2, b), 2 * bs, "prompt sharing the first two blocks")
+        self._expect(case, "prefix", m.stats().prefix_hits - hits_before, 2 * bs, "stats().prefix_hits increase")
+        m.allocate_slots(2, len(b))
+        ta, tb = self._table(m, 1), self._table(m, 2)
+        if tb[:2] != ta[:2] or set(tb[2:]) & set(ta):
+            self._fail(case, "prefix", f"the sharing prompt's table {tb} must start with {ta[:2]} and otherwise avoid {ta}")
+        probes = [
+            ("differs in its first token", [a[0] + 1] + a[1:], 0),
+            ("has the same second block after a different first block", tok(bs) + a[bs : 2 * bs] + tok(3), 0),
+            ("differs in the middle of its second block", a[: bs + bs // 2] + [a[bs + bs // 2] + 1] + a[bs + bs // 2 + 1 :], bs),
+            ("is a shorter prefix ending inside block 3", a[: 2 * bs + 3], 2 * bs),
+            ("is shorter than one block", a[: max(bs - 1, 1)], 0),
+        ]
+        for i, (desc, prompt, want) in enumerate(probes):
+            self._expect(case, "prefix", self._probe(m, 10 + i, prompt), want, f"a prompt that {desc}")
+        m.free(1)
+        m.free(2)
+
+    def test_prefix_never_whole_prompt(self, case: Case) -> None:
+        """The last prompt token is always recomputed, so a fully cached prompt hits one block less."""
+        self.start(case)
+        bs = case.config.block_size
+        m = self._manager(case, 16)
+        a = _Tokens(6)(2 * bs)
+        self._admit(case, m, 1, a, expect_hit=0)
+        probes = [("the whole cached prompt", a, bs), ("the cached prompt plus one token", a + [7], 2 * bs),
+                  ("exactly its first block", a[:bs], 0), ("its first block plus one token", a[: bs + 1], bs)]
+        for i, (desc, prompt, want) in enumerate(probes):
+            self._expect(case, "whole prompt", self._probe(m, 10 + i, prompt), want, f"prefix of {desc} ({len(prompt)} tokens)")
+        m.free(1)
+
+    def test_prefix_reference_counting(self, case: Case) -> None:
+        """Blocks shared by two sequences survive one free, are never handed out while in use, and claiming
+        an evictable cached block takes it off the free count."""
+        self.start(case)
+        bs, n = case.config.block_size, 10
+        m = self._manager(case, n)
+        tok = _Tokens(7)
+        what = "reference counting"
+        a = tok(3 * bs + 1)
+        self._admit(case, m, 1, a, expect_hit=0)  # 4 blocks
+        b = a[: 2 * bs] + tok(bs)
+        self._admit(case, m, 2, b, expect_hit=2 * bs)  # shares 2, adds 1
+        self._expect(case, what, m.num_free_blocks, n - 5, "num_free_blocks with two sequences sharing 2 blocks")
+        shared = self._table(m, 2)
+        m.free(1)
+        self._expect(case, what, m.num_free_blocks, n - 3, "num_free_blocks after freeing one of the sharers")
+        x = tok(7 * bs)
+        self._admit(case, m, 3, x, expect_hit=0)
+        if set(self._table(m, 3)) & set(shared):
+            self._fail(case, what, f"blocks {sorted(set(self._table(m, 3)) & set(shared))} were handed out while seq 2 still uses them")
+        self._expect(case, what, self._table(m, 2), shared, "table of the surviving sharer")
+        m.get_computed_prefix(4, tok(1))
+        self._expect(case, what, m.allocate_slots(4, 1), False, "allocate_slots with no free block left")
+        m.free(4)
+        m.free(3)
+        self._expect(case, what, self._probe(m, 5, a[: 2 * bs] + [1]), 2 * bs, "prefix of the shared blocks while seq 2 holds them")
+        m.free(2)
+        self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing everything")
+        hit = m.get_computed_prefix(6, a[: 2 * bs] + [1])
+        self._expect(case, what, (hit, m.num_free_blocks), (2 * bs, n - 2), "(prefix, num_free_blocks) after claiming 2 evictable cached blocks")
+        self._expect(case, what, m.allocate_slots(6, 2 * bs + 1), True, "allocate_slots after a claim")
+        self._expect(case, what, m.num_free_blocks, n - 3, "num_free_blocks after growing past the claimed blocks")
+        m.free(6)
+        self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing everything")
+
+    def test_eviction_order(self, case: Case) -> None:
+        """When free blocks run out, cached blocks are reused least recently freed first."""
+        self.start(case)
+        bs = case.config.block_size
+        m = self._manager(case, 3)
+        tok = _Tokens(8)
+        prompts = {name: tok(bs) for name in "XYZ"}
+        for i, name in enumerate("XYZ"):
+            self._admit(case, m, i + 1, prompts[name], expect_hit=0)
+        for i in range(3):
+            m.free(i + 1)  # X, then Y, then Z
+        self._admit(case, m, 10, tok(bs), expect_hit=0)
+        self._expect(case, "eviction", self._probe(m, 20, prompts["X"] + [1]), 0, "prefix of X's block after one allocation (X was freed first)")
+        self._admit(case, m, 11, tok(bs), expect_hit=0)
+        y, z = self._probe(m, 30, prompts["Y"] + [1]), self._probe(m, 31, prompts["Z"] + [1])
+        self._expect(case, "eviction", {"Y": y, "Z": z}, {"Y": 0, "Z": bs}, "prefix of Y's and Z's blocks after a second allocation")
+        m.free(10)
+        m.free(11)
+
+    def test_prefix_disabled(self, case: Case) -> None:
+        """With ``prefix_caching=False`` nothing is ever shared."""
+        self.start(case)
+        bs = case.config.block_size
+        m = self._manager(case, 16)
+        a = _Tokens(9)(3 * bs + 1)
+        self._admit(case, m, 1, a, expect_hit=0)
+        self._admit(case, m, 2, a, expect_hit=0)
+        if set(self._table(m, 1)) & set(self._table(m, 2)):
+            self._fail(case, "prefix caching off", f"identical prompts share blocks: {self._table(m, 1)} and {self._table(m, 2)}")
+        m.free(1)
+        m.free(2)
+        self._expect(case, "prefix caching off", m.num_free_blocks, 16, "num_free_blocks after freeing everything")

@@ -1,0 +1,1 @@
+"""float64 references the suites compare against, written independently of every implementation."""

@@ -1,0 +1,55 @@
+"""float64 paged attention, the slow obvious way: per request, per query token, per head.
+
+Reads K/V through the block table, one position at a time, exactly as the protocol defines it
+(``corerun/protocols/attention.py``): query token ``j`` of request ``i`` sits at position
+``context_lens[i] + j`` and attends to positions ``0 .. context_lens[i] + j`` of its own sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    query_lens: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every real query token over its sequence in the (already written) paged cache.
+
+    ``query`` ``[num_tokens, num_heads, head_size]`` (requests back to back, in order);
+    ``k_cache`` / ``v_cache`` float64 ``[num_blocks, block_size, num_kv_heads, head_size]`` holding
+    every position of every sequence, this step's tokens included.  Returns float64
+    ``[sum(query_lens), num_heads, head_size]``.
+    """
+    q64 = query.detach().to("cpu", torch.float64)
+    kc, vc = k_cache.to("cpu", torch.float64), v_cache.to("cpu", torch.float64)
+    num_heads, head_size = q64.shape[1], q64.shape[2]
+    num_kv_heads, block_size = kc.shape[2], kc.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty(sum(query_lens), num_heads, head_size, dtype=torch.float64)
+    row = 0
+    for table, ctx, qlen in zip(block_tables, context_lens, query_lens):
+        for j in range(qlen):
+            length = ctx + j + 1  # causal: positions 0 .. ctx + j
+            keys = torch.stack([kc[table[p // block_size], p % block_size] for p in range(length)])  # [L, Hkv, D]
+            values = torch.stack([vc[table[p // block_size], p % block_size] for p in range(length)])
+            for h in range(num_heads):
+                kv_head = h // group
+                scores = (keys[:, kv_head, :] @ q64[row, h]) * scale  # [L]
+                weights = torch.exp(scores - scores.max())
+                weights = weights / weights.sum()
+                out[row, h] = weights @ values[:, kv_head, :]
+            row += 1
+    return out
+
+
+def default_scale(head_size: int) -> float:
+    return 1.0 / math.sqrt(head_size)

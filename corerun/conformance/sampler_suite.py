@@ -1,0 +1,347 @@
+"""``SamplerSuite``: every sampler must pass it.
+
+Statistical checks draw ``NUM_DRAWS`` tokens from fixed logits in one big batch and test the counts
+against the float64 reference distribution (:mod:`corerun.conformance.reference.sampling`) with a
+chi-square test at significance 1e-4; tokens the reference gives probability 0 must never be drawn.
+Exact checks: greedy equals the argmax of the processed logits, logprobs equal ``log_softmax`` of the
+raw logits.  Only the parameters the sampler declares (``capabilities.params``) are exercised; every
+other one must be refused by ``check`` with a ``corerun.UnsupportedError`` naming it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from corerun.capabilities import ENGINE_PARAMS
+from corerun.conformance.reference.sampling import boundary_margins, processed_logits, sampling_distribution
+from corerun.conformance.sampler_cases import (
+    MIXED_PREFERENCE, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable, base_logits,
+)
+from corerun.conformance.stats import chi_square_fit
+from corerun.conformance.suite import Case, ConformanceSuite
+from corerun.conformance.target import Target
+from corerun.errors import UnsupportedError
+from corerun.protocols.sampler import SamplingMetadata
+from corerun.sampling_params import SamplingParams
+
+LOGPROB_ATOL, LOGPROB_RTOL = 1e-5, 1e-5
+GREEDY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _fail(case: Case, what: str, problems: list[str]) -> None:
+    pytest.fail(f"{case.full_id}: {what}:\n  - " + "\n  - ".join(problems), pytrace=False)
+
+
+def _sampler_fields() -> list[str]:
+    return [f for f in SamplingParams.model_fields if f not in ENGINE_PARAMS]
+
+
+class SamplerSuite(ConformanceSuite):
+    """The sampler conformance suite.  Adopt it with::
+
+        class TestMine(SamplerSuite):
+            implementation = "mine"           # a registered name, or:
+            # factory = MySampler             # factory(vocab_size, device, **options)
+            # capabilities = SamplerCapabilities(params=frozenset({...}))
+    """
+
+    kind = "sampler"
+
+    def declared(self, target: Target) -> frozenset[str]:
+        return frozenset(target.capabilities.params)
+
+    # ------------------------------------------------------------------ cases
+    def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
+        declared = self.declared(target)
+        if check == "distribution":
+            return [(c.name, c) for c in applicable(declared)]
+        if check == "mixed_batch":
+            names = [n for n in MIXED_PREFERENCE if n in {c.name for c in applicable(declared)}][:3]
+            cases = [c for c in applicable(declared) if c.name in names]
+            return [("+".join(c.name for c in cases), cases)]
+        if check == "greedy":
+            if "temperature" not in declared:
+                return f"{target.name} does not declare temperature, so it has no greedy mode (temperature 0)"
+            return [(name, dt) for name, dt in GREEDY_DTYPES.items()]
+        if check in ("logprobs", "prompt_logprobs", "seeds", "seeded_distribution"):
+            need = {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}.get(check, "seed")
+            if need not in declared:
+                return f"{target.name} does not declare {need}"
+            return [("fp32", None)]
+        if check == "undeclared_refused":
+            missing = [f for f in _sampler_fields() if f not in declared]
+            if not missing:
+                return f"{target.name} declares every sampling parameter; nothing to refuse"
+            return [(f, f) for f in missing]
+        if check == "declared_accepted":
+            return [("all", sorted(f for f in declared if f in PROBE_VALUES))]
+        raise KeyError(check)
+
+    # ------------------------------------------------------------------ helpers
+    def _sampler(self, case: Case, vocab: int) -> Any:
+        return case.target.create(vocab, torch.device(case.device))
+
+    @staticmethod
+    def _tokens(case: Case, out: Any, rows: int, vocab: int) -> torch.Tensor:
+        ids = getattr(out, "sampled_token_ids", None)
+        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (rows,) or ids.dtype != torch.int64:
+            got = f"{type(ids).__name__} {tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else repr(type(ids))
+            _fail(case, "output", [f"sampled_token_ids must be an int64 tensor of shape ({rows},), got {got}"])
+        ids = ids.cpu()
+        if ((ids < 0) | (ids >= vocab)).any():
+            _fail(case, "output", [f"sampled token ids outside [0, {vocab}): {ids[(ids < 0) | (ids >= vocab)][:5].tolist()}"])
+        return ids
+
+    def _draw(self, case: Case, sampler: Any, dist: DistCase, n: int, seeds: bool = False) -> torch.Tensor:
+        base = base_logits()
+        if seeds:
+            params = [SamplingParams(**dist.params, seed=s) for s in range(n)]
+        else:
+            params = [dist.sampling_params()] * n
+        sampler.check(params[0])
+        meta = SamplingMetadata(params, [list(dist.prompt)] * n, [list(dist.output)] * n, dist.eos)
+        logits = base.repeat(n, 1).to(case.device)
+        return self._tokens(case, sampler.sample(logits, meta), n, VOCAB)
+
+    @staticmethod
+    def _fit_problems(dist: DistCase, tokens: torch.Tensor) -> list[str]:
+        params = dist.sampling_params()
+        for name, margin in boundary_margins(base_logits(), params, dist.prompt, dist.output, dist.eos).items():
+            if margin < 1e-3:
+                raise RuntimeError(f"suite input for {dist.name} sits {margin:g} from the {name} threshold")
+        probs = sampling_distribution(base_logits(), params, dist.prompt, dist.output, dist.eos)
+        counts = torch.bincount(tokens, minlength=VOCAB).to(torch.float64)
+        problems = []
+        impossible = torch.nonzero((probs == 0) & (counts > 0)).flatten().tolist()
+        if impossible:
+            shown = ", ".join(f"token {t} drawn {int(counts[t])} times" for t in impossible[:5])
+            problems.append(f"{dist.name}: tokens the parameters exclude were drawn: {shown} ({dist.params})")
+        fit = chi_square_fit(counts, probs)
+        if not fit.ok:
+            problems.append(f"{dist.name} ({dist.params}): {fit.describe()}")
+        return problems
+
+    # ------------------------------------------------------------------ checks
+    def test_distribution(self, case: Case) -> None:
+        """Draws follow exactly the distribution the parameters define (chi-square, p > 1e-4); excluded tokens never appear."""
+        self.start(case)
+        sampler = self._sampler(case, VOCAB)
+        problems = self._fit_problems(case.config, self._draw(case, sampler, case.config, NUM_DRAWS))
+        if problems:
+            _fail(case, "sampling distribution", problems)
+
+    def test_mixed_batch(self, case: Case) -> None:
+        """Rows with different parameters interleaved in one batch each follow their own distribution."""
+        self.start(case)
+        groups: list[DistCase] = case.config
+        n = NUM_DRAWS
+        sampler = self._sampler(case, VOCAB)
+        which = [i % len(groups) for i in range(n)]
+        params = [groups[g].sampling_params() for g in which]
+        meta = SamplingMetadata(
+            params, [list(groups[g].prompt) for g in which], [list(groups[g].output) for g in which],
+            frozenset().union(*(g.eos for g in groups)),
+        )
+        tokens = self._tokens(case, sampler.sample(base_logits().repeat(n, 1).to(case.device), meta), n, VOCAB)
+        rows = torch.tensor(which)
+        problems = []
+        for g, dist in enumerate(groups):
+            problems += self._fit_problems(dist, tokens[rows == g])
+        if problems:
+            _fail(case, "mixed batch", problems)
+
+    def test_seeded_distribution(self, case: Case) -> None:
+        """Seeded rows (one seed each) still draw from the right distribution."""
+        self.start(case)
+        declared = self.declared(case.target)
+        dist = DistCase("seeded-temperature0.7", {"temperature": 0.7}) if "temperature" in declared else DistCase("seeded", {})
+        n = NUM_DRAWS // 2
+        problems = self._fit_problems(dist, self._draw(case, self._sampler(case, VOCAB), dist, n, seeds=True))
+        if problems:
+            _fail(case, "seeded sampling distribution", problems)
+
+    def test_greedy(self, case: Case) -> None:
+        """``temperature=0`` rows return the argmax of the processed logits (bias, min_tokens, penalties)."""
+        self.start(case)
+        declared, dtype, vocab = self.declared(case.target), case.config, 256
+        gen = torch.Generator().manual_seed(zlib.crc32(case.key.encode()))
+        variants: list[dict[str, Any]] = [{"temperature": 0.0}]
+        if {"repetition_penalty", "frequency_penalty", "presence_penalty"} <= declared:
+            variants.append({"temperature": 0.0, "repetition_penalty": 1.5, "frequency_penalty": 0.7, "presence_penalty": 0.9})
+        if "logit_bias" in declared:
+            variants.append({"temperature": 0.0, "logit_bias": {int(t): 4.0 for t in torch.randint(vocab, (6,), generator=gen)}})
+        if "min_tokens" in declared:
+            variants.append({"temperature": 0.0, "min_tokens": 50, "stop_token_ids": (11, 12)})
+        if {"top_k", "top_p"} <= declared:
+            variants.append({"temperature": 0.0, "top_k": 3, "top_p": 0.5})
+        rows, params, prompts, outputs = [], [], [], []
+        for i in range(48):
+            p = SamplingParams(**variants[i % len(variants)]) if i % 4 != 3 else SamplingParams()
+            prompt = torch.randint(vocab, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen).tolist()
+            output = torch.randint(vocab, (int(torch.randint(0, 8, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(100):  # a row whose top two processed logits are clearly apart
+                row = (torch.linspace(-6, 6, vocab, dtype=torch.float64)[torch.randperm(vocab, generator=gen)]
+                       + torch.rand(vocab, generator=gen, dtype=torch.float64) * 0.02).to(dtype)
+                if not p.greedy or boundary_margins(row, p, prompt, output, {0, 1})["greedy"] > 0.02:
+                    break
+            rows.append(row)
+            params.append(p)
+            prompts.append(prompt)
+            outputs.append(output)
+        logits = torch.stack(rows)
+        meta = SamplingMetadata(params, prompts, outputs, frozenset({0, 1}))
+        tokens = self._tokens(case, self._sampler(case, vocab).sample(logits.clone().to(case.device), meta), len(rows), vocab)
+        problems = []
+        for i, p in enumerate(params):
+            if not p.greedy:
+                continue
+            want = int(torch.argmax(processed_logits(logits[i], p, prompts[i], outputs[i], {0, 1})))
+            if int(tokens[i]) != want:
+                problems.append(f"row {i} ({variants[i % len(variants)]}): drew {int(tokens[i])}, argmax of the processed logits is {want}")
+        if problems:
+            _fail(case, f"greedy with {dtype} logits", problems)
+
+    def test_logprobs(self, case: Case) -> None:
+        """Logprobs are ``log_softmax`` of the raw logits: sampled token in column 0 with its rank, then the top k."""
+        self.start(case)
+        declared, vocab = self.declared(case.target), 64
+        gen = torch.Generator().manual_seed(zlib.crc32(case.key.encode()))
+        ks = [0, 1, 3, 5, None, 2, 4, None, 1, 5]
+        extra: dict[str, Any] = {"temperature": 0.8} if "temperature" in declared else {}
+        if "top_k" in declared:
+            extra["top_k"] = 10
+        params = [SamplingParams(logprobs=k, **(extra if i % 2 else {})) for i, k in enumerate(ks)]
+        raw = (torch.randn(len(ks), vocab, generator=gen, dtype=torch.float64) * 2.5).to(torch.float32)
+        meta = SamplingMetadata(params, [[1, 2]] * len(ks), [[3]] * len(ks))
+        out = self._sampler(case, vocab).sample(raw.clone().to(case.device), meta)
+        tokens = self._tokens(case, out, len(ks), vocab)
+        lp = out.logprobs
+        if lp is None:
+            _fail(case, "logprobs", ["rows asked for logprobs but SamplerOutput.logprobs is None"])
+        problems = self._logprob_problems(raw, tokens, lp, ks)
+        if problems:
+            _fail(case, "logprobs", problems)
+
+    def test_prompt_logprobs(self, case: Case) -> None:
+        """``prompt_logprobs`` gives ``log_softmax`` of the raw logits at the given tokens, their ranks and the top k."""
+        self.start(case)
+        vocab, n, k = 64, 9, 4
+        gen = torch.Generator().manual_seed(zlib.crc32(case.key.encode()))
+        raw = (torch.randn(n, vocab, generator=gen, dtype=torch.float64) * 2.5).to(torch.float32)
+        token_ids = torch.randint(vocab, (n,), generator=gen)
+        lp = self._sampler(case, vocab).prompt_logprobs(raw.clone().to(case.device), token_ids.to(case.device), k)
+        problems = self._logprob_problems(raw, token_ids, lp, [k] * n)
+        if problems:
+            _fail(case, "prompt logprobs", problems)
+
+    @staticmethod
+    def _logprob_problems(raw: torch.Tensor, tokens: torch.Tensor, lp: Any, ks: list[int | None]) -> list[str]:
+        problems: list[str] = []
+        width = 1 + max(k for k in ks if k is not None)
+        ids, vals, ranks = lp.token_ids.cpu(), lp.logprobs.cpu().to(torch.float64), lp.ranks.cpu()
+        if ids.shape[0] != len(ks) or ids.shape[1] < width or vals.shape != ids.shape or tuple(ranks.shape) != (len(ks),):
+            return [f"logprob tensors have shapes {tuple(ids.shape)}, {tuple(vals.shape)}, {tuple(ranks.shape)}; "
+                    f"expected ({len(ks)}, >= {width}) twice and ({len(ks)},)"]
+        for r, k in enumerate(ks):
+            if k is None:
+                continue
+            ref = torch.log_softmax(raw[r].to(torch.float64), dim=-1)
+            tok = int(tokens[r])
+            close = lambda a, b: abs(a - b) <= LOGPROB_ATOL + LOGPROB_RTOL * abs(b)  # noqa: E731
+            if int(ids[r, 0]) != tok:
+                problems.append(f"row {r}: column 0 holds token {int(ids[r, 0])}, the sampled/given token is {tok}")
+            elif not close(vals[r, 0].item(), ref[tok].item()):
+                problems.append(f"row {r}: logprob of token {tok} is {vals[r, 0].item():.6f}, log_softmax of the raw logits gives {ref[tok].item():.6f}")
+            want_rank = 1 + int((ref > ref[tok]).sum())
+            if int(ranks[r]) != want_rank:
+                problems.append(f"row {r}: rank of token {tok} is {int(ranks[r])}, expected {want_rank}")
+            top = torch.topk(ref, k) if k else None
+            for j in range(k):
+                t, v = int(ids[r, 1 + j]), vals[r, 1 + j].item()
+                if t != int(top.indices[j]) or not close(v, top.values[j].item()):
+                    problems.append(
+                        f"row {r}: top-{k} column {j + 1} is token {t} ({v:.6f}); expected token {int(top.indices[j])} "
+                        f"({top.values[j].item():.6f})"
+                    )
+                    break
+        return problems
+
+    def test_seeds(self, case: Case) -> None:
+        """A seeded request draws the same token alone and inside a batch at another row (same step index)."""
+        self.start(case)
+        vocab = VOCAB
+        sampler = self._sampler(case, vocab)
+        flat = base_logits() * 0.3
+        seeds = list(range(100, 112))
+        problems = []
+        for step in (2, 5):
+            history = list(OUTPUT[:step]) if step <= len(OUTPUT) else [1] * step
+            alone = []
+            for s in seeds:
+                meta = SamplingMetadata([SamplingParams(seed=s)], [list(PROMPT)], [history])
+                alone.append(int(self._tokens(case, sampler.sample(flat[None].clone().to(case.device), meta), 1, vocab)[0]))
+            again = []
+            for s in seeds[:3]:
+                meta = SamplingMetadata([SamplingParams(seed=s)], [list(PROMPT)], [history])
+                again.append(int(self._tokens(case, sampler.sample(flat[None].clone().to(case.device), meta), 1, vocab)[0]))
+            if again != alone[:3]:
+                problems.append(f"step {step}: the same seeds drew {again} then {alone[:3]} alone")
+            # batch: unseeded filler rows first, seeded rows in reverse order, other histories around them
+            params = [SamplingParams() for _ in range(5)] + [SamplingParams(seed=s) for s in reversed(seeds)]
+            outputs = [[2] * (i + 1) for i in range(5)] + [history] * len(seeds)
+            meta = SamplingMetadata(params, [list(PROMPT)] * len(params), outputs)
+            got = self._tokens(case, sampler.sample(flat.repeat(len(params), 1).to(case.device), meta), len(params), vocab)
+            in_batch = list(reversed(got[5:].tolist()))
+            if in_batch != alone:
+                diff = [(s, a, b) for s, a, b in zip(seeds, alone, in_batch) if a != b]
+                problems.append(
+                    f"step {step}: seeded tokens differ alone vs in a batch (seed, alone, batched): {diff[:4]}"
+                )
+            if len(set(alone)) == 1:
+                problems.append(f"step {step}: 12 different seeds all drew token {alone[0]} from near-uniform logits")
+        if problems:
+            _fail(case, "seeds", problems)
+
+    def test_undeclared_refused(self, case: Case) -> None:
+        """``check`` refuses a parameter the sampler does not declare with an ``UnsupportedError`` naming it."""
+        self.start(case)
+        field_name = case.config
+        if field_name not in PROBE_VALUES:
+            pytest.skip(f"no probe value for the sampling field {field_name!r} in this corerun version")
+        params = SamplingParams(**{field_name: PROBE_VALUES[field_name]})
+        sampler = self._sampler(case, VOCAB)
+        try:
+            sampler.check(params)
+        except UnsupportedError as exc:
+            if field_name not in str(exc):
+                _fail(case, "undeclared parameter", [f"check() raised UnsupportedError without naming {field_name!r}: {exc}"])
+            return
+        except Exception as exc:
+            _fail(case, "undeclared parameter", [f"check() raised {type(exc).__name__} ({exc}), not corerun.UnsupportedError"])
+        _fail(case, "undeclared parameter", [
+            f"{field_name}={PROBE_VALUES[field_name]!r} is not declared ({sorted(self.declared(case.target))}) "
+            "but check() accepted it; undeclared parameters must raise corerun.UnsupportedError naming them"
+        ])
+
+    def test_declared_accepted(self, case: Case) -> None:
+        """``check`` accepts every parameter the sampler declares, alone and all together."""
+        self.start(case)
+        sampler = self._sampler(case, VOCAB)
+        problems = []
+        for field_name in case.config:
+            try:
+                sampler.check(SamplingParams(**{field_name: PROBE_VALUES[field_name]}))
+            except Exception as exc:
+                problems.append(f"{field_name}={PROBE_VALUES[field_name]!r} is declared but check() raised {type(exc).__name__}: {exc}")
+        if len(case.config) > 1 and not problems:
+            together = {f: PROBE_VALUES[f] for f in case.config}
+            try:
+                sampler.check(SamplingParams(**together))
+            except Exception as exc:
+                problems.append(f"all declared parameters together ({together}) raised {type(exc).__name__}: {exc}")
+        if problems:
+            _fail(case, "declared parameters", problems)

@@ -1,0 +1,27 @@
+"""Collected by ``pytest --pyargs corerun.conformance --corerun-impl KIND:NAME``.
+
+Each class checks the implementations ``--corerun-impl`` selects for its kind; without the option
+every test is skipped with the reason.
+"""
+
+from corerun.conformance.attention_suite import AttentionBackendSuite
+from corerun.conformance.graph_suite import GraphRunnerSuite
+from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
+from corerun.conformance.sampler_suite import SamplerSuite
+from corerun.conformance.suite import FROM_OPTION
+
+
+class TestAttentionBackend(AttentionBackendSuite):
+    implementation = FROM_OPTION
+
+
+class TestKVCacheManager(KVCacheManagerSuite):
+    implementation = FROM_OPTION
+
+
+class TestGraphRunner(GraphRunnerSuite):
+    implementation = FROM_OPTION
+
+
+class TestSampler(SamplerSuite):
+    implementation = FROM_OPTION

@@ -1,0 +1,1 @@
+"""Requests, scheduling and the step loop."""

@@ -1,0 +1,263 @@
+"""The engine: accepts requests, steps the scheduler and the ModelRunner, and reports outputs.
+
+A request that is wrong is refused when it arrives, with an error naming what was wrong; a plugin
+that raises inside a step ends that step's requests with an error result and the engine goes on
+serving the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+from corerun.config import Config
+from corerun.engine.scheduler import Scheduler
+from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.errors import RequestError, StepError, UnsupportedError
+from corerun.model_runner import ModelRunner, StepResult
+from corerun.outputs import CompletionOutput, Logprob, RequestOutput
+from corerun.protocols.sampler import LogprobsTensors
+from corerun.registry import Registry
+from corerun.sampling_params import SamplingParams
+
+logger = logging.getLogger("corerun.engine")
+
+Prompt = str | Seq[int]
+
+
+class LLMEngine:
+    def __init__(self, config: Config, registry: Registry | None = None) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, registry)
+        self.kv = self.runner.kv_manager
+        self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(self.runner.model_dir)
+        self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
+            self.eos_token_ids = frozenset({self.tokenizer.eos_token_id})
+        sc = config.scheduler
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            chunked_prefill=sc.chunked_prefill,
+        )
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue one request; raises RequestError (nothing queued) when it cannot be served."""
+        seq = self.make_sequence(prompt, params, request_id)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Sequence:
+        params = params if params is not None else SamplingParams()
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        runner = self.runner
+        n = len(token_ids)
+        if n >= runner.max_model_len:
+            raise RequestError(
+                f"prompt has {n} tokens, but max_model_len is {runner.max_model_len}: "
+                f"it must be shorter, to leave room for at least one generated token"
+            )
+        try:
+            params.check_vocab(runner.vocab_size)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        for field in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, field)
+            if k is not None and k > self.config.max_logprobs:
+                raise RequestError(f"{field}={k} is above this engine's max_logprobs={self.config.max_logprobs}")
+        try:
+            runner.sampler.check(params)
+        except UnsupportedError as exc:
+            raise RequestError(str(exc)) from None
+        longest = min(n + params.max_tokens, runner.max_model_len)
+        need = -(-longest // runner.block_size)
+        if need > runner.num_blocks:
+            raise RequestError(
+                f"request needs up to {need} KV-cache blocks ({n} prompt + {params.max_tokens} max_tokens, "
+                f"block size {runner.block_size}) but the whole cache has {runner.num_blocks}; "
+                f"lower max_tokens or raise kv_cache.num_blocks / memory"
+            )
+        if request_id is not None and request_id in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        seq_id = next(self._seq_ids)
+        return Sequence(
+            seq_id=seq_id,
+            request_id=request_id if request_id is not None else str(seq_id), prompt_token_ids=token_ids, params=params, prompt=text, arrival_time=time.perf_counter(),
+        )
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(
+                    "prompt is text, but this engine has no tokenizer (model folder without tokenizer files, "
+                    "or skip_tokenizer_init); pass token ids instead"
+                )
+            if not prompt:
+                raise RequestError("prompt is empty; give at least one token")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+        if not ids:
+            raise RequestError("prompt is empty; give at least one token")
+        vocab = self.runner.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) and not (hasattr(t, "__index__") and not isinstance(t, float)):
+                raise RequestError(f"prompt token {i} is {t!r} ({type(t).__name__}); token ids must be integers")
+            t = int(t)
+            if not 0 <= t < vocab:
+                raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
+            ids[i] = t
+        return None, ids
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed at once. Unknown or finished ids are ignored."""
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            seq.finish_time = time.perf_counter()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that got a token or finished."""
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:
+            victims = list(self.scheduler.running) + list(self.scheduler.waiting)[:1]
+            return self._fail(victims, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: "
+                              f"{type(exc).__name__}: {exc}")
+        if not sched:
+            return []
+        self.num_steps += 1
+        try:
+            result = self.runner.execute(sched, self.eos_token_ids)
+        except StepError as exc:
+            return self._fail(sched.seqs, str(exc))
+        return self._update(sched, result)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> list[Sequence]:
+        logger.error("step failed, %d request(s) end with an error: %s", len(seqs), message)
+        for seq in seqs:
+            seq.error = message
+            try:
+                self.scheduler.finish(seq, "error")
+            except Exception:  # the failing plugin may be the KV manager itself
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "error"
+                if seq in self.scheduler.running:
+                    self.scheduler.running.remove(seq)
+            seq.finish_time = time.perf_counter()
+        return seqs
+
+    def _update(self, sched, result: StepResult) -> list[Sequence]:
+        now = time.perf_counter()
+        touched: list[Sequence] = []
+        for seq, n in zip(sched.seqs, sched.num_new):
+            seq.num_computed_tokens += n
+            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for i, (first, lp) in result.prompt_logprobs.items():
+            seq = sched.seqs[i]
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]
+            seq.prompt_logprobs.extend(_logprob_dicts(lp, seq.params.prompt_logprobs or 0))
+        lp_rows = _logprob_dicts(result.logprobs, None) if result.logprobs is not None else None
+        for j, (row, token) in enumerate(zip(result.rows, result.sampled)):
+            seq = sched.seqs[row]
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.logprobs is not None and lp_rows is not None:
+                k = seq.params.logprobs or 0
+                d = lp_rows[j]
+                seq.logprobs.append({t: v for idx, (t, v) in enumerate(d.items()) if idx <= k or t == token})
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                seq.finish_time = now
+            touched.append(seq)
+        return touched
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens - 1:
+            seq.stop_reason = token
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= max(p.min_tokens, 1):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.runner.max_model_len:
+            return "length"
+        return None
+
+    # -------------------------------------------------------------- output
+    def output(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_token_ids
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(ids), finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs, error=seq.error,
+        )
+        metrics = {"arrival_time": seq.arrival_time}
+        if seq.first_token_time is not None:
+            metrics["first_token_time"] = seq.first_token_time
+        if seq.finish_time is not None:
+            metrics["finish_time"] = seq.finish_time
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion], finished=seq.is_finished, prompt_logprobs=seq.prompt_logprobs, metrics=metrics,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (the engine keeps no history of its own)."""
+        seq = self.requests.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self.requests[request_id]
+
+
+def _logprob_dicts(lp: LogprobsTensors | None, k: int | None) -> list[dict[int, Logprob]]:
+    """LogprobsTensors rows -> ``{token id: Logprob}`` dicts, column 0 (the chosen token) first."""
+    if lp is None:
+        return []
+    ids = lp.token_ids.tolist()
+    vals = lp.logprobs.tolist()
+    ranks = lp.ranks.tolist()
+    out = []
+    for row_ids, row_vals, rank in zip(ids, vals, ranks):
+        cols = len(row_ids) if k is None else min(len(row_ids), k + 1)
+        d: dict[int, Logprob] = {row_ids[0]: Logprob(row_vals[0], rank)}
+        for c in range(1, cols):
+            d.setdefault(row_ids[c], Logprob(row_vals[c], c))
+        out.append(d)
+    return out
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any((model_dir / f).exists() for f in files):
+        logger.info("no tokenizer files in %s: prompts must be token ids, outputs carry no text", model_dir)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -1,0 +1,145 @@
+"""Continuous batching with chunked prefill and preemption by recompute (vLLM v1's unified step).
+
+Each step has a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``).
+Running sequences go first (a decode needs one token; a sequence in the middle of a chunked prefill
+needs the rest of its prompt, cut to the budget); waiting sequences are then admitted in arrival
+order while budget, cap and free blocks allow.  When a running sequence cannot get a block, the most
+recently arrived running sequence is preempted: its blocks are freed, its computed tokens forgotten,
+and it goes back to the front of the queue to be recomputed (prefix caching usually brings most of
+it back for free).  No request is lost, and the oldest always makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.protocols.kv_cache import KVCacheManager
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: ``seqs[i]`` computes ``num_new[i]`` tokens starting at ``seqs[i].num_computed_tokens``.
+
+    Decodes (one new token) come first, as ``AttentionBatch.num_decodes`` expects.
+    """
+
+    seqs: list[Sequence]
+    num_new: list[int]
+    num_decodes: int
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ----------------------------------------------------------------- step
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[int, int] = {}  # seq_id -> num_new
+        preempted: list[Sequence] = []
+
+        # 1. running sequences, oldest first; preempt the youngest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.chunked_prefill and n < seq.num_tokens - seq.num_computed_tokens:
+                break  # whole prefills only: wait for a step with room
+            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                scheduled.pop(victim.seq_id, None)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq.seq_id] = n
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing younger is left running
+
+        # 2. waiting sequences in arrival order (preempted ones were put at the front)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs:
+                # (prompt logprobs need every prompt position's hidden state: no prefix reuse)
+                seq.num_computed_tokens = self.kv.get_computed_prefix(seq.seq_id, seq.token_ids)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if not self.chunked_prefill and n < remaining:
+                self._release(seq)
+                break
+            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n):
+                self._release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = n
+            budget -= n
+
+        by_id = {s.seq_id: s for s in self.running}
+        items = [(by_id[sid], n) for sid, n in scheduled.items()]
+        items.sort(key=lambda it: it[1] != 1)  # decodes first (stable)
+        num_decodes = sum(1 for _, n in items if n == 1)
+        return ScheduledBatch([s for s, _ in items], [n for _, n in items], num_decodes, preempted)
+
+    def _release(self, seq: Sequence) -> None:
+        """Undo a failed admission: drop the prefix blocks it claimed."""
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------- finishing
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

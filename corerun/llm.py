@@ -1,0 +1,146 @@
+"""``LLM``: the offline API, shaped like vLLM's so its users feel at home."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterator, Sequence as Seq
+
+from corerun.config import Config, load_config
+from corerun.engine.llm_engine import LLMEngine, Prompt
+from corerun.errors import RequestError
+from corerun.outputs import RequestOutput
+from corerun.sampling_params import SamplingParams
+
+ParamsArg = SamplingParams | Seq[SamplingParams] | None
+
+
+class LLM:
+    """Load a model with the configured plugins and generate.
+
+    ``LLM(model=None, config=None, **overrides)``: ``config`` is a YAML path or a :class:`Config`;
+    ``overrides`` are the config's own keys (``attention="triton"``, ``kv_cache={"block_size": 32}``).
+    With no model the built-in default model (SmolLM2-135M-Instruct) is used.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, config: str | os.PathLike[str] | Config | None = None, **overrides: Any) -> None:
+        if model is not None:
+            overrides["model"] = str(model)
+        if isinstance(config, Config):
+            merged = config.model_dump()
+            cfg = load_config(None, overrides={**merged, **overrides}) if overrides else config
+        else:
+            cfg = load_config(config, overrides=overrides)
+        self.config = cfg
+        self.engine = LLMEngine(cfg)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---------------------------------------------------------------- batch
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: ParamsArg = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Every request is validated before any runs: a bad one raises RequestError naming its index,
+        and nothing is queued.
+        """
+        ids = self._add(prompts, sampling_params)
+        total = len(ids)
+        show = use_tqdm if use_tqdm is not None else total > 1
+        bar = _progress(total) if show else None
+        engine = self.engine
+        start, tokens0 = time.perf_counter(), engine.num_generated_tokens
+        done: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        try:
+            while pending:
+                touched = engine.step()
+                if not touched and not engine.has_unfinished_requests():
+                    break
+                for seq in touched:
+                    if seq.is_finished and seq.request_id in pending:
+                        pending.discard(seq.request_id)
+                        done[seq.request_id] = engine.output(seq)
+                        engine.release(seq.request_id)
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{(engine.num_generated_tokens - tokens0) / elapsed:.1f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in pending:  # interrupted: free what is left
+                engine.abort(rid)
+                engine.release(rid)
+        return [done[r] for r in ids]
+
+    # ------------------------------------------------------------ streaming
+    def stream(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:
+        """Yield a cumulative ``RequestOutput`` each time a request gets a token (``finished`` on its last).
+
+        Closing the iterator early aborts the requests still running and frees their blocks.
+        """
+        ids = self._add(prompts, sampling_params)
+        pending = set(ids)
+        engine = self.engine
+        try:
+            while pending:
+                touched = engine.step()
+                if not touched and not engine.has_unfinished_requests():
+                    break
+                for seq in touched:
+                    if seq.request_id in pending:
+                        out = engine.output(seq)
+                        if seq.is_finished:
+                            pending.discard(seq.request_id)
+                            engine.release(seq.request_id)
+                        yield out
+        finally:
+            for rid in pending:
+                engine.abort(rid)
+                engine.release(rid)
+
+    def _add(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg) -> list[str]:
+        plist = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
+            params_list = [sampling_params] * len(plist)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(plist):
+                raise RequestError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(plist)} prompts; "
+                    "give one SamplingParams for all, or one per prompt"
+                )
+        seqs = []
+        for i, (p, sp) in enumerate(zip(plist, params_list)):
+            try:
+                seqs.append(self.engine.make_sequence(p, sp))
+            except (RequestError, ValueError) as exc:
+                raise RequestError(f"prompt {i}: {exc}") from None
+        for seq in seqs:
+            self.engine.requests[seq.request_id] = seq
+            self.engine.scheduler.add(seq)
+        return [s.request_id for s in seqs]
+
+
+def _as_prompt_list(prompts: Any) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, dict):
+        return [prompts]
+    plist = list(prompts)
+    if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
+        return [plist]  # one prompt given as token ids
+    return plist
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

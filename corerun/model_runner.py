@@ -1,0 +1,259 @@
+"""The ModelRunner: composes model, attention backend, KV cache, graph runner and sampler, and runs steps.
+
+Everything it composes comes from the registry by the names in the config; nothing here knows which
+backend, cache manager, graph runner or sampler it got.  Per step it prepares the inputs with
+vectorised numpy work (token ids, positions, slot mapping, block tables, query/sequence lengths,
+logits indices), runs the model through the graph runner, computes logits for the rows that need
+them, and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from corerun.config import Config
+from corerun.engine.scheduler import ScheduledBatch
+from corerun.errors import ConfigError, StepError
+from corerun.forward_context import AttentionContext
+from corerun.protocols.attention import AttentionBatch
+from corerun.protocols.graph import GraphLimits, ModelInputs
+from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
+from corerun.registry import Registry, get_registry
+
+logger = logging.getLogger("corerun.runner")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' was asked for, but torch.cuda.is_available() is False; use device: cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_dtype: torch.dtype | None) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # half-precision matmuls on CPU are slow and less exact
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@dataclass
+class StepResult:
+    """What one step produced for the sequences that completed their scheduled tokens."""
+
+    sampled: list[int]  # next token per row of ``rows``
+    rows: list[int]  # indices into ScheduledBatch.seqs that were sampled
+    logprobs: LogprobsTensors | None
+    prompt_logprobs: dict[int, tuple[int, LogprobsTensors]]  # row -> (first target position, tensors)
+
+
+class ModelRunner:
+    def __init__(self, config: Config, registry: Registry | None = None) -> None:
+        from corerun.graph import choose_graph_runner
+        from corerun.kv_cache.sizing import num_blocks_for_budget
+        from corerun.models.loader import load_model
+
+        self.config = config
+        self.registry = registry or get_registry()
+        self.device = resolve_device(config.device)
+        self.model_dir = Path(config.model) if config.model else self._default_model_dir()
+        self.model, self.model_config = load_model(
+            self.model_dir,
+            dtype=lambda model_dtype: resolve_dtype(config.dtype, self.device, model_dtype),
+            device=self.device,
+            allow_pickle=config.allow_pickle_weights,
+        )
+        mc = self.model_config
+        self.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = mc.vocab_size
+        self.block_size = config.kv_cache.block_size
+        ml = config.scheduler.max_model_len
+        self.max_model_len = mc.max_model_len if ml == "auto" else ml
+        if self.max_model_len > mc.max_model_len:
+            raise ConfigError(
+                f"scheduler.max_model_len: {self.max_model_len} is longer than the model's "
+                f"supported length {mc.max_model_len}"
+            )
+
+        # attention backend: the user's choice, or the best capable one for `auto`
+        spec = self.model.attention_spec(self.dtype, self.block_size, self.device)
+        self.attention_name = self.registry.select_attention(config.attention.name, spec).name
+        self.attention = self.registry.create(
+            "attention", self.attention_name, spec, options=config.attention.options
+        )
+
+        # KV cache: blocks sized from the memory budget unless given
+        per_block = self.attention.kv_cache_bytes_per_block() * mc.num_layers
+        if config.kv_cache.num_blocks == "auto":
+            self.num_blocks = num_blocks_for_budget(
+                per_block,
+                device=self.device,
+                memory_fraction=config.kv_cache.memory_fraction,
+                cpu_memory_gb=config.kv_cache.cpu_memory_gb,
+            )
+        else:
+            self.num_blocks = config.kv_cache.num_blocks
+        self.kv_caches = [self.attention.allocate_kv_cache(self.num_blocks) for _ in range(mc.num_layers)]
+        self.kv_manager = self.registry.create(
+            "kv_cache", config.kv_cache.manager.name, self.num_blocks, self.block_size,
+            prefix_caching=config.kv_cache.prefix_caching, options=config.kv_cache.manager.options,
+        )
+        self.kv_manager_name = config.kv_cache.manager.name
+
+        # graph runner around the composed model
+        graph_name = config.graph.runner.name
+        if graph_name == "auto":
+            graph_name, why = choose_graph_runner(self.device, self.attention.capabilities)
+            logger.info("graph.runner: auto chose '%s': %s", graph_name, why)
+        limits = GraphLimits(
+            max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            hidden_size=mc.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.graph_name = graph_name
+        self.graph = self.registry.create(
+            "graph", graph_name, self._model_fn, self.attention, limits, options=config.graph.runner.options
+        )
+        self.graph.capture()
+
+        self.sampler_name = config.sampler.name
+        self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        logger.info(
+            "model %s (%s) on %s/%s: attention=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
+            self.model_dir, ",".join(mc.architectures), self.device, str(self.dtype).removeprefix("torch."),
+            self.attention_name, self.kv_manager_name, self.num_blocks, self.block_size, graph_name, self.sampler_name,
+        )
+
+    @staticmethod
+    def _default_model_dir() -> Path:
+        from corerun.models.default import default_model_dir
+
+        return default_model_dir()
+
+    def _model_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, AttentionContext(self.attention, metadata, self.kv_caches))
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "attention": self.attention_name,
+            "kv_cache": self.kv_manager_name,
+            "graph": self.graph_name,
+            "sampler": self.sampler_name,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    # --------------------------------------------------------------- inputs
+    def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
+        """Flatten a scheduled batch. Returns the model inputs, the sampled rows, and their logits indices."""
+        seqs, num_new = sched.seqs, sched.num_new
+        r = len(seqs)
+        bs = self.block_size
+        query_lens = np.asarray(num_new, dtype=np.int64)
+        context = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=r)
+        seq_lens = context + query_lens
+        qsl = np.zeros(r + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        t = int(qsl[-1])
+        input_ids = np.concatenate(
+            [np.asarray(s.token_ids[c : c + n], dtype=np.int64) for s, c, n in zip(seqs, context.tolist(), num_new)]
+        )
+        req_of_token = np.repeat(np.arange(r), query_lens)
+        positions = np.arange(t, dtype=np.int64) - qsl[:-1][req_of_token] + context[req_of_token]
+        tables = [self.kv_manager.block_table(s.seq_id) for s in seqs]
+        width = max(len(tb) for tb in tables)
+        block_tables = np.zeros((r, width), dtype=np.int32)
+        for i, tb in enumerate(tables):
+            block_tables[i, : len(tb)] = tb
+        slot_mapping = block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        # rows that finish their scheduled tokens are sampled from their last token's logits
+        sampled_rows = np.nonzero(seq_lens == np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=r))[0]
+        logits_indices = qsl[1:][sampled_rows] - 1
+
+        dev = self.device
+        qsl_cpu = torch.from_numpy(qsl.astype(np.int32))
+        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        batch = AttentionBatch(
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
+            context_lens=torch.from_numpy(context.astype(np.int32)).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            num_reqs=r,
+            num_tokens=t,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=sched.num_decodes,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        inputs = ModelInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
+            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            batch=batch,
+        )
+        return inputs, sampled_rows, logits_indices
+
+    # ----------------------------------------------------------------- step
+    def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
+        """Run one step. Raises StepError naming the component that failed."""
+        inputs, rows, logits_indices = self.prepare_inputs(sched)
+        try:
+            hidden = self.graph.run(inputs)
+        except Exception as exc:
+            raise StepError(
+                f"model forward failed (attention backend '{self.attention_name}', graph runner '{self.graph_name}'): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        prompt_lp = self._prompt_logprobs(sched, inputs, hidden)
+        if len(rows) == 0:
+            return StepResult([], [], None, prompt_lp)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        seqs = [sched.seqs[i] for i in rows.tolist()]
+        meta = SamplingMetadata(
+            params=[s.params for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            eos_token_ids=eos_token_ids,
+        )
+        try:
+            out: SamplerOutput = self.sampler.sample(logits, meta)
+            sampled = out.sampled_token_ids.tolist()  # the step's one host sync
+        except Exception as exc:
+            raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
+        return StepResult(sampled, rows.tolist(), out.logprobs, prompt_lp)
+
+    def _prompt_logprobs(self, sched: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor) -> dict[int, tuple[int, LogprobsTensors]]:
+        """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
+        result: dict[int, tuple[int, LogprobsTensors]] = {}
+        qsl = inputs.batch.query_start_loc_cpu.tolist()  # type: ignore[union-attr]
+        for i, seq in enumerate(sched.seqs):
+            if not seq.wants_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens  # position of the first token computed this step
+            # hidden at position p predicts prompt token p + 1
+            first = max(start, len(seq.prompt_logprobs or []) - 1)
+            last = min(start + sched.num_new[i], seq.num_prompt_tokens - 1)
+            if last <= first:
+                continue
+            rows = torch.arange(qsl[i] + first - start, qsl[i] + last - start, device=self.device)
+            targets = torch.tensor(seq.prompt_token_ids[first + 1 : last + 1], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            try:
+                lp = self.sampler.prompt_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
+            except Exception as exc:
+                raise StepError(f"sampler '{self.sampler_name}' failed computing prompt logprobs: {exc}") from exc
+            result[i] = (first + 1, lp)
+        return result

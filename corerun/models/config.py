@@ -1,0 +1,225 @@
+"""``ModelConfig``: the part of a Hugging Face ``config.json`` that corerun's models read.
+
+Both spellings of the keys that moved between transformers 4 and 5 are accepted:
+``dtype`` / ``torch_dtype``, and ``rope_parameters: {rope_theta, rope_type, ...}`` /
+``rope_theta`` + ``rope_scaling: {type | rope_type, ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters.
+
+    ``rope_type`` is one of :data:`ROPE_TYPES`: ``default`` (plain RoPE), ``linear`` (inverse
+    frequencies divided by ``factor``) or ``llama3`` (Llama 3.1's band-wise scaling, which also reads
+    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``).
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the models read from ``config.json`` (plus ``generation_config.json``'s EOS ids, when present)."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # only when the config turns it on
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: torch.dtype | None = None  # the checkpoint's dtype; None when config.json does not say
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence corerun runs exactly: ``max_position_embeddings``, capped at a sliding window.
+
+        corerun's attention is full (causal) attention, which equals sliding-window attention for
+        every sequence no longer than the window.
+        """
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Parse a ``config.json`` dict; ``source`` names the file in error messages."""
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ModelLoadError(f"{source}: required key {key!r} is missing (present keys: {', '.join(sorted(cfg))})")
+            return cfg[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ModelLoadError(
+                    f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, "
+                    "and no explicit head_dim is given"
+                )
+            head_dim = hidden // heads
+        kv_heads = cfg.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else int(kv_heads)
+        if kv_heads < 1 or heads % kv_heads:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}"
+            )
+        max_pos = int(cfg.get("max_position_embeddings") or 2048)
+        archs = cfg.get("architectures") or ()
+        if isinstance(archs, str):
+            archs = (archs,)
+        return cls(
+            architectures=tuple(archs),
+            model_type=str(cfg.get("model_type", "")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=parse_rope(cfg, max_pos, source),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            sliding_window=_sliding_window(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_token_ids(cfg.get("eos_token_id")),
+            torch_dtype=parse_dtype(cfg.get("dtype", cfg.get("torch_dtype")), source),
+            raw=dict(cfg),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read ``model_dir/config.json``; EOS ids from ``generation_config.json`` are added to the config's own."""
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model folder {model_dir} does not exist (or is not a folder)")
+        if not path.is_file():
+            raise ModelLoadError(
+                f"model folder {model_dir} has no config.json; a Hugging Face model folder holds config.json "
+                f"and its *.safetensors weights (found: {folder_listing(model_dir)})"
+            )
+        config = cls.from_dict(_read_json(path), str(path))
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
+            extra = _token_ids(_read_json(gen_path).get("eos_token_id"))
+            eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
+            config = replace(config, eos_token_ids=eos)
+        return config
+
+
+def parse_dtype(value: Any, source: str = "config.json") -> torch.dtype | None:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16``; ``None`` / ``"auto"`` -> ``None``."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ModelLoadError(f"{source}: dtype {value!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def parse_rope(cfg: Mapping[str, Any], max_position_embeddings: int, source: str = "config.json") -> RopeConfig:
+    """Read ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if params and any(isinstance(v, Mapping) for v in params.values()):
+        raise UnsupportedModelError(
+            f"{source}: per-layer-type rope_parameters ({', '.join(params)}) are not supported; "
+            "corerun's models take one set of rope parameters for every layer"
+        )
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: rope type {rope_type!r} is not supported; corerun supports {', '.join(ROPE_TYPES)}"
+        )
+    factor = float(merged.get("factor", 1.0) or 1.0)
+    if rope_type == "default":
+        factor = 1.0
+    original = merged.get("original_max_position_embeddings")
+    if rope_type == "llama3" and original is None:
+        original = max_position_embeddings
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=factor,
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=None if original is None else int(original),
+    )
+
+
+def _sliding_window(cfg: Mapping[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None or cfg.get("use_sliding_window") is False:
+        return None
+    return int(window)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc

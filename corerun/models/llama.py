@@ -1,0 +1,162 @@
+"""The Llama family: Llama 2/3 (and SmolLM), Mistral, and, through :class:`ArchOptions`, Qwen2 and Qwen3.
+
+Tokens are laid out flat (``[T]``, no batch dimension); attention runs through the
+:class:`~corerun.forward_context.AttentionContext` handed to ``forward``, which owns the KV cache
+and the kernels.  Parameter names follow the Hugging Face checkpoints, except that ``q_proj`` /
+``k_proj`` / ``v_proj`` are merged into ``qkv_proj`` and ``gate_proj`` / ``up_proj`` into
+``gate_up_proj`` (see ``packed_modules_mapping``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from corerun.forward_context import AttentionContext
+from corerun.models.config import ModelConfig
+from corerun.models.errors import UnsupportedModelError
+from corerun.models.layers import LMHead, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding
+from corerun.models.rotary import RotaryEmbedding
+from corerun.protocols.attention import AttentionSpec
+
+
+@dataclass(frozen=True)
+class ArchOptions:
+    """Where the members of the family differ."""
+
+    qkv_bias: bool = False  # bias on q_proj / k_proj / v_proj
+    o_bias: bool = False  # bias on o_proj
+    mlp_bias: bool = False  # bias on gate / up / down
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=opts.o_bias)
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # one module (one cos/sin cache) shared by every layer
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """``positions`` int64 ``[T]``, ``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``."""
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = ctx.attend(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, opts: ArchOptions) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=opts.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=opts.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, hidden_size]`` -> ``[T, hidden_size]``."""
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, opts, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, opts)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, opts: ArchOptions) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, rotary_emb) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, ctx)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A decoder-only causal LM of the Llama family.
+
+    ``forward(input_ids, positions, ctx)`` returns the final-normed hidden states ``[T, hidden_size]``;
+    ``compute_logits`` projects the rows the caller keeps (usually each request's last token).
+    """
+
+    # checkpoint module name -> (corerun module name, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    @classmethod
+    def arch_options(cls, config: ModelConfig) -> ArchOptions:
+        return ArchOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise UnsupportedModelError(
+                f"{type(self).__name__}: hidden_act {config.hidden_act!r} is not supported; corerun supports 'silu'"
+            )
+        self.config = config
+        self.num_layers = config.num_layers
+        self.model = LlamaModel(config, self.arch_options(config))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """``input_ids`` / ``positions`` int64 ``[T]`` -> hidden states ``[T, hidden_size]`` in the model dtype."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``."""
+        return self.lm_head(hidden)
+
+    def attention_spec(self, dtype: torch.dtype, block_size: int, device: torch.device | str) -> AttentionSpec:
+        """What every attention layer of this model asks of the attention backend."""
+        c = self.config
+        return AttentionSpec(
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_size=c.head_dim,
+            dtype=dtype,
+            block_size=block_size,
+            device=torch.device(device),
+            scale=c.head_dim**-0.5,
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral's dense models: Llama's layers; the sliding window caps ``ModelConfig.max_model_len``."""

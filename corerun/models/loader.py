@@ -1,0 +1,192 @@
+"""Load a Hugging Face model folder (``config.json`` + safetensors) into one of corerun's models.
+
+Rules:
+
+- weights come from ``model.safetensors.index.json`` and the shards it names, or else from every
+  ``*.safetensors`` file in the folder;
+- a folder with only pickle weights (``pytorch_model*.bin``) is refused unless ``allow_pickle``
+  (unpickling a file can run code); with it they load through ``torch.load(weights_only=True)``;
+- every parameter must be filled (every shard of a merged one), every checkpoint tensor must land
+  somewhere (rotary ``inv_freq`` / ``cos_cached`` / ``sin_cached`` buffers are ignored), and every
+  shape must match: the error lists all problems at once, with both shapes for each mismatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Callable, Hashable, Iterable, Iterator, Union
+
+import torch
+from torch import nn
+
+from corerun.models.config import ModelConfig, parse_dtype
+from corerun.models.errors import ModelLoadError, folder_listing
+from corerun.models.layers import WeightShapeError
+from corerun.models.registry import get_model_class
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_SHOWN = 20  # names listed per kind of problem
+
+DtypeChoice = Union[torch.dtype, str, None, Callable[[Union[torch.dtype, None]], torch.dtype]]
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: DtypeChoice = "auto",
+    device: torch.device | str = "cpu",
+    allow_pickle: bool = False,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model ``config.json`` names, on ``device`` in ``dtype``, and fill it from the folder's weights.
+
+    ``dtype``: a ``torch.dtype`` or its name; ``"auto"`` / ``None`` takes the checkpoint's own (``dtype``
+    / ``torch_dtype`` in ``config.json``), float32 when it does not say; or a callable given the
+    checkpoint's dtype (``None`` when unknown) that returns the dtype to use.
+    Returns ``(model, config)``, the model in eval mode with every parameter loaded.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    model_cls = get_model_class(config)
+    files = find_weight_files(model_dir, allow_pickle=allow_pickle)
+    if callable(dtype):
+        dtype = dtype(config.torch_dtype)
+    dtype = parse_dtype(dtype, "dtype argument") or config.torch_dtype or torch.float32
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(config)
+    load_weights(model, iterate_weights(files), source=str(model_dir))
+    return model.eval(), config
+
+
+def find_weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
+    """The weight files to read, by the rules in this module's docstring."""
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        return _files_from_index(index)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(model_dir.glob("pytorch_model*.bin"))
+    if pickles:
+        if not allow_pickle:
+            raise ModelLoadError(
+                f"model folder {model_dir} has only pickle weights ({', '.join(p.name for p in pickles)}); corerun "
+                "loads safetensors by default because unpickling a file can run code. Convert them to safetensors, "
+                "or allow pickle weights (allow_pickle_weights: true in the config, allow_pickle=True in Python) "
+                "if you trust the file"
+            )
+        pickle_index = model_dir / PICKLE_INDEX
+        return _files_from_index(pickle_index) if pickle_index.is_file() else pickles
+    hint = ""
+    if any(model_dir.glob("*.gguf")):
+        hint = "; GGUF files are read by transformers (from_pretrained(folder, gguf_file=...)), then save_pretrained"
+    raise ModelLoadError(
+        f"model folder {model_dir} has no weights: expected model.safetensors, or {SAFETENSORS_INDEX} and the "
+        f"shards it names (found: {folder_listing(model_dir)}){hint}"
+    )
+
+
+def _files_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{index} is not a valid weight index (needs a 'weight_map' object): {exc}") from exc
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{index.name} in {index.parent} names shards that are missing: {', '.join(missing)}")
+    return files
+
+
+def iterate_weights(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor in ``files``, on CPU in the stored dtype, one file open at a time."""
+    from safetensors import safe_open
+
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            yield from state.items()
+            del state
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+    """Fill ``model``'s parameters from checkpoint ``(name, tensor)`` pairs through their ``weight_loader``s.
+
+    Raises :class:`ModelLoadError` listing every shape mismatch, unexpected and missing weight.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+    loaded: set[tuple[int, Hashable]] = set()
+    mismatched: list[str] = []
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        target, shard = _target_name(name, packed)
+        param = params.get(target)
+        if param is None:
+            unexpected.append(f"{name} {tuple(tensor.shape)}")
+            continue
+        try:
+            param.weight_loader(param, tensor, shard)
+        except WeightShapeError as exc:
+            where = target if shard is None else f"{target} (shard {shard!r})"
+            mismatched.append(f"{name} -> {where}: corerun expects {exc.expected}, the checkpoint has {exc.got}")
+            continue
+        loaded.add((id(param), shard))
+    missing = _missing(model, loaded, packed)
+    if mismatched or unexpected or missing:
+        raise ModelLoadError(_problems(model, source, mismatched, unexpected, missing))
+
+
+def _target_name(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, Hashable]:
+    for ckpt_module, (module, shard) in packed.items():
+        part = f".{ckpt_module}."
+        if part in name:
+            return name.replace(part, f".{module}."), shard
+    return name, None
+
+
+def _missing(model: nn.Module, loaded: set[tuple[int, Hashable]], packed: dict[str, tuple[str, str]]) -> list[str]:
+    """Checkpoint names of every parameter (shard) not loaded; a tied parameter counts once, under its first name."""
+    missing = []
+    for name, param in model.named_parameters():
+        for shard in getattr(param, "shard_ids", (None,)):
+            if (id(param), shard) not in loaded:
+                missing.append(_checkpoint_name(name, shard, packed))
+    return missing
+
+
+def _checkpoint_name(name: str, shard: Hashable, packed: dict[str, tuple[str, str]]) -> str:
+    for ckpt_module, (module, packed_shard) in packed.items():
+        if packed_shard == shard and f".{module}." in name:
+            return name.replace(f".{module}.", f".{ckpt_module}.")
+    return name if shard is None else f"{name} (shard {shard!r})"
+
+
+def _problems(model: nn.Module, source: str, mismatched: list[str], unexpected: list[str], missing: list[str]) -> str:
+    lines = [f"cannot load the weights in {source} into {type(model).__name__}:"]
+    for title, names in (("shape mismatches", mismatched), ("unexpected weights", unexpected), ("missing weights", missing)):
+        if names:
+            lines.append(f"  {title} ({len(names)}):")
+            lines += [f"    {n}" for n in names[:_SHOWN]]
+            if len(names) > _SHOWN:
+                lines.append(f"    ... and {len(names) - _SHOWN} more")
+    lines.append("  does config.json (architectures, sizes, tie_word_embeddings) describe these weights?")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

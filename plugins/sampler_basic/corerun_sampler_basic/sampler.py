@@ -1,0 +1,94 @@
+"""The ``basic`` sampler: temperature scaling, greedy rows, exponential-race sampling, per-request seeds."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from corerun import ConfigError, SamplerCapabilities, UnsupportedError
+from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
+from corerun.sampling_params import SamplingParams
+
+from corerun_sampler_basic.noise import exponential_race
+from corerun_sampler_basic.plugin import CAPABILITIES
+
+FULL_HINT = "use `sampler: full` (pip install corerun-sampler-full), which honours them"
+
+
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list -> a tensor on ``device``; through pinned memory and a non-blocking copy on CUDA (no sync)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def check_logits(logits: torch.Tensor, batch_size: int, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless ``logits`` is a floating ``[batch_size, vocab_size]`` tensor."""
+    if logits.dim() != 2 or tuple(logits.shape) != (batch_size, vocab_size) or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a float tensor [batch_size={batch_size}, vocab_size={vocab_size}], "
+            f"got {logits.dtype} {list(logits.shape)}"
+        )
+
+
+class BasicSampler:
+    """Greedy (``temperature == 0``) or softmax(logits / temperature) sampling, mixed freely in one batch.
+
+    Honours ``temperature`` and ``seed``; :meth:`check` refuses every other sampling parameter.
+    ``sample`` makes no host sync: per-request values become tensors once per step, and a
+    ``torch.where`` merges greedy and random rows.
+    """
+
+    name: ClassVar[str] = "basic"
+    capabilities: ClassVar[SamplerCapabilities] = CAPABILITIES
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", **options: Any) -> None:
+        if options:
+            raise ConfigError(f"sampler '{self.name}' takes no options, got {sorted(options)}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise :class:`UnsupportedError` naming every parameter set that ``basic`` does not honour."""
+        unsupported = self.capabilities.check(params)
+        if unsupported:
+            named = ", ".join(f"{field}={getattr(params, field)!r}" for field in unsupported)
+            raise UnsupportedError(f"sampler '{self.name}'", [f"does not honour {named}", FULL_HINT])
+        params.check_vocab(self.vocab_size)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits`` float ``[B, V]`` (any float dtype; not modified) -> ``sampled_token_ids`` int64 ``[B]``."""
+        check_logits(logits, metadata.batch_size, self.vocab_size)
+        params = metadata.params
+        greedy = [p.greedy for p in params]
+        x = logits.to(torch.float32)
+        if all(greedy):
+            return SamplerOutput(x.argmax(dim=-1))
+        temperature = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32, x.device)
+        probs = torch.softmax(x / temperature[:, None], dim=-1)
+        seeded = [
+            (i, p.seed, len(metadata.output_token_ids[i]))
+            for i, p in enumerate(params)
+            if p.seed is not None and not greedy[i]
+        ]
+        tokens = exponential_race(probs, seeded, self._generator(x.device))
+        if any(greedy):
+            tokens = torch.where(to_device(greedy, torch.bool, x.device), x.argmax(dim=-1), tokens)
+        return SamplerOutput(tokens)
+
+    def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+        """Not provided by ``basic``: raises :class:`UnsupportedError`."""
+        raise UnsupportedError(
+            f"sampler '{self.name}'",
+            [f"does not compute prompt logprobs (asked for {num_logprobs})",
+             "use `sampler: full` (pip install corerun-sampler-full), which does"],
+        )
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]

