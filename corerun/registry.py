@@ -64,9 +64,15 @@ class Registration:
     probe: str | Callable[[], list[str]] | None = None
     options: Any = None  # pydantic model class
     protocol_version: int = PROTOCOL_VERSION
-    priority: int = 0
+    priority: int | dict[str, int] = 0  # or per device type: {"cuda": 10, "cpu": -10}
     description: str = ""
     _reasons: list[str] | None = field(default=None, repr=False)
+
+    def priority_on(self, device_type: str) -> int:
+        """The priority ``auto`` uses on a device type."""
+        if isinstance(self.priority, dict):
+            return int(self.priority.get(device_type, self.priority.get("default", 0)))
+        return int(self.priority)
 
     @property
     def builtin(self) -> bool:
@@ -244,7 +250,7 @@ class Registry:
             probe: str | Callable[[], list[str]] | None = None,
             options: Any = None,
             protocol_version: int = PROTOCOL_VERSION,
-            priority: int = 0,
+            priority: int | dict[str, int] = 0,
             description: str = "",
         ) -> None:
             if protocol_version != PROTOCOL_VERSION:
@@ -334,10 +340,11 @@ class Registry:
                 candidates.append(reg)
         if not candidates:
             raise PluginUnavailableError(KIND_TITLES["attention"], "auto", rejected or ["no attention backend is installed"])
-        best = max(candidates, key=lambda r: (r.priority, r.name))
-        others = ", ".join(f"{r.name} (priority {r.priority})" for r in candidates if r is not best)
+        dev = getattr(spec.device, "type", str(spec.device))
+        best = max(candidates, key=lambda r: (r.priority_on(dev), r.name))
+        others = ", ".join(f"{r.name} (priority {r.priority_on(dev)})" for r in candidates if r is not best)
         logger.info(
-            "attention: auto chose '%s' (priority %d)%s%s", best.name, best.priority,
+            "attention: auto chose '%s' (priority %d on %s)%s%s", best.name, best.priority_on(dev), dev,
             f"; also capable: {others}" if others else "",
             f"; not capable: {' | '.join(rejected)}" if rejected else "",
         )

@@ -8,6 +8,8 @@ The cache-folder rules are tested with a stand-in conversion, in a temporary cac
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,19 @@ def test_converts_once_then_reuses(fake, tmp_path):
     assert len(fake.calls) == 1
     assert fake.calls[0].parent == first.parent and fake.calls[0] != first  # written elsewhere, then renamed
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temporary folder left
+    assert first.stat().st_mode & 0o777 == 0o755
+
+
+def test_abandoned_temporary_folders_are_removed(fake, tmp_path):
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    old, recent = models / ".SmolLM2-135M-Instruct.Q4_1-bfloat16.dead", models / ".SmolLM2-135M-Instruct.Q4_1-bfloat16.live"
+    for folder in (old, recent):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    os.utime(old, (time.time() - 86400, time.time() - 86400))
+    default_model_dir()
+    assert not old.exists() and recent.exists()  # a recent one may belong to a running conversion
 
 
 def test_interrupted_conversion_leaves_nothing(monkeypatch, tmp_path):

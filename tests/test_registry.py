@@ -385,10 +385,23 @@ def test_auto_picks_the_best_capable_available_backend(caplog: pytest.LogCapture
     with caplog.at_level(logging.INFO, logger="corerun.registry"):
         assert reg.select_attention("auto", spec(torch.float16)).name == "good"
     (record,) = caplog.records
-    assert "auto chose 'good' (priority 10)" in record.message
+    assert "auto chose 'good' (priority 10 on cpu)" in record.message
     assert "also capable: torch (priority 0)" in record.message
     assert "fastest: needs a CUDA device" in record.message and "fast: dtype float16 not in {bfloat16}" in record.message
     assert reg.select_attention("auto", spec(torch.bfloat16)).name == "fast"
+
+
+def test_priority_may_depend_on_the_device_type() -> None:
+    plugin = Provides(
+        attention=[
+            ("gpu_first", Recorder(), {"priority": {"cuda": 30, "cpu": -10}}),
+            ("steady", Recorder(), {"priority": {"default": 5}}),
+        ]
+    )
+    reg = builtins_only((plugin, "mine", "corerun-mine"))
+    assert reg.select_attention("auto", spec(device="cpu")).name == "steady"
+    assert reg.get("attention", "gpu_first").priority_on("cuda") == 30
+    assert reg.get("attention", "steady").priority_on("cuda") == 5
 
 
 def test_auto_with_no_capable_backend_lists_every_reason() -> None:
@@ -434,6 +447,7 @@ def test_get_registry_reads_the_environment_once(monkeypatch: pytest.MonkeyPatch
 
 def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.delenv("CORERUN_PLUGINS", raising=False)
     empty = Provides()
 
     class Crashes:
@@ -450,6 +464,7 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
     assert [(i["kind"], i["name"]) for i in doc["implementations"]] == [
         ("attention", "torch"), ("kv_cache", "paged"), ("graph", "cuda"), ("graph", "eager")
     ]
+    assert doc["not_loaded"] == []  # CORERUN_PLUGINS is unset: nothing was left out on purpose
     render(doc)
     out = capsys.readouterr().out
     assert "provides nothing" in out and "not checked" in out

@@ -8,15 +8,14 @@ One session-wide site (``pip install --target``) holds four throw-away distribut
 - ``corerun-twin-a`` / ``corerun-twin-b``: both register a sampler named ``twin`` (twin-b also ``solo``).
 
 corerun and the repository's own plugins come from the test environment; the subprocesses see the
-site through ``PYTHONPATH`` and run the real ``corerun`` console script.
+site through ``PYTHONPATH`` and run the ``corerun`` console script, or the CLI group and the registry
+inside a fresh interpreter when the test also inspects what that interpreter imported.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -141,7 +140,8 @@ def listing(site: Site) -> dict:
     )
     doc_text, table = check(done).split(SEPARATOR + "\n")
     doc = json.loads(doc_text)
-    doc["factories_imported"] = json.loads(done.stderr.strip().splitlines()[-1])["factories_imported"]
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith('{"factories_imported"')]
+    doc["factories_imported"] = json.loads(line)["factories_imported"]
     doc["table"] = table
     return doc
 
@@ -279,40 +279,61 @@ def test_table_lists_plugins_conflicts_and_load_errors(listing: dict) -> None:
 
 
 SELECT = """
-    import json, sys
+    import io, json, os, sys
+    from contextlib import redirect_stdout
+
     import torch
+    from corerun.cli import cli
     from corerun.config import load_config
     from corerun.errors import PluginUnavailableError
     from corerun.protocols import AttentionSpec
     from corerun.registry import get_registry
 
-    cfg = load_config({path!r})
-    reg = get_registry()
-    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, dtype=torch.float32, block_size=16, device=torch.device("cpu"))
-    out = {{}}
-    try:
-        chosen = reg.select_attention(cfg.attention.name, spec)
-    except PluginUnavailableError as exc:
-        print(json.dumps({{"unavailable": exc.reasons}}))
-        sys.exit(0)
-    out["chosen"] = [chosen.name, chosen.distribution, chosen.plugin]
-    out["imported_before_create"] = "corerun_attention_mine.backend" in sys.modules
-    backend = chosen.create(spec, options=cfg.attention.options)
-    out["backend"] = [type(backend).__module__, type(backend).__name__, [c.__name__ for c in type(backend).__mro__]]
-    out["window"] = backend.window
-    out["bytes_per_block"] = backend.kv_cache_bytes_per_block()
-    try:
-        reg.select_attention(cfg.attention.name, AttentionSpec(4, 2, 16, torch.float16, 64, torch.device("cpu")))
-    except PluginUnavailableError as exc:
-        out["float16_reasons"] = exc.reasons
-    print(json.dumps(out))
+
+    def select(path, out):
+        cfg = load_config(path)
+        reg = get_registry(refresh=True)
+        spec = AttentionSpec(4, 2, 16, torch.float32, 16, torch.device("cpu"))
+        try:
+            chosen = reg.select_attention(cfg.attention.name, spec)
+        except PluginUnavailableError as exc:
+            out["unavailable"] = exc.reasons
+            return
+        out["chosen"] = [chosen.name, chosen.distribution, chosen.plugin]
+        out["imported_before_create"] = "corerun_attention_mine.backend" in sys.modules
+        backend = chosen.create(spec, options=cfg.attention.options)
+        out["backend"] = [type(backend).__module__, type(backend).__name__, [c.__name__ for c in type(backend).__mro__]]
+        out["window"] = backend.window
+        out["bytes_per_block"] = backend.kv_cache_bytes_per_block()
+        try:
+            reg.select_attention(cfg.attention.name, AttentionSpec(4, 2, 16, torch.float16, 64, torch.device("cpu")))
+        except PluginUnavailableError as exc:
+            out["float16_reasons"] = exc.reasons
+
+
+    result = {"available": {}, "missing": {}}
+    select(sys.argv[1], result["available"])
+    os.environ["MINE_MISSING"] = "libmine,libother"  # the probe reads it when it runs
+    listing = io.StringIO()
+    with redirect_stdout(listing):
+        cli(["plugins", "--json"], standalone_mode=False)
+    result["missing"]["listing"] = json.loads(listing.getvalue())
+    select(sys.argv[1], result["missing"])
+    print(json.dumps(result))
 """
 
 
-def test_yaml_selects_the_installed_backend(site: Site, tmp_path: Path) -> None:
-    path = tmp_path / "corerun.yaml"
+@pytest.fixture(scope="module")
+def selection(site: Site, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Selection from YAML (``attention: {name: mine, options: {window: 3}}``) in a fresh interpreter:
+    ``available`` with the probe passing, ``missing`` with the probe reporting two missing libraries."""
+    path = tmp_path_factory.mktemp("yaml") / "corerun.yaml"
     path.write_text("attention:\n  name: mine\n  options: {window: 3}\n")
-    out = json.loads(check(site.python(SELECT.format(path=str(path)))))
+    return json.loads(check(site.python(SELECT, args=[str(path)])))
+
+
+def test_yaml_selects_the_installed_backend(selection: dict) -> None:
+    out = selection["available"]
     assert out["chosen"] == ["mine", "corerun-attention-mine", "mine"]
     assert out["imported_before_create"] is False
     module, cls, mro = out["backend"]
@@ -324,15 +345,11 @@ def test_yaml_selects_the_installed_backend(site: Site, tmp_path: Path) -> None:
     assert out["float16_reasons"] == ["dtype float16 not in {float32, float64}", "block size 64 not in {16, 32}"]
 
 
-def test_probe_reasons_are_listed_and_stop_selection(site: Site, tmp_path: Path) -> None:
-    path = tmp_path / "corerun.yaml"
-    path.write_text("attention: mine\n")
-    code = f"from corerun.cli import cli\ncli(['plugins', '--json'], standalone_mode=False)\nprint({SEPARATOR!r})\n"
-    done = site.python(code + textwrap.dedent(SELECT.format(path=str(path))), MINE_MISSING="libmine,libother")
-    doc, selected = check(done).split(SEPARATOR + "\n")
-    mine = _impls(json.loads(doc))[("attention", "mine")]
+def test_probe_reasons_are_listed_and_stop_selection(selection: dict) -> None:
+    mine = _impls(selection["missing"]["listing"])[("attention", "mine")]
     assert (mine["available"], mine["reasons"]) == (False, ["libmine is not installed", "libother is not installed"])
-    assert json.loads(selected) == {"unavailable": ["libmine is not installed", "libother is not installed"]}
+    assert selection["missing"]["unavailable"] == ["libmine is not installed", "libother is not installed"]
+    assert "chosen" not in selection["missing"]
 
 
 def test_empty_allow_list_loads_builtins_only(site: Site) -> None:

@@ -54,10 +54,19 @@ def generate(
                     click.echo(new[shown:], nl=False)
                     shown = len(new)
                 click.echo()
+                _raise_if_failed(out)
         else:
-            for p, out in zip(prompts, llm.generate(texts, params)):
+            outs = llm.generate(texts, params)
+            for p, out in zip(prompts, outs):
                 click.echo(f"{p}{out.outputs[0].text}")
+            for out in outs:
+                _raise_if_failed(out)
     except CorerunError as exc:
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:  # pydantic validation of the sampling flags
         raise click.ClickException(str(exc)) from None
+
+
+def _raise_if_failed(out) -> None:
+    if out.outputs[0].finish_reason == "error":
+        raise click.ClickException(f"request {out.request_id} failed: {out.outputs[0].error}")

@@ -55,7 +55,7 @@ def describe(registry: Registry, probe: bool = True) -> dict[str, Any]:
         "not_loaded": [
             {"plugin": ep.name, "distribution": ep.dist.name if ep.dist is not None else "?"}
             for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
-            if ep.name not in loaded
+            if env is not None and ep.name not in loaded
         ],
     }
 

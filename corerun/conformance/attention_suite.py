@@ -22,7 +22,7 @@ from corerun.errors import UnsupportedError
 
 
 def _fail(case: Case, what: str, problems: list[str]) -> None:
-    pytest.fail(f"{case.full_id}: {what}:\n  - " + "\n  - ".join(problems), pytrace=False)
+    pytest.fail(f"{what}:\n  - " + "\n  - ".join(problems), pytrace=False)
 
 
 class AttentionBackendSuite(ConformanceSuite):
@@ -62,7 +62,7 @@ class AttentionBackendSuite(ConformanceSuite):
         try:
             return spec, case.target.create(spec)
         except UnsupportedError as exc:
-            pytest.fail(f"{case.full_id}: {case.target.label} declares {cfg.id} but refused it: {exc}", pytrace=False)
+            pytest.fail(f"{case.target.label} declares {cfg.id} but refused it: {exc}", pytrace=False)
 
     @staticmethod
     def _seed(case: Case, salt: str = "") -> int:
@@ -247,12 +247,12 @@ class AttentionBackendSuite(ConformanceSuite):
             return
         except Exception as exc:
             pytest.fail(
-                f"{case.full_id}: building for {what} (undeclared) raised {type(exc).__name__}: {exc}; "
+                f"building for {what} (undeclared) raised {type(exc).__name__}: {exc}; "
                 "it must raise corerun.UnsupportedError naming what is unsupported",
                 pytrace=False,
             )
         pytest.fail(
-            f"{case.full_id}: {case.target.label} does not declare {what} ({case.target.capabilities}) but "
+            f"{case.target.label} does not declare {what} ({case.target.capabilities}) but "
             f"constructed {type(backend).__name__} for it; undeclared combinations must raise corerun.UnsupportedError",
             pytrace=False,
         )

@@ -82,7 +82,7 @@ class KVCacheManagerSuite(ConformanceSuite):
             return []
 
     def _fail(self, case: Case, what: str, problem: str) -> None:
-        pytest.fail(f"{case.full_id}: {what}: {problem}", pytrace=False)
+        pytest.fail(f"{what}: {problem}", pytrace=False)
 
     def _expect(self, case: Case, what: str, got: Any, want: Any, context: str) -> None:
         if got != want:

@@ -33,7 +33,7 @@ GREEDY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 def _fail(case: Case, what: str, problems: list[str]) -> None:
-    pytest.fail(f"{case.full_id}: {what}:\n  - " + "\n  - ".join(problems), pytrace=False)
+    pytest.fail(f"{what}:\n  - " + "\n  - ".join(problems), pytrace=False)
 
 
 def _sampler_fields() -> list[str]:
@@ -71,7 +71,7 @@ class SamplerSuite(ConformanceSuite):
             need = {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}.get(check, "seed")
             if need not in declared:
                 return f"{target.name} does not declare {need}"
-            return [("fp32", None)]
+            return [("vocab64" if "logprobs" in check else f"vocab{VOCAB}", None)]
         if check == "undeclared_refused":
             missing = [f for f in _sampler_fields() if f not in declared]
             if not missing:
@@ -175,7 +175,7 @@ class SamplerSuite(ConformanceSuite):
         if "logit_bias" in declared:
             variants.append({"temperature": 0.0, "logit_bias": {int(t): 4.0 for t in torch.randint(vocab, (6,), generator=gen)}})
         if "min_tokens" in declared:
-            variants.append({"temperature": 0.0, "min_tokens": 50, "stop_token_ids": (11, 12)})
+            variants.append({"temperature": 0.0, "min_tokens": 12, "stop_token_ids": (11, 12)})
         if {"top_k", "top_p"} <= declared:
             variants.append({"temperature": 0.0, "top_k": 3, "top_p": 0.5})
         rows, params, prompts, outputs = [], [], [], []

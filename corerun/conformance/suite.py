@@ -45,10 +45,19 @@ class Case:
         return f"{self.target.kind}-{self.target.name}-{self.key}"
 
 
+def _glob(pattern: str) -> str:
+    """``*`` and ``?`` are wildcards; brackets are literal (case ids contain them)."""
+    return "".join("[[]" if c == "[" else "[]]" if c == "]" else c for c in pattern)
+
+
 def expected_failure_reason(patterns: dict[str, str], case: Case) -> str | None:
-    """The reason of the first pattern matching ``check[case]`` (or the bare check name), if any."""
+    """The reason of the first pattern matching ``check[case]`` (or the bare check name), if any.
+
+    Patterns use ``*`` and ``?`` as wildcards (``decode[bf16-*]``); brackets match themselves.
+    """
     for pattern, reason in patterns.items():
-        if fnmatch.fnmatchcase(case.key, pattern) or fnmatch.fnmatchcase(case.check, pattern):
+        glob = _glob(pattern)
+        if fnmatch.fnmatchcase(case.key, glob) or fnmatch.fnmatchcase(case.check, glob):
             if not str(reason).strip():
                 raise ValueError(f"expected failure {pattern!r} has no reason; every expected failure must state why")
             return str(reason)

@@ -9,11 +9,13 @@ keeps far more finely than the 4-bit quantisation step, and the file is half the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -66,7 +68,9 @@ def default_model_dir(progress: bool = True) -> Path:
     if _is_complete(target, source):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would stay on the renamed folder
     try:
         _convert(gguf_path, tmp, progress)
         (tmp / MARKER).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
@@ -99,6 +103,14 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
 
         convert_gguf(gguf_path, out_dir, dtype=DTYPE, on_step=on_step)
         bar.update(stages - bar.n)
+
+
+def _remove_abandoned(target: Path, age_s: float = 6 * 3600) -> None:
+    """Delete temporary folders of conversions killed long ago (a running one is never this old)."""
+    for tmp in target.parent.glob(f".{target.name}.*"):
+        with contextlib.suppress(OSError):
+            if time.time() - tmp.stat().st_mtime > age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _is_complete(folder: Path, source: dict) -> bool:

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 
 @dataclass
@@ -102,10 +103,12 @@ class Site:
         cmd = [script] if script else [sys.executable, "-c", "from corerun.cli import main; main()"]
         return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=self.env(plugins, **extra))
 
-    def python(self, code: str, plugins: str | None = None, timeout: float = 120.0, **extra: str) -> subprocess.CompletedProcess[str]:
-        """Run ``code`` in a fresh interpreter that sees this site."""
+    def python(
+        self, code: str, args: Sequence[str] = (), plugins: str | None = None, timeout: float = 120.0, **extra: str
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``code`` (with ``sys.argv[1:] == args``) in a fresh interpreter that sees this site."""
         return subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
+            [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout,
             env=self.env(plugins, **extra),
         )
 

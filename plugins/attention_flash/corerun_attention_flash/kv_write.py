@@ -33,7 +33,7 @@ def write_kv_by_slot(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
 
     real = slots >= 0  # [T]
-    first = torch.zeros((), dtype=torch.long)  # first real token (0 when none is real)
+    first = torch.argmax(real.to(torch.int32))  # first real token (0 when none is real)
     any_real = real[first]  # 0-dim bool
     fallback_slot = slots[first].clamp(min=0)  # 0-dim
     target = torch.where(real, slots, fallback_slot)

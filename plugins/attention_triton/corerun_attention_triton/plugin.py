@@ -26,7 +26,7 @@ def corerun_attention_backends(register):
         capabilities=CAPABILITIES,
         probe="corerun_attention_triton.probe:probe",
         options=_options_model(),
-        priority=10,
+        priority={"cuda": 10, "cpu": -10},  # the interpreter on CPU is far slower than the torch reference
         description=(
             "Triton unified paged attention (prefill chunks + decodes in one launch), split-KV decode; "
             "compiled on CUDA, interpreted on CPU"

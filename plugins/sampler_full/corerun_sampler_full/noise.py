@@ -3,6 +3,10 @@
 For probabilities ``p`` and independent ``q_i ~ Exp(1)``, ``argmax_i p_i / q_i`` is distributed as ``p``
 (the index of the first of independent exponential clocks with rates ``p_i`` to ring).  It needs one
 elementwise pass and an argmax, no ``torch.multinomial``, no cumulative sums, and no host sync.
+
+The noise is ``Tensor.exponential_`` on accelerators; on CPU, where torch's ``exponential_`` is scalar
+code (about 3x slower at 152k tokens x 64 rows), it is ``-log(U)`` with ``U ~ torch.rand``: the same
+Exp(1) law, vectorised.
 """
 
 from __future__ import annotations
@@ -44,8 +48,16 @@ def exponential_race(
     """
     noise = torch.empty_like(probs)
     if len(seeded) < probs.shape[0]:
-        noise.exponential_()
+        _exponential_(noise, None)
     for row, seed, step in seeded:
         generator.manual_seed(row_seed(seed, step))
-        noise[row].exponential_(generator=generator)
+        _exponential_(noise[row], generator)
     return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
+
+
+def _exponential_(out: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Fill ``out`` (float32, contiguous) with independent Exp(1) draws."""
+    if out.device.type == "cpu":
+        torch.rand(out.shape, generator=generator, out=out).log_().neg_()
+    else:
+        out.exponential_(generator=generator)

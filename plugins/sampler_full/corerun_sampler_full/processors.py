@@ -37,7 +37,7 @@ def apply_min_tokens(
     vocab_size = logits.shape[1]
     index: list[int] = []
     for row, (low, done, stops) in enumerate(zip(min_tokens, num_output_tokens, stop_token_ids)):
-        if done <= low:
+        if done < low:
             index.extend(row * vocab_size + t for t in set(stops) if 0 <= t < vocab_size)
     if index:
         logits.view(-1).index_fill_(0, to_device(index, torch.int64, logits.device), float("-inf"))

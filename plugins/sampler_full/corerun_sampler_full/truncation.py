@@ -49,7 +49,7 @@ def apply_truncation(
         if not rows:
             continue
         index = to_device(rows, torch.int64, device)
-        sub = logits if len(rows) == batch else logits.index_select(0, index)
+        sub = logits if len(rows) == batch else logits[index]  # (advanced indexing: far faster than index_select on CPU)
         if width < vocab_size:
             ordered = sub.topk(width, dim=-1).values
         else:

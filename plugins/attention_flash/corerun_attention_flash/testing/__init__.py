@@ -11,7 +11,7 @@ What passes under ``emulated()`` shows that the backend hands flash-attn the rig
 documented contract (cumulative lengths, block tables, cache lengths, scale, causal alignment, GQA);
 it says nothing about the CUDA kernels.
 
-Usage, e.g. from a conformance suite or a test::
+Usage in a test::
 
     from corerun_attention_flash.testing import emulated
 
@@ -21,6 +21,18 @@ Usage, e.g. from a conformance suite or a test::
     with emulated("flash_attn_interface") as flash:     # FA3 API, as on a Hopper GPU
         ...
 
+and, for ``corerun.conformance``, as an unregistered factory (a backend built under emulation keeps
+calling the emulator after the context has exited)::
+
+    from corerun.conformance import AttentionBackendSuite
+    from corerun_attention_flash.testing import emulated_capabilities, emulated_factory
+
+    class TestFlashEmulated(AttentionBackendSuite):
+        implementation = "flash-fa2-emulated"
+        factory = staticmethod(emulated_factory("flash_attn"))
+        capabilities = emulated_capabilities()
+        device = "cpu"
+
 Not thread-safe: it swaps ``sys.modules`` entries and a module-level flag for the duration.
 """
 
@@ -28,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -77,12 +89,7 @@ def emulated(library: Library = "flash_attn", *, allow_float64: bool = False) ->
             sys.modules[name] = module if name == library else None  # type: ignore[assignment]
         if allow_float64:
             flash_attn_emulator.ALLOWED_DTYPES.add(torch.float64)
-        caps = FlashAttentionBackend.capabilities
-        yield EmulatedFlash(
-            library=library,
-            module=module,
-            capabilities=dataclasses.replace(caps, devices=caps.devices | {"cpu"}, dtypes=caps.dtypes | extra),
-        )
+        yield EmulatedFlash(library=library, module=module, capabilities=emulated_capabilities(allow_float64=allow_float64))
     finally:
         flash_attn_emulator.ALLOWED_DTYPES.clear()
         flash_attn_emulator.ALLOWED_DTYPES.update(saved_dtypes)
@@ -94,6 +101,24 @@ def emulated(library: Library = "flash_attn", *, allow_float64: bool = False) ->
                 sys.modules[name] = entry
 
 
+def emulated_capabilities(*, allow_float64: bool = False) -> AttentionCapabilities:
+    """The declared capabilities plus device ``cpu`` (and float64): what the backend serves under :func:`emulated`."""
+    caps = FlashAttentionBackend.capabilities
+    extra = frozenset({"float64"}) if allow_float64 else frozenset()
+    return dataclasses.replace(caps, devices=caps.devices | {"cpu"}, dtypes=caps.dtypes | extra)
+
+
+def emulated_factory(library: Library = "flash_attn") -> Callable[..., FlashAttentionBackend]:
+    """``factory(spec, **options)`` building the backend under ``emulated(library)``, for ``corerun.conformance``."""
+
+    def create(spec: AttentionSpec, **options: Any) -> FlashAttentionBackend:
+        with emulated(library) as flash:
+            return flash.create(spec, **options)
+
+    create.__name__ = f"flash_{library}_emulated"
+    return create
+
+
 _MISSING: Any = object()
 
-__all__ = ["EmulatedFlash", "emulated", "flash_attn_emulator", "flash_attn_interface_emulator"]
+__all__ = ["EmulatedFlash", "emulated", "emulated_capabilities", "emulated_factory", "flash_attn_emulator", "flash_attn_interface_emulator"]

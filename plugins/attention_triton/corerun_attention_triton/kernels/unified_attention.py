@@ -120,7 +120,7 @@ def unified_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
     q_abs = context_len + q_pos  # absolute position of each row's token
-    kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len - 1)  # causal horizon of the tile
+    kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)  # causal horizon of the tile
     block_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
 

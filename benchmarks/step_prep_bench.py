@@ -1,0 +1,269 @@
+"""Host-side cost of one step: scheduling + input preparation, corerun vs a per-token Python baseline.
+
+The measured code is corerun's own: an ``LLMEngine`` is built on a tiny random Llama (the model is
+never run, only its runner's ``prepare_inputs``), so the ``Scheduler``, the ``paged`` KV-cache
+manager and ``ModelRunner.prepare_inputs`` are the production objects with the production config.
+Between steps the benchmark does what the engine does after a forward pass (count the computed
+tokens, register full blocks for prefix caching, append a sampled token), untimed.
+
+Scenarios:
+
+- ``decode``: ``N`` running sequences (1, 64, 256 by default), each with ``--context-len`` tokens
+  already in the KV cache (512 by default), each step decoding one token per sequence;
+- ``prefill``: ``N`` fresh prompts of ``--context-len`` tokens scheduled in one step (``--prefill-seqs``).
+
+Every step, both input builders run on the same ``ScheduledBatch``, in alternating order: corerun's
+``prepare_inputs`` (vectorised numpy) and :func:`baseline_prepare`, written here the straightforward
+way (Python lists filled token by token, as nano-vllm's ``prepare_decode`` / ``prepare_prefill``,
+then ``torch.tensor``).  Their outputs are compared for equality before timing.  The table gives
+medians over ``--steps`` steps, and the ratio baseline / corerun.
+
+    python benchmarks/step_prep_bench.py                       # decode 1, 64, 256 at context 512; prefill 1, 16
+    python benchmarks/step_prep_bench.py --seqs 1,64,256 --context-len 512 --steps 100 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from corerun.config import load_config  # noqa: E402
+from corerun.engine.llm_engine import LLMEngine  # noqa: E402
+from corerun.engine.scheduler import ScheduledBatch, Scheduler  # noqa: E402
+from corerun.engine.sequence import Sequence  # noqa: E402
+from corerun.sampling_params import SamplingParams  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- the baseline
+def baseline_prepare(sched: ScheduledBatch, kv: Any, block_size: int, device: torch.device) -> dict[str, Any]:
+    """The same inputs as ``ModelRunner.prepare_inputs``, built token by token in Python lists.
+
+    Returns int64 ``input_ids`` / ``positions`` / ``slot_mapping`` ``[num_tokens]``, int32
+    ``query_start_loc`` ``[R + 1]``, ``seq_lens`` / ``context_lens`` ``[R]``, ``block_tables``
+    ``[R, max blocks]`` (zero-padded), and the sampled rows with their logits indices (lists).
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
+    sampled_rows: list[int] = []
+    logits_indices: list[int] = []
+    for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
+        start = seq.num_computed_tokens
+        table = kv.block_table(seq.seq_id)
+        for pos in range(start, start + n):
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(start + n)
+        context_lens.append(start)
+        tables.append(table)
+        if start + n == seq.num_tokens:
+            sampled_rows.append(i)
+            logits_indices.append(query_start_loc[-1] - 1)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return {
+        "input_ids": torch.tensor(input_ids, dtype=torch.int64, device=device),
+        "positions": torch.tensor(positions, dtype=torch.int64, device=device),
+        "slot_mapping": torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        "query_start_loc": torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
+        "block_tables": torch.tensor(padded, dtype=torch.int32, device=device),
+        "sampled_rows": sampled_rows,
+        "logits_indices": logits_indices,
+    }
+
+
+def check_same(corerun_out: tuple[Any, Any, Any], base: dict[str, Any]) -> None:
+    """Raise AssertionError unless both builders produced the same inputs."""
+    inputs, rows, logits_indices = corerun_out
+    b = inputs.batch
+    got = {
+        "input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": b.slot_mapping,
+        "query_start_loc": b.query_start_loc, "seq_lens": b.seq_lens, "context_lens": b.context_lens,
+        "block_tables": b.block_tables,
+    }
+    for key, value in got.items():
+        ref = base[key]
+        if value.dtype != ref.dtype or value.shape != ref.shape or not torch.equal(value.cpu(), ref.cpu()):
+            raise AssertionError(f"prepare_inputs and the baseline disagree on {key}: {value} vs {ref}")
+    if rows.tolist() != base["sampled_rows"] or logits_indices.tolist() != base["logits_indices"]:
+        raise AssertionError("prepare_inputs and the baseline disagree on the sampled rows / logits indices")
+
+
+# ----------------------------------------------------------------------------- the setup
+def build_engine(model_dir: Path, num_seqs: int, context_len: int, block_size: int, extra_tokens: int, device: str) -> LLMEngine:
+    """A production engine on the tiny model, with room for ``num_seqs`` sequences of ``context_len + extra_tokens``."""
+    blocks = num_seqs * -(-(context_len + extra_tokens + 1) // block_size) + 16
+    cfg = load_config(
+        None,
+        overrides={
+            "model": str(model_dir), "device": device, "dtype": "float32", "attention": "torch", "graph": {"runner": "eager"},
+            "kv_cache": {"block_size": block_size, "num_blocks": blocks},
+            "scheduler": {"max_num_seqs": max(num_seqs, 1), "max_num_batched_tokens": max(8192, context_len)},
+        },
+    )
+    return LLMEngine(cfg)
+
+
+def add_prompts(engine: LLMEngine, num_seqs: int, context_len: int, rng: random.Random, max_tokens: int) -> list[Sequence]:
+    vocab = engine.runner.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = []
+    for _ in range(num_seqs):
+        seq = engine.make_sequence([rng.randrange(vocab) for _ in range(context_len)], params)
+        engine.requests[seq.request_id] = seq
+        engine.scheduler.add(seq)
+        seqs.append(seq)
+    return seqs
+
+
+def after_step(engine: LLMEngine, sched: ScheduledBatch, rng: random.Random) -> None:
+    """What the engine does once the model has run: computed tokens, prefix-cache blocks, sampled tokens."""
+    vocab = engine.runner.vocab_size
+    for seq, n in zip(sched.seqs, sched.num_new):
+        seq.num_computed_tokens += n
+        engine.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(rng.randrange(vocab))
+
+
+def timed_step(engine: LLMEngine, step: int) -> tuple[ScheduledBatch, float, float, float]:
+    """One step's schedule, then both builders in alternating order; returns the batch and three times (s)."""
+    runner = engine.runner
+    t0 = time.perf_counter()
+    sched = engine.scheduler.schedule()
+    t1 = time.perf_counter()
+    times = {}
+    order = ("corerun", "baseline") if step % 2 == 0 else ("baseline", "corerun")
+    outs: dict[str, Any] = {}
+    for name in order:
+        s = time.perf_counter()
+        if name == "corerun":
+            outs[name] = runner.prepare_inputs(sched)
+        else:
+            outs[name] = baseline_prepare(sched, engine.kv, runner.block_size, runner.device)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        times[name] = time.perf_counter() - s
+    if step < 2:
+        check_same(outs["corerun"], outs["baseline"])
+    return sched, t1 - t0, times["corerun"], times["baseline"]
+
+
+def bench_decode(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(num_seqs)
+    total = args.warmup + args.steps
+    engine = build_engine(model_dir, num_seqs, args.context_len, args.block_size, total + 1, args.device)
+    add_prompts(engine, num_seqs, args.context_len, rng, max_tokens=total + 8)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        after_step(engine, engine.scheduler.schedule(), rng)  # prefill, untimed
+    rows = []
+    for step in range(total):
+        sched, t_sched, t_core, t_base = timed_step(engine, step)
+        if sched.num_decodes != num_seqs or len(sched.seqs) != num_seqs:
+            raise AssertionError(f"expected a decode step of {num_seqs} sequences, got {sched.num_decodes} decodes of {len(sched.seqs)}")
+        if step >= args.warmup:
+            rows.append((t_sched, t_core, t_base))
+        after_step(engine, sched, rng)
+    return summarize("decode", num_seqs, num_seqs, args.context_len, rows)
+
+
+def bench_prefill(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(10_000 + num_seqs)
+    engine = build_engine(model_dir, num_seqs, args.context_len, args.block_size, 1, args.device)
+    rows = []
+    for step in range(args.warmup + args.steps):
+        engine.kv.reset()  # untimed: a fresh cache and queue, so each step is a first prefill
+        engine.scheduler = Scheduler(
+            engine.kv, max_num_seqs=engine.scheduler.max_num_seqs,
+            max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, chunked_prefill=engine.scheduler.chunked_prefill,
+        )
+        add_prompts(engine, num_seqs, args.context_len, rng, max_tokens=1)
+        sched, t_sched, t_core, t_base = timed_step(engine, step)
+        if sched.num_tokens != num_seqs * args.context_len:
+            raise AssertionError(f"expected one prefill step of {num_seqs * args.context_len} tokens, got {sched.num_tokens}")
+        if step >= args.warmup:
+            rows.append((t_sched, t_core, t_base))
+    return summarize("prefill", num_seqs, num_seqs * args.context_len, args.context_len, rows)
+
+
+def summarize(kind: str, num_seqs: int, num_tokens: int, context_len: int, rows: list[tuple[float, float, float]]) -> dict[str, Any]:
+    med = lambda i: statistics.median(r[i] for r in rows) * 1e6  # noqa: E731  (microseconds)
+    sched_us, core_us, base_us = med(0), med(1), med(2)
+    step_core = statistics.median((r[0] + r[1]) for r in rows) * 1e6
+    step_base = statistics.median((r[0] + r[2]) for r in rows) * 1e6
+    return {
+        "scenario": kind, "num_seqs": num_seqs, "num_tokens": num_tokens, "context_len": context_len, "steps": len(rows),
+        "schedule_us": sched_us, "prepare_corerun_us": core_us, "prepare_baseline_us": base_us,
+        "prepare_ratio": base_us / core_us,
+        "step_corerun_us": step_core, "step_baseline_us": step_base, "step_ratio": step_base / step_core,
+    }
+
+
+def render(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"host cost of one step (median over {args.steps} steps, µs), block size {args.block_size}, device {args.device}")
+    for col in ("scenario", "seqs", "tokens", "schedule", "prepare corerun", "prepare baseline", "baseline / corerun",
+                "step corerun", "step baseline", "step ratio"):
+        table.add_column(col, justify="left" if col == "scenario" else "right")
+    for r in results:
+        table.add_row(
+            f"{r['scenario']} @ {r['context_len']}", str(r["num_seqs"]), str(r["num_tokens"]), f"{r['schedule_us']:.0f}",
+            f"{r['prepare_corerun_us']:.0f}", f"{r['prepare_baseline_us']:.0f}", f"{r['prepare_ratio']:.2f}x",
+            f"{r['step_corerun_us']:.0f}", f"{r['step_baseline_us']:.0f}", f"{r['step_ratio']:.2f}x",
+        )
+    Console().print(table)
+    print("step = schedule + prepare; baseline = per-token Python lists + torch.tensor (same schedule)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="1,64,256", help="decode batch sizes (comma-separated) [1,64,256]")
+    p.add_argument("--prefill-seqs", default="1,16", help="prefill batch sizes; empty to skip [1,16]")
+    p.add_argument("--context-len", type=int, default=512, help="tokens in the cache per sequence (decode), prompt length (prefill)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=50, help="measured steps per scenario")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
+    p.add_argument("--device", default="cpu", help="where prepared tensors go (cpu, cuda)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = p.parse_args(argv)
+    seqs = [int(s) for s in args.seqs.split(",") if s.strip()]
+    prefill = [int(s) for s in args.prefill_seqs.split(",") if s.strip()]
+
+    from tests.helpers.tiny_models import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        longest = args.context_len + args.warmup + args.steps + 64
+        model_dir = make_tiny_model(tmp, "llama", max_position_embeddings=max(longest, 256))
+        results = [bench_decode(model_dir, n, args) for n in seqs]
+        results += [bench_prefill(model_dir, n, args) for n in prefill]
+    if args.json:
+        print(json.dumps({"block_size": args.block_size, "device": args.device, "results": results}, indent=2))
+    else:
+        render(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

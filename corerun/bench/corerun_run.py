@@ -1,0 +1,69 @@
+"""Run the workload through corerun's offline API (``LLM.generate``), after one warm-up request."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from corerun.bench.memory import PeakMemoryMeter
+from corerun.bench.result import RunResult
+from corerun.bench.stats import request_latencies
+from corerun.bench.workload import Workload, warmup_prompt
+from corerun.errors import CorerunError
+
+WARMUP_TOKENS = 8
+
+
+def load_corerun(config: Any) -> tuple[Any, PeakMemoryMeter, float]:
+    """Build ``LLM(config=config)``; returns it, a memory meter started before the load, and the load time (s)."""
+    from corerun.llm import LLM
+    from corerun.model_runner import resolve_device
+
+    meter = PeakMemoryMeter(resolve_device(config.device))
+    meter.start()
+    t0 = time.perf_counter()
+    llm = LLM(config=config)
+    return llm, meter, time.perf_counter() - t0
+
+
+def run_corerun(llm: Any, workload: Workload, meter: PeakMemoryMeter, load_s: float, *, temperature: float = 0.0, warmup: bool = True) -> RunResult:
+    """Time one ``llm.generate`` over the whole workload (``ignore_eos``, exact output lengths)."""
+    from corerun.sampling_params import SamplingParams
+
+    runner = llm.engine.runner
+    if warmup:
+        llm.generate([warmup_prompt(workload, runner.vocab_size)], SamplingParams(temperature=temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    _sync(runner.device)
+    elapsed = time.perf_counter() - t0
+    failed = [(i, o.outputs[0].finish_reason, o.outputs[0].error) for i, o in enumerate(outs) if o.outputs[0].finish_reason != "length"]
+    if failed:
+        i, reason, error = failed[0]
+        raise CorerunError(
+            f"{len(failed)} of {len(outs)} benchmark requests did not run to their length; request {i} ended with "
+            f"finish_reason={reason!r}" + (f": {error}" if error else "")
+        )
+    n_out = [len(o.outputs[0].token_ids) for o in outs]
+    ttft, tpot = request_latencies([o.metrics for o in outs], n_out)
+    return RunResult(
+        engine="corerun",
+        elapsed_s=elapsed,
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+        output_tokens=sum(n_out),
+        peak_memory=meter.read(),
+        load_s=load_s,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        details={"backends": runner.describe(), "model": str(runner.model_dir)},
+        output_token_ids=[list(o.outputs[0].token_ids) for o in outs],
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,71 @@
+"""A small correct temperature / top-k / top-p sampler and two broken variants of it."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from corerun.capabilities import SamplerCapabilities
+from corerun.errors import UnsupportedError
+from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
+from corerun.sampling_params import SamplingParams
+
+
+class TopPSampler:
+    """Correct: temperature, then top-k, then top-p on the renormalised top-k distribution; multinomial draw."""
+
+    name: ClassVar[str] = "top-p-sampler"
+    capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(params=frozenset({"temperature", "top_k", "top_p"}))
+    temperature_factor: ClassVar[float] = 1.0
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+
+    def check(self, params: SamplingParams) -> None:
+        missing = self.capabilities.check(params)
+        if missing:
+            raise UnsupportedError(f"sampler '{self.name}'", [f"{name} is not supported" for name in missing])
+
+    def _top_p(self, x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        ascending, order = x.sort(dim=-1)
+        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass_up_to <= (1 - top_p)[:, None]
+        drop[:, -1] = False
+        return x.scatter(1, order, ascending.masked_fill(drop, float("-inf")))
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        params = metadata.params
+        x = logits.float()
+        greedy_tokens = x.argmax(dim=-1)
+        temps = torch.tensor([p.temperature for p in params], device=x.device) * self.temperature_factor
+        x = x / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+        ks = torch.tensor([p.top_k if 0 < p.top_k < x.shape[1] else x.shape[1] for p in params], device=x.device)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+        x = self._top_p(x, torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype))
+        drawn = torch.multinomial(x.softmax(dim=-1), 1).squeeze(1)
+        return SamplerOutput(torch.where(temps > 0, drawn, greedy_tokens))
+
+    def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+        lp = logits.float().log_softmax(dim=-1)
+        chosen = lp.gather(1, token_ids[:, None])
+        top = lp.topk(num_logprobs, dim=-1)
+        ranks = (lp > chosen).sum(dim=-1) + 1
+        return LogprobsTensors(torch.cat([token_ids[:, None], top.indices], 1), torch.cat([chosen, top.values], 1), ranks)
+
+
+class IgnoresTopP(TopPSampler):
+    """Broken: accepts top_p (declares it) but never applies it."""
+
+    name = "ignores-top-p"
+
+    def _top_p(self, x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class TemperatureOff(TopPSampler):
+    """Broken: divides by 1.5 x the requested temperature."""
+
+    name = "temperature-off"
+    temperature_factor = 1.5

@@ -1,0 +1,84 @@
+"""The suite rejects deliberately broken implementations, naming the failing check, and accepts the
+correct implementations they were derived from.  Runs through the programmatic runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from corerun.conformance import run
+from tests.broken_impls.attention import DropsLastBlock, IgnoresCausalMask, NaiveAttentionBackend, WritesSlotPlusOne
+from tests.broken_impls.sampler import IgnoresTopP, TemperatureOff, TopPSampler
+
+# One float32 configuration of every attention check plus the refusal checks keeps this file fast;
+# the broken behaviours do not depend on the dtype.
+ATTENTION_KEYWORD = "fp32 or unsupported"
+SAMPLER_KEYWORD = "distribution or undeclared or declared or greedy"
+
+
+def _failed(results: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for r in results:
+        if r.failed:
+            out.setdefault(r.check, []).append(r)
+    return out
+
+
+def test_correct_attention_backend_passes() -> None:
+    results = run("attention", factory=NaiveAttentionBackend, keyword=ATTENTION_KEYWORD)
+    assert not _failed(results), [(r.id, r.reason) for r in results if r.failed]
+    refused = {r.case for r in results if r.check == "unsupported" and r.outcome == "passed"}
+    assert refused == {"dtype-fp64", "hd72", "bs32"}  # what NaiveAttentionBackend leaves undeclared
+    assert sum(r.outcome == "passed" for r in results) >= 12
+
+
+@pytest.mark.parametrize(
+    ("impl", "must_fail", "says"),
+    [
+        (DropsLastBlock, {"decode", "prefill", "mixed", "block_boundaries"}, "relative error"),
+        (IgnoresCausalMask, {"prefill", "prefill_cached_prefix", "decode", "mixed"}, "relative error"),
+        (WritesSlotPlusOne, {"kv_write", "decode", "prefill"}, "slots no token names were written"),
+    ],
+    ids=["drops-last-block", "ignores-causal-mask", "writes-slot-plus-one"],
+)
+def test_broken_attention_backend_rejected(impl: type, must_fail: set[str], says: str) -> None:
+    failed = _failed(run("attention", factory=impl, keyword=ATTENTION_KEYWORD))
+    assert must_fail <= set(failed), f"{impl.name}: expected {sorted(must_fail)} to fail, got {sorted(failed)}"
+    first = sorted(must_fail)[0]
+    assert any(says in r.reason for r in failed[first]), failed[first][0].reason
+    assert "unsupported" not in failed  # the broken ones still refuse what they do not declare
+
+
+def test_correct_sampler_passes() -> None:
+    results = run("sampler", factory=TopPSampler, keyword=SAMPLER_KEYWORD)
+    assert not _failed(results), [(r.id, r.reason) for r in results if r.failed]
+    assert {r.case for r in results if r.check == "distribution" and r.outcome == "passed"} >= {"top_p0.8", "temperature0.7", "top_k5"}
+
+
+def test_sampler_ignoring_top_p_rejected() -> None:
+    failed = _failed(run("sampler", factory=IgnoresTopP, keyword=SAMPLER_KEYWORD))
+    cases = {r.case: r.reason for r in failed.get("distribution", [])}
+    assert "top_p0.8" in cases, sorted(cases)
+    assert "tokens the parameters exclude were drawn" in cases["top_p0.8"]
+    assert "temperature0.7" not in cases and "top_k5" not in cases  # only what involves top_p fails
+
+
+def test_sampler_with_wrong_temperature_rejected() -> None:
+    failed = _failed(run("sampler", factory=TemperatureOff, keyword=SAMPLER_KEYWORD))
+    cases = {r.case: r.reason for r in failed.get("distribution", [])}
+    assert {"default", "temperature0.7", "temperature1.6"} <= set(cases), sorted(cases)
+    assert "chi-square" in cases["temperature0.7"] and "p = " in cases["temperature0.7"]
+    assert "greedy" not in failed  # temperature 0 never divides
+
+
+def test_expected_failures_are_reported_with_reason() -> None:
+    reason = "reads one block too few (tracked upstream)"
+    results = run("attention", factory=DropsLastBlock, keyword="decode and fp32", expected_failures={"decode[fp32-*]": reason})
+    decode = [r for r in results if r.check == "decode"]
+    assert decode and all(r.outcome == "xfailed" and r.reason.startswith(reason) for r in decode)
+    strict = run("attention", factory=NaiveAttentionBackend, keyword="decode and fp32", expected_failures={"decode": reason})
+    assert strict and all(r.outcome == "xpassed" and r.failed for r in strict)
+
+
+def test_expected_failure_needs_a_reason() -> None:
+    with pytest.raises(ValueError, match="no reason"):
+        run("attention", factory=DropsLastBlock, keyword="decode and fp32", expected_failures={"decode": " "})
