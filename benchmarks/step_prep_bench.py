@@ -174,8 +174,13 @@ def bench_decode(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> di
     total = args.warmup + args.steps
     engine = build_engine(model_dir, num_seqs, args.context_len, args.block_size, total + 1, args.device)
     add_prompts(engine, num_seqs, args.context_len, rng, max_tokens=total + 8)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        after_step(engine, engine.scheduler.schedule(), rng)  # prefill, untimed
+    # untimed: prefill every prompt in one step (a budget for all of them), so all contexts start equal
+    budget = engine.scheduler.max_num_batched_tokens
+    engine.scheduler.max_num_batched_tokens = num_seqs * args.context_len
+    after_step(engine, engine.scheduler.schedule(), rng)
+    engine.scheduler.max_num_batched_tokens = budget
+    if any(s.num_computed_tokens != args.context_len for s in engine.scheduler.running) or engine.scheduler.waiting:
+        raise AssertionError("the setup prefill did not bring every sequence to the context length")
     rows = []
     for step in range(total):
         sched, t_sched, t_core, t_base = timed_step(engine, step)

@@ -81,7 +81,7 @@ def build_scenario(
     for n in need:
         own = order[cursor:cursor + n]
         cursor += n
-        pad = [garbage[int(torch.randint(len(garbage), (1,), generator=gen))] for _ in range(width - n)]
+        pad = [garbage[(cursor + i) % len(garbage)] for i in range(width - n)]
         tables.append(own + pad)
     tables += [[0] * width for _ in range(num_padding)]
 

@@ -142,6 +142,9 @@ class ConformanceSuite:
         for spec in (config.getoption("corerun_xfail", None) or []) if config is not None else []:
             pattern, reason = parse_xfail(spec)
             xfails[pattern] = reason
+        for pattern, reason in xfails.items():
+            if not str(reason).strip():
+                raise ValueError(f"expected failure {pattern!r} has no reason; every expected failure must state why")
         return full, device, xfails
 
     def build_cases(self, check: str, target: Target, full: bool, device: str | None) -> list[Case]:

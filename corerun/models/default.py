@@ -2,8 +2,8 @@
 
 ``default_model_dir()`` converts the GGUF file once into a safetensors model folder in corerun's cache
 directory and returns that folder afterwards.  The weights are stored in bfloat16: SmolLM2 was trained
-and released in bfloat16, the GGUF file holds 4-bit (Q4_1) weights whose dequantised values bfloat16
-keeps far more finely than the 4-bit quantisation step, and the file is half the size of float32
+and released in bfloat16, the GGUF file holds 4-bit (Q4_1) weights whose dequantized values bfloat16
+keeps far more finely than the 4-bit quantization step, and the file is half the size of float32
 (about 270 MB instead of 540 MB).  Loading upcasts it to whatever dtype the engine runs in.
 """
 

@@ -2,8 +2,8 @@
 
 Rules:
 
-- weights come from ``model.safetensors.index.json`` and the shards it names, or else from every
-  ``*.safetensors`` file in the folder;
+- weights come from ``model.safetensors.index.json`` and the shards it names, else from
+  ``model.safetensors``, else from every ``*.safetensors`` file in the folder;
 - a folder with only pickle weights (``pytorch_model*.bin``) is refused unless ``allow_pickle``
   (unpickling a file can run code); with it they load through ``torch.load(weights_only=True)``;
 - every parameter must be filled (every shard of a merged one), every checkpoint tensor must land
@@ -65,6 +65,8 @@ def find_weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
         return _files_from_index(index)
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         return files

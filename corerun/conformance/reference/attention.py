@@ -33,20 +33,21 @@ def paged_attention_reference(
     kc, vc = k_cache.to("cpu", torch.float64), v_cache.to("cpu", torch.float64)
     num_heads, head_size = q64.shape[1], q64.shape[2]
     num_kv_heads, block_size = kc.shape[2], kc.shape[1]
-    group = num_heads // num_kv_heads
+    kv_head_of = torch.arange(num_heads) // (num_heads // num_kv_heads)  # query head -> its KV head
     out = torch.empty(sum(query_lens), num_heads, head_size, dtype=torch.float64)
     row = 0
     for table, ctx, qlen in zip(block_tables, context_lens, query_lens):
+        seq_len = ctx + qlen
+        # position p of this sequence lives in block table[p // block_size], offset p % block_size
+        keys = torch.stack([kc[table[p // block_size], p % block_size] for p in range(seq_len)])  # [L, Hkv, D]
+        values = torch.stack([vc[table[p // block_size], p % block_size] for p in range(seq_len)])
+        keys, values = keys[:, kv_head_of], values[:, kv_head_of]  # [L, H, D]
         for j in range(qlen):
-            length = ctx + j + 1  # causal: positions 0 .. ctx + j
-            keys = torch.stack([kc[table[p // block_size], p % block_size] for p in range(length)])  # [L, Hkv, D]
-            values = torch.stack([vc[table[p // block_size], p % block_size] for p in range(length)])
-            for h in range(num_heads):
-                kv_head = h // group
-                scores = (keys[:, kv_head, :] @ q64[row, h]) * scale  # [L]
-                weights = torch.exp(scores - scores.max())
-                weights = weights / weights.sum()
-                out[row, h] = weights @ values[:, kv_head, :]
+            visible = ctx + j + 1  # causal: positions 0 .. ctx + j
+            scores = torch.einsum("lhd,hd->hl", keys[:visible], q64[row]) * scale  # [H, visible]
+            weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            out[row] = torch.einsum("hl,lhd->hd", weights, values[:visible])
             row += 1
     return out
 

@@ -1,3 +1,3 @@
-"""temperature-only sampler for corerun."""
+"""corerun-sampler-basic: the `basic` sampler (temperature, greedy, per-request seeds)."""
 
 __version__ = "0.1.0"
