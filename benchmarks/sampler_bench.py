@@ -1,6 +1,6 @@
 """Time one sampling step of the ``full`` sampler against a straightforward sort-based sampler.
 
-    .venv/bin/python benchmarks/sampler_bench.py [--vocab 152064] [--batches 1 64 256] [--device cpu]
+    .venv/bin/python benchmarks/sampler_bench.py [--vocab 152064] [--batches 1 64 256] [--device cpu] [--threads N]
 
 Both run in the same process on the same logits and histories, batch by batch, and the table gives
 the median time per step and the ratio (baseline / full).  The batch mixes four kinds of request:
@@ -105,7 +105,10 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--repeats", type=int, default=0, help="timed runs per batch (default: 20 / 5 / 3 by size)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sampler = FullSampler(args.vocab, device)
 

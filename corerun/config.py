@@ -86,6 +86,23 @@ class SchedulerConfig(_Strict):
         return v
 
 
+class DistributedConfig(_Strict):
+    """How tensor-parallel ranks find each other (used when ``tensor_parallel_size > 1``; see corerun.parallel)."""
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    # None: one host, the engine starts ranks 1..N-1 itself on a free local port.  "env://" (torchrun:
+    # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) or "tcp://host:port": every rank is launched on its host.
+    init_method: str | None = None
+    timeout_s: float = Field(600.0, gt=0.0)  # a collective waiting longer than this fails
+
+    @field_validator("init_method")
+    @classmethod
+    def _init_method(cls, v: str | None) -> str | None:
+        if v is not None and not (v == "env://" or v.startswith("tcp://")):
+            raise ValueError(f"init_method must be null (one host), 'env://' or 'tcp://HOST:PORT', got {v!r}")
+        return v
+
+
 class Config(_Strict):
     """Every knob of an engine. ``Config()`` is a working configuration (the built-in default model)."""
 
@@ -98,6 +115,7 @@ class Config(_Strict):
     graph: GraphConfig = GraphConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     tensor_parallel_size: int = Field(1, ge=1)
+    distributed: DistributedConfig = DistributedConfig()
     seed: int = 0
     skip_tokenizer_init: bool = False
     allow_pickle_weights: bool = False  # load pytorch_model.bin through torch.load (unsafe); safetensors otherwise

@@ -130,14 +130,27 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, dict):
-        return [prompts]
+    """One prompt (text, token ids, ``{"prompt_token_ids": ...}``, a 1-D array) or a list of them -> a list of prompts.
+
+    A flat list holding no string, list, dict or array is one prompt of token ids, so that a bad
+    element (``[1, 2.5]``) is reported as a bad token of that prompt.
+    """
+    if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__iter__"):
+        return [prompts]  # (a non-iterable is refused, by index, when validated)
+    if hasattr(prompts, "tolist"):  # numpy array / torch tensor: 1-D is one prompt, 2-D a batch
+        prompts = prompts.tolist()
+        if not isinstance(prompts, list):
+            return [prompts]
     plist = list(prompts)
-    if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
+    if plist and not any(_is_prompt(p) for p in plist):
         return [plist]  # one prompt given as token ids
     return plist
+
+
+def _is_prompt(p: Any) -> bool:
+    if isinstance(p, (str, bytes, dict, list, tuple)):
+        return True
+    return getattr(p, "ndim", 0) >= 1  # an array or tensor of token ids
 
 
 def _progress(total: int) -> Any:

@@ -209,7 +209,13 @@ class ModelRunner:
     # ----------------------------------------------------------------- step
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
         """Run one step. Raises StepError naming the component that failed."""
-        inputs, rows, logits_indices = self.prepare_inputs(sched)
+        try:
+            inputs, rows, logits_indices = self.prepare_inputs(sched)
+        except Exception as exc:
+            raise StepError(
+                f"preparing the step's inputs failed (block tables from KV-cache manager '{self.kv_manager_name}'): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         try:
             hidden = self.graph.run(inputs)
         except Exception as exc:
@@ -233,7 +239,25 @@ class ModelRunner:
             sampled = out.sampled_token_ids.tolist()  # the step's one host sync
         except Exception as exc:
             raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
+        self._check_sampled(out.sampled_token_ids, sampled, len(seqs))
         return StepResult(sampled, rows.tolist(), out.logprobs, prompt_lp)
+
+    def _check_sampled(self, tokens: torch.Tensor, sampled: Any, batch_size: int) -> None:
+        """A sampler's tokens must be int ``[batch_size]`` inside the vocabulary, or nothing is appended."""
+        problem = ""
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            problem = f"dtype {tokens.dtype}"
+        elif tokens.dim() != 1 or tokens.shape[0] != batch_size:
+            problem = f"shape {list(tokens.shape)}"
+        else:
+            bad = [t for t in sampled if not 0 <= t < self.vocab_size]
+            if bad:
+                problem = f"token ids outside the vocabulary: {bad[:8]}"
+        if problem:
+            raise StepError(
+                f"sampler '{self.sampler_name}' returned {problem}; expected integer token ids "
+                f"[{batch_size}] in [0, {self.vocab_size})"
+            )
 
     def _prompt_logprobs(self, sched: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor) -> dict[int, tuple[int, LogprobsTensors]]:
         """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
@@ -254,6 +278,8 @@ class ModelRunner:
             try:
                 lp = self.sampler.prompt_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
             except Exception as exc:
-                raise StepError(f"sampler '{self.sampler_name}' failed computing prompt logprobs: {exc}") from exc
+                raise StepError(
+                    f"sampler '{self.sampler_name}' failed computing prompt logprobs: {type(exc).__name__}: {exc}"
+                ) from exc
             result[i] = (first + 1, lp)
         return result

@@ -4,15 +4,27 @@ correct implementations they were derived from.  Runs through the programmatic r
 from __future__ import annotations
 
 import pytest
+import torch
 
 from corerun.conformance import run
 from tests.broken_impls.attention import DropsLastBlock, IgnoresCausalMask, NaiveAttentionBackend, WritesSlotPlusOne
+from tests.broken_impls.graph import PaddingRunner, WritesPaddingKV
+from tests.broken_impls.kv_cache import HitsWholePrompt, LeaksOnFree
 from tests.broken_impls.sampler import IgnoresTopP, TemperatureOff, TopPSampler
 
 # One float32 configuration of every attention check plus the refusal checks keeps this file fast;
 # the broken behaviours do not depend on the dtype.
 ATTENTION_KEYWORD = "fp32 or unsupported"
 SAMPLER_KEYWORD = "distribution or undeclared or declared or greedy"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The suites use tiny tensors: on a small shared CPU, intra-op threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _failed(results: list) -> dict[str, list]:
@@ -69,6 +81,26 @@ def test_sampler_with_wrong_temperature_rejected() -> None:
     assert {"default", "temperature0.7", "temperature1.6"} <= set(cases), sorted(cases)
     assert "chi-square" in cases["temperature0.7"] and "p = " in cases["temperature0.7"]
     assert "greedy" not in failed  # temperature 0 never divides
+
+
+def test_leaking_kv_cache_manager_rejected() -> None:
+    failed = _failed(run("kv_cache", factory=LeaksOnFree))
+    assert {"allocation_accounting", "no_leak_random", "exhaustion"} <= set(failed), sorted(failed)
+    assert "num_free_blocks after freeing" in failed["allocation_accounting"][0].reason
+
+
+def test_kv_cache_manager_hitting_the_whole_prompt_rejected() -> None:
+    failed = _failed(run("kv_cache", factory=HitsWholePrompt, keyword="prefix"))
+    assert set(failed) == {"prefix_never_whole_prompt", "prefix_reference_counting"}, sorted(failed)
+    assert "prefix of the whole cached prompt" in failed["prefix_never_whole_prompt"][0].reason
+
+
+def test_graph_runner_padding_rows_must_not_write_kv() -> None:
+    assert not _failed(run("graph", factory=PaddingRunner, keyword="fp32 and not oversize"))
+    failed = _failed(run("graph", factory=WritesPaddingKV, keyword="fp32 and not oversize"))
+    assert {"decode_matches_eager", "padding_isolation"} <= set(failed), sorted(failed)
+    assert "slots no real token names were written" in failed["decode_matches_eager"][0].reason
+    assert "prefill_and_mixed" not in failed  # only padded decode batches carry the bug
 
 
 def test_expected_failures_are_reported_with_reason() -> None:

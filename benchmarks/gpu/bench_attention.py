@@ -12,7 +12,8 @@ bandwidth as a fraction of the device's measured copy bandwidth, for
 Prefill: causal self-attention of fresh prompts (no cached prefix), the plugin against
 ``torch.nn.functional.scaled_dot_product_attention`` on the same shapes (contiguous Q/K/V, GQA
 through ``enable_gqa``), plus one chunk over a long cached prefix (SDPA then needs an explicit mask).
-Throughput is attention FLOPs (``4 * head_size * num_heads * causal pairs``) per second.
+Throughput is attention FLOPs (``4 * head_size * num_heads * causal pairs``) per second.  Backend
+times are whole ``forward`` calls, so they include writing the step's K/V into the cache.
 
 Every timed configuration is also checked against a float32 torch computation of the same step
 (``rel_err``: max |out - ref| / max |ref|); the exit status is 1 when one goes above ``--max-error``.

@@ -70,7 +70,7 @@ def _render(doc: dict[str, Any], results: list[Any]) -> None:
 @click.option("-k", "keyword", default=None, metavar="EXPR", help="Only checks whose id matches, pytest style: 'decode and not bf16'.")
 @click.option("--full-matrix", is_flag=True, default=None, help="The full cross product of declared capabilities (also CORERUN_FULL_MATRIX=1).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Run on this device (default: cuda when available and declared).")
-@click.option("--xfail", "xfails", multiple=True, metavar="PATTERN=REASON", help="Declare an expected failure: fnmatch pattern over 'check[case]' and why.")
+@click.option("--xfail", "xfails", multiple=True, metavar="PATTERN=REASON", help="Declare an expected failure: a pattern over 'check[case]' (* and ? wildcards) and why.")
 def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...]) -> None:
     """Run the conformance suite against KIND:NAME (attention:triton, sampler:full, kv_cache:paged, graph:eager)."""
     try:

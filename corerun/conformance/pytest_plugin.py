@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from corerun.conformance.settings import parse_impl, parse_xfail
+from corerun.conformance.settings import FROM_OPTION, parse_impl, parse_xfail
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -28,7 +28,7 @@ def pytest_addoption(parser: Any) -> None:
     )
     group.addoption(
         "--corerun-xfail", action="append", default=[], metavar="PATTERN=REASON",
-        help="declare an expected failure of the corerun conformance suite: fnmatch PATTERN over "
+        help="declare an expected failure of the corerun conformance suite: PATTERN (* and ? wildcards) over "
         "'check[case]' and its reason (repeatable)",
     )
 
@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     keep, drop = [], []
     for item in items:
         cls = getattr(item, "cls", None)
-        if cls is not None and getattr(cls, "implementation", None) == "--corerun-impl" and getattr(cls, "kind", None) not in kinds:
+        if cls is not None and getattr(cls, "implementation", None) == FROM_OPTION and getattr(cls, "kind", None) not in kinds:
             drop.append(item)
         else:
             keep.append(item)

@@ -10,6 +10,9 @@ import os
 KINDS = ("attention", "kv_cache", "graph", "sampler")
 KIND_ALIASES = {"kv-cache": "kv_cache", "kvcache": "kv_cache", "kv": "kv_cache", "graph_runner": "graph", "graph-runner": "graph"}
 
+# A suite class with ``implementation = FROM_OPTION`` checks the implementations --corerun-impl names.
+FROM_OPTION = "--corerun-impl"
+
 ENV_FULL_MATRIX = "CORERUN_FULL_MATRIX"
 ENV_DEVICE = "CORERUN_DEVICE"
 

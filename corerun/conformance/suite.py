@@ -12,11 +12,10 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from corerun.conformance.settings import env_device, env_full_matrix, parse_impl, parse_xfail
+from corerun.conformance.settings import FROM_OPTION, env_device, env_full_matrix, parse_impl, parse_xfail
 from corerun.conformance.target import Target
 
-# ``implementation = FROM_OPTION`` makes a suite class read its implementations from --corerun-impl.
-FROM_OPTION = "--corerun-impl"
+__all__ = ["FROM_OPTION", "Case", "ConformanceSuite", "expected_failure_reason"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +147,7 @@ class ConformanceSuite:
         return full, device, xfails
 
     def build_cases(self, check: str, target: Target, full: bool, device: str | None) -> list[Case]:
+        """The cases of ``check`` for ``target`` (one skipped case, with the reason, when there are none)."""
         dev = device or self.pick_device(target)
         made = self.configs(check, target, full)
         if isinstance(made, str):

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
+from pydantic import ValidationError
+
 from corerun.config import Config
-from corerun.engine.scheduler import Scheduler
+from corerun.engine.scheduler import ScheduledBatch, Scheduler, SchedulingError
 from corerun.engine.sequence import Sequence, SequenceStatus
 from corerun.errors import RequestError, StepError, UnsupportedError
 from corerun.model_runner import ModelRunner, StepResult
@@ -58,11 +61,15 @@ class LLMEngine:
         return seq.request_id
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Sequence:
+        """Validate one request and build its Sequence (not queued). Raises RequestError naming what is wrong."""
         params = params if params is not None else SamplingParams()
         if isinstance(params, dict):
-            params = SamplingParams(**params)
+            try:
+                params = SamplingParams(**params)
+            except ValidationError as exc:
+                raise RequestError(f"invalid sampling_params: {_validation_details(exc)}") from None
         if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError(f"sampling_params must be a SamplingParams (or a dict of its fields), got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         runner = self.runner
         n = len(token_ids)
@@ -81,16 +88,13 @@ class LLMEngine:
                 raise RequestError(f"{field}={k} is above this engine's max_logprobs={self.config.max_logprobs}")
         try:
             runner.sampler.check(params)
-        except UnsupportedError as exc:
+        except (UnsupportedError, ValueError) as exc:
             raise RequestError(str(exc)) from None
-        longest = min(n + params.max_tokens, runner.max_model_len)
-        need = -(-longest // runner.block_size)
-        if need > runner.num_blocks:
+        except Exception as exc:
             raise RequestError(
-                f"request needs up to {need} KV-cache blocks ({n} prompt + {params.max_tokens} max_tokens, "
-                f"block size {runner.block_size}) but the whole cache has {runner.num_blocks}; "
-                f"lower max_tokens or raise kv_cache.num_blocks / memory"
-            )
+                f"sampler '{runner.sampler_name}' failed checking the sampling parameters: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._check_fits(n, params)
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         seq_id = next(self._seq_ids)
@@ -99,31 +103,68 @@ class LLMEngine:
             request_id=request_id if request_id is not None else str(seq_id), prompt_token_ids=token_ids, params=params, prompt=text, arrival_time=time.perf_counter(),
         )
 
+    def _check_fits(self, n: int, params: SamplingParams) -> None:
+        """Refuse a request that could never be scheduled, however long it waited.
+
+        Its K/V never exceed ``n + max_tokens - 1`` tokens (the last sampled token is not fed back),
+        capped at ``max_model_len - 1``; without chunked prefill a recompute after preemption must
+        also fit in one step's token budget.
+        """
+        runner = self.runner
+        longest = min(n + params.max_tokens, runner.max_model_len) - 1
+        need = -(-longest // runner.block_size)
+        if need > runner.num_blocks:
+            raise RequestError(
+                f"request needs up to {need} KV-cache blocks ({n} prompt + {params.max_tokens} max_tokens, "
+                f"block size {runner.block_size}) but the whole cache has {runner.num_blocks}; "
+                f"lower max_tokens to at most {runner.num_blocks * runner.block_size + 1 - n} "
+                f"or raise kv_cache.num_blocks / memory"
+            )
+        sc = self.config.scheduler
+        if not sc.chunked_prefill and longest > sc.max_num_batched_tokens:
+            raise RequestError(
+                f"request may need {longest} tokens computed in one step ({n} prompt + {params.max_tokens} "
+                f"max_tokens, recomputed whole after a preemption) but scheduler.max_num_batched_tokens is "
+                f"{sc.max_num_batched_tokens} and chunked_prefill is off; shorten the request, raise "
+                f"max_num_batched_tokens, or turn chunked_prefill on"
+            )
+
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty; give at least one token")
             if self.tokenizer is None:
                 raise RequestError(
                     "prompt is text, but this engine has no tokenizer (model folder without tokenizer files, "
                     "or skip_tokenizer_init); pass token ids instead"
                 )
-            if not prompt:
-                raise RequestError("prompt is empty; give at least one token")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, (bytes, bytearray)):
+            raise RequestError("prompt is bytes; give a string or a list of token ids")
+        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:  # numpy array / torch tensor
+            prompt = prompt.tolist()
+        vocab = self.runner.vocab_size
         try:
             ids = list(prompt)
         except TypeError:
-            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+            raise RequestError(
+                f"prompt must be a string or a list of token ids (integers in [0, {vocab})), got {type(prompt).__name__}"
+            ) from None
         if not ids:
             raise RequestError("prompt is empty; give at least one token")
-        vocab = self.runner.vocab_size
         for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) and not (hasattr(t, "__index__") and not isinstance(t, float)):
-                raise RequestError(f"prompt token {i} is {t!r} ({type(t).__name__}); token ids must be integers")
-            t = int(t)
+            try:
+                if isinstance(t, (bool, float, str, bytes)):
+                    raise TypeError
+                t = operator.index(t)
+            except TypeError:
+                raise RequestError(
+                    f"prompt token {i} is {t!r} ({type(t).__name__}); token ids must be integers in [0, {vocab})"
+                ) from None
             if not 0 <= t < vocab:
-                raise RequestError(f"prompt token {i} is {t}, outside the vocabulary [0, {vocab})")
+                raise RequestError(f"prompt token {i} is {t}, outside the vocabulary: token ids must be in [0, {vocab})")
             ids[i] = t
         return None, ids
 
@@ -131,58 +172,102 @@ class LLMEngine:
         """Cancel a request; its blocks are freed at once. Unknown or finished ids are ignored."""
         seq = self.requests.get(request_id)
         if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            seq.finish_time = time.perf_counter()
+            self._finish(seq, "abort", time.perf_counter())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that got a token or finished."""
+        """Run one step; returns the sequences that got a token or finished.
+
+        A plugin raising inside the step ends the requests it was working on (finish_reason
+        ``"error"``, ``error`` naming the plugin) and frees their blocks; the others go on.
+        """
         try:
             sched = self.scheduler.schedule()
-        except Exception as exc:
-            victims = list(self.scheduler.running) + list(self.scheduler.waiting)[:1]
-            return self._fail(victims, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: "
-                              f"{type(exc).__name__}: {exc}")
+        except SchedulingError as exc:
+            culprits = [exc.seq] if exc.seq is not None else list(self.scheduler.running) + list(self.scheduler.waiting)[:1]
+            return self._fail(culprits, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: {exc}")
         if not sched:
-            return []
+            return self._unschedulable(sched)
         self.num_steps += 1
         try:
             result = self.runner.execute(sched, self.eos_token_ids)
         except StepError as exc:
             return self._fail(sched.seqs, str(exc))
+        except Exception as exc:  # a bug outside the plugins: still end only this step's requests
+            logger.exception("step failed outside any plugin")
+            return self._fail(sched.seqs, f"step failed: {type(exc).__name__}: {exc}")
         return self._update(sched, result)
+
+    def _unschedulable(self, sched: ScheduledBatch) -> list[Sequence]:
+        """Nothing was scheduled. With nothing running and nothing preempted, the head of the queue
+        can never be scheduled (the next call would see the same state): end it instead of spinning."""
+        sc = self.scheduler
+        if sched.preempted or sc.running or not sc.waiting:
+            return []
+        head = sc.waiting[0]
+        kv = self.kv
+        return self._fail([head], (
+            f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be scheduled although no other request "
+            f"holds blocks: KV-cache manager '{self.runner.kv_manager_name}' refused its slots "
+            f"({kv.num_free_blocks} of {kv.num_blocks} blocks of {kv.block_size} free), or it does not fit "
+            f"scheduler.max_num_batched_tokens={sc.max_num_batched_tokens} with chunked_prefill off"
+        ))
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        """End ``seq``; a KV-cache manager raising while freeing is logged (the request is finished either way)."""
+        seq.finish_time = now
+        try:
+            self.scheduler.finish(seq, reason)
+        except Exception as exc:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            logger.error(
+                "KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
+                self.runner.kv_manager_name, seq.request_id, type(exc).__name__, exc,
+            )
 
     def _fail(self, seqs: list[Sequence], message: str) -> list[Sequence]:
         logger.error("step failed, %d request(s) end with an error: %s", len(seqs), message)
+        now = time.perf_counter()
         for seq in seqs:
             seq.error = message
-            try:
-                self.scheduler.finish(seq, "error")
-            except Exception:  # the failing plugin may be the KV manager itself
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "error"
-                if seq in self.scheduler.running:
-                    self.scheduler.running.remove(seq)
-            seq.finish_time = time.perf_counter()
+            self._finish(seq, "error", now)
         return seqs
 
-    def _update(self, sched, result: StepResult) -> list[Sequence]:
+    def _update(self, sched: ScheduledBatch, result: StepResult) -> list[Sequence]:
         now = time.perf_counter()
-        touched: list[Sequence] = []
+        # everything that can fail on malformed sampler output first, before any sequence changes
+        try:
+            prompt_lps = {
+                i: _logprob_dicts(lp, sched.seqs[i].params.prompt_logprobs or 0)
+                for i, (_, lp) in result.prompt_logprobs.items()
+            }
+            lp_rows = _logprob_dicts(result.logprobs, None) if result.logprobs is not None else None
+            if lp_rows is not None and len(lp_rows) < len(result.rows):
+                raise ValueError(f"{len(lp_rows)} logprob rows for {len(result.rows)} sampled tokens")
+        except Exception as exc:
+            return self._fail(sched.seqs, f"sampler '{self.runner.sampler_name}' returned malformed logprobs: "
+                              f"{type(exc).__name__}: {exc}")
+        failed: dict[int, str] = {}  # seq_id -> error
         for seq, n in zip(sched.seqs, sched.num_new):
             seq.num_computed_tokens += n
-            self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        for i, (first, lp) in result.prompt_logprobs.items():
+            try:
+                self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            except Exception as exc:
+                failed[seq.seq_id] = (f"KV-cache manager '{self.runner.kv_manager_name}' failed caching the blocks "
+                                      f"of request {seq.request_id!r}: {type(exc).__name__}: {exc}")
+        for i, lps in prompt_lps.items():
             seq = sched.seqs[i]
             if seq.prompt_logprobs is None:
                 seq.prompt_logprobs = [None]
-            seq.prompt_logprobs.extend(_logprob_dicts(lp, seq.params.prompt_logprobs or 0))
-        lp_rows = _logprob_dicts(result.logprobs, None) if result.logprobs is not None else None
+            seq.prompt_logprobs.extend(lps)
+        touched: list[Sequence] = []
         for j, (row, token) in enumerate(zip(result.rows, result.sampled)):
             seq = sched.seqs[row]
+            if seq.seq_id in failed:
+                continue
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
             if seq.first_token_time is None:
@@ -193,9 +278,11 @@ class LLMEngine:
                 seq.logprobs.append({t: v for idx, (t, v) in enumerate(d.items()) if idx <= k or t == token})
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                seq.finish_time = now
+                self._finish(seq, reason, now)
             touched.append(seq)
+        for seq in sched.seqs:
+            if seq.seq_id in failed:
+                touched += self._fail([seq], failed[seq.seq_id])
         return touched
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -234,6 +321,15 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is not None and seq.is_finished:
             del self.requests[request_id]
+
+
+def _validation_details(exc: ValidationError) -> str:
+    """``field: message (got value)`` for each problem pydantic found, on one line."""
+    parts = []
+    for e in exc.errors():
+        field = ".".join(map(str, e["loc"])) or "sampling_params"
+        parts.append(f"{field}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
+    return "; ".join(parts)
 
 
 def _logprob_dicts(lp: LogprobsTensors | None, k: int | None) -> list[dict[int, Logprob]]:

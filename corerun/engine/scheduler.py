@@ -15,7 +15,22 @@ from collections import deque
 from dataclasses import dataclass
 
 from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.errors import StepError
 from corerun.protocols.kv_cache import KVCacheManager
+
+
+class SchedulingError(StepError):
+    """The KV-cache manager raised while the scheduler worked on ``seq`` (``None`` when no sequence was current).
+
+    The scheduler's own state stays consistent: ``seq`` is still in ``running`` or ``waiting``, so the
+    engine can end it (and only it) with an error; allocations already made for others in the same
+    call are kept, and the next ``schedule()`` reuses them.
+    """
+
+    def __init__(self, seq: Sequence | None, cause: BaseException) -> None:
+        self.seq = seq
+        self.cause = cause
+        super().__init__(f"{type(cause).__name__}: {cause}")
 
 
 @dataclass
@@ -54,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self._current: Sequence | None = None  # the sequence the KV-cache manager is working on
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,6 +82,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------- step
     def schedule(self) -> ScheduledBatch:
+        """The next step's batch. Raises :class:`SchedulingError` naming the sequence the KV-cache manager failed on."""
+        self._current = None
+        try:
+            return self._schedule()
+        except Exception as exc:
+            raise SchedulingError(self._current, exc) from exc
+
+    def _schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> num_new
         preempted: list[Sequence] = []
@@ -77,7 +101,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.chunked_prefill and n < seq.num_tokens - seq.num_computed_tokens:
                 break  # whole prefills only: wait for a step with room
-            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n):
+            while not self._allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -93,7 +117,7 @@ class Scheduler:
 
         # 2. waiting sequences in arrival order (preempted ones were put at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+            seq = self._current = self.waiting[0]
             if seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs:
                 # (prompt logprobs need every prompt position's hidden state: no prefix reuse)
                 seq.num_computed_tokens = self.kv.get_computed_prefix(seq.seq_id, seq.token_ids)
@@ -102,7 +126,7 @@ class Scheduler:
             if not self.chunked_prefill and n < remaining:
                 self._release(seq)
                 break
-            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n):
+            if not self._allocate(seq, seq.num_computed_tokens + n):
                 self._release(seq)
                 break
             self.waiting.popleft()
@@ -117,14 +141,20 @@ class Scheduler:
         num_decodes = sum(1 for _, n in items if n == 1)
         return ScheduledBatch([s for s, _ in items], [n for _, n in items], num_decodes, preempted)
 
+    def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        self._current = seq
+        return self.kv.allocate_slots(seq.seq_id, num_tokens)
+
     def _release(self, seq: Sequence) -> None:
         """Undo a failed admission: drop the prefix blocks it claimed."""
+        self._current = seq
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
+        self._current = seq
+        self.kv.free(seq.seq_id)  # first: if it raises, seq is still running, whole
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -133,13 +163,18 @@ class Scheduler:
 
     # ------------------------------------------------------------- finishing
     def finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status is SequenceStatus.RUNNING:
+        """Take ``seq`` out of the queues, mark it finished, then free its blocks.
+
+        The blocks are freed last, so that a KV-cache manager raising in ``free`` leaves the
+        scheduler consistent (the exception propagates; ``seq`` is finished either way).
+        """
+        if seq in self.running:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             try:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.kv.free(seq.seq_id)

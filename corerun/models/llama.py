@@ -10,7 +10,7 @@ and the kernels.  Parameter names follow the Hugging Face checkpoints, except th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -20,7 +20,12 @@ from corerun.models.config import ModelConfig
 from corerun.models.errors import UnsupportedModelError
 from corerun.models.layers import LMHead, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding
 from corerun.models.rotary import RotaryEmbedding
+from corerun.parallel.layers import ParallelLMHead, VocabParallelEmbedding, attention_projections, mlp_projections
+from corerun.parallel.sharding import shard_heads
 from corerun.protocols.attention import AttentionSpec
+
+if TYPE_CHECKING:
+    from corerun.parallel.group import TensorParallelGroup
 
 
 @dataclass(frozen=True)
@@ -34,13 +39,23 @@ class ArchOptions:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding,
+        tp: "TensorParallelGroup | None" = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=opts.o_bias)
+        if tp is None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias)
+            self.o_proj = Linear(q_size, config.hidden_size, bias=opts.o_bias)
+        else:  # tensor parallel: this rank's query heads and the KV heads they use
+            heads = shard_heads(config.num_heads, config.num_kv_heads, tp.rank, tp.world_size)
+            self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+            self.qkv_proj, self.o_proj = attention_projections(
+                config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, heads, opts.qkv_bias, opts.o_bias, tp
+            )
         if opts.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -63,11 +78,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, opts: ArchOptions) -> None:
+    def __init__(self, config: ModelConfig, opts: ArchOptions, tp: "TensorParallelGroup | None" = None) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=opts.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=opts.mlp_bias)
+        if tp is None:
+            self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=opts.mlp_bias)
+            self.down_proj = Linear(size, config.hidden_size, bias=opts.mlp_bias)
+        else:  # tensor parallel: this rank's slice of the intermediate features
+            self.gate_up_proj, self.down_proj = mlp_projections(config.hidden_size, size, opts.mlp_bias, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,12 +94,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding,
+        tp: "TensorParallelGroup | None" = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, opts, rotary_emb)
+        self.self_attn = LlamaAttention(config, layer_idx, opts, rotary_emb, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, opts)
+        self.mlp = LlamaMLP(config, opts, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
@@ -89,11 +110,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, opts: ArchOptions) -> None:
+    def __init__(self, config: ModelConfig, opts: ArchOptions, tp: "TensorParallelGroup | None" = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        if tp is None:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, rotary_emb) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, rotary_emb, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -108,7 +132,12 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(input_ids, positions, ctx)`` returns the final-normed hidden states ``[T, hidden_size]``;
     ``compute_logits`` projects the rows the caller keeps (usually each request's last token).
+
+    ``tp``: this process's tensor-parallel group (:mod:`corerun.parallel`); the model then holds its
+    rank's heads, MLP features and vocabulary rows, and ``attention_spec`` gives the per-rank head counts.
     """
+
+    supports_tensor_parallel: ClassVar[bool] = True
 
     # checkpoint module name -> (corerun module name, shard id)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
@@ -123,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def arch_options(cls, config: ModelConfig) -> ArchOptions:
         return ArchOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias)
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: "TensorParallelGroup | None" = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise UnsupportedModelError(
@@ -131,8 +160,14 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.num_layers = config.num_layers
-        self.model = LlamaModel(config, self.arch_options(config))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.model = LlamaModel(config, self.arch_options(config), tp)
+        if tp is None:
+            self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        else:
+            heads = shard_heads(config.num_heads, config.num_kv_heads, tp.rank, tp.world_size)
+            self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
@@ -141,15 +176,18 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``."""
+        """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``.
+
+        Tensor parallel: every rank must call it with the same rows; rank 0 gets the logits, the others ``None``.
+        """
         return self.lm_head(hidden)
 
     def attention_spec(self, dtype: torch.dtype, block_size: int, device: torch.device | str) -> AttentionSpec:
-        """What every attention layer of this model asks of the attention backend."""
+        """What every attention layer of this model asks of the attention backend (this rank's heads)."""
         c = self.config
         return AttentionSpec(
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_size=c.head_dim,
             dtype=dtype,
             block_size=block_size,

@@ -16,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Callable, Hashable, Iterable, Iterator, Union
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Iterator, Union
 
 import torch
 from torch import nn
 
 from corerun.models.config import ModelConfig, parse_dtype
-from corerun.models.errors import ModelLoadError, folder_listing
+from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
 from corerun.models.layers import WeightShapeError
 from corerun.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from corerun.parallel.group import TensorParallelGroup
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -39,12 +42,14 @@ def load_model(
     dtype: DtypeChoice = "auto",
     device: torch.device | str = "cpu",
     allow_pickle: bool = False,
+    tp: "TensorParallelGroup | None" = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model ``config.json`` names, on ``device`` in ``dtype``, and fill it from the folder's weights.
 
     ``dtype``: a ``torch.dtype`` or its name; ``"auto"`` / ``None`` takes the checkpoint's own (``dtype``
     / ``torch_dtype`` in ``config.json``), float32 when it does not say; or a callable given the
     checkpoint's dtype (``None`` when unknown) that returns the dtype to use.
+    ``tp``: this process's tensor-parallel group; the model is built with, and loads, this rank's slices.
     Returns ``(model, config)``, the model in eval mode with every parameter loaded.
     """
     model_dir = Path(model_dir)
@@ -54,8 +59,10 @@ def load_model(
     if callable(dtype):
         dtype = dtype(config.torch_dtype)
     dtype = parse_dtype(dtype, "dtype argument") or config.torch_dtype or torch.float32
+    if tp is not None and not getattr(model_cls, "supports_tensor_parallel", False):
+        raise UnsupportedModelError(f"{model_cls.__name__} does not support tensor parallelism; use tensor_parallel_size: 1")
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(config)
+        model = model_cls(config) if tp is None else model_cls(config, tp=tp)
     load_weights(model, iterate_weights(files), source=str(model_dir))
     return model.eval(), config
 

@@ -7,7 +7,6 @@ Reads K/V through the block table, one position at a time, exactly as the protoc
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -50,7 +49,3 @@ def paged_attention_reference(
             out[row] = torch.einsum("hl,lhd->hd", weights, values[:visible])
             row += 1
     return out
-
-
-def default_scale(head_size: int) -> float:
-    return 1.0 / math.sqrt(head_size)

@@ -12,6 +12,7 @@ Nothing here imports triton; torch is imported only to ask whether CUDA is avail
 from __future__ import annotations
 
 import os
+import sys
 
 ENV = "TRITON_INTERPRET"
 COMPILED = "compiled on CUDA"
@@ -40,8 +41,15 @@ def will_interpret() -> bool:
 
 
 def mode() -> str:
-    """``"compiled on CUDA"`` or ``"interpreter (TRITON_INTERPRET=1) on CPU"``."""
-    return INTERPRETED if will_interpret() else COMPILED
+    """``"compiled on CUDA"`` or ``"interpreter (TRITON_INTERPRET=1) on CPU"``.
+
+    Once the kernels are imported their mode is fixed, whatever the environment says later.
+    """
+    kernels = sys.modules.get("corerun_attention_triton.kernels")
+    interpret = getattr(kernels, "INTERPRET", None)
+    if interpret is None:
+        interpret = will_interpret()
+    return INTERPRETED if interpret else COMPILED
 
 
 def ensure_mode() -> bool:

@@ -20,7 +20,7 @@ MIN_TRITON = (3, 0)
 
 
 def mode() -> str:
-    """Where the kernels would run if the backend were built now."""
+    """Where the kernels run: fixed once they are imported, else what importing them now would pick."""
     return _mode.mode()
 
 
@@ -37,8 +37,11 @@ def probe() -> list[str]:
     if importlib.util.find_spec("triton") is None:
         reasons.append("triton is not installed (pip install 'triton>=3.0')")
     else:
-        version = md.version("triton")
-        if _version_tuple(version) < MIN_TRITON:
+        try:
+            version = md.version("triton")
+        except md.PackageNotFoundError:  # installed under another distribution name (e.g. pytorch-triton)
+            version = None
+        if version is not None and _version_tuple(version) < MIN_TRITON:
             reasons.append(f"triton {version} is too old; corerun-attention-triton needs triton >= 3.0")
     interpret = _mode.will_interpret()
     if interpret and importlib.util.find_spec("numpy") is None:

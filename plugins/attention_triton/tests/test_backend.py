@@ -9,7 +9,7 @@ import pytest
 import torch
 from triton_attn_cases import make_spec
 
-from corerun import UnsupportedError
+from corerun import PluginError, UnsupportedError
 from corerun.registry import Registry
 
 from corerun_attention_triton import _mode, probe
@@ -57,9 +57,9 @@ def test_registered_through_the_entry_point_with_options():
     assert reg.capabilities.to_dict()["max_head_size"] == 256
     backend = reg.create(make_spec(), options={"num_splits": 4})
     assert isinstance(backend, TritonAttentionBackend) and backend.forced_splits == 4
-    with pytest.raises(Exception, match="num_splits"):
+    with pytest.raises(PluginError, match="num_splits"):
         reg.create(make_spec(), options={"num_splits": 0})
-    with pytest.raises(Exception, match="split_kv"):
+    with pytest.raises(PluginError, match="split_kv"):
         reg.create(make_spec(), options={"split_kv": True})
 
 

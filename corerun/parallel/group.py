@@ -1,0 +1,48 @@
+"""The collectives the parallel layers call, over the process group of this tensor-parallel rank.
+
+The layers see only ``rank``, ``world_size``, ``all_reduce`` and ``gather_last_dim`` (anything with
+those works, as the tests' single-process stand-in shows); the driver and workers also use
+``broadcast`` and ``min_int``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class TensorParallelGroup:
+    """Rank ``rank`` of ``world_size``; collectives run on ``group`` (``None``: torch.distributed's default group).
+
+    ``device`` is where this rank's tensors live (NCCL reduces CUDA tensors, gloo CPU tensors).
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's ``x`` ``[..., k]`` concatenated along the last dimension ``[..., world_size * k]``;
+        other ranks: ``None`` (they only send)."""
+        x = x.contiguous()
+        if self.rank != 0:
+            dist.gather(x, None, dst=0, group=self.group)
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype everywhere), in place; returns ``x``."""
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the ranks."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())

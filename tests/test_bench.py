@@ -1,0 +1,184 @@
+"""``corerun bench``: the workload generator, the latency statistics, and the command end to end.
+
+The statistics are checked against closed-form values worked out by hand below; the command runs
+on a tiny random Llama with three requests (no timing is asserted, only the document's shape and
+the token counts the workload fixes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from corerun.bench.memory import PeakMemoryMeter
+from corerun.bench.stats import percentile, request_latencies, summarize
+from corerun.bench.workload import TOKEN_ID_LIMIT, LengthRange, make_workload, parse_range, warmup_prompt
+from corerun.cli import cli
+from tests.helpers.tiny_models import make_tiny_model
+
+
+# ------------------------------------------------------------------------------ workload
+def test_workload_is_deterministic_for_a_seed():
+    a = make_workload(32, "8:40", "3:9", seed=123, vocab_size=50_000)
+    b = make_workload(32, LengthRange(8, 40), (3, 9), seed=123, vocab_size=50_000)
+    c = make_workload(32, "8:40", "3:9", seed=124, vocab_size=50_000)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert a.prompts != c.prompts
+
+
+def test_workload_matches_an_independent_draw():
+    # the documented draw order, replayed with the standard library: input length, its ids, output length
+    rng = random.Random(7)
+    expected_prompts, expected_outs = [], []
+    for _ in range(5):
+        n = rng.randint(4, 9)
+        expected_prompts.append([rng.randrange(300) for _ in range(n)])
+        expected_outs.append(rng.randint(2, 6))
+    w = make_workload(5, "4:9", "2:6", seed=7, vocab_size=300)
+    assert w.prompts == expected_prompts and w.output_lens == expected_outs
+
+
+def test_workload_respects_ranges_and_vocabulary():
+    w = make_workload(400, "5:17", "2:11", seed=3, vocab_size=97)
+    lens = [len(p) for p in w.prompts]
+    assert min(lens) == 5 and max(lens) == 17  # 400 draws from 13 values reach both ends
+    assert min(w.output_lens) == 2 and max(w.output_lens) == 11
+    ids = {t for p in w.prompts for t in p}
+    assert min(ids) >= 0 and max(ids) < 97 and len(ids) > 90
+    assert w.num_prompt_tokens == sum(lens) and w.num_output_tokens == sum(w.output_lens)
+    big = make_workload(50, 64, 1, seed=0, vocab_size=10**6)
+    assert all(len(p) == 64 for p in big.prompts) and big.output_lens == [1] * 50
+    assert max(t for p in big.prompts for t in p) < TOKEN_ID_LIMIT
+
+
+def test_warmup_prompt_differs_from_the_workload():
+    w = make_workload(8, "16:32", "4:8", seed=5, vocab_size=1000)
+    p = warmup_prompt(w, 1000)
+    assert len(p) == 16 and p == warmup_prompt(w, 1000)
+    assert all(p != q[:16] for q in w.prompts)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("32:128", (32, 128)), ("32 128", (32, 128)), ("64", (64, 64)), (7, (7, 7)), ((2, 3), (2, 3))],
+)
+def test_parse_range(text, expected):
+    r = parse_range(text)
+    assert (r.lo, r.hi) == expected
+
+
+@pytest.mark.parametrize("text", ["128:32", "0:4", "a:b", "1:2:3", ""])
+def test_parse_range_rejects(text):
+    with pytest.raises(ValueError, match="MIN"):
+        parse_range(text)
+
+
+# ---------------------------------------------------------------------------- statistics
+def test_percentile_closed_form():
+    xs = list(range(1, 102))  # 1..101: the q-th percentile is exactly 1 + q
+    random.Random(0).shuffle(xs)
+    assert percentile(xs, 50) == 51 and percentile(xs, 90) == 91 and percentile(xs, 99) == 100
+    assert percentile(xs, 0) == 1 and percentile(xs, 100) == 101
+    # four values: rank q/100 * 3 interpolates between neighbours
+    four = [10.0, 40.0, 20.0, 30.0]
+    assert percentile(four, 50) == pytest.approx(25.0)  # rank 1.5
+    assert percentile(four, 90) == pytest.approx(37.0)  # rank 2.7: 30 + 0.7 * 10
+    assert percentile(four, 99) == pytest.approx(39.7)  # rank 2.97
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(four, 101)
+
+
+def test_summarize_and_request_latencies_closed_form():
+    # request i arrives at 0, gets its first token at 0.1 * (i + 1), and n_out = i + 2 tokens 0.02 s apart
+    metrics, n_out = [], []
+    for i in range(4):
+        first = 0.1 * (i + 1)
+        n = i + 2
+        metrics.append({"arrival_time": 0.0, "first_token_time": first, "finish_time": first + 0.02 * (n - 1)})
+        n_out.append(n)
+    metrics.append({"arrival_time": 1.0, "first_token_time": 1.5, "finish_time": 1.5})  # one token: TTFT only
+    n_out.append(1)
+    ttft, tpot = request_latencies(metrics, n_out)
+    assert ttft == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert tpot == pytest.approx([0.02] * 4)
+    s = summarize(ttft)
+    assert s["median"] == pytest.approx(0.3)
+    assert s["p90"] == pytest.approx(0.46)  # rank 3.6: 0.4 + 0.6 * 0.1
+    assert s["p99"] == pytest.approx(0.496)  # rank 3.96
+    assert summarize([]) == {"median": None, "p90": None, "p99": None}
+
+
+def test_peak_rss_meter_sees_an_allocation():
+    import numpy as np
+
+    meter = PeakMemoryMeter("cpu")
+    meter.start()
+    before = meter.read().bytes
+    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    after = meter.read()
+    del block
+    assert after.kind == "peak_rss" and after.bytes >= before + 60 * 2**20
+
+
+# ------------------------------------------------------------------------------ command
+JSON_KEYS = {"corerun_version", "machine", "workload", "corerun", "hf", "ratio"}
+RUN_KEYS = {
+    "elapsed_s", "load_s", "prompt_tokens", "output_tokens", "output_tokens_per_s", "total_tokens_per_s",
+    "ttft_ms", "tpot_ms", "peak_memory",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bench"), "llama")
+
+
+def _run(args):
+    result = CliRunner().invoke(cli, ["bench", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_bench_json_end_to_end_with_hf(tiny_llama):
+    doc = _run(["--model", str(tiny_llama), "--device", "cpu", "--attention", "torch", "--num-seqs", "3",
+                "--input-len", "4", "12", "--output-len", "3:6", "--seed", "11", "--compare", "hf", "--json"])
+    assert set(doc) == JSON_KEYS
+    w = make_workload(3, "4:12", "3:6", seed=11, vocab_size=256)  # the tiny model's vocabulary
+    assert doc["workload"]["prompt_tokens"] == w.num_prompt_tokens and doc["workload"]["output_tokens"] == w.num_output_tokens
+    assert doc["workload"]["input_len"] == [4, 12] and doc["workload"]["num_seqs"] == 3
+    for side in ("corerun", "hf"):
+        run = doc[side]
+        assert RUN_KEYS <= set(run)
+        assert run["prompt_tokens"] == w.num_prompt_tokens and run["output_tokens"] == w.num_output_tokens
+        assert run["output_tokens_per_s"] > 0 and run["peak_memory"]["bytes"] > 0
+        assert run["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["elapsed_s"])
+        assert run["total_tokens_per_s"] == pytest.approx((run["prompt_tokens"] + run["output_tokens"]) / run["elapsed_s"])
+    c = doc["corerun"]
+    assert set(c["ttft_ms"]) == {"median", "p90", "p99"} and c["ttft_ms"]["median"] > 0
+    assert c["ttft_ms"]["median"] <= c["ttft_ms"]["p90"] <= c["ttft_ms"]["p99"]
+    assert c["tpot_ms"]["median"] > 0
+    assert c["backends"]["attention"] == "torch" and c["backends"]["device"] == "cpu"
+    hf = doc["hf"]
+    assert hf["batching"] == "batched" and hf["generated_tokens"] == 3 * max(w.output_lens)
+    # greedy on the same float32 weights: transformers must produce the same tokens as corerun
+    assert hf["same_outputs_as_corerun"] == 3
+    assert doc["ratio"]["output_tokens_per_s"] == pytest.approx(c["output_tokens_per_s"] / hf["output_tokens_per_s"])
+
+
+def test_bench_json_without_comparison(tiny_llama):
+    doc = _run(["--model", str(tiny_llama), "--device", "cpu", "--attention", "torch", "--num-seqs", "2",
+                "--input-len", "5:9", "--output-len", "2", "--no-warmup", "--json"])
+    assert set(doc) == JSON_KEYS and doc["hf"] is None and doc["ratio"] is None
+    assert doc["corerun"]["output_tokens"] == 4 and doc["workload"]["warmup"] is False
+
+
+def test_bench_rejects_lengths_beyond_the_model(tiny_llama):
+    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_llama), "--device", "cpu", "--attention", "torch",
+                                      "--input-len", "200:250", "--output-len", "10:20", "--json"])
+    assert result.exit_code != 0 and "max_model_len is 256" in result.output
