@@ -227,7 +227,7 @@ def test_one_bad_prompt_in_a_list_names_its_index_and_queues_nothing(llm: LLM, e
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3))
     assert_idle(llm)
     params = [SamplingParams(), SamplingParams(), SamplingParams(), {"top_p": 0.0}]
-    with pytest.raises(RequestError, match=r"^prompt 3: .*top_p"):
+    with pytest.raises(RequestError, match=r"^prompt 3: invalid sampling_params: top_p: top_p must be in \(0, 1\], got 0.0$"):
         llm.generate([[1, 2, 3], [4, 5], [6, 7], [8]], params)
     assert_idle(llm)
     with pytest.raises(RequestError, match="3 entries but there are 4 prompts"):
@@ -242,8 +242,10 @@ def test_engine_add_request_refuses_without_queueing(llm: LLM, expected: list[in
     engine = llm.engine
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.add_request([1, VOCAB], SamplingParams())
-    with pytest.raises(RequestError, match="invalid sampling_params: .*temperature"):
+    with pytest.raises(RequestError, match="^invalid sampling_params: temperature: .*finite number >= 0.*got nan$"):
         engine.add_request([1, 2], {"temperature": nan})
+    with pytest.raises(RequestError, match="^invalid sampling_params: temprature: unknown field; SamplingParams has .*temperature"):
+        engine.add_request([1, 2], {"temprature": 0.5})
     rid = engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id="taken")
     with pytest.raises(RequestError, match="'taken' is already in use"):
         engine.add_request([3], SamplingParams(), request_id="taken")

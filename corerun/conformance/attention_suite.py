@@ -56,9 +56,10 @@ class AttentionBackendSuite(ConformanceSuite):
         return [(c.id, c) for c in configs]
 
     # ------------------------------------------------------------------ helpers
-    def _backend(self, case: Case, config: AttentionConfig | None = None, device: str | None = None) -> tuple[Any, Any]:
-        cfg = config or case.config
-        spec = cfg.spec(device or case.device)
+    def _backend(self, case: Case) -> tuple[Any, Any]:
+        """``(spec, backend)`` for the case's configuration; refusing a declared one fails the check."""
+        cfg: AttentionConfig = case.config
+        spec = cfg.spec(case.device)
         try:
             return spec, case.target.create(spec)
         except UnsupportedError as exc:

@@ -17,18 +17,17 @@ import pytest
 import torch
 
 from corerun.capabilities import ENGINE_PARAMS
-from corerun.conformance.reference.sampling import boundary_margins, processed_logits, sampling_distribution
+from corerun.conformance.reference.sampling import boundary_margins, processed_logits
 from corerun.conformance.sampler_cases import (
     MIXED_PREFERENCE, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable, base_logits,
 )
-from corerun.conformance.stats import chi_square_fit
+from corerun.conformance.sampler_compare import fit_problems, logprob_problems
 from corerun.conformance.suite import Case, ConformanceSuite
 from corerun.conformance.target import Target
 from corerun.errors import UnsupportedError
 from corerun.protocols.sampler import SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
-LOGPROB_ATOL, LOGPROB_RTOL = 1e-5, 1e-5
 GREEDY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -107,30 +106,12 @@ class SamplerSuite(ConformanceSuite):
         logits = base.repeat(n, 1).to(case.device)
         return self._tokens(case, sampler.sample(logits, meta), n, VOCAB)
 
-    @staticmethod
-    def _fit_problems(dist: DistCase, tokens: torch.Tensor) -> list[str]:
-        params = dist.sampling_params()
-        for name, margin in boundary_margins(base_logits(), params, dist.prompt, dist.output, dist.eos).items():
-            if margin < 1e-3:
-                raise RuntimeError(f"suite input for {dist.name} sits {margin:g} from the {name} threshold")
-        probs = sampling_distribution(base_logits(), params, dist.prompt, dist.output, dist.eos)
-        counts = torch.bincount(tokens, minlength=VOCAB).to(torch.float64)
-        problems = []
-        impossible = torch.nonzero((probs == 0) & (counts > 0)).flatten().tolist()
-        if impossible:
-            shown = ", ".join(f"token {t} drawn {int(counts[t])} times" for t in impossible[:5])
-            problems.append(f"{dist.name}: tokens the parameters exclude were drawn: {shown} ({dist.params})")
-        fit = chi_square_fit(counts, probs)
-        if not fit.ok:
-            problems.append(f"{dist.name} ({dist.params}): {fit.describe()}")
-        return problems
-
     # ------------------------------------------------------------------ checks
     def test_distribution(self, case: Case) -> None:
         """Draws follow exactly the distribution the parameters define (chi-square, p > 1e-4); excluded tokens never appear."""
         self.start(case)
         sampler = self._sampler(case, VOCAB)
-        problems = self._fit_problems(case.config, self._draw(case, sampler, case.config, NUM_DRAWS))
+        problems = fit_problems(case.config, self._draw(case, sampler, case.config, NUM_DRAWS))
         if problems:
             _fail(case, "sampling distribution", problems)
 
@@ -150,7 +131,7 @@ class SamplerSuite(ConformanceSuite):
         rows = torch.tensor(which)
         problems = []
         for g, dist in enumerate(groups):
-            problems += self._fit_problems(dist, tokens[rows == g])
+            problems += fit_problems(dist, tokens[rows == g])
         if problems:
             _fail(case, "mixed batch", problems)
 
@@ -160,7 +141,7 @@ class SamplerSuite(ConformanceSuite):
         declared = self.declared(case.target)
         dist = DistCase("seeded-temperature0.7", {"temperature": 0.7}) if "temperature" in declared else DistCase("seeded", {})
         n = NUM_DRAWS // 2
-        problems = self._fit_problems(dist, self._draw(case, self._sampler(case, VOCAB), dist, n, seeds=True))
+        problems = fit_problems(dist, self._draw(case, self._sampler(case, VOCAB), dist, n, seeds=True))
         if problems:
             _fail(case, "seeded sampling distribution", problems)
 
@@ -222,7 +203,7 @@ class SamplerSuite(ConformanceSuite):
         lp = out.logprobs
         if lp is None:
             _fail(case, "logprobs", ["rows asked for logprobs but SamplerOutput.logprobs is None"])
-        problems = self._logprob_problems(raw, tokens, lp, ks)
+        problems = logprob_problems(raw, tokens, lp, ks)
         if problems:
             _fail(case, "logprobs", problems)
 
@@ -234,41 +215,9 @@ class SamplerSuite(ConformanceSuite):
         raw = (torch.randn(n, vocab, generator=gen, dtype=torch.float64) * 2.5).to(torch.float32)
         token_ids = torch.randint(vocab, (n,), generator=gen)
         lp = self._sampler(case, vocab).prompt_logprobs(raw.clone().to(case.device), token_ids.to(case.device), k)
-        problems = self._logprob_problems(raw, token_ids, lp, [k] * n)
+        problems = logprob_problems(raw, token_ids, lp, [k] * n)
         if problems:
             _fail(case, "prompt logprobs", problems)
-
-    @staticmethod
-    def _logprob_problems(raw: torch.Tensor, tokens: torch.Tensor, lp: Any, ks: list[int | None]) -> list[str]:
-        problems: list[str] = []
-        width = 1 + max(k for k in ks if k is not None)
-        ids, vals, ranks = lp.token_ids.cpu(), lp.logprobs.cpu().to(torch.float64), lp.ranks.cpu()
-        if ids.shape[0] != len(ks) or ids.shape[1] < width or vals.shape != ids.shape or tuple(ranks.shape) != (len(ks),):
-            return [f"logprob tensors have shapes {tuple(ids.shape)}, {tuple(vals.shape)}, {tuple(ranks.shape)}; "
-                    f"expected ({len(ks)}, >= {width}) twice and ({len(ks)},)"]
-        for r, k in enumerate(ks):
-            if k is None:
-                continue
-            ref = torch.log_softmax(raw[r].to(torch.float64), dim=-1)
-            tok = int(tokens[r])
-            close = lambda a, b: abs(a - b) <= LOGPROB_ATOL + LOGPROB_RTOL * abs(b)  # noqa: E731
-            if int(ids[r, 0]) != tok:
-                problems.append(f"row {r}: column 0 holds token {int(ids[r, 0])}, the sampled/given token is {tok}")
-            elif not close(vals[r, 0].item(), ref[tok].item()):
-                problems.append(f"row {r}: logprob of token {tok} is {vals[r, 0].item():.6f}, log_softmax of the raw logits gives {ref[tok].item():.6f}")
-            want_rank = 1 + int((ref > ref[tok]).sum())
-            if int(ranks[r]) != want_rank:
-                problems.append(f"row {r}: rank of token {tok} is {int(ranks[r])}, expected {want_rank}")
-            top = torch.topk(ref, k) if k else None
-            for j in range(k):
-                t, v = int(ids[r, 1 + j]), vals[r, 1 + j].item()
-                if t != int(top.indices[j]) or not close(v, top.values[j].item()):
-                    problems.append(
-                        f"row {r}: top-{k} column {j + 1} is token {t} ({v:.6f}); expected token {int(top.indices[j])} "
-                        f"({top.values[j].item():.6f})"
-                    )
-                    break
-        return problems
 
     def test_seeds(self, case: Case) -> None:
         """A seeded request draws the same token alone and inside a batch at another row (same step index)."""

@@ -327,8 +327,12 @@ def _validation_details(exc: ValidationError) -> str:
     """``field: message (got value)`` for each problem pydantic found, on one line."""
     parts = []
     for e in exc.errors():
-        field = ".".join(map(str, e["loc"])) or "sampling_params"
-        parts.append(f"{field}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown field; SamplingParams has {', '.join(SamplingParams.model_fields)}"
+        elif e["loc"] and "got " not in msg:
+            msg += f" (got {e.get('input')!r})"
+        parts.append(f"{'.'.join(map(str, e['loc']))}: {msg}" if e["loc"] else msg)
     return "; ".join(parts)
 
 

@@ -11,7 +11,7 @@ Rooms:
 - ``sharding``   which heads / features / vocabulary rows a rank holds (pure arithmetic, and the checks)
 - ``group``      the collectives the parallel layers call (torch.distributed; gloo on CPU, NCCL on CUDA)
 - ``layers``     column- and row-parallel linear layers, vocabulary-parallel embedding and LM head
-- ``setup``      backend, device and process-group setup for a rank
+- ``process_group`` backend, device and process-group setup for a rank
 - ``step``       a step's inputs packed for the workers, and unpacked there
 - ``local``      one host: rank 0 spawns the workers and talks to them over pipes
 - ``launched``   several hosts: ranks started by ``torchrun`` (or by hand), commands broadcast from rank 0

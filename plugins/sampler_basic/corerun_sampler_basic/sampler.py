@@ -36,8 +36,8 @@ class BasicSampler:
     """Greedy (``temperature == 0``) or softmax(logits / temperature) sampling, mixed freely in one batch.
 
     Honours ``temperature`` and ``seed``; :meth:`check` refuses every other sampling parameter.
-    ``sample`` makes no host sync: per-request values become tensors once per step, and a
-    ``torch.where`` merges greedy and random rows.
+    ``sample`` makes no host sync: per-request values become tensors once per step, and the random
+    rows' draws are written into the greedy argmax with ``index_copy_``.
     """
 
     name: ClassVar[str] = "basic"
@@ -68,17 +68,20 @@ class BasicSampler:
         x = logits.to(torch.float32)
         if all(greedy):
             return SamplerOutput(x.argmax(dim=-1))
-        temperature = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32, x.device)
-        probs = torch.softmax(x / temperature[:, None], dim=-1)
+        # the race runs on the random rows only; ``seeded`` rows index into them
+        rows = [i for i, g in enumerate(greedy) if not g]
+        temperature = to_device([params[i].temperature for i in rows], torch.float32, x.device)
         seeded = [
-            (i, p.seed, len(metadata.output_token_ids[i]))
-            for i, p in enumerate(params)
-            if p.seed is not None and not greedy[i]
+            (j, params[i].seed, len(metadata.output_token_ids[i]))
+            for j, i in enumerate(rows)
+            if params[i].seed is not None
         ]
-        tokens = exponential_race(probs, seeded, self._generator(x.device))
-        if any(greedy):
-            tokens = torch.where(to_device(greedy, torch.bool, x.device), x.argmax(dim=-1), tokens)
-        return SamplerOutput(tokens)
+        generator = self._generator(x.device)
+        if len(rows) == len(params):
+            return SamplerOutput(exponential_race(torch.softmax(x / temperature[:, None], dim=-1), seeded, generator))
+        index = to_device(rows, torch.int64, x.device)
+        tokens = exponential_race(torch.softmax(x[index] / temperature[:, None], dim=-1), seeded, generator)
+        return SamplerOutput(x.argmax(dim=-1).index_copy_(0, index, tokens))
 
     def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
         """Not provided by ``basic``: raises :class:`UnsupportedError`."""

@@ -122,15 +122,18 @@ class FullSampler:
             [1.0 if g else p.top_p for g, p in zip(greedy, params)],
             [0.0 if g else p.min_p for g, p in zip(greedy, params)],
         )
+        # the race runs on the random rows only (noise is the costliest pass); ``seeded`` rows index into them
+        random_rows = [i for i, g in enumerate(greedy) if not g]
         seeded = [
-            (i, p.seed, len(metadata.output_token_ids[i]))
-            for i, p in enumerate(params)
-            if p.seed is not None and not greedy[i]
+            (j, params[i].seed, len(metadata.output_token_ids[i]))
+            for j, i in enumerate(random_rows)
+            if params[i].seed is not None
         ]
-        tokens = exponential_race(x.softmax(dim=-1), seeded, self._generator(x.device))
         if greedy_tokens is None:
-            return tokens
-        return torch.where(to_device(greedy, torch.bool, x.device), greedy_tokens, tokens)
+            return exponential_race(x.softmax(dim=-1), seeded, self._generator(x.device))
+        index = to_device(random_rows, torch.int64, x.device)
+        tokens = exponential_race(x[index].softmax(dim=-1), seeded, self._generator(x.device))
+        return greedy_tokens.index_copy_(0, index, tokens)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

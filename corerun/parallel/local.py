@@ -1,0 +1,274 @@
+"""One host: rank 0 spawns ranks 1..N-1 and sends them commands over pipes.
+
+Rendezvous is a TCPStore rank 0 opens on a free port of 127.0.0.1.  Workers are daemon processes
+(``torch.multiprocessing``, spawn) that ignore Ctrl-C (rank 0 decides), watch rank 0 (its death ends
+them at once) and report their errors on the pipe before they exit.  Rank 0 learns of a failure from
+the report or from the process's exit status; under NCCL a monitor thread also aborts the process
+group when a worker dies, so that rank 0 is not left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.distributed as dist
+
+from corerun.config import Config
+from corerun.parallel.errors import TensorParallelError
+from corerun.parallel.step import Command, Shutdown
+
+logger = logging.getLogger("corerun.parallel")
+
+STOP_GRACE_S = 5.0  # how long a worker gets to leave after Shutdown before it is terminated
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "its process is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"its process was killed by signal {name}"
+    return f"its process exited with code {code}"
+
+
+class LocalWorkers:
+    """Rank 0's handle on ranks ``1..world_size-1`` of this host."""
+
+    def __init__(self, config: Config, world_size: int, backend: str) -> None:
+        import torch.multiprocessing as mp
+
+        timeout = timedelta(seconds=config.distributed.timeout_s)
+        self.world_size, self.backend = world_size, backend
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, True)
+        data = config.model_dump()
+        for rank in range(1, world_size):
+            mine, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=worker_main, args=(rank, world_size, self.store.port, backend, data, theirs),
+                name=f"corerun-tp-rank-{rank}", daemon=True,
+            )
+            self.conns.append(mine)
+            proc.start()
+            self.procs.append(proc)
+            theirs.close()
+        self._monitor = _DeathMonitor(self.procs) if backend == "nccl" else None
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [p.pid for p in self.procs]
+
+    # ---------------------------------------------------------------- startup
+    def wait_for(self, what: str, timeout_s: float) -> None:
+        """Wait until every worker has sent ``(what,)``; raise TensorParallelError naming a rank that failed first."""
+        pending = set(range(1, self.world_size))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            self._raise_failure(pending, f"while {what}")
+            for rank in sorted(pending):
+                conn = self.conns[rank - 1]
+                if conn.poll():
+                    msg = _recv(conn)
+                    if msg is not None and msg[0] == what:
+                        pending.discard(rank)
+                    elif msg is not None and msg[0] == "error":
+                        raise TensorParallelError(f"tensor-parallel rank {rank} failed while {what}: {msg[1]}")
+            remaining = deadline - time.monotonic()
+            if pending and remaining <= 0:
+                ranks = ", ".join(map(str, sorted(pending)))
+                raise TensorParallelError(
+                    f"tensor-parallel rank(s) {ranks} did not report {what!r} within {timeout_s:.0f} s "
+                    "(distributed.timeout_s); see their output above"
+                )
+            if pending:
+                wait([self.conns[r - 1] for r in pending] + [self.procs[r - 1].sentinel for r in pending], min(remaining, 1.0))
+
+    def _raise_failure(self, ranks: set[int], when: str) -> None:
+        for rank in sorted(ranks):
+            proc = self.procs[rank - 1]
+            if proc.exitcode is not None:
+                report = self._error_report(rank)
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed {when}: {report or describe_exit(proc.exitcode)}")
+
+    def _error_report(self, rank: int) -> str | None:
+        conn = self.conns[rank - 1]
+        while conn.poll():
+            msg = _recv(conn)
+            if msg is None:
+                return None
+            if msg[0] == "error":
+                return msg[1]
+        return None
+
+    # ------------------------------------------------------------------ steps
+    def send(self, cmd: Command) -> None:
+        for conn in self.conns:
+            conn.send(cmd)
+
+    def failure(self, grace_s: float) -> tuple[int, str] | None:
+        """The first failed worker's ``(rank, what happened)``; waits up to ``grace_s`` for one to show."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [r for r in range(1, self.world_size) if self.procs[r - 1].exitcode is not None]
+            for rank in range(1, self.world_size):
+                report = self._error_report(rank)
+                if report is not None:
+                    return rank, report
+            if dead:
+                return dead[0], describe_exit(self.procs[dead[0] - 1].exitcode)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            wait(self.conns + [p.sentinel for p in self.procs], remaining)
+
+    # --------------------------------------------------------------- shutdown
+    def close(self, graceful: bool = True) -> None:
+        """Stop every worker (``Shutdown`` first when ``graceful``, then terminate, then kill) and reap it."""
+        if self._monitor is not None:
+            self._monitor.stop()
+        if graceful:
+            self._finalizer()
+        else:
+            self._finalizer.detach()
+            _stop(self.procs, self.conns, False)
+
+
+def _recv(conn: Connection) -> tuple[str, ...] | None:
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _stop(procs: list[Any], conns: list[Connection], graceful: bool) -> None:
+    if graceful:
+        for conn in conns:
+            try:
+                conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+class _DeathMonitor:
+    """Aborts the NCCL process group as soon as a worker dies, so rank 0 does not wait out the collective timeout."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, args=([p.sentinel for p in procs],), daemon=True,
+                                        name="corerun-tp-monitor")
+        self._thread.start()
+
+    def _run(self, sentinels: list[int]) -> None:
+        ready = wait(sentinels + [self._stop_r])
+        if self._stop_r in ready:
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            logger.error("a tensor-parallel worker died; aborting the NCCL process group")
+            abort()
+
+    def stop(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(1.0)
+        os.close(self._stop_w)
+
+
+# ------------------------------------------------------------------ worker side
+class PipeSource:
+    """A worker's end of its pipe: commands in, ``("ready",)`` / ``("error", message)`` out."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def recv(self) -> Command:
+        return self.conn.recv()  # EOFError when rank 0 is gone
+
+    def ready(self) -> None:
+        self.conn.send(("ready",))
+
+    def fail(self, message: str) -> None:
+        try:
+            self.conn.send(("error", message))
+        except OSError:
+            pass
+
+
+def _watch_parent() -> None:
+    """Exit at once when rank 0's process ends (killed, crashed, or gone without shutting down)."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def run() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=run, daemon=True, name="corerun-parent-watch").start()
+
+
+def worker_main(rank: int, world_size: int, port: int, backend: str, config_data: dict[str, Any], conn: Connection) -> None:
+    """A spawned worker: join the group through rank 0's store, then serve (see :func:`corerun.parallel.worker.serve`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent()
+    source = PipeSource(conn)
+    code = 0
+    try:
+        from corerun.config import Config
+        from corerun.parallel.process_group import bind_device, destroy_group, init_group
+        from corerun.parallel.worker import serve
+
+        config = Config.model_validate(config_data)
+        device = bind_device(config, rank, world_size, is_worker=True)
+        conn.send(("started",))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=config.distributed.timeout_s))
+        group = init_group(backend, store, rank, world_size, config.distributed.timeout_s, device)
+        try:
+            serve(config, group, source)
+        finally:
+            destroy_group()
+    except EOFError:
+        code = 0  # rank 0 closed the pipe: nothing left to do
+    except BaseException as exc:
+        from corerun.parallel.worker import failure_message
+
+        traceback.print_exc()
+        source.fail(failure_message(exc))
+        code = 1
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
