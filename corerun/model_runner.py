@@ -56,7 +56,8 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, registry: Registry | None = None) -> None:
+    # tp: this process's tensor-parallel group (corerun.parallel); the model holds this rank's shard
+    def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
         from corerun.graph import choose_graph_runner
         from corerun.kv_cache.sizing import num_blocks_for_budget
         from corerun.models.loader import load_model
@@ -70,6 +71,7 @@ class ModelRunner:
             dtype=lambda model_dtype: resolve_dtype(config.dtype, self.device, model_dtype),
             device=self.device,
             allow_pickle=config.allow_pickle_weights,
+            tp=tp,
         )
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype

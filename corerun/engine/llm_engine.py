@@ -34,7 +34,12 @@ Prompt = str | Seq[int]
 class LLMEngine:
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config, registry)
+        if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (corerun.parallel)
+            from corerun.parallel.driver import TensorParallelRunner
+
+            self.runner: ModelRunner = TensorParallelRunner(config, registry)
+        else:
+            self.runner = ModelRunner(config, registry)
         self.kv = self.runner.kv_manager
         self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(self.runner.model_dir)
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
@@ -321,6 +326,12 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is not None and seq.is_finished:
             del self.requests[request_id]
+
+    def shutdown(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers). Safe to call twice."""
+        close = getattr(self.runner, "shutdown", None)
+        if close is not None:
+            close()
 
 
 def _validation_details(exc: ValidationError) -> str:

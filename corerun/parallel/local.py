@@ -81,7 +81,7 @@ class LocalWorkers:
         pending = set(range(1, self.world_size))
         deadline = time.monotonic() + timeout_s
         while pending:
-            self._raise_failure(pending, f"while {what}")
+            self._raise_failure(pending, "while starting")
             for rank in sorted(pending):
                 conn = self.conns[rank - 1]
                 if conn.poll():
@@ -89,7 +89,7 @@ class LocalWorkers:
                     if msg is not None and msg[0] == what:
                         pending.discard(rank)
                     elif msg is not None and msg[0] == "error":
-                        raise TensorParallelError(f"tensor-parallel rank {rank} failed while {what}: {msg[1]}")
+                        raise TensorParallelError(f"tensor-parallel rank {rank} failed while starting: {msg[1]}")
             remaining = deadline - time.monotonic()
             if pending and remaining <= 0:
                 ranks = ", ".join(map(str, sorted(pending)))
@@ -118,6 +118,10 @@ class LocalWorkers:
         return None
 
     # ------------------------------------------------------------------ steps
+    def quick_check(self) -> tuple[int, str] | None:
+        """A worker that has exited or reported an error, without waiting (a few system calls)."""
+        return self.failure(0.0)
+
     def send(self, cmd: Command) -> None:
         for conn in self.conns:
             conn.send(cmd)

@@ -1,0 +1,217 @@
+"""``TensorParallelRunner``: rank 0 of a tensor-parallel group, a ModelRunner whose steps the workers mirror.
+
+Rank 0 does everything a ModelRunner does (it schedules nothing itself: the engine does, against
+rank 0's KV-cache manager).  Each step it sends the prepared inputs to ranks 1..N-1 before running
+its own forward; each ``compute_logits`` it announces and broadcasts the hidden rows, so that every
+rank takes part in the vocabulary gather.  Only rank 0 samples.
+
+A rank that fails mid-step takes the group down (the others may be waiting in a collective that
+will never complete): the step's requests end with :class:`RankFailedError` ("tensor-parallel rank 1
+failed: ..."), the workers are stopped, and every later step fails with the same message.  Errors
+outside the collectives (a sampler refusing a request) leave the group running.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from corerun.config import Config
+from corerun.engine.scheduler import ScheduledBatch
+from corerun.model_runner import ModelRunner, StepResult
+from corerun.parallel.errors import RankFailedError
+from corerun.parallel.step import LogitsHeader, pack_step
+from corerun.protocols.graph import ModelInputs
+from corerun.registry import Registry
+
+logger = logging.getLogger("corerun.parallel")
+
+FAILURE_GRACE_S = 2.0  # after a failed collective, how long to wait for a worker's report or exit
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0 of ``config.tensor_parallel_size`` ranks; the same attributes and ``execute`` as :class:`ModelRunner`.
+
+    One host (``distributed.init_method`` unset): starts ranks 1..N-1 as child processes.  Launched
+    (``env://`` / ``tcp://``): joins ranks started by torchrun or by hand; on a rank other than 0 it
+    serves rank 0 until shutdown and then exits the process (``SystemExit(0)``).
+    Call :meth:`shutdown` (``llm.engine.shutdown()``) to stop the workers; they also stop when this
+    object is collected, at interpreter exit, and when this process dies.
+    """
+
+    def __init__(self, config: Config, registry: Registry | None = None) -> None:
+        from corerun.parallel.launched import LaunchedWorkers, join, launched_rank, serve_launched
+        from corerun.parallel.local import LocalWorkers
+        from corerun.parallel.process_group import backend_for, bind_device, init_group, prepare_config
+
+        config = prepare_config(config)
+        n, dcfg = config.tensor_parallel_size, config.distributed
+        if dcfg.init_method is not None:
+            rank, local_rank = launched_rank(config)
+            if rank != 0:
+                serve_launched(config)
+                raise SystemExit(0)
+        self._check_model(config)  # before any process starts
+        self._busy = False  # True while the workers may be waiting in a collective for rank 0
+        self._broken: RankFailedError | None = None
+        self.workers: Any = None
+        self._joined = False  # this object joined (and so must leave) the default process group
+        self._finalizer: weakref.finalize | None = None
+        try:
+            if dcfg.init_method is not None:
+                group, store, control = join(config, 0, local_rank, is_worker=False)
+                self.workers = LaunchedWorkers(store, control, n)
+            else:
+                backend = backend_for(config)
+                device = bind_device(config, 0, n, is_worker=False)
+                self.workers = LocalWorkers(config, n, backend)
+                self.workers.wait_for("started", dcfg.timeout_s)
+                group = init_group(backend, self.workers.store, 0, n, dcfg.timeout_s, device)
+            self._joined = True
+            self._finalizer = weakref.finalize(self, _release, self.workers, True, True)
+            self.tp = group
+            super().__init__(config, registry, tp=group)
+            self.workers.wait_for("ready", dcfg.timeout_s)
+            self._agree_num_blocks()
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        self.model = _LeaderModel(self.model, self)
+        self.graph = _TrackedGraph(self.graph, self)
+        logger.info("tensor parallel: %d ranks, %s", n, "launched" if dcfg.init_method else f"workers {self.worker_pids}")
+
+    @staticmethod
+    def _check_model(config: Config) -> None:
+        from corerun.models.config import ModelConfig
+        from corerun.parallel.sharding import check_model
+
+        model_dir = config.model if config.model else ModelRunner._default_model_dir()
+        check_model(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
+
+    def _agree_num_blocks(self) -> None:
+        """Every rank sized its own cache; the engine schedules into the smallest."""
+        agreed = self.tp.min_int(self.num_blocks)
+        if agreed < self.num_blocks:
+            logger.info("tensor parallel: KV cache of %d blocks (the smallest rank's), not %d", agreed, self.num_blocks)
+            kv = self.config.kv_cache
+            self.num_blocks = agreed
+            self.kv_manager = self.registry.create(
+                "kv_cache", kv.manager.name, agreed, self.block_size, prefix_caching=kv.prefix_caching, options=kv.manager.options,
+            )
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 on this host (empty when they were launched elsewhere)."""
+        return [] if self.workers is None else self.workers.pids
+
+    def describe(self) -> dict[str, str]:
+        return {**super().describe(), "tensor_parallel_size": str(self.config.tensor_parallel_size)}
+
+    # ------------------------------------------------------------------ step
+    def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, Any, Any]:
+        """ModelRunner's inputs, sent to the workers too (they start their forward at once)."""
+        inputs, rows, logits_indices = super().prepare_inputs(sched)
+        header, packed = pack_step(inputs)
+        self._busy = True
+        self.workers.send(header)
+        self.tp.broadcast(packed)
+        return inputs, rows, logits_indices
+
+    def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
+        if self._broken is None and self.workers is not None:
+            found = self.workers.quick_check()
+            if found is not None:
+                self._go_down(RankFailedError(found[0], f"tensor-parallel rank {found[0]} failed: {found[1]}"))
+        if self._broken is not None:
+            raise RankFailedError(self._broken.rank, f"{self._broken} (the tensor-parallel group is down; create a new LLM)")
+        try:
+            return super().execute(sched, eos_token_ids)
+        except BaseException as exc:
+            if not self._busy:
+                raise  # outside the collectives (e.g. the sampler): the workers are waiting for the next command
+            failure = self._diagnose(exc)
+            self._go_down(failure)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise
+
+    def _diagnose(self, exc: BaseException) -> RankFailedError:
+        found = self.workers.failure(FAILURE_GRACE_S) if self.workers is not None else None
+        if found is not None:
+            return RankFailedError(found[0], f"tensor-parallel rank {found[0]} failed: {found[1]}")
+        if isinstance(exc, KeyboardInterrupt):
+            return RankFailedError(0, "tensor-parallel rank 0 was interrupted in the middle of a step")
+        return RankFailedError(0, f"tensor-parallel rank 0 failed: {exc}")
+
+    def _go_down(self, failure: RankFailedError) -> None:
+        logger.error("%s; stopping the tensor-parallel group", failure)
+        self._broken = failure
+        self.shutdown(graceful=False)
+
+    # -------------------------------------------------------------- shutdown
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers (graceful: ask first) and leave the process group. Safe to call twice."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        workers, self.workers = self.workers, None
+        joined, self._joined = self._joined, False
+        _release(workers, graceful, joined)
+
+
+def _release(workers: Any, graceful: bool, leave_group: bool) -> None:
+    from corerun.parallel.process_group import destroy_group
+
+    if workers is not None:
+        workers.close(graceful)
+    if leave_group:
+        destroy_group()
+
+
+class _LeaderModel(nn.Module):
+    """Rank 0's model: ``compute_logits`` first announces the rows to the workers and broadcasts them."""
+
+    def __init__(self, inner: nn.Module, runner: TensorParallelRunner) -> None:
+        super().__init__()
+        self.inner = inner
+        self._runner = weakref.ref(runner)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.inner(*args)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]`` (gathered from every rank)."""
+        runner = self._runner()
+        runner._busy = True
+        runner.workers.send(LogitsHeader(hidden.shape[0]))
+        runner.tp.broadcast(hidden.contiguous())
+        logits = self.inner.compute_logits(hidden)
+        runner._busy = False
+        return logits
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "inner":
+                raise
+            return getattr(super().__getattr__("inner"), name)
+
+
+class _TrackedGraph:
+    """Rank 0's graph runner: once its forward returns, every rank has left that step's collectives."""
+
+    def __init__(self, inner: Any, runner: TensorParallelRunner) -> None:
+        self.inner = inner
+        self._runner = weakref.ref(runner)
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        hidden = self.inner.run(inputs)
+        self._runner()._busy = False
+        return hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

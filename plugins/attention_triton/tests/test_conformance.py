@@ -1,0 +1,35 @@
+"""The shared conformance suite, adopted the way any plugin adopts it, and end-to-end equality
+with the torch reference backend through ``LLM``."""
+
+import pytest
+import torch
+
+from corerun.conformance import AttentionBackendSuite
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class TestTritonConformance(AttentionBackendSuite):
+    implementation = "triton"
+
+
+def test_llm_greedy_equals_torch_backend(tmp_path):
+    from corerun import LLM, SamplingParams
+    from tests.helpers.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path, arch="llama")
+    prompts = [[7], list(range(3, 19)), list(range(40, 57)), [9, 8, 7, 6, 5] * 4]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    common = dict(model=model_dir, device="cpu", dtype="float32", kv_cache={"block_size": 16, "num_blocks": 16},
+                  scheduler={"max_model_len": 64, "max_num_batched_tokens": 24})
+    ref = [o.outputs[0].token_ids for o in LLM(attention="torch", **common).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(attention="triton", **common)
+    assert llm.engine.runner.attention_name == "triton"
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
