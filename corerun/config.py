@@ -94,6 +94,7 @@ class DistributedConfig(_Strict):
     # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) or "tcp://host:port": every rank is launched on its host.
     init_method: str | None = None
     timeout_s: float = Field(600.0, gt=0.0)  # a collective waiting longer than this fails
+    start_method: Literal["spawn", "forkserver"] = "spawn"  # how one host starts its workers (forkserver: faster restarts)
 
     @field_validator("init_method")
     @classmethod

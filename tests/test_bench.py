@@ -172,10 +172,22 @@ def test_bench_json_end_to_end_with_hf(tiny_llama):
 
 
 def test_bench_json_without_comparison(tiny_llama):
+    import torch
+
+    threads = torch.get_num_threads()
     doc = _run(["--model", str(tiny_llama), "--device", "cpu", "--attention", "torch", "--num-seqs", "2",
-                "--input-len", "5:9", "--output-len", "2", "--no-warmup", "--json"])
+                "--input-len", "5:9", "--output-len", "2", "--no-warmup", "--threads", "1", "--json"])
     assert set(doc) == JSON_KEYS and doc["hf"] is None and doc["ratio"] is None
     assert doc["corerun"]["output_tokens"] == 4 and doc["workload"]["warmup"] is False
+    assert doc["machine"]["torch_threads"] == 1 and torch.get_num_threads() == threads  # restored afterwards
+
+
+def test_bench_table(tiny_llama):
+    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_llama), "--device", "cpu", "--attention", "torch",
+                                      "--num-seqs", "2", "--input-len", "6", "--output-len", "3"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    for text in ("output tokens/s", "TTFT p99 (ms)", "TPOT median (ms)", "peak RSS (MiB)", "attention=torch"):
+        assert text in result.output
 
 
 def test_bench_rejects_lengths_beyond_the_model(tiny_llama):

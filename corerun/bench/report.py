@@ -1,7 +1,7 @@
 """The benchmark's results as one JSON document and as a rich table.
 
 JSON keys (``corerun bench --json``): ``corerun_version``, ``machine`` (platform, python, torch,
-cpu_count, gpu), ``workload`` (num_seqs, input_len, output_len, seed, prompt_tokens, output_tokens,
+cpu_count, torch_threads, gpu), ``workload`` (num_seqs, input_len, output_len, seed, prompt_tokens, output_tokens,
 temperature, warmup), ``corerun`` (elapsed_s, load_s, prompt_tokens, output_tokens,
 output_tokens_per_s, total_tokens_per_s, ttft_ms and tpot_ms as {median, p90, p99}, peak_memory
 {bytes, kind, reset}, backends, model), ``hf`` (the same keys, ttft/tpot null, plus batching,
@@ -52,6 +52,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 

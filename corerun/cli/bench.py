@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import click
 
@@ -50,50 +51,77 @@ class _BenchCommand(click.Command):
 @click.option("--hf-batching", type=click.Choice(["batched", "per-prompt"]), default="batched", show_default=True,
               help="HF: left-padded batches (as vLLM's benchmark_throughput), or one generate per request.")
 @click.option("--hf-batch-size", type=click.IntRange(min=1), default=None, help="HF: requests per batch [all of them].")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for torch (torch.set_num_threads), both engines [torch's default]. On a busy machine 1 is steadier.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of a table.")
 def bench(
     config_path, sets, model, attention, sampler, device, dtype,
-    num_seqs, input_len, output_len, seed, temperature, warmup, compare, hf_batching, hf_batch_size, as_json,
+    num_seqs, input_len, output_len, seed, temperature, warmup, compare, hf_batching, hf_batch_size, threads, as_json,
 ) -> None:
     """Throughput and latency of corerun on N random-token requests (ignore_eos, exact output lengths).
 
     Reports output and total tokens/s, time to first token and time per output token (median, p90,
     p99), peak memory, and the backends that ran.
     """
-    from corerun.bench.corerun_run import load_corerun, run_corerun
-    from corerun.bench.report import build_report, render
-    from corerun.bench.workload import make_workload
-    from corerun.model_runner import resolve_device
+    import torch
+
+    from corerun.bench.workload import parse_range
 
     try:
-        cfg = build_config(config_path, sets, model=model, attention=attention, sampler=sampler, device=device, dtype=dtype)
-        dev = resolve_device(cfg.device)
-        d_seqs, d_in, d_out = DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
-        llm, meter, load_s = load_corerun(cfg)
-        runner = llm.engine.runner
-        workload = make_workload(num_seqs or d_seqs, input_len or d_in, output_len or d_out, seed, runner.vocab_size)
-        longest = workload.input_len.hi + workload.output_len.hi
-        if longest > runner.max_model_len:
-            raise click.BadParameter(
-                f"input {workload.input_len} + output {workload.output_len} can reach {longest} tokens, but this model's "
-                f"max_model_len is {runner.max_model_len}; shorten the ranges",
-                param_hint="--input-len / --output-len",
-            )
-        core = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup)
-        hf = None
-        if compare == "hf":
-            from corerun.bench.hf_run import run_hf
-
-            model_dir, hf_dtype = runner.model_dir, runner.dtype
-            del llm, runner  # frees corerun's KV cache before transformers loads (on a GPU it holds most memory)
-            hf = run_hf(model_dir, workload, dtype=hf_dtype, device=dev, batching=hf_batching,
-                        batch_size=hf_batch_size, temperature=temperature, warmup=warmup)
-        doc = build_report(workload, core, hf, temperature=temperature, warmup=warmup)
+        ranges = [parse_range(r) if r is not None else None for r in (input_len, output_len)]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--input-len / --output-len") from None
+    cfg_args = dict(model=model, attention=attention, sampler=sampler, device=device, dtype=dtype)
+    hf_args = dict(batching=hf_batching, batch_size=hf_batch_size) if compare == "hf" else None
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        doc = _run(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, hf_args)
     except CorerunError as exc:
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    finally:
+        torch.set_num_threads(saved_threads)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
+        from corerun.bench.report import render
+
         render(doc)
+
+
+def _run(
+    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, hf_args: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Load corerun, run the workload (then transformers' when ``hf_args``); the report document."""
+    from corerun.bench.corerun_run import load_corerun, run_corerun
+    from corerun.bench.report import build_report
+    from corerun.bench.workload import make_workload
+    from corerun.model_runner import resolve_device
+
+    cfg = build_config(config_path, sets, **cfg_args)
+    dev = resolve_device(cfg.device)
+    d_seqs, d_in, d_out = DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
+    input_len, output_len = ranges[0] or d_in, ranges[1] or d_out
+    llm, meter, load_s = load_corerun(cfg)
+    runner = llm.engine.runner
+    workload = make_workload(num_seqs or d_seqs, input_len, output_len, seed, runner.vocab_size)
+    longest = workload.input_len.hi + workload.output_len.hi
+    if longest > runner.max_model_len:
+        raise click.BadParameter(
+            f"input {workload.input_len} + output {workload.output_len} can reach {longest} tokens, but this model's "
+            f"max_model_len is {runner.max_model_len}; shorten the ranges",
+            param_hint="--input-len / --output-len",
+        )
+    core = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup)
+    hf = None
+    if hf_args is not None:
+        from corerun.bench.hf_run import run_hf
+
+        model_dir, hf_dtype = runner.model_dir, runner.dtype
+        del llm, runner  # frees corerun's KV cache before transformers loads (on a GPU it holds most memory)
+        hf = run_hf(model_dir, workload, dtype=hf_dtype, device=dev, temperature=temperature, warmup=warmup, **hf_args)
+    return build_report(workload, core, hf, temperature=temperature, warmup=warmup)

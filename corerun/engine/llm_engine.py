@@ -249,9 +249,9 @@ class LLMEngine:
                 i: _logprob_dicts(lp, sched.seqs[i].params.prompt_logprobs or 0)
                 for i, (_, lp) in result.prompt_logprobs.items()
             }
-            lp_rows = _logprob_dicts(result.logprobs, None) if result.logprobs is not None else None
-            if lp_rows is not None and len(lp_rows) < len(result.rows):
-                raise ValueError(f"{len(lp_rows)} logprob rows for {len(result.rows)} sampled tokens")
+            lp_rows = None
+            if result.logprobs is not None:
+                lp_rows = _logprob_dicts(result.logprobs, [sched.seqs[r].params.logprobs or 0 for r in result.rows])
         except Exception as exc:
             return self._fail(sched.seqs, f"sampler '{self.runner.sampler_name}' returned malformed logprobs: "
                               f"{type(exc).__name__}: {exc}")
@@ -278,9 +278,7 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.logprobs is not None and lp_rows is not None:
-                k = seq.params.logprobs or 0
-                d = lp_rows[j]
-                seq.logprobs.append({t: v for idx, (t, v) in enumerate(d.items()) if idx <= k or t == token})
+                seq.logprobs.append(lp_rows[j])
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason, now)
@@ -347,16 +345,24 @@ def _validation_details(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _logprob_dicts(lp: LogprobsTensors | None, k: int | None) -> list[dict[int, Logprob]]:
-    """LogprobsTensors rows -> ``{token id: Logprob}`` dicts, column 0 (the chosen token) first."""
+def _logprob_dicts(lp: LogprobsTensors | None, k: int | Seq[int]) -> list[dict[int, Logprob]]:
+    """LogprobsTensors rows -> ``{token id: Logprob}`` dicts: column 0 (the chosen token) first, then the top ``k``.
+
+    ``k`` is one count for every row, or one per row: a batch carries as many top columns as its
+    most demanding row asked for, and each row keeps only its own (vLLM's rule: the top ``k``, plus
+    the chosen token when it is not among them).
+    """
     if lp is None:
         return []
     ids = lp.token_ids.tolist()
     vals = lp.logprobs.tolist()
     ranks = lp.ranks.tolist()
+    ks = [k] * len(ids) if isinstance(k, int) else list(k)
+    if len(ks) > len(ids):
+        raise ValueError(f"{len(ids)} logprob rows for {len(ks)} requests")
     out = []
-    for row_ids, row_vals, rank in zip(ids, vals, ranks):
-        cols = len(row_ids) if k is None else min(len(row_ids), k + 1)
+    for row_ids, row_vals, rank, row_k in zip(ids, vals, ranks, ks):
+        cols = min(len(row_ids), row_k + 1)
         d: dict[int, Logprob] = {row_ids[0]: Logprob(row_vals[0], rank)}
         for c in range(1, cols):
             d.setdefault(row_ids[c], Logprob(row_vals[c], c))

@@ -1,8 +1,10 @@
 """One host: rank 0 spawns ranks 1..N-1 and sends them commands over pipes.
 
 Rendezvous is a TCPStore rank 0 opens on a free port of 127.0.0.1.  Workers are daemon processes
-(``torch.multiprocessing``, spawn) that ignore Ctrl-C (rank 0 decides), watch rank 0 (its death ends
-them at once) and report their errors on the pipe before they exit.  Rank 0 learns of a failure from
+(``torch.multiprocessing``; ``distributed.start_method``: spawn, or forkserver, whose server imports
+torch once for every later worker) that ignore Ctrl-C (rank 0 decides), watch a lifeline pipe whose
+other end only rank 0 holds (its death ends them at once) and report their errors on the command
+pipe before they exit.  Rank 0 learns of a failure from
 the report or from the process's exit status; under NCCL a monitor thread also aborts the process
 group when a worker dies, so that rank 0 is not left waiting in a collective.
 """
@@ -53,21 +55,27 @@ class LocalWorkers:
         timeout = timedelta(seconds=config.distributed.timeout_s)
         self.world_size, self.backend = world_size, backend
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(config.distributed.start_method)
+        if config.distributed.start_method == "forkserver":
+            ctx.set_forkserver_preload(["corerun.parallel.local", "corerun.parallel.worker", "corerun.model_runner"])
         self.procs: list[Any] = []
-        self.conns: list[Connection] = []
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, True)
+        self.conns: list[Connection] = []  # commands out, ("started",) / ("ready",) / ("error", text) back
+        self.lifelines: list[Connection] = []  # never written; closing (or dying) tells the worker to exit
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.lifelines, True)
         data = config.model_dump()
         for rank in range(1, world_size):
             mine, theirs = ctx.Pipe(duplex=True)
+            life_r, life_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=worker_main, args=(rank, world_size, self.store.port, backend, data, theirs),
+                target=worker_main, args=(rank, world_size, self.store.port, backend, data, theirs, life_r),
                 name=f"corerun-tp-rank-{rank}", daemon=True,
             )
             self.conns.append(mine)
+            self.lifelines.append(life_w)
             proc.start()
             self.procs.append(proc)
             theirs.close()
+            life_r.close()
         self._monitor = _DeathMonitor(self.procs) if backend == "nccl" else None
 
     @property
@@ -151,7 +159,7 @@ class LocalWorkers:
             self._finalizer()
         else:
             self._finalizer.detach()
-            _stop(self.procs, self.conns, False)
+            _stop(self.procs, self.conns, self.lifelines, False)
 
 
 def _recv(conn: Connection) -> tuple[str, ...] | None:
@@ -161,7 +169,8 @@ def _recv(conn: Connection) -> tuple[str, ...] | None:
         return None
 
 
-def _stop(procs: list[Any], conns: list[Connection], graceful: bool) -> None:
+def _stop(procs: list[Any], conns: list[Connection], lifelines: list[Connection], graceful: bool) -> None:
+    """Stop ``procs`` (``Shutdown`` first when ``graceful``, then terminate, then kill), reap them, close the pipes."""
     if graceful:
         for conn in conns:
             try:
@@ -179,7 +188,7 @@ def _stop(procs: list[Any], conns: list[Connection], graceful: bool) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    for conn in conns:
+    for conn in conns + lifelines:
         conn.close()
 
 
@@ -205,6 +214,7 @@ class _DeathMonitor:
         os.write(self._stop_w, b"x")
         self._thread.join(1.0)
         os.close(self._stop_w)
+        os.close(self._stop_r)
 
 
 # ------------------------------------------------------------------ worker side
@@ -227,25 +237,22 @@ class PipeSource:
             pass
 
 
-def _watch_parent() -> None:
-    """Exit at once when rank 0's process ends (killed, crashed, or gone without shutting down)."""
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
+def _watch_lifeline(lifeline: Connection) -> None:
+    """Exit at once when rank 0 closes the lifeline or its process ends (killed, crashed, gone without shutdown)."""
 
     def run() -> None:
-        wait([parent.sentinel])
+        wait([lifeline])  # readable only at EOF: nobody writes to it
         os._exit(1)
 
-    threading.Thread(target=run, daemon=True, name="corerun-parent-watch").start()
+    threading.Thread(target=run, daemon=True, name="corerun-lifeline").start()
 
 
-def worker_main(rank: int, world_size: int, port: int, backend: str, config_data: dict[str, Any], conn: Connection) -> None:
+def worker_main(
+    rank: int, world_size: int, port: int, backend: str, config_data: dict[str, Any], conn: Connection, lifeline: Connection,
+) -> None:
     """A spawned worker: join the group through rank 0's store, then serve (see :func:`corerun.parallel.worker.serve`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent()
+    _watch_lifeline(lifeline)
     source = PipeSource(conn)
     code = 0
     try:

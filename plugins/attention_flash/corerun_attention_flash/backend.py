@@ -23,14 +23,9 @@ import torch
 from corerun.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
+from corerun_attention_flash import emulation
 from corerun_attention_flash.capabilities import FLASH_CAPABILITIES
-from corerun_attention_flash.kernels import (
-    FlashKernels,
-    current_emulation,
-    device_reasons,
-    installed_limit_reasons,
-    load_kernels,
-)
+from corerun_attention_flash.kernels import FlashKernels, device_reasons, installed_limit_reasons, load_kernels
 from corerun_attention_flash.kv_write import write_kv_by_slot
 from corerun_attention_flash.metadata import FlashDecodeMetadata, FlashMetadata, FlashVarlenMetadata, plan_batch
 
@@ -52,9 +47,8 @@ class FlashAttentionBackend:
         reasons += library_reasons
         if kernels is not None:
             reasons += installed_limit_reasons(kernels, spec)
-        if reasons:
+        if reasons or kernels is None:  # no kernels always comes with its reasons
             raise UnsupportedError(IMPLEMENTATION, reasons)
-        assert kernels is not None
         self.spec = spec
         self.kernels: FlashKernels = kernels
         self.library = kernels.library
@@ -67,11 +61,11 @@ class FlashAttentionBackend:
 
     @classmethod
     def _capabilities_here(cls) -> AttentionCapabilities:
-        emulation = current_emulation()
-        if emulation is None:
+        emulated = emulation.current()
+        if emulated is None:
             return cls.capabilities
         caps = cls.capabilities
-        return dataclasses.replace(caps, devices=caps.devices | {"cpu"}, dtypes=caps.dtypes | emulation.extra_dtypes)
+        return dataclasses.replace(caps, devices=caps.devices | {"cpu"}, dtypes=caps.dtypes | emulated.extra_dtypes)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:

@@ -19,43 +19,18 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from corerun.protocols.attention import AttentionSpec
+from corerun_attention_flash import emulation
 from corerun_attention_flash.capabilities import FA2_PAGE_MULTIPLE, FA3_COMPUTE_CAPABILITY, MIN_COMPUTE_CAPABILITY
 from corerun_attention_flash.metadata import FlashDecodeMetadata, FlashVarlenMetadata
 from corerun_attention_flash.probe import INSTALL_HINT
 
 logger = logging.getLogger("corerun_attention_flash")
-
-
-@dataclass(frozen=True)
-class Emulation:
-    """Set only by :func:`corerun_attention_flash.testing.emulated`: the CPU emulator stands in for flash-attn.
-
-    While set, the backend accepts device ``cpu`` (and ``extra_dtypes``), and ``hopper`` decides FA3 vs FA2.
-    """
-
-    hopper: bool
-    extra_dtypes: frozenset[str] = frozenset()
-
-
-_emulation: Emulation | None = None
-
-
-def set_emulation(emulation: Emulation | None) -> Emulation | None:
-    """Install (or clear, with ``None``) the emulation state; returns the previous one."""
-    global _emulation
-    previous, _emulation = _emulation, emulation
-    return previous
-
-
-def current_emulation() -> Emulation | None:
-    return _emulation
 
 
 class FA2Kernels:
@@ -162,8 +137,9 @@ def _missing(module: ModuleType, wanted: dict[str, tuple[str, ...]]) -> list[str
 
 
 def is_hopper(device: torch.device) -> bool:
-    if _emulation is not None:
-        return _emulation.hopper
+    emulated = emulation.current()
+    if emulated is not None:
+        return emulated.hopper
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == FA3_COMPUTE_CAPABILITY
 
 
@@ -193,7 +169,7 @@ def load_kernels(device: torch.device) -> tuple[FlashKernels | None, list[str]]:
 
 def device_reasons(device: torch.device) -> list[str]:
     """Why flash-attn cannot run on ``device`` (only CUDA devices are judged here; the capabilities judge the type)."""
-    if device.type != "cuda" or _emulation is not None:
+    if device.type != "cuda" or emulation.current() is not None:
         return []
     if not torch.cuda.is_available():
         return ["needs a CUDA device (torch.cuda.is_available() is False)"]

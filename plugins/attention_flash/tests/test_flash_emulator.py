@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from corerun_attention_flash import kernels
+from corerun_attention_flash import emulation
 from corerun_attention_flash.testing import emulated, flash_attn_emulator as fa2, flash_attn_interface_emulator as fa3
 
 # flash-attn's docstring: "If causal=True, the causal mask is aligned to the bottom right corner."
@@ -38,14 +38,20 @@ def test_bottom_right_causal_mask_as_documented(shape):
 
 
 def test_gqa_head_mapping_as_documented():
-    """'If Q has 6 heads and K, V have 2 heads, head 0, 1, 2 of Q will attention to head 0 of K, V.'"""
-    q = torch.randn(1, 1, 6, 8).half()
-    k_cache = torch.randn(1, 4, 2, 8).half()
-    v_cache = torch.zeros(1, 4, 2, 8, dtype=torch.float16)
-    v_cache[:, :, 0] = 1.0
-    v_cache[:, :, 1] = -1.0
+    """'If Q has 6 heads and K, V have 2 heads, head 0, 1, 2 of Q will attention to head 0 of K, V.'
+
+    KV head 0's keys single out position 0 and its values are ``p``; KV head 1's single out
+    position 3 and its values are ``10 + p``: query heads 0-2 must read ~0, heads 3-5 ~13.
+    """
+    q = torch.ones(1, 1, 6, 8, dtype=torch.float16)
+    k_cache = torch.zeros(1, 4, 2, 8, dtype=torch.float16)
+    k_cache[0, 0, 0] = 4.0
+    k_cache[0, 3, 1] = 4.0
+    v_cache = torch.arange(4, dtype=torch.float16).view(1, 4, 1, 1).repeat(1, 1, 2, 8)
+    v_cache[:, :, 1] += 10
     out = fa2.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([4], dtype=torch.int32))
-    assert out[0, 0, :3].eq(1).all() and out[0, 0, 3:].eq(-1).all()
+    expected = torch.tensor([0.0] * 3 + [13.0] * 3).view(6, 1).expand(6, 8)
+    torch.testing.assert_close(out[0, 0].double(), expected.double(), atol=0.02, rtol=0)
 
 
 def test_paged_read_follows_the_block_table_and_stops_at_the_length():
@@ -122,10 +128,10 @@ def test_emulated_restores_modules_and_state():
     before = {name: sys.modules.get(name) for name in ("flash_attn", "flash_attn_interface")}
     with emulated("flash_attn_interface", allow_float64=True) as flash:
         assert sys.modules["flash_attn_interface"] is fa3 and sys.modules["flash_attn"] is None
-        assert kernels.current_emulation().hopper and torch.float64 in fa2.ALLOWED_DTYPES
+        assert emulation.current().hopper and torch.float64 in fa2.ALLOWED_DTYPES
         assert flash.capabilities.devices == {"cpu", "cuda"} and "float64" in flash.capabilities.dtypes
     assert {name: sys.modules.get(name) for name in before} == before
-    assert kernels.current_emulation() is None and torch.float64 not in fa2.ALLOWED_DTYPES
+    assert emulation.current() is None and torch.float64 not in fa2.ALLOWED_DTYPES
     with pytest.raises(ValueError, match="library must be one of"):
         with emulated("flash_attn_3"):
             pass

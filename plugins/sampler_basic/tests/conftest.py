@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import pytest
 import torch
@@ -28,5 +28,11 @@ def ref() -> SimpleNamespace:
 
 
 @pytest.fixture(autouse=True)
-def _seeded() -> None:
-    torch.manual_seed(4321)
+def _seeded_single_thread() -> Iterator[None]:
+    """Fixed default generator; one torch thread (these tensors are tiny, and on a busy machine a thread
+    pool costs milliseconds per op), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    yield
+    torch.set_num_threads(threads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from types import SimpleNamespace
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import pytest
 import torch
@@ -39,21 +39,20 @@ def distribution_row(processed: torch.Tensor, params: SamplingParams) -> torch.T
     """float64 ``[V]``: the probabilities a random row draws from (temperature, min-p, top-k, top-p)."""
     z = processed / params.temperature
     probs = torch.softmax(z, dim=0)
-    keep = torch.ones_like(probs, dtype=torch.bool)
+    p, zs = probs.tolist(), z.tolist()
+    order = sorted(range(len(zs)), key=lambda t: -zs[t])
     if params.min_p > 0:
-        keep &= probs >= params.min_p * probs.max()
-    order = sorted(range(z.numel()), key=lambda t: -float(z[t]))
-    order = [t for t in order if keep[t]]
-    if 0 < params.top_k < z.numel():
+        order = [t for t in order if p[t] >= params.min_p * max(p)]
+    if 0 < params.top_k < len(zs):
         order = order[: params.top_k]
     if params.top_p < 1.0:
-        mass = sum(float(probs[t]) for t in order)
+        mass = sum(p[t] for t in order)
         kept, before = [], 0.0
         for t in order:
             if before >= params.top_p * mass and kept:
                 break
             kept.append(t)
-            before += float(probs[t])
+            before += p[t]
         order = kept
     out = torch.zeros_like(probs)
     out[order] = probs[order]
@@ -82,5 +81,11 @@ def ref() -> SimpleNamespace:
 
 
 @pytest.fixture(autouse=True)
-def _seeded() -> None:
+def _seeded_single_thread() -> Iterator[None]:
+    """Fixed default generator; one torch thread (these tensors are tiny, and on a busy machine a thread
+    pool costs milliseconds per op), restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(1234)
+    yield
+    torch.set_num_threads(threads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from corerun.sampling_params import SamplingParams as SP
@@ -56,3 +57,14 @@ def test_row_seed_is_a_function_of_seed_and_step() -> None:
     values = {row_seed(seed, step) for seed in (-1, 0, 1, 2**63, 2**64 - 2) for step in range(50)}
     assert len(values) == 5 * 50
     assert all(0 <= v < 2**63 for v in values)
+
+
+def test_basic_and_full_agree_on_temperature_and_seed(ref) -> None:
+    """The two samplers draw the same noise for a seed, so temperature-only seeded requests match."""
+    basic = pytest.importorskip("corerun_sampler_basic.sampler")
+    params = [SP(temperature=0.8, seed=5), SP(temperature=0), SP(temperature=1.3, seed=6), SP(seed=7)]
+    full, other = FullSampler(V, "cpu"), basic.BasicSampler(V, "cpu")
+    for step in range(8):
+        logits = torch.randn(len(params), V)
+        md = ref.metadata(params, None, [[1] * step] * len(params))
+        assert torch.equal(full.sample(logits, md).sampled_token_ids, other.sample(logits, md).sampled_token_ids)

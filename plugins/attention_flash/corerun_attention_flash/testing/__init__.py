@@ -50,7 +50,7 @@ import torch
 
 from corerun.capabilities import AttentionCapabilities
 from corerun.protocols.attention import AttentionSpec
-from corerun_attention_flash import kernels
+from corerun_attention_flash import emulation
 from corerun_attention_flash.backend import FlashAttentionBackend
 from corerun_attention_flash.testing import flash_attn_emulator, flash_attn_interface_emulator
 
@@ -83,7 +83,7 @@ def emulated(library: Library = "flash_attn", *, allow_float64: bool = False) ->
     saved = {name: sys.modules.get(name, _MISSING) for name in _MODULES}
     saved_dtypes = set(flash_attn_emulator.ALLOWED_DTYPES)
     extra = frozenset({"float64"}) if allow_float64 else frozenset()
-    previous = kernels.set_emulation(kernels.Emulation(hopper=library == "flash_attn_interface", extra_dtypes=extra))
+    previous = emulation.install(emulation.Emulation(hopper=library == "flash_attn_interface", extra_dtypes=extra))
     try:
         for name in _MODULES:  # the other name imports as missing (None in sys.modules -> ImportError)
             sys.modules[name] = module if name == library else None  # type: ignore[assignment]
@@ -93,7 +93,7 @@ def emulated(library: Library = "flash_attn", *, allow_float64: bool = False) ->
     finally:
         flash_attn_emulator.ALLOWED_DTYPES.clear()
         flash_attn_emulator.ALLOWED_DTYPES.update(saved_dtypes)
-        kernels.set_emulation(previous)
+        emulation.install(previous)
         for name, entry in saved.items():
             if entry is _MISSING:
                 sys.modules.pop(name, None)

@@ -1,0 +1,266 @@
+"""Tensor parallelism through the whole engine: real worker processes, gloo collectives, CPU.
+
+Greedy output of 2 and 4 ranks equals Hugging Face transformers token for token (and the logprobs
+equal a single process's); a worker that is killed or fails ends the requests with an error naming
+its rank and leaves no process behind; a group launched torchrun-style (env://) works through
+``python -m corerun.parallel.worker``; workers die with their parent.
+
+Most cases start workers from a forkserver (``distributed.start_method``), which imports torch
+once for all of them; the parent-death case uses the default, spawn.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from corerun import LLM, SamplingParams
+from corerun.errors import ConfigError
+from tests.helpers.tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 10
+BASE = dict(
+    device="cpu", dtype="float32", attention="torch",
+    kv_cache={"block_size": 4, "num_blocks": 48},
+    scheduler={"max_model_len": 128, "max_num_batched_tokens": 16, "max_num_seqs": 4},  # chunked prefill, mixed steps
+)
+FAST = {"distributed": {"start_method": "forkserver"}}
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(99)
+    rnd = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    shared = rnd(9)
+    return [rnd(1), rnd(5), shared + rnd(3), shared + rnd(6), rnd(23)]  # a shared prefix: prefix-cache hits
+
+
+def _params(n: int) -> list[SamplingParams]:
+    sp = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2) for _ in range(n)]
+    sp[-1] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    return sp
+
+
+def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+class Case:
+    """A tiny model, its prompts, HF's greedy tokens and a single process's outputs."""
+
+    def __init__(self, folder: Path, vocab: int) -> None:
+        self.folder, self.prompts = folder, _prompts(vocab)
+        self.hf = _hf_greedy(folder, self.prompts)
+        single = LLM(model=folder, **BASE)
+        self.single = single.generate(self.prompts, _params(len(self.prompts)), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("tp")
+    return {
+        # 4 query heads / 2 KV heads; vocab 254 leaves the last rank's range short at 4 ranks
+        "llama": Case(make_tiny_model(root, "llama", vocab_size=254), 254),
+        "qwen2": Case(make_tiny_model(root, "qwen2", tie_word_embeddings=True), 256),  # q/k/v bias, tied head
+        "qwen3": Case(make_tiny_model(root, "qwen3"), 256),  # q/k norm, head_dim 32
+    }
+
+
+def _tp_llm(case: Case, n: int, **extra) -> LLM:
+    return LLM(model=case.folder, tensor_parallel_size=n, **{**BASE, **FAST, **extra})
+
+
+def _check_matches(llm: LLM, case: Case) -> None:
+    outs = llm.generate(case.prompts, _params(len(case.prompts)), use_tqdm=False)
+    assert [o.outputs[0].error for o in outs] == [None] * len(outs)
+    assert [o.outputs[0].token_ids for o in outs] == case.hf
+    for got, ref in zip(outs, case.single):  # the same numbers as one process (sums in another order)
+        for g, r in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert g.keys() == r.keys()
+            assert all(abs(g[t].logprob - r[t].logprob) < 1e-4 for t in g)
+    got_p, ref_p = outs[-1].prompt_logprobs, case.single[-1].prompt_logprobs
+    assert len(got_p) == len(ref_p) == len(case.prompts[-1])
+    assert all(abs(g[t].logprob - r[t].logprob) < 1e-4 for g, r in zip(got_p[1:], ref_p[1:]) for t in r)
+    assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks  # nothing leaked
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie nobody has reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not all(_gone(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _tp_children() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("corerun-tp-")]
+
+
+# ---------------------------------------------------------------------- output
+@pytest.mark.parametrize(
+    "arch,n",
+    [
+        pytest.param("llama", 2, id="llama-tp2"),
+        pytest.param("qwen2", 2, id="qwen2-tp2"),
+    ],
+)
+def test_greedy_output_equals_hf_and_one_process(cases, arch, n):
+    llm = _tp_llm(cases[arch], n)
+    pids = llm.engine.runner.worker_pids
+    assert len(pids) == n - 1
+    try:
+        _check_matches(llm, cases[arch])
+    finally:
+        llm.engine.shutdown()
+    assert not os.path.exists(f"/proc/{pids[0]}") and not _tp_children()
+    llm.engine.shutdown()  # twice is harmless
+
+
+def test_four_ranks_share_two_kv_heads_and_a_failing_worker_is_named(cases):
+    """4 ranks, 2 KV heads: each KV head lives on two ranks.  Then a worker raises: the user sees its rank."""
+    llm = _tp_llm(cases["llama"], 4)
+    pids = llm.engine.runner.worker_pids
+    try:
+        _check_matches(llm, cases["llama"])
+        llm.engine.runner.workers.send("not a command")  # every worker fails on it and reports why
+        outs = llm.generate(cases["llama"].prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        for o in outs:
+            assert o.outputs[0].finish_reason == "error"
+            assert "tensor-parallel rank 1 failed" in o.outputs[0].error
+            assert "unknown command 'not a command'" in o.outputs[0].error
+    finally:
+        llm.engine.shutdown()
+    assert _wait_gone(pids) and not _tp_children()
+
+
+def test_a_killed_worker_ends_the_requests_with_its_rank_and_leaves_no_process(cases):
+    case = cases["qwen3"]
+    llm = _tp_llm(case, 2)
+    (pid,) = llm.engine.runner.worker_pids
+    try:
+        _check_matches(llm, case)
+        stream = llm.stream(case.prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        first = next(stream)
+        os.kill(pid, signal.SIGKILL)
+        finals = [o for o in [first, *stream] if o.finished]
+        assert len(finals) == len(case.prompts)
+        for o in finals:
+            assert o.outputs[0].finish_reason == "error"
+            assert "tensor-parallel rank 1 failed" in o.outputs[0].error and "SIGKILL" in o.outputs[0].error
+        assert not os.path.exists(f"/proc/{pid}")  # reaped, not a zombie
+        assert not _tp_children()
+        again = llm.generate(case.prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert "the tensor-parallel group is down" in again[0].outputs[0].error
+        assert "tensor-parallel rank 1 failed" in again[0].outputs[0].error
+    finally:
+        llm.engine.shutdown()
+
+
+# ---------------------------------------------------------------------- startup
+def test_sizes_the_model_cannot_take_are_refused_before_any_process_starts(cases):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 3 cannot split this model.*Sizes that work for it: 1, 2, 4"):
+        _tp_llm(cases["llama"], 3)
+    with pytest.raises(ConfigError, match="nccl.*CUDA devices only"):
+        _tp_llm(cases["llama"], 2, distributed={"backend": "nccl"})
+    assert not _tp_children()
+
+
+def test_a_failed_start_stops_the_workers(cases):
+    with pytest.raises(Exception, match="no-such-backend"):
+        _tp_llm(cases["llama"], 2, attention="no-such-backend")
+    assert not _tp_children()
+
+
+# ---------------------------------------------------------------------- launched ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_launched_with_env_rendezvous(cases, tmp_path, monkeypatch):
+    """As under torchrun: this process is rank 0; rank 1 is ``python -m corerun.parallel.worker`` with RANK=1."""
+    case = cases["llama"]
+    config = tmp_path / "tp.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(case.folder), "tensor_parallel_size": 2, "distributed": {"init_method": "env://"}, **BASE,
+    }))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    log = open(tmp_path / "rank1.log", "w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "corerun.parallel.worker", "--config", str(config)],
+        env={**os.environ, **env, "RANK": "1", "LOCAL_RANK": "1"}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        for k, v in {**env, "RANK": "0", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(k, v)
+        llm = LLM(config=config)
+        try:
+            _check_matches(llm, case)
+        finally:
+            llm.engine.shutdown()
+        assert worker.wait(timeout=60) == 0, (tmp_path / "rank1.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        log.close()
+
+
+# ---------------------------------------------------------------------- parent death
+def test_workers_exit_when_their_parent_is_killed(cases, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from corerun import LLM
+        if __name__ == "__main__":
+            llm = LLM(model={str(cases["qwen2"].folder)!r}, tensor_parallel_size=2, **{BASE!r})
+            print("workers", *llm.engine.runner.worker_pids, flush=True)
+            time.sleep(600)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        assert line.startswith("workers"), parent.stderr.read()
+        pids = [int(p) for p in line.split()[1:]]
+        assert pids and not any(_gone(p) for p in pids)
+        parent.kill()
+        parent.wait()
+        assert _wait_gone(pids), f"workers {pids} outlived their parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
