@@ -8,15 +8,16 @@ driven by commands from rank 0 (pipes on one host, a broadcast over torch.distri
 
 Rooms:
 
-- ``sharding``   which heads / features / vocabulary rows a rank holds (pure arithmetic, and the checks)
-- ``group``      the collectives the parallel layers call (torch.distributed; gloo on CPU, NCCL on CUDA)
-- ``layers``     column- and row-parallel linear layers, vocabulary-parallel embedding and LM head
-- ``process_group`` backend, device and process-group setup for a rank
-- ``step``       a step's inputs packed for the workers, and unpacked there
-- ``local``      one host: rank 0 spawns the workers and talks to them over pipes
-- ``launched``   several hosts: ranks started by ``torchrun`` (or by hand), commands broadcast from rank 0
-- ``worker``     the worker loop, and ``python -m corerun.parallel.worker``
-- ``driver``     ``TensorParallelRunner``: rank 0's ModelRunner, mirrored on the workers
+- ``sharding``       which heads / features / vocabulary rows a rank holds (pure arithmetic, and the checks)
+- ``group``          the collectives the parallel layers call (torch.distributed; gloo on CPU, NCCL on CUDA)
+- ``layers``         column- and row-parallel linear layers, vocabulary-parallel embedding and LM head
+- ``process_group``  backend, device and process-group setup for a rank
+- ``step``           the commands rank 0 sends, and a step's inputs packed for the workers
+- ``local``          one host: rank 0 spawns the workers and talks to them over pipes
+- ``launched``       several hosts: ranks started by ``torchrun`` (or by hand), commands broadcast from rank 0
+- ``worker``         the worker loop, and ``python -m corerun.parallel.worker``
+- ``driver``         ``TensorParallelRunner``: rank 0's ModelRunner, mirrored on the workers
+- ``errors``         ``TensorParallelError`` (start-up) and ``RankFailedError`` (a step), naming the rank
 
 Importing this package imports nothing heavy; the engine imports ``corerun.parallel.driver`` only
 when ``tensor_parallel_size > 1``.

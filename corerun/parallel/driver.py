@@ -46,7 +46,9 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         from corerun.parallel.launched import LaunchedWorkers, join, launched_rank, serve_launched
         from corerun.parallel.local import LocalWorkers
-        from corerun.parallel.process_group import backend_for, bind_device, init_group, prepare_config
+        from corerun.parallel.process_group import (
+            backend_for, bind_device, ensure_not_initialized, init_group, prepare_config,
+        )
 
         config = prepare_config(config)
         n, dcfg = config.tensor_parallel_size, config.distributed
@@ -56,6 +58,7 @@ class TensorParallelRunner(ModelRunner):
                 serve_launched(config)
                 raise SystemExit(0)
         self._check_model(config)  # before any process starts
+        ensure_not_initialized()
         self._busy = False  # True while the workers may be waiting in a collective for rank 0
         self._broken: RankFailedError | None = None
         self.workers: Any = None
@@ -140,7 +143,8 @@ class TensorParallelRunner(ModelRunner):
             raise
 
     def _diagnose(self, exc: BaseException) -> RankFailedError:
-        found = self.workers.failure(FAILURE_GRACE_S) if self.workers is not None else None
+        grace = 0.0 if isinstance(exc, KeyboardInterrupt) else FAILURE_GRACE_S
+        found = self.workers.failure(grace) if self.workers is not None else None
         if found is not None:
             return RankFailedError(found[0], f"tensor-parallel rank {found[0]} failed: {found[1]}")
         if isinstance(exc, KeyboardInterrupt):

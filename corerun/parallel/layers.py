@@ -15,7 +15,7 @@ rank, so that a model's ``tp is None`` path keeps corerun's plain layers untouch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Mapping
+from typing import TYPE_CHECKING, Callable, Hashable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +71,7 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
-def _load_vocab_rows(layer: "VocabParallelEmbedding | ParallelLMHead"):
+def _load_vocab_rows(layer: "VocabParallelEmbedding | ParallelLMHead") -> Callable[..., None]:
     """A weight loader keeping rows ``[start, end)`` of a ``[vocab_size, hidden]`` tensor, zero past ``end``."""
     shard = layer.shard
 

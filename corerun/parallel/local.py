@@ -21,6 +21,7 @@ import time
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.distributed as dist
@@ -131,8 +132,9 @@ class LocalWorkers:
         return self.failure(0.0)
 
     def send(self, cmd: Command) -> None:
+        payload = ForkingPickler.dumps(cmd)  # pickled once for every worker; they read it with recv()
         for conn in self.conns:
-            conn.send(cmd)
+            conn.send_bytes(payload)
 
     def failure(self, grace_s: float) -> tuple[int, str] | None:
         """The first failed worker's ``(rank, what happened)``; waits up to ``grace_s`` for one to show."""

@@ -66,16 +66,21 @@ def bind_device(config: Config, local_rank: int, world_size: int, is_worker: boo
     return torch.device("cpu")
 
 
+def ensure_not_initialized() -> None:
+    """Raise when this process is already in a torch.distributed process group (one group per process)."""
+    if dist.is_initialized():
+        raise TensorParallelError(
+            f"torch.distributed is already initialized in this process (world size {dist.get_world_size()}); "
+            "corerun sets up its own tensor-parallel group, one per process: shut down the other engine "
+            "(llm.engine.shutdown()) or destroy the process group first"
+        )
+
+
 def init_group(
     backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float, device: torch.device
 ) -> TensorParallelGroup:
     """Join the default torch.distributed process group through ``store``; returns this rank's group."""
-    if dist.is_initialized():
-        raise TensorParallelError(
-            f"torch.distributed is already initialized in this process (world size {dist.get_world_size()}); "
-            "corerun sets up its own tensor-parallel group: shut down the other engine "
-            "(llm.engine.shutdown()) or destroy the process group first"
-        )
+    ensure_not_initialized()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     return TensorParallelGroup(rank, world_size, device)
 

@@ -50,7 +50,7 @@ def serve(config: Config, group: TensorParallelGroup, source: CommandSource) -> 
         group.min_int(runner.num_blocks)
         hidden_size, dtype, device = runner.model_config.hidden_size, runner.dtype, runner.device
         while True:
-            stage = "waiting for a command"
+            stage = "reading rank 0's commands"
             cmd = source.recv()
             if isinstance(cmd, StepHeader):
                 stage = "running the model forward"

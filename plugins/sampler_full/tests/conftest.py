@@ -42,7 +42,8 @@ def distribution_row(processed: torch.Tensor, params: SamplingParams) -> torch.T
     p, zs = probs.tolist(), z.tolist()
     order = sorted(range(len(zs)), key=lambda t: -zs[t])
     if params.min_p > 0:
-        order = [t for t in order if p[t] >= params.min_p * max(p)]
+        floor = params.min_p * max(p)
+        order = [t for t in order if p[t] >= floor]
     if 0 < params.top_k < len(zs):
         order = order[: params.top_k]
     if params.top_p < 1.0:

@@ -21,7 +21,8 @@ def _check(lp, logits64: torch.Tensor, token_ids: torch.Tensor, k: int) -> None:
     assert torch.equal(lp.token_ids[:, 0], token_ids)
     torch.testing.assert_close(lp.logprobs[:, 0].double(), want.gather(1, token_ids[:, None])[:, 0], rtol=1e-6, atol=1e-5)
     for i in range(n):
-        order = sorted(range(V), key=lambda t: -float(want[i, t]))
+        row = want[i].tolist()
+        order = sorted(range(V), key=lambda t: -row[t])
         assert lp.token_ids[i, 1:].tolist() == order[:k]
         torch.testing.assert_close(lp.logprobs[i, 1:].double(), want[i, order[:k]], rtol=1e-6, atol=1e-5)
         assert lp.ranks[i].item() == 1 + order.index(int(token_ids[i]))
