@@ -231,7 +231,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     table = Table(title=f"host cost of one step (median over {args.steps} steps, µs), block size {args.block_size}, device {args.device}")
     for col in ("scenario", "seqs", "tokens", "schedule", "prep corerun", "prep baseline", "ratio",
                 "step corerun", "step baseline", "step ratio"):
-        table.add_column(col, justify="left" if col == "scenario" else "right")
+        table.add_column(col, justify="left" if col == "scenario" else "right", no_wrap=True)
     for r in results:
         table.add_row(
             f"{r['scenario']} @ {r['context_len']}", str(r["num_seqs"]), str(r["num_tokens"]), f"{r['schedule_us']:.0f}",

@@ -48,7 +48,7 @@ def sampling_distribution(
 ) -> torch.Tensor:
     """The exact distribution of the next token: float64 ``[V]`` summing to 1 (one-hot when greedy)."""
     x = processed_logits(raw, params, prompt, output, eos_token_ids)
-    if params.temperature == 0.0:
+    if params.temperature < 1e-5:  # vLLM: temperatures below 1e-5 mean greedy
         probs = torch.zeros_like(x)
         probs[int(torch.argmax(x))] = 1.0
         return probs
@@ -71,7 +71,7 @@ def boundary_margins(raw: torch.Tensor, params: Any, prompt: Sequence[int] = (),
     """How far the inputs sit from each truncation threshold (the suite keeps these well above float32 noise)."""
     x = processed_logits(raw, params, prompt, output, eos_token_ids)
     margins: dict[str, float] = {}
-    if params.temperature == 0.0:
+    if params.temperature < 1e-5:  # vLLM: temperatures below 1e-5 mean greedy
         top2 = torch.topk(x, 2).values
         margins["greedy"] = (top2[0] - top2[1]).item()
         return margins
