@@ -37,6 +37,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop what this engine runs outside the process (tensor-parallel workers). Safe to call twice."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     # ---------------------------------------------------------------- batch
     def generate(
         self,

@@ -11,6 +11,7 @@ A request cancelled mid-generation (the ``LLM.stream`` iterator closed early, or
 from __future__ import annotations
 
 import contextlib
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,12 +19,13 @@ import pytest
 import torch
 
 from corerun import LLM, SamplingParams
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import hf_logits, hf_model, make_tiny_model
 
 BS = 4
 MAX_TOKENS = 10
 COMMON: dict[str, Any] = dict(device="cpu", dtype="float32", attention="torch")
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+NO_HANG_S = 180
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,6 +35,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def no_hang() -> Iterator[None]:
+    """Fail the test, never hang the run, if the engine stops making progress."""
+
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"test still running after {NO_HANG_S} s: the engine hangs")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, NO_HANG_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -112,14 +130,33 @@ def test_seeded_sampling_and_logprobs_unchanged_by_preemption(tiny) -> None:
     small = make_llm(model_dir, 7, max_num_batched_tokens=6)
     roomy = make_llm(model_dir, 256)
     a, b = small.generate(prompts, params), roomy.generate(prompts, params)
+    hf = hf_model(model_dir)
     assert small.engine.scheduler.num_preemptions > 0 and roomy.engine.scheduler.num_preemptions == 0
-    for x, y in zip(a, b):
+    for x, y, p in zip(a, b, params):
         cx, cy = x.outputs[0], y.outputs[0]
         assert (cx.token_ids, cx.finish_reason, cx.stop_reason) == (cy.token_ids, cy.finish_reason, cy.stop_reason)
         _same_logprobs(cx.logprobs, cy.logprobs)
         _same_logprobs(x.prompt_logprobs, y.prompt_logprobs)
+        _top_k_shape(cx.token_ids, cx.logprobs, p.logprobs)
+        if p.prompt_logprobs is not None:  # against transformers: position j - 1 predicts prompt token j
+            ref = hf_logits(hf, x.prompt_token_ids).double().log_softmax(-1)
+            assert x.prompt_logprobs[0] is None and len(x.prompt_logprobs) == len(x.prompt_token_ids)
+            for j in range(1, len(x.prompt_token_ids)):
+                t = x.prompt_token_ids[j]
+                assert abs(x.prompt_logprobs[j][t].logprob - ref[j - 1, t].item()) < 1e-4
     assert_all_free(small)
     assert_all_free(roomy)
+
+
+def _top_k_shape(tokens: list[int], logprobs: list | None, k: int | None) -> None:
+    """vLLM's rule: each position holds the top ``k`` (ranks 1..k) plus the chosen token when not among them."""
+    if k is None:
+        assert logprobs is None
+        return
+    assert len(logprobs) == len(tokens)
+    for token, d in zip(tokens, logprobs):
+        assert token in d
+        assert sorted(v.rank for t, v in d.items() if t != token or v.rank <= k) == list(range(1, k + 1))
 
 
 def _same_logprobs(a: list | None, b: list | None) -> None:

@@ -14,6 +14,7 @@ A plugin that fails to load never keeps the others from loading.
 from __future__ import annotations
 
 import importlib.metadata as md
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,6 +32,7 @@ BS = 4
 MAX_TOKENS = 8
 NUM_LAYERS = 2  # tiny_models' default: one attention forward per layer per step
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+NO_HANG_S = 180
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,6 +42,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def no_hang() -> Iterator[None]:
+    """Fail the test, never hang the run, if the engine stops making progress."""
+
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"test still running after {NO_HANG_S} s: the engine hangs")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, NO_HANG_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -118,15 +136,16 @@ def test_clean_run_matches_transformers(registry: Registry, tiny) -> None:
     assert_recovered(llm, prompts, expected)
 
 
-def test_attention_backend_raising_mid_step(registry: Registry, tiny) -> None:
+@pytest.mark.parametrize(("error", "raised"), [("runtime", "InjectedFault"), ("oom", "OutOfMemoryError")])
+def test_attention_backend_raising_mid_step(registry: Registry, tiny, error: str, raised: str) -> None:
     """Forward call 8 is the second layer of step 4: the first layer already wrote that step's K/V."""
     model_dir, prompts, expected = tiny
     step = 4
     fail_at = NUM_LAYERS * (step - 1) + 2
-    llm = make_llm(model_dir, attention={"name": "faulty_attention", "options": {"fail_at": fail_at}})
+    llm = make_llm(model_dir, attention={"name": "faulty_attention", "options": {"fail_at": fail_at, "error": error}})
     outs = llm.generate(prompts, GREEDY)
     check_fault(outs, expected, failed={0, 1}, num_tokens=step - 1, names=[
-        "attention backend 'faulty_attention'", f"InjectedFault: injected fault in attention forward, call {fail_at}",
+        "attention backend 'faulty_attention'", f"{raised}: injected fault in attention forward, call {fail_at}",
     ])
     assert llm.engine.runner.attention.trigger.faults == 1
     assert llm.engine.kv.stats().num_cached_blocks > 0  # the prefix blocks of the failed requests stay cached...
@@ -134,14 +153,27 @@ def test_attention_backend_raising_mid_step(registry: Registry, tiny) -> None:
     assert llm.engine.kv.stats().prefix_hits > 0
 
 
-def test_kv_cache_manager_raising_in_allocate_slots(registry: Registry, tiny) -> None:
-    """allocate_slots calls: step 1 admits A (1) and B (2), step 2 grows A (3) and B (4), step 3 grows A (5): fails."""
+@pytest.mark.parametrize(
+    ("method", "failed", "num_tokens", "names"),
+    [
+        # calls: step 1 admits A (1) and B (2), step 2 grows A (3) and B (4), step 3 grows A (5): only A fails
+        ("allocate_slots", {0}, 2, ["KV-cache manager 'faulty_kv' failed while scheduling"]),
+        # one call per admission: B's (2) fails before it ran at all
+        ("get_computed_prefix", {1}, 0, ["KV-cache manager 'faulty_kv' failed while scheduling"]),
+        # read while step 3's inputs are prepared: the whole step fails
+        ("block_table", {0, 1}, 2, ["preparing the step's inputs failed (block tables from KV-cache manager 'faulty_kv')"]),
+        # registering A's blocks after step 3: A fails, B keeps the token of that step
+        ("cache_blocks", {0}, 2, ["KV-cache manager 'faulty_kv' failed caching the blocks of request"]),
+    ],
+)
+def test_kv_cache_manager_raising(registry: Registry, tiny, method: str, failed: set[int], num_tokens: int, names: list[str]) -> None:
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, kv_cache={"manager": {"name": "faulty_kv", "options": {"fail_at": 5}}, "block_size": BS, "num_blocks": 64})
+    fail_at = 2 if method == "get_computed_prefix" else 5
+    manager = {"name": "faulty_kv", "options": {"fail_at": fail_at, "method": method}}
+    llm = make_llm(model_dir, kv_cache={"manager": manager, "block_size": BS, "num_blocks": 64})
     outs = llm.generate(prompts, GREEDY)
-    check_fault(outs, expected, failed={0}, num_tokens=2, names=[
-        "KV-cache manager 'faulty_kv' failed while scheduling", "InjectedFault: injected fault in KV-cache allocate_slots, call 5",
-    ])
+    check_fault(outs, expected, failed=failed, num_tokens=num_tokens,
+                names=[*names, f"InjectedFault: injected fault in KV-cache {method}, call {fail_at}"])
     assert llm.engine.kv.trigger.faults == 1 and len(llm.engine.kv.failed_seq_ids) == 1
     assert_recovered(llm, prompts, expected)
 
@@ -156,6 +188,21 @@ def test_kv_cache_manager_raising_on_admission(registry: Registry, tiny) -> None
     outs = llm.generate(prompts, GREEDY)
     check_fault(outs, expected, failed={1}, num_tokens=0, names=["KV-cache manager 'faulty_kv'", "call 2"])
     assert_recovered(llm, prompts, expected)
+
+
+def test_kv_cache_manager_refusing_every_allocation_ends_requests_instead_of_spinning(registry: Registry, tiny) -> None:
+    """With the whole cache free, a refused allocation can never succeed later: the request ends with an error."""
+    model_dir, prompts, _ = tiny
+    manager = {"name": "faulty_kv", "options": {"fail_at": 1, "times": 10**6, "error": "refuse"}}
+    llm = make_llm(model_dir, kv_cache={"manager": manager, "block_size": BS, "num_blocks": 64})
+    outs = llm.generate(prompts, GREEDY)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "error" and c.token_ids == []
+        assert "cannot be scheduled although no other request holds blocks" in c.error
+        assert "KV-cache manager 'faulty_kv' refused its slots (64 of 64 blocks of 4 free)" in c.error
+    assert llm.engine.num_steps == 0
+    assert llm.engine.kv.num_free_blocks == 64 and not llm.engine.requests
 
 
 def test_sampler_raising(registry: Registry, tiny) -> None:

@@ -149,44 +149,67 @@ def test_greedy_output_equals_hf_and_one_process(cases, arch, n):
     llm.engine.shutdown()  # twice is harmless
 
 
-def test_four_ranks_share_two_kv_heads_and_a_failing_worker_is_named(cases):
-    """4 ranks, 2 KV heads: each KV head lives on two ranks.  Then a worker raises: the user sees its rank."""
-    llm = _tp_llm(cases["llama"], 4)
+def test_four_ranks_share_two_kv_heads_and_a_killed_worker_is_named(cases):
+    """4 ranks, 2 KV heads: each KV head lives on two ranks.  Then rank 3 is killed mid-run: the user sees
+    rank 3 named (not ranks 1 and 2, whose collectives break because of it), and no process is left."""
+    case = cases["llama"]
+    llm = _tp_llm(case, 4)
     pids = llm.engine.runner.worker_pids
     try:
-        _check_matches(llm, cases["llama"])
-        llm.engine.runner.workers.send("not a command")  # every worker fails on it and reports why
-        outs = llm.generate(cases["llama"].prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        for o in outs:
+        _check_matches(llm, case)
+        stream = llm.stream(case.prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        first = next(stream)
+        os.kill(pids[2], signal.SIGKILL)
+        finals = [o for o in [first, *stream] if o.finished]
+        assert len(finals) == len(case.prompts)
+        for o in finals:
             assert o.outputs[0].finish_reason == "error"
-            assert "tensor-parallel rank 1 failed" in o.outputs[0].error
-            assert "unknown command 'not a command'" in o.outputs[0].error
+            assert "tensor-parallel rank 3 failed: its process was killed by signal SIGKILL" in o.outputs[0].error
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)  # every worker reaped, none a zombie
+        assert not _tp_children()
+        again = llm.generate(case.prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert "the tensor-parallel group is down" in again[0].outputs[0].error
+        assert "tensor-parallel rank 3 failed" in again[0].outputs[0].error
     finally:
         llm.engine.shutdown()
-    assert _wait_gone(pids) and not _tp_children()
 
 
-def test_a_killed_worker_ends_the_requests_with_its_rank_and_leaves_no_process(cases):
+def test_a_worker_error_reaches_the_user_with_its_rank(cases):
     case = cases["qwen3"]
     llm = _tp_llm(case, 2)
     (pid,) = llm.engine.runner.worker_pids
     try:
         _check_matches(llm, case)
-        stream = llm.stream(case.prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-        first = next(stream)
-        os.kill(pid, signal.SIGKILL)
-        finals = [o for o in [first, *stream] if o.finished]
-        assert len(finals) == len(case.prompts)
-        for o in finals:
+        llm.engine.runner.workers.send("not a command")  # the worker raises on it and reports why
+        outs = llm.generate(case.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        for o in outs:
             assert o.outputs[0].finish_reason == "error"
-            assert "tensor-parallel rank 1 failed" in o.outputs[0].error and "SIGKILL" in o.outputs[0].error
-        assert not os.path.exists(f"/proc/{pid}")  # reaped, not a zombie
-        assert not _tp_children()
-        again = llm.generate(case.prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
-        assert "the tensor-parallel group is down" in again[0].outputs[0].error
-        assert "tensor-parallel rank 1 failed" in again[0].outputs[0].error
+            assert o.outputs[0].error.startswith(
+                "tensor-parallel rank 1 failed: reading rank 0's commands: TensorParallelError: unknown command 'not a command'"
+            )
     finally:
         llm.engine.shutdown()
+    assert _wait_gone([pid]) and not _tp_children()
+
+
+def test_the_rank_that_failed_first_is_blamed():
+    from corerun.parallel.errors import CommunicationError, Failure, is_communication_failure, root_cause
+
+    broken = [Failure(1, "all_reduce failed", primary=False, at=10.0), Failure(2, "all_reduce failed", primary=False, at=9.0)]
+    assert root_cause(broken, settled=False) is None  # wait: the rank that caused it may still show
+    assert root_cause(broken, settled=True).rank == 2
+    own = Failure(3, "ValueError: bad", primary=True, at=11.0)
+    assert root_cause(broken + [own], settled=False) is own
+    killed = Failure(2, "its process was killed by signal SIGKILL", primary=True)
+    assert root_cause([broken[0], own, killed], settled=False) is killed
+    try:
+        try:
+            raise CommunicationError("gather failed")
+        except CommunicationError as exc:
+            raise RuntimeError("model forward failed") from exc
+    except RuntimeError as wrapped:
+        assert is_communication_failure(wrapped)
+    assert not is_communication_failure(ValueError("bad"))
 
 
 # ---------------------------------------------------------------------- startup

@@ -41,6 +41,8 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob (a one-token prompt: that is all)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 from corerun.config import Config
 from corerun.engine.scheduler import ScheduledBatch
 from corerun.model_runner import ModelRunner, StepResult
-from corerun.parallel.errors import RankFailedError
+from corerun.parallel.errors import Failure, RankFailedError, is_communication_failure
 from corerun.parallel.step import LogitsHeader, pack_step
 from corerun.protocols.graph import ModelInputs
 from corerun.registry import Registry
@@ -128,7 +128,7 @@ class TensorParallelRunner(ModelRunner):
         if self._broken is None and self.workers is not None:
             found = self.workers.quick_check()
             if found is not None:
-                self._go_down(RankFailedError(found[0], f"tensor-parallel rank {found[0]} failed: {found[1]}"))
+                self._go_down(_rank_failed(found))
         if self._broken is not None:
             raise RankFailedError(self._broken.rank, f"{self._broken} (the tensor-parallel group is down; create a new LLM)")
         try:
@@ -143,12 +143,17 @@ class TensorParallelRunner(ModelRunner):
             raise
 
     def _diagnose(self, exc: BaseException) -> RankFailedError:
-        grace = 0.0 if isinstance(exc, KeyboardInterrupt) else FAILURE_GRACE_S
-        found = self.workers.failure(grace) if self.workers is not None else None
-        if found is not None:
-            return RankFailedError(found[0], f"tensor-parallel rank {found[0]} failed: {found[1]}")
+        """Which rank to blame for ``exc``, raised on rank 0 in the middle of a step."""
+        link_broke = is_communication_failure(exc)  # then another rank failed first: wait for its news
+        found = self.workers.failure(FAILURE_GRACE_S if link_broke else 0.0) if self.workers is not None else None
+        if found is not None and (found.primary or link_broke):
+            return _rank_failed(found)
         if isinstance(exc, KeyboardInterrupt):
             return RankFailedError(0, "tensor-parallel rank 0 was interrupted in the middle of a step")
+        if link_broke:
+            return RankFailedError(
+                None, f"a tensor-parallel collective failed and no rank reported why (a rank on another host may have died): {exc}"
+            )
         return RankFailedError(0, f"tensor-parallel rank 0 failed: {exc}")
 
     def _go_down(self, failure: RankFailedError) -> None:
@@ -164,6 +169,10 @@ class TensorParallelRunner(ModelRunner):
         workers, self.workers = self.workers, None
         joined, self._joined = self._joined, False
         _release(workers, graceful, joined)
+
+
+def _rank_failed(found: Failure) -> RankFailedError:
+    return RankFailedError(found.rank, f"tensor-parallel rank {found.rank} failed: {found.message}")
 
 
 def _release(workers: Any, graceful: bool, leave_group: bool) -> None:

@@ -2,13 +2,24 @@
 
 The layers see only ``rank``, ``world_size``, ``all_reduce`` and ``gather_last_dim`` (anything with
 those works, as the tests' single-process stand-in shows); the driver and workers also use
-``broadcast`` and ``min_int``.
+``broadcast`` and ``min_int``.  A failed collective raises :class:`CommunicationError`.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
+
+from corerun.parallel.errors import CommunicationError
+
+
+def _collective(name: str, op: Callable[[], Any]) -> Any:
+    try:
+        return op()
+    except RuntimeError as exc:  # gloo / NCCL report a lost peer, a timeout, an aborted communicator
+        raise CommunicationError(f"{name} failed: {exc}") from exc
 
 
 class TensorParallelGroup:
@@ -22,7 +33,7 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
-        dist.all_reduce(x, group=self.group)
+        _collective("all_reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -30,19 +41,19 @@ class TensorParallelGroup:
         other ranks: ``None`` (they only send)."""
         x = x.contiguous()
         if self.rank != 0:
-            dist.gather(x, None, dst=0, group=self.group)
+            _collective("gather", lambda: dist.gather(x, None, dst=0, group=self.group))
             return None
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.gather(x, parts, dst=0, group=self.group)
+        _collective("gather", lambda: dist.gather(x, parts, dst=0, group=self.group))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype everywhere), in place; returns ``x``."""
-        dist.broadcast(x, src=0, group=self.group)
+        _collective("broadcast", lambda: dist.broadcast(x, src=0, group=self.group))
         return x
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        _collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group))
         return int(t.item())

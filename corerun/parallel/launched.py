@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from corerun.config import Config
 from corerun.errors import ConfigError
-from corerun.parallel.errors import TensorParallelError
+from corerun.parallel.errors import CommunicationError, Failure, TensorParallelError, is_communication_failure, root_cause
 from corerun.parallel.group import TensorParallelGroup
 from corerun.parallel.step import Command, Shutdown
 
@@ -70,21 +70,30 @@ class LaunchedWorkers:
         return []
 
     def send(self, cmd: Command) -> None:
-        dist.broadcast_object_list([cmd], src=0, group=self.control)
+        try:
+            dist.broadcast_object_list([cmd], src=0, group=self.control)
+        except RuntimeError as exc:
+            raise CommunicationError(f"sending a command to the tensor-parallel workers failed: {exc}") from exc
 
-    def _report(self, rank: int) -> str | None:
-        key = f"error/{rank}"
-        return self.store.get(key).decode() if self.store.check([key]) else None
+    def _reports(self) -> list[Failure]:
+        """Every rank's error report in the store (``"P|time|message"``: primary; ``"C|..."``: a broken collective)."""
+        found = []
+        for rank in range(1, self.world_size):
+            key = f"error/{rank}"
+            if self.store.check([key]):
+                kind, at, message = self.store.get(key).decode().split("|", 2)
+                found.append(Failure(rank, message, primary=kind == "P", at=float(at)))
+        return found
 
     def wait_for(self, what: str, timeout_s: float) -> None:
         """Wait until every rank has set ``what/<rank>``; raise naming a rank that reported an error."""
         pending = set(range(1, self.world_size))
         deadline = time.monotonic() + timeout_s
         while pending:
+            found = root_cause(self._reports(), settled=True)
+            if found is not None:
+                raise TensorParallelError(f"tensor-parallel rank {found.rank} failed while starting: {found.message}")
             for rank in sorted(pending):
-                report = self._report(rank)
-                if report is not None:
-                    raise TensorParallelError(f"tensor-parallel rank {rank} failed while starting: {report}")
                 if self.store.check([f"{what}/{rank}"]):
                     pending.discard(rank)
             if pending and time.monotonic() > deadline:
@@ -99,16 +108,16 @@ class LaunchedWorkers:
         """Nothing to check without a round trip per rank; failures show when a collective fails."""
         return None
 
-    def failure(self, grace_s: float) -> tuple[int, str] | None:
-        """The first rank that reported an error; waits up to ``grace_s`` for one."""
+    def failure(self, grace_s: float) -> Failure | None:
+        """The rank to blame among those that reported (see :func:`~corerun.parallel.errors.root_cause`),
+        waiting up to ``grace_s`` for one that failed on its own.  A rank that died without a report
+        cannot be seen from here."""
         deadline = time.monotonic() + grace_s
         while True:
-            for rank in range(1, self.world_size):
-                report = self._report(rank)
-                if report is not None:
-                    return rank, report
-            if time.monotonic() >= deadline:
-                return None
+            settled = time.monotonic() >= deadline
+            found = root_cause(self._reports(), settled)
+            if found is not None or settled:
+                return found
             time.sleep(0.05)
 
     def close(self, graceful: bool = True) -> None:
@@ -139,8 +148,8 @@ class BroadcastSource:
     def ready(self) -> None:
         self.store.set(f"ready/{self.rank}", "1")
 
-    def fail(self, message: str) -> None:
-        self.store.set(f"error/{self.rank}", message)
+    def fail(self, message: str, primary: bool) -> None:
+        self.store.set(f"error/{self.rank}", f"{'P' if primary else 'C'}|{time.time()}|{message}")
 
 
 def serve_launched(config: Config) -> None:
@@ -163,7 +172,7 @@ def serve_launched(config: Config) -> None:
     except EOFError as exc:
         logger.warning("tensor-parallel rank %d: %s", rank, exc)
     except BaseException as exc:
-        source.fail(failure_message(exc))
+        source.fail(failure_message(exc), primary=not is_communication_failure(exc))
         raise
     finally:
         destroy_group()

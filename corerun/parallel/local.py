@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from corerun.config import Config
-from corerun.parallel.errors import TensorParallelError
+from corerun.parallel.errors import Failure, TensorParallelError, is_communication_failure, root_cause
 from corerun.parallel.step import Command, Shutdown
 
 logger = logging.getLogger("corerun.parallel")
@@ -60,7 +60,7 @@ class LocalWorkers:
         if config.distributed.start_method == "forkserver":
             ctx.set_forkserver_preload(["corerun.parallel.local", "corerun.parallel.worker", "corerun.model_runner"])
         self.procs: list[Any] = []
-        self.conns: list[Connection] = []  # commands out, ("started",) / ("ready",) / ("error", text) back
+        self.conns: list[Connection] = []  # commands out; ("started",), ("ready",), ("error", ...) back
         self.lifelines: list[Connection] = []  # never written; closing (or dying) tells the worker to exit
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.lifelines, True)
         data = config.model_dump()
@@ -77,6 +77,7 @@ class LocalWorkers:
             self.procs.append(proc)
             theirs.close()
             life_r.close()
+        self.reports: dict[int, Failure] = {}  # rank -> its error report
         self._monitor = _DeathMonitor(self.procs) if backend == "nccl" else None
 
     @property
@@ -86,48 +87,50 @@ class LocalWorkers:
 
     # ---------------------------------------------------------------- startup
     def wait_for(self, what: str, timeout_s: float) -> None:
-        """Wait until every worker has sent ``(what,)``; raise TensorParallelError naming a rank that failed first."""
+        """Wait until every worker has sent ``(what,)``; raise TensorParallelError naming the rank that failed."""
         pending = set(range(1, self.world_size))
         deadline = time.monotonic() + timeout_s
         while pending:
-            self._raise_failure(pending, "while starting")
-            for rank in sorted(pending):
-                conn = self.conns[rank - 1]
-                if conn.poll():
-                    msg = _recv(conn)
-                    if msg is not None and msg[0] == what:
-                        pending.discard(rank)
-                    elif msg is not None and msg[0] == "error":
-                        raise TensorParallelError(f"tensor-parallel rank {rank} failed while starting: {msg[1]}")
+            exits = self._exit_codes()  # before reading the pipes: a worker reports, then exits
+            self._drain(what, pending)
+            found = self._root_cause(exits, settled=True)
+            if found is not None:
+                raise TensorParallelError(f"tensor-parallel rank {found.rank} failed while starting: {found.message}")
             remaining = deadline - time.monotonic()
             if pending and remaining <= 0:
-                ranks = ", ".join(map(str, sorted(pending)))
                 raise TensorParallelError(
-                    f"tensor-parallel rank(s) {ranks} did not report {what!r} within {timeout_s:.0f} s "
-                    "(distributed.timeout_s); see their output above"
+                    f"tensor-parallel rank(s) {', '.join(map(str, sorted(pending)))} did not report {what!r} within "
+                    f"{timeout_s:.0f} s (distributed.timeout_s); see their output above"
                 )
             if pending:
                 wait([self.conns[r - 1] for r in pending] + [self.procs[r - 1].sentinel for r in pending], min(remaining, 1.0))
 
-    def _raise_failure(self, ranks: set[int], when: str) -> None:
-        for rank in sorted(ranks):
-            proc = self.procs[rank - 1]
-            if proc.exitcode is not None:
-                report = self._error_report(rank)
-                raise TensorParallelError(f"tensor-parallel rank {rank} failed {when}: {report or describe_exit(proc.exitcode)}")
+    def _drain(self, what: str | None = None, pending: set[int] | None = None) -> None:
+        """Read every message waiting on the pipes: error reports are kept, ``(what,)`` clears ``pending``."""
+        for rank, conn in enumerate(self.conns, start=1):
+            while rank not in self.reports and conn.poll():
+                msg = _recv(conn)
+                if msg is None:
+                    break
+                if msg[0] == "error":  # ("error", primary, time, message)
+                    self.reports[rank] = Failure(rank, msg[3], primary=msg[1], at=msg[2])
+                elif msg[0] == what and pending is not None:
+                    pending.discard(rank)
 
-    def _error_report(self, rank: int) -> str | None:
-        conn = self.conns[rank - 1]
-        while conn.poll():
-            msg = _recv(conn)
-            if msg is None:
-                return None
-            if msg[0] == "error":
-                return msg[1]
-        return None
+    def _exit_codes(self) -> list[int | None]:
+        return [proc.exitcode for proc in self.procs]  # each polls waitpid
+
+    def _root_cause(self, exits: list[int | None], settled: bool) -> Failure | None:
+        """Blame from the reports, and from the exits seen *before* the pipes were last read (a worker
+        always reports before it exits, so an exit seen then without a report had none to make)."""
+        failures = list(self.reports.values())
+        for rank, code in enumerate(exits, start=1):
+            if rank not in self.reports and code is not None:
+                failures.append(Failure(rank, describe_exit(code), primary=True))
+        return root_cause(failures, settled)
 
     # ------------------------------------------------------------------ steps
-    def quick_check(self) -> tuple[int, str] | None:
+    def quick_check(self) -> Failure | None:
         """A worker that has exited or reported an error, without waiting (a few system calls)."""
         return self.failure(0.0)
 
@@ -136,21 +139,21 @@ class LocalWorkers:
         for conn in self.conns:
             conn.send_bytes(payload)
 
-    def failure(self, grace_s: float) -> tuple[int, str] | None:
-        """The first failed worker's ``(rank, what happened)``; waits up to ``grace_s`` for one to show."""
+    def failure(self, grace_s: float) -> Failure | None:
+        """The worker to blame (see :func:`~corerun.parallel.errors.root_cause`), waiting up to ``grace_s``
+        for a worker that failed on its own to show, when only broken collectives have been reported."""
         deadline = time.monotonic() + grace_s
         while True:
-            dead = [r for r in range(1, self.world_size) if self.procs[r - 1].exitcode is not None]
-            for rank in range(1, self.world_size):
-                report = self._error_report(rank)
-                if report is not None:
-                    return rank, report
-            if dead:
-                return dead[0], describe_exit(self.procs[dead[0] - 1].exitcode)
+            exits = self._exit_codes()
+            self._drain()
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            wait(self.conns + [p.sentinel for p in self.procs], remaining)
+            found = self._root_cause(exits, settled=remaining <= 0)
+            if found is not None or remaining <= 0:
+                return found
+            quiet = [r for r, code in enumerate(exits, start=1) if code is None and r not in self.reports]
+            if not quiet:
+                return self._root_cause(exits, settled=True)
+            wait([self.conns[r - 1] for r in quiet] + [self.procs[r - 1].sentinel for r in quiet], remaining)
 
     # --------------------------------------------------------------- shutdown
     def close(self, graceful: bool = True) -> None:
@@ -221,7 +224,7 @@ class _DeathMonitor:
 
 # ------------------------------------------------------------------ worker side
 class PipeSource:
-    """A worker's end of its pipe: commands in, ``("ready",)`` / ``("error", message)`` out."""
+    """A worker's end of its pipe: commands in; ``("started",)``, ``("ready",)``, ``("error", primary, time, message)`` out."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -232,9 +235,9 @@ class PipeSource:
     def ready(self) -> None:
         self.conn.send(("ready",))
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, primary: bool) -> None:
         try:
-            self.conn.send(("error", message))
+            self.conn.send(("error", primary, time.time(), message))
         except OSError:
             pass
 
@@ -278,7 +281,7 @@ def worker_main(
         from corerun.parallel.worker import failure_message
 
         traceback.print_exc()
-        source.fail(failure_message(exc))
+        source.fail(failure_message(exc), primary=not is_communication_failure(exc))
         code = 1
     finally:
         conn.close()

@@ -27,11 +27,14 @@ logger = logging.getLogger("corerun.parallel")
 class CommandSource(Protocol):
     """Where a worker gets rank 0's commands, and how it tells rank 0 it is ready or has failed."""
 
-    def recv(self) -> Command: ...
+    def recv(self) -> Command:
+        """The next command; ``EOFError`` when rank 0 is gone."""
 
-    def ready(self) -> None: ...
+    def ready(self) -> None:
+        """This rank has built its model shard."""
 
-    def fail(self, message: str) -> None: ...
+    def fail(self, message: str, primary: bool) -> None:
+        """``primary``: this rank failed on its own, not because a collective broke under it."""
 
 
 def serve(config: Config, group: TensorParallelGroup, source: CommandSource) -> None:
