@@ -183,7 +183,10 @@ def parse_set(items: Sequence[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set expects KEY=VALUE (e.g. kv_cache.block_size=32), got {item!r}")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {exc}") from None
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:

@@ -9,6 +9,7 @@ them, and samples.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,16 +170,21 @@ class ModelRunner:
         qsl = np.zeros(r + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         t = int(qsl[-1])
-        input_ids = np.concatenate(
-            [np.asarray(s.token_ids[c : c + n], dtype=np.int64) for s, c, n in zip(seqs, context.tolist(), num_new)]
-        )
+        ids: list[int] = []
+        for s, c, n in zip(seqs, context.tolist(), num_new):
+            ids += s.token_ids[c : c + n]
+        input_ids = np.array(ids, dtype=np.int64)
         req_of_token = np.repeat(np.arange(r), query_lens)
         positions = np.arange(t, dtype=np.int64) - qsl[:-1][req_of_token] + context[req_of_token]
+        # block tables: one flat copy, scattered into a zero-padded [r, width] array
         tables = [self.kv_manager.block_table(s.seq_id) for s in seqs]
-        width = max(len(tb) for tb in tables)
-        block_tables = np.zeros((r, width), dtype=np.int32)
-        for i, tb in enumerate(tables):
-            block_tables[i, : len(tb)] = tb
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=r)
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        block_tables = np.zeros((r, int(lens.max())), dtype=np.int32)
+        starts = np.zeros(r, dtype=np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        row_of_block = np.repeat(np.arange(r), lens)
+        block_tables[row_of_block, np.arange(flat.size) - starts[row_of_block]] = flat
         slot_mapping = block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         # rows that finish their scheduled tokens are sampled from their last token's logits
         sampled_rows = np.nonzero(seq_lens == np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=r))[0]

@@ -51,6 +51,15 @@ class SamplingParams(BaseModel):
             raise ValueError(f"{info.field_name} must be a number, got {v!r}")
         return v
 
+    @field_validator("stop_token_ids", "logit_bias", mode="before")
+    @classmethod
+    def _no_bool_ids(cls, v: Any, info: Any) -> Any:
+        ids = list(v.keys()) if isinstance(v, dict) else list(v or ())
+        bad = [t for t in ids if isinstance(t, bool)]
+        if bad:  # pydantic would read True as token 1
+            raise ValueError(f"{info.field_name} must hold integer token ids, got {bad[0]!r}")
+        return v
+
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v: float) -> float:

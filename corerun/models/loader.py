@@ -119,7 +119,13 @@ def iterate_weights(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # weights_only refuses arbitrary objects: a tampered or non-tensor file
+                raise ModelLoadError(
+                    f"{path}: cannot be loaded as plain tensors with torch.load(weights_only=True): "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; convert it to safetensors"
+                ) from None
             yield from state.items()
             del state
 
