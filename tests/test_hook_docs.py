@@ -37,7 +37,7 @@ def test_hook_specs_are_the_ones_listed_in_hooks() -> None:
 @pytest.mark.parametrize("hook", sorted(hookspecs.HOOKS.values()))
 def test_hook_is_documented_with_its_signature(hook: str) -> None:
     sig = signature(getattr(hookspecs, hook))
-    assert sig in docs_text(), f"document `{sig}` in docs/readme/plugins.md"
+    assert sig in docs_text(), f"document `{sig}` in the README's Plugins section"
 
 
 def test_register_arguments_are_documented() -> None:
@@ -52,7 +52,7 @@ def test_register_arguments_are_documented() -> None:
     (register,) = captured
     text = docs_text()
     missing = [p for p in inspect.signature(register).parameters if f"| `{p}` |" not in text]
-    assert missing == [], f"document these register(...) arguments in the table of docs/readme/plugins.md: {missing}"
+    assert missing == [], f"document these register(...) arguments in the table of the README's Plugins section: {missing}"
 
 
 def _test_functions() -> set[str]:

@@ -1,0 +1,58 @@
+"""End-to-end decode throughput on a GPU: ``corerun bench`` on a random Llama-shaped model, for the
+attention backends and graph runners side by side (``--compare hf`` as the peer), tensor_parallel_size 1.
+
+    python benchmarks/gpu/bench_e2e.py --out RESULTS_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from tests.helpers.tiny_models import make_tiny_model
+
+    heads = args.hidden // 64
+    model = make_tiny_model(
+        tempfile.mkdtemp(prefix="corerun-e2e-"), arch="llama", hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+        vocab_size=32000, max_position_embeddings=4096,
+    )
+    runs = [("torch", "eager"), ("torch", "cuda"), ("triton", "eager"), ("triton", "cuda")]
+    results = {}
+    for attention, graph in runs:
+        cmd = [
+            sys.executable, "-m", "corerun", "bench", "--model", str(model), "--json",
+            "--attention", attention, "--set", f"graph.runner={graph}", "--dtype", "bfloat16",
+            "--num-seqs", str(args.num_seqs), "--input-len", "128:512", "--output-len", "128:256",
+        ]
+        if (attention, graph) == ("triton", "cuda"):
+            cmd += ["--compare", "hf"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        key = f"{attention}+{graph}"
+        try:
+            results[key] = json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            results[key] = {"error": proc.stderr[-2000:], "rc": proc.returncode}
+        print(key, json.dumps(results[key])[:400], flush=True)
+    (args.out / "bench_e2e.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""``python -m corerun`` runs the command line."""
+
+from corerun.cli import main
+
+main()
