@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from corerun import LLM, SamplingParams
+from tests.helpers.engine_testing import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 
 BS = 4
@@ -34,26 +35,11 @@ def _prompts(vocab: int) -> list[list[int]]:
     ]
 
 
-def _hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory):
     d = make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param)
     prompts = _prompts(256)
-    return d, prompts, _hf_greedy(d, prompts, MAX_TOKENS)
+    return d, prompts, hf_greedy(d, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(

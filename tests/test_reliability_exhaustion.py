@@ -11,65 +11,20 @@ A request cancelled mid-generation (the ``LLM.stream`` iterator closed early, or
 from __future__ import annotations
 
 import contextlib
-import signal
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from corerun import LLM, SamplingParams
 from tests.helpers.tiny_models import hf_logits, hf_model, make_tiny_model
+from tests.helpers.engine_testing import hf_greedy, no_hang, one_thread  # noqa: F401 (fixtures)
 
 BS = 4
 MAX_TOKENS = 10
 COMMON: dict[str, Any] = dict(device="cpu", dtype="float32", attention="torch")
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-NO_HANG_S = 180
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one thread is as fast idle, and far faster on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def no_hang() -> Iterator[None]:
-    """Fail the test, never hang the run, if the engine stops making progress."""
-
-    def expire(*_: Any) -> None:
-        raise TimeoutError(f"test still running after {NO_HANG_S} s: the engine hangs")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, NO_HANG_S)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Hugging Face transformers' greedy continuations (EOS ignored), float32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
     """Model folder, ten prompts (1 to 14 tokens, three sharing a prefix), their greedy references."""

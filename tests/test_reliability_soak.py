@@ -28,6 +28,7 @@ import torch
 from corerun import LLM, SamplingParams
 from corerun.outputs import RequestOutput
 from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.engine_testing import one_thread  # noqa: F401 (fixture)
 
 NUM_REQUESTS = int(os.environ.get("CORERUN_SOAK_REQUESTS", "2000"))
 NUM_REPEATED = min(NUM_REQUESTS, max(300, NUM_REQUESTS // 8))
@@ -35,15 +36,6 @@ VOCAB = 256
 BS = 4
 NUM_BLOCKS = 64  # 256 token slots; 64 running requests can want up to 64 * 6 blocks
 SAMPLE = 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one thread is as fast idle, and far faster on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @contextmanager

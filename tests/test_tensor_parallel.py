@@ -28,6 +28,7 @@ import yaml
 from corerun import LLM, SamplingParams
 from corerun.errors import ConfigError
 from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.engine_testing import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 10
@@ -52,28 +53,12 @@ def _params(n: int) -> list[SamplingParams]:
     return sp
 
 
-def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 min_new_tokens=MAX_TOKENS, do_sample=False)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 class Case:
     """A tiny model, its prompts, HF's greedy tokens and a single process's outputs."""
 
     def __init__(self, folder: Path, vocab: int) -> None:
         self.folder, self.prompts = folder, _prompts(vocab)
-        self.hf = _hf_greedy(folder, self.prompts)
+        self.hf = hf_greedy(folder, self.prompts, MAX_TOKENS)
         single = LLM(model=folder, **BASE)
         self.single = single.generate(self.prompts, _params(len(self.prompts)), use_tqdm=False)
 

@@ -10,7 +10,7 @@ from corerun import ConfigError, SamplerCapabilities, UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
-from corerun_sampler_basic.noise import exponential_race
+from corerun.sampling_noise import exponential_race
 from corerun_sampler_basic.plugin import CAPABILITIES
 
 FULL_HINT = "use `sampler: full` (pip install corerun-sampler-full), which honours them"

@@ -9,7 +9,7 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
     greedy rows: argmax(x)
     x /= temperature (greedy rows: 1)
     min-p, top-k, top-p -> -inf                           truncation.py
-    random rows: exponential race on softmax(x)           noise.py (seeded rows: own generator)
+    random rows: exponential race on softmax(x)           corerun.sampling_noise (seeded rows: own generator)
     logprobs of the sampled token, its rank, the top-k    logprobs.py
 
 Every stage is one tensor pass over the batch; per-request values become tensors once per step from
@@ -28,7 +28,7 @@ from corerun.sampling_params import SamplingParams
 
 from corerun_sampler_full._device import to_device
 from corerun_sampler_full.logprobs import gather_logprobs
-from corerun_sampler_full.noise import exponential_race
+from corerun.sampling_noise import exponential_race
 from corerun_sampler_full.options import FullSamplerOptions
 from corerun_sampler_full.penalties import apply_penalties
 from corerun_sampler_full.plugin import CAPABILITIES

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corerun.sampling_params import SamplingParams as SP
-from corerun_sampler_full.noise import row_seed
+from corerun.sampling_noise import row_seed
 from corerun_sampler_full.sampler import FullSampler
 
 V = 64

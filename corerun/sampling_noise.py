@@ -1,4 +1,8 @@
-"""Sampling by the exponential race, with per-request seeds.
+"""Sampling by the exponential race, with per-request seeds (shared by every corerun sampler).
+
+A seeded request draws its noise from a generator seeded by (seed, output position) only, so a sampler
+built on these helpers gives the same tokens alone or in any batch, and two samplers built on them give
+the same tokens for a request that only sets temperature and seed.
 
 For probabilities ``p`` and independent ``q_i ~ Exp(1)``, ``argmax_i p_i / q_i`` is distributed as ``p``
 (the index of the first of independent exponential clocks with rates ``p_i`` to ring).  It needs one
