@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any, Iterator, Sequence as Seq
 
-from corerun.config import Config, load_config
+from corerun.config import Config, deep_merge, load_config
 from corerun.engine.llm_engine import LLMEngine, Prompt
 from corerun.errors import RequestError
 from corerun.outputs import RequestOutput
@@ -28,7 +28,7 @@ class LLM:
             overrides["model"] = str(model)
         if isinstance(config, Config):
             merged = config.model_dump()
-            cfg = load_config(None, overrides={**merged, **overrides}) if overrides else config
+            cfg = load_config(None, overrides=deep_merge(merged, overrides)) if overrides else config
         else:
             cfg = load_config(config, overrides=overrides)
         self.config = cfg

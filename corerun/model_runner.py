@@ -132,7 +132,6 @@ class ModelRunner:
 
         self.sampler_name = config.sampler.name
         self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
-        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         logger.info(
             "model %s (%s) on %s/%s: attention=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
             self.model_dir, ",".join(mc.architectures), self.device, str(self.dtype).removeprefix("torch."),
@@ -239,7 +238,7 @@ class ModelRunner:
         meta = SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
+            output_token_ids=[s.output_view() for s in seqs],
             eos_token_ids=eos_token_ids,
         )
         try:

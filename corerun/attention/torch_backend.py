@@ -65,7 +65,7 @@ class TorchAttentionBackend:
         _, nb1, bs, h, d = kv_cache.shape
         flat = kv_cache.view(2, nb1 * bs, h, d)
         trash = (nb1 - 1) * bs  # first slot of the write-off block
-        slots = torch.where(slot_mapping < 0, torch.full_like(slot_mapping, trash), slot_mapping)
+        slots = torch.where(slot_mapping < 0, trash, slot_mapping)
         flat[0].index_copy_(0, slots, key.to(flat.dtype))
         flat[1].index_copy_(0, slots, value.to(flat.dtype))
 

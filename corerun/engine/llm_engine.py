@@ -103,9 +103,14 @@ class LLMEngine:
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         seq_id = next(self._seq_ids)
+        if request_id is None:
+            request_id = str(seq_id)
+            while request_id in self.requests:  # a caller chose this id for another request
+                seq_id = next(self._seq_ids)
+                request_id = str(seq_id)
         return Sequence(
-            seq_id=seq_id,
-            request_id=request_id if request_id is not None else str(seq_id), prompt_token_ids=token_ids, params=params, prompt=text, arrival_time=time.perf_counter(),
+            seq_id=seq_id, request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
+            arrival_time=time.perf_counter(),
         )
 
     def _check_fits(self, n: int, params: SamplingParams) -> None:
@@ -118,6 +123,13 @@ class LLMEngine:
         runner = self.runner
         longest = min(n + params.max_tokens, runner.max_model_len) - 1
         need = -(-longest // runner.block_size)
+        capacity = runner.num_blocks * runner.block_size
+        if n > capacity:
+            raise RequestError(
+                f"the prompt alone ({n} tokens) needs {-(-n // runner.block_size)} KV-cache blocks of "
+                f"{runner.block_size}, but the whole cache has {runner.num_blocks}; shorten the prompt or raise "
+                f"kv_cache.num_blocks / memory"
+            )
         if need > runner.num_blocks:
             raise RequestError(
                 f"request needs up to {need} KV-cache blocks ({n} prompt + {params.max_tokens} max_tokens, "
@@ -302,9 +314,7 @@ class LLMEngine:
     # -------------------------------------------------------------- output
     def output(self, seq: Sequence) -> RequestOutput:
         ids = seq.output_token_ids
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self._detokenize(seq, ids) if self.tokenizer is not None else ""
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(ids), finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=seq.logprobs, error=seq.error,
@@ -318,6 +328,23 @@ class LLMEngine:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids),
             outputs=[completion], finished=seq.is_finished, prompt_logprobs=seq.prompt_logprobs, metrics=metrics,
         )
+
+    def _detokenize(self, seq: Sequence, ids: list[int]) -> str:
+        """The output text so far, decoding only the new tokens (with a few tokens of left context, as
+        vLLM does, so merges and multi-byte characters come out right); exact full decode at the end."""
+        tok = self.tokenizer
+        if seq.is_finished:
+            seq.text = tok.decode(ids, skip_special_tokens=True)
+            return seq.text
+        prefix, read = seq.detok_prefix, seq.detok_read
+        if len(ids) > read:
+            before = tok.decode(ids[prefix:read], skip_special_tokens=True)
+            after = tok.decode(ids[prefix:], skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd"):  # hold back half a character
+                seq.text += after[len(before):]
+                seq.detok_prefix = max(read - 4, 0)
+                seq.detok_read = len(ids)
+        return seq.text
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (the engine keeps no history of its own)."""

@@ -105,7 +105,6 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
-                scheduled.pop(victim.seq_id, None)
                 if victim is seq:
                     break
             else:

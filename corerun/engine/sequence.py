@@ -3,10 +3,39 @@
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from corerun.outputs import Logprob
 from corerun.sampling_params import SamplingParams
+
+
+class TokenView(SequenceABC):
+    """``tokens[start:]`` as a read-only sequence, without a copy."""
+
+    __slots__ = ("_tokens", "_start")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return self._tokens[self._start :][i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("token index out of range")
+        return self._tokens[self._start + i]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, None)
 
 
 class SequenceStatus(enum.Enum):
@@ -34,7 +63,9 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    num_streamed: int = 0  # output tokens already handed to a stream
+    text: str = ""  # output text decoded so far (LLMEngine.output)
+    detok_prefix: int = 0  # incremental detokenisation: first output token of the left context
+    detok_read: int = 0  # output tokens already turned into text
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -54,7 +85,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy of the generated tokens."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    def output_view(self) -> "TokenView":
+        """The generated tokens without copying them (for the per-step sampling metadata)."""
+        return TokenView(self.token_ids, self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:
