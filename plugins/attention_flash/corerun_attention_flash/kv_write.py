@@ -32,12 +32,16 @@ def write_kv_by_slot(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Ten
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
 
+    # Index with 1-element tensors only: indexing with a 0-dim tensor is an .item() (a host sync, and an
+    # error inside CUDA-graph capture).
     real = slots >= 0  # [T]
-    first = torch.argmax(real.to(torch.int32))  # first real token (0 when none is real)
-    any_real = real[first]  # 0-dim bool
-    fallback_slot = slots[first].clamp(min=0)  # 0-dim
+    first = real.to(torch.int32).argmax().view(1)  # first real token (0 when none is real), [1]
+    any_real = real.index_select(0, first)  # [1] bool
+    fallback_slot = slots.index_select(0, first).clamp(min=0)  # [1]
     target = torch.where(real, slots, fallback_slot)
     for cache, new in ((flat[0], key), (flat[1], value)):
-        fallback = torch.where(any_real, new[first], cache[fallback_slot])  # [Hkv, D]
-        rows = torch.where(real[:, None, None], new, fallback.to(new.dtype))
+        fallback = torch.where(
+            any_real[:, None, None], new.index_select(0, first), cache.index_select(0, fallback_slot).to(new.dtype)
+        )  # [1, Hkv, D]
+        rows = torch.where(real[:, None, None], new, fallback)
         cache.index_copy_(0, target, rows.to(cache.dtype))
