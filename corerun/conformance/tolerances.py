@@ -18,7 +18,7 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float64": (1e-10, 1e-9),
     "float32": (2e-6, 2e-5),
     "float16": (1.5e-3, 5e-3),
-    "bfloat16": (6e-3, 2e-2),
+    "bfloat16": (4e-3, 1e-2),
 }
 
 SHORT_DTYPE: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
