@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from corerun_attention_triton.kernels import INTERPRET
+from corerun_attention_triton.kernels.paged_tile import load_kv_tile
 
 
 @triton.jit
@@ -97,23 +98,11 @@ def split_kv_decode_kernel(
     for tile in range(tile_begin, tile_end):
         pos = tile * TILE_N + offs_n
         pos_ok = pos < seq_len
-        block = tl.load(block_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = tl.load(
-            k_cache_ptr + block[None, :] * stride_kc_blk + slot[None, :] * stride_kc_slot
-            + kv_head * stride_kc_head + offs_d[:, None],
-            mask=d_ok[:, None] & pos_ok[None, :],
-            other=0.0,
-        )  # [HEAD_PAD, TILE_N]
-        v = tl.load(
-            v_cache_ptr + block[:, None] * stride_vc_blk + slot[:, None] * stride_vc_slot
-            + kv_head * stride_vc_head + offs_d[None, :],
-            mask=pos_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [TILE_N, HEAD_PAD]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_row, pos, pos_ok, offs_d, d_ok, kv_head,
+            stride_kc_blk, stride_kc_slot, stride_kc_head, stride_vc_blk, stride_vc_slot, stride_vc_head,
+            BLOCK_SIZE, UPCAST,
+        )
         s = tl.dot(q, k, input_precision="ieee") * qk_scale
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
