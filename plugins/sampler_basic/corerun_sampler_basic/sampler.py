@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -10,26 +10,11 @@ from corerun import ConfigError, SamplerCapabilities, UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
+from corerun.sampler_utils import GeneratorCache, check_logits, to_device
 from corerun.sampling_noise import exponential_race
 from corerun_sampler_basic.plugin import CAPABILITIES
 
 FULL_HINT = "use `sampler: full` (pip install corerun-sampler-full), which honours them"
-
-
-def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list -> a tensor on ``device``; through pinned memory and a non-blocking copy on CUDA (no sync)."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def check_logits(logits: torch.Tensor, batch_size: int, vocab_size: int) -> None:
-    """Raise ``ValueError`` unless ``logits`` is a floating ``[batch_size, vocab_size]`` tensor."""
-    if logits.dim() != 2 or tuple(logits.shape) != (batch_size, vocab_size) or not logits.is_floating_point():
-        raise ValueError(
-            f"logits must be a float tensor [batch_size={batch_size}, vocab_size={vocab_size}], "
-            f"got {logits.dtype} {list(logits.shape)}"
-        )
 
 
 class BasicSampler:
@@ -50,7 +35,7 @@ class BasicSampler:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generators = GeneratorCache()
 
     def check(self, params: SamplingParams) -> None:
         """Raise :class:`UnsupportedError` naming every parameter set that ``basic`` does not honour."""
@@ -76,7 +61,7 @@ class BasicSampler:
             for j, i in enumerate(rows)
             if params[i].seed is not None
         ]
-        generator = self._generator(x.device)
+        generator = self._generators.get(x.device)
         if len(rows) == len(params):
             return SamplerOutput(exponential_race(torch.softmax(x / temperature[:, None], dim=-1), seeded, generator))
         index = to_device(rows, torch.int64, x.device)
@@ -90,8 +75,3 @@ class BasicSampler:
             [f"does not compute prompt logprobs (asked for {num_logprobs})",
              "use `sampler: full` (pip install corerun-sampler-full), which does"],
         )
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device)
-        return self._generators[device]

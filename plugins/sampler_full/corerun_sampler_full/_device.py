@@ -7,12 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-
-def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list -> a tensor on ``device``; through pinned memory and a non-blocking copy on CUDA (no sync)."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+from corerun.sampler_utils import to_device  # noqa: F401 (re-exported for this package's modules)
 
 
 def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:

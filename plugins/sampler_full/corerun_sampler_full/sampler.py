@@ -26,7 +26,7 @@ from corerun import SamplerCapabilities, UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
-from corerun_sampler_full._device import to_device
+from corerun.sampler_utils import GeneratorCache, check_logits, to_device
 from corerun_sampler_full.logprobs import gather_logprobs
 from corerun.sampling_noise import exponential_race
 from corerun_sampler_full.options import FullSamplerOptions
@@ -51,7 +51,7 @@ class FullSampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.options = FullSamplerOptions(**options)
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generators = GeneratorCache()
 
     def check(self, params: SamplingParams) -> None:
         """Raise :class:`UnsupportedError` for a parameter this sampler does not know; ``ValueError`` for ids outside the vocabulary."""
@@ -63,7 +63,7 @@ class FullSampler:
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` float ``[B, V]`` (any float dtype; not modified) -> int64 ``[B]`` tokens and, if asked, logprobs."""
-        _check_logits(logits, metadata.batch_size, self.vocab_size)
+        check_logits(logits, metadata.batch_size, self.vocab_size)
         params = metadata.params
         asked = [p.logprobs for p in params if p.logprobs is not None]
         raw = None
@@ -130,20 +130,7 @@ class FullSampler:
             if params[i].seed is not None
         ]
         if greedy_tokens is None:
-            return exponential_race(x.softmax(dim=-1), seeded, self._generator(x.device))
+            return exponential_race(x.softmax(dim=-1), seeded, self._generators.get(x.device))
         index = to_device(random_rows, torch.int64, x.device)
-        tokens = exponential_race(x[index].softmax(dim=-1), seeded, self._generator(x.device))
+        tokens = exponential_race(x[index].softmax(dim=-1), seeded, self._generators.get(x.device))
         return greedy_tokens.index_copy_(0, index, tokens)
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device)
-        return self._generators[device]
-
-
-def _check_logits(logits: torch.Tensor, batch_size: int, vocab_size: int) -> None:
-    if logits.dim() != 2 or tuple(logits.shape) != (batch_size, vocab_size) or not logits.is_floating_point():
-        raise ValueError(
-            f"logits must be a float tensor [batch_size={batch_size}, vocab_size={vocab_size}], "
-            f"got {logits.dtype} {list(logits.shape)}"
-        )
