@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
