@@ -43,6 +43,7 @@ part install 60 "$PY" -m pip install --no-index --no-deps --no-build-isolation -
 part plugins 20 "$PY" -m corerun plugins --json
 # conformance on CUDA (compiles the Triton kernels for real); flash only reports its reasons when not importable
 part conformance-attention-triton 120 "$PY" -m corerun conformance attention:triton --device cuda --json
+part conformance-attention-triton-split 45 "$PY" -m corerun conformance attention:triton --option num_splits=4 -k "decode or mixed" --device cuda --json
 part conformance-attention-torch 45 "$PY" -m corerun conformance attention:torch --device cuda --json
 part conformance-graph-cuda 45 "$PY" -m corerun conformance graph:cuda --device cuda --json
 part conformance-sampler-full 30 "$PY" -m corerun conformance sampler:full --device cuda --json

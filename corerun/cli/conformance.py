@@ -64,6 +64,22 @@ def _render(doc: dict[str, Any], results: list[Any]) -> None:
     console.print(Text(f"{doc['implementation']}: ") + verdict + Text(f"  {', '.join(parts) or 'no checks selected'} in {doc['seconds']:.1f}s"))
 
 
+def _parse_options(items: tuple[str, ...]) -> dict:
+    """``("num_splits=4",)`` -> ``{"num_splits": 4}``; values are read as YAML scalars."""
+    import yaml
+
+    options = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--option expects KEY=VALUE (e.g. num_splits=4), got {item!r}")
+        try:
+            options[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--option {item!r}: the value is not valid YAML: {exc}") from None
+    return options
+
+
 @click.command("conformance")
 @click.argument("implementation", metavar="KIND:NAME")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON document.")
@@ -71,7 +87,8 @@ def _render(doc: dict[str, Any], results: list[Any]) -> None:
 @click.option("--full-matrix", is_flag=True, default=None, help="The full cross product of declared capabilities (also CORERUN_FULL_MATRIX=1).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Run on this device (default: cuda when available and declared).")
 @click.option("--xfail", "xfails", multiple=True, metavar="PATTERN=REASON", help="Declare an expected failure: a pattern over 'check[case]' (* and ? wildcards) and why.")
-def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...]) -> None:
+@click.option("--option", "option_items", multiple=True, metavar="KEY=VALUE", help="An option for the implementation, validated by its plugin (e.g. num_splits=4); repeatable.")
+def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...], option_items: tuple[str, ...]) -> None:
     """Run the conformance suite against KIND:NAME (attention:triton, sampler:full, kv_cache:paged, graph:eager)."""
     try:
         import pytest  # noqa: F401  (the suites use pytest's skip / fail outcomes)
@@ -86,10 +103,12 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
         kind, name = parse_impl(implementation)
         expected = dict(parse_xfail(x) for x in xfails)
         compile_keyword(keyword)
+        options = _parse_options(option_items)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cls = type(f"Conformance_{kind}_{name}", (suite_class(kind),), {
         "implementation": name, "full_matrix": full_matrix or None, "device": device, "expected_failures": expected,
+        "options": options,
     })
     try:
         target = cls.resolve_targets()[0]

@@ -33,3 +33,15 @@ def test_llm_greedy_equals_torch_backend(tmp_path):
     assert llm.engine.runner.attention_name == "triton"
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == ref
+
+
+def test_forced_split_kv_passes_the_decode_checks_through_the_cli():
+    """``--option num_splits=4`` reaches the backend: decodes take the split-KV kernels, which the suite checks."""
+    from click.testing import CliRunner
+
+    from corerun.cli import cli
+
+    result = CliRunner().invoke(cli, ["conformance", "attention:triton", "--option", "num_splits=4", "-k", "decode and fp32", "--json"])
+    assert result.exit_code == 0, result.output
+    bad = CliRunner().invoke(cli, ["conformance", "attention:triton", "--option", "num_splits=999", "-k", "decode and fp32", "--json"])
+    assert bad.exit_code != 0 and "num_splits" in bad.output
