@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import closing
 import time
 from typing import Any, Iterator, Sequence as Seq
 
@@ -66,28 +67,19 @@ class LLM:
         engine = self.engine
         start, tokens0 = time.perf_counter(), engine.num_generated_tokens
         done: dict[str, RequestOutput] = {}
-        pending = set(ids)
         try:
-            while pending:
-                touched = engine.step()
-                if not touched and not engine.has_unfinished_requests():
-                    break
-                for seq in touched:
-                    if seq.is_finished and seq.request_id in pending:
-                        pending.discard(seq.request_id)
+            with closing(self._drive(ids)) as steps:  # closing: abort the rest at once if this loop raises
+                for seq in steps:
+                    if seq.is_finished:
                         done[seq.request_id] = engine.output(seq)
-                        engine.release(seq.request_id)
                         if bar is not None:
                             bar.update(1)
-                if bar is not None:
-                    elapsed = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"{(engine.num_generated_tokens - tokens0) / elapsed:.1f} tok/s")
+                    if bar is not None:
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"{(engine.num_generated_tokens - tokens0) / elapsed:.1f} tok/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()
-            for rid in pending:  # interrupted: free what is left
-                engine.abort(rid)
-                engine.release(rid)
         return [done[r] for r in ids]
 
     # ------------------------------------------------------------ streaming
@@ -96,9 +88,16 @@ class LLM:
 
         Closing the iterator early aborts the requests still running and frees their blocks.
         """
-        ids = self._add(prompts, sampling_params)
-        pending = set(ids)
+        with closing(self._drive(self._add(prompts, sampling_params))) as steps:
+            for seq in steps:
+                yield self.engine.output(seq)
+
+    def _drive(self, ids: list[str]) -> Iterator[Any]:
+        """Step the engine until the requests ``ids`` finish, yielding each of their sequences that got a
+        token or finished; finished ones are released after the caller has seen them, and those still
+        pending when the caller stops (or an error escapes) are aborted, their blocks freed."""
         engine = self.engine
+        pending = set(ids)
         try:
             while pending:
                 touched = engine.step()
@@ -106,11 +105,10 @@ class LLM:
                     break
                 for seq in touched:
                     if seq.request_id in pending:
-                        out = engine.output(seq)
+                        yield seq
                         if seq.is_finished:
                             pending.discard(seq.request_id)
                             engine.release(seq.request_id)
-                        yield out
         finally:
             for rid in pending:
                 engine.abort(rid)

@@ -269,10 +269,12 @@ class ModelRunner:
     def _prompt_logprobs(self, sched: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor) -> dict[int, tuple[int, LogprobsTensors]]:
         """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
         result: dict[int, tuple[int, LogprobsTensors]] = {}
+        wanted = [i for i, seq in enumerate(sched.seqs) if seq.wants_prompt_logprobs]
+        if not wanted:  # the usual step: no host work beyond this scan
+            return result
         qsl = inputs.batch.query_start_loc_cpu.tolist()  # type: ignore[union-attr]
-        for i, seq in enumerate(sched.seqs):
-            if not seq.wants_prompt_logprobs:
-                continue
+        for i in wanted:
+            seq = sched.seqs[i]
             start = seq.num_computed_tokens  # position of the first token computed this step
             # hidden at position p predicts prompt token p + 1
             first = max(start, len(seq.prompt_logprobs or []) - 1)

@@ -7,22 +7,12 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 from click.testing import CliRunner
 
 from corerun.cli import cli
 
 DECODE_FP32 = "decode and fp32"  # one check on one configuration keeps these tests quick
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The suites use tiny tensors: on a small shared CPU, intra-op threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_json_reports_every_selected_check() -> None:

@@ -4,7 +4,6 @@ correct implementations they were derived from.  Runs through the programmatic r
 from __future__ import annotations
 
 import pytest
-import torch
 
 from corerun.conformance import run
 from tests.broken_impls.attention import DropsLastBlock, IgnoresCausalMask, NaiveAttentionBackend, WritesSlotPlusOne
@@ -16,15 +15,6 @@ from tests.broken_impls.sampler import IgnoresTopP, TemperatureOff, TopPSampler
 # the broken behaviours do not depend on the dtype.
 ATTENTION_KEYWORD = "fp32 or unsupported"
 SAMPLER_KEYWORD = "distribution or undeclared or declared or greedy"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The suites use tiny tensors: on a small shared CPU, intra-op threads only add contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _failed(results: list) -> dict[str, list]:

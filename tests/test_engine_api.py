@@ -7,7 +7,7 @@ import pytest
 from corerun import LLM, Config, RequestError, SamplingParams
 from corerun.config import KVCacheConfig, SchedulerConfig
 from corerun.engine.sequence import TokenView
-from tests.helpers.engine_testing import one_thread  # noqa: F401 (fixture)
+
 from tests.helpers.tiny_models import make_tiny_model
 
 

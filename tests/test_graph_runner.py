@@ -37,15 +37,6 @@ HIDDEN = 16
 SENTINEL = 4321.0  # finite: the torch backend masks by -inf, and 0 * NaN would poison real rows too
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads only add contention on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def limits(max_batch: int = MAX_BATCH, hidden: int = HIDDEN) -> GraphLimits:
     return GraphLimits(max_batch, MAX_MODEL_LEN, BLOCK_SIZE, hidden, torch.float32, torch.device("cpu"))
 

@@ -19,7 +19,7 @@ import torch
 
 from corerun import LLM, SamplingParams
 from tests.helpers.tiny_models import hf_logits, hf_model, make_tiny_model
-from tests.helpers.engine_testing import hf_greedy, no_hang, one_thread  # noqa: F401 (fixtures)
+from tests.helpers.engine_testing import hf_greedy, no_hang  # noqa: F401 (no_hang: a fixture)
 
 BS = 4
 MAX_TOKENS = 10

@@ -24,7 +24,7 @@ from corerun.config import load_config
 from corerun.errors import ConfigError, PluginNotFoundError, RequestError
 from corerun.models.errors import ModelLoadError
 from tests.helpers.tiny_models import make_tiny_model
-from tests.helpers.engine_testing import hf_greedy, no_hang, one_thread  # noqa: F401 (fixtures)
+from tests.helpers.engine_testing import hf_greedy, no_hang  # noqa: F401 (no_hang: a fixture)
 
 VOCAB = 256
 BS = 4

@@ -26,7 +26,7 @@ from corerun.outputs import RequestOutput
 from corerun.registry import Registry
 from tests.helpers import faulty_plugins
 from tests.helpers.tiny_models import make_tiny_model
-from tests.helpers.engine_testing import hf_greedy, no_hang, one_thread  # noqa: F401 (fixtures)
+from tests.helpers.engine_testing import hf_greedy, no_hang  # noqa: F401 (no_hang: a fixture)
 
 BS = 4
 MAX_TOKENS = 8

@@ -16,19 +16,18 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from corerun import LLM, SamplingParams
 from corerun.outputs import RequestOutput
+from tests.helpers.engine_testing import deadline
 from tests.helpers.tiny_models import make_tiny_model
-from tests.helpers.engine_testing import one_thread  # noqa: F401 (fixture)
+
 
 NUM_REQUESTS = int(os.environ.get("CORERUN_SOAK_REQUESTS", "2000"))
 NUM_REPEATED = min(NUM_REQUESTS, max(300, NUM_REQUESTS // 8))
@@ -36,22 +35,6 @@ VOCAB = 256
 BS = 4
 NUM_BLOCKS = 64  # 256 token slots; 64 running requests can want up to 64 * 6 blocks
 SAMPLE = 20
-
-
-@contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Fail (instead of hanging the test run) if the body takes longer than ``seconds``."""
-
-    def expire(*_: Any) -> None:
-        raise TimeoutError(f"no answer within {seconds} s: the engine hangs")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from corerun import LLM, RequestError, SamplingParams
-from tests.helpers.engine_testing import hf_greedy, one_thread  # noqa: F401 (fixture)
+from tests.helpers.engine_testing import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = [[5, 9, 13], list(range(20, 31)), [7]]

@@ -22,8 +22,13 @@ def _run(sched: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> lis
     for _ in range(max_steps):
         if not sched.has_unfinished():
             return log
+        decoding = {s.seq_id for s in sched.running if s.num_computed_tokens >= s.num_prompt_tokens}
         b = sched.schedule()
         assert b, "nothing schedulable while requests wait: a hang"
+        # a sequence past its prompt computes exactly one token, among the leading num_decodes rows
+        for row, (s, n) in enumerate(zip(b.seqs, b.num_new)):
+            if s.seq_id in decoding:
+                assert n == 1 and row < b.num_decodes, (s.seq_id, n, row, b.num_decodes)
         assert b.num_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
         log.append(([s.seq_id for s in b.seqs], list(b.num_new), b.num_decodes))

@@ -15,7 +15,7 @@ step's K/V were written.  A decode is simply a request with ``query_lens[i] == 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -54,6 +54,12 @@ class AttentionSpec:
     @property
     def gqa_ratio(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block's K and V in one layer, densely packed at ``dtype`` (the usual
+        ``kv_cache_bytes_per_block`` of a backend whose layout has no padding)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from corerun.protocols.attention import AttentionBackend, AttentionBatch
+from corerun.protocols.attention import AttentionBatch
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 

@@ -35,8 +35,7 @@ class NaiveAttentionBackend:
         self.spec = spec
 
     def kv_cache_bytes_per_block(self) -> int:
-        s = self.spec
-        return 2 * s.block_size * s.num_kv_heads * s.head_size * torch.empty((), dtype=s.dtype).element_size()
+        return self.spec.kv_bytes_per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         s = self.spec

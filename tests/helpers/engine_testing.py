@@ -1,8 +1,9 @@
-"""Shared pieces of the engine-level tests: Hugging Face's greedy reference and two fixtures."""
+"""Shared pieces of the engine-level tests: Hugging Face's greedy reference and a deadline against hangs."""
 
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,26 +30,24 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
     return outs
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one thread is as fast idle, and far faster on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def no_hang() -> Iterator[None]:
-    """Fail the test, never hang the run, if the engine stops making progress."""
+@contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Fail (instead of hanging the test run) if the body takes longer than ``seconds``."""
 
     def expire(*_: Any) -> None:
-        raise TimeoutError(f"test still running after {NO_HANG_S} s: the engine hangs")
+        raise TimeoutError(f"still running after {seconds} s: the engine hangs")
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, NO_HANG_S)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True)
+def no_hang() -> Iterator[None]:
+    """Fail the test, never hang the run, if the engine stops making progress."""
+    with deadline(NO_HANG_S):
+        yield

@@ -192,12 +192,3 @@ def cases() -> SimpleNamespace:
         TOLERANCE=TOLERANCE, make_spec=make_spec, make_step=make_step, reference_attention=reference_attention,
         relative_error=relative_error, run_step=run_step, check_step=check_step,
     )
-
-
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP spin-waiting on a busy shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

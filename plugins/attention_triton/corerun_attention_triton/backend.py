@@ -80,8 +80,7 @@ class TritonAttentionBackend:
 
     # ------------------------------------------------------------------ cache
     def kv_cache_bytes_per_block(self) -> int:
-        s = self.spec
-        return 2 * s.block_size * s.num_kv_heads * s.head_size * torch.empty((), dtype=s.dtype).element_size()
+        return self.spec.kv_bytes_per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Zeroed ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K at index 0, V at 1)."""

@@ -1,18 +1,8 @@
 """The shared conformance suite, adopted the way any plugin adopts it, and end-to-end equality
 with the torch reference backend through ``LLM``."""
 
-import pytest
-import torch
 
 from corerun.conformance import AttentionBackendSuite
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class TestTritonConformance(AttentionBackendSuite):

@@ -28,11 +28,7 @@ def ref() -> SimpleNamespace:
 
 
 @pytest.fixture(autouse=True)
-def _seeded_single_thread() -> Iterator[None]:
-    """Fixed default generator; one torch thread (these tensors are tiny, and on a busy machine a thread
-    pool costs milliseconds per op), restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _seeded_default_generator() -> Iterator[None]:
+    """A fixed default generator for every test (one torch thread comes from the root conftest)."""
     torch.manual_seed(1234)
     yield
-    torch.set_num_threads(threads)

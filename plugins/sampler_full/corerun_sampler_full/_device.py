@@ -1,4 +1,5 @@
-"""Host lists -> device tensors, once per step, without a host sync."""
+"""Token histories -> flat device positions, once per step, without a host sync (lists of numbers go
+through ``corerun.sampler_utils.to_device``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ from itertools import chain
 from typing import Sequence
 
 import torch
-
-from corerun.sampler_utils import to_device  # noqa: F401 (re-exported for this package's modules)
 
 
 def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from corerun_sampler_full._device import to_device
+from corerun.sampler_utils import to_device
 
 
 def apply_truncation(
