@@ -280,12 +280,12 @@ def test_random_workload_serves_right_tokens_and_never_leaks(hash_fn) -> None:
             assert len(table) == hit // bs
             for j in range(hit):
                 assert memory[table[j // bs]][j % bs] == tokens[j], "prefix hit serves other tokens"
-            total_hits += hit
             if not m.allocate_slots(seq, len(tokens)):
-                m.free(seq)  # preempted before it ran
+                m.free(seq)  # refused admission: its lookup is not counted
                 del live[seq]
                 check_accounting()
                 continue
+            total_hits += hit
             write(seq, hit, len(tokens))
             computed[seq] = len(tokens)
             m.cache_blocks(seq, tokens, computed[seq])
@@ -311,3 +311,26 @@ def test_random_workload_serves_right_tokens_and_never_leaks(hash_fn) -> None:
         m.free(seq)
     assert m.num_free_blocks == num_blocks
     assert m.reset_prefix_cache() and m.stats().num_cached_blocks == 0
+
+
+def test_prefix_stats_count_each_admission_once() -> None:
+    """A lookup whose admission fails (freed before any allocation) is not counted; the retry is, once."""
+    bs = 4
+    m = PagedKVCacheManager(6, bs, prefix_caching=True)
+    shared = list(range(100, 100 + 2 * bs))
+    prefill(m, 1, shared + [1, 2, 3])  # 3 blocks, 2 of them full and registered
+    assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11, 0)
+    m.free(1)  # the 2 registered blocks stay cached (evictable)
+    assert m.allocate_slots(9, 4 * bs)  # a hog takes 4 of the 6 blocks: the 2 cached ones survive
+    prompt = shared + list(range(500, 500 + 3 * bs))  # 2 cached blocks + 3 new ones: 1 too many
+    for _ in range(3):  # the scheduler's failed admission, retried on later steps
+        assert m.get_computed_prefix(2, prompt) == 2 * bs
+        assert m.allocate_slots(2, len(prompt)) is False
+        m.free(2)
+    assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11, 0)
+    m.free(9)
+    assert m.get_computed_prefix(2, prompt) == 2 * bs
+    assert m.allocate_slots(2, len(prompt))
+    assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11 + len(prompt), 2 * bs)
+    assert m.allocate_slots(2, len(prompt) + 1)  # later growth adds nothing to the lookup counts
+    assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11 + len(prompt), 2 * bs)

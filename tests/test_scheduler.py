@@ -99,3 +99,29 @@ def test_random_workloads_finish_and_free_everything():
         _run(sched, seqs)
         assert all(s.is_finished for s in seqs)
         assert kv.num_free_blocks == nb
+
+
+def test_prefix_stats_count_a_waiting_request_once():
+    """A request that waits several steps for blocks (lookup, failed allocation, release) is counted once."""
+    kv = PagedKVCacheManager(num_blocks=6, block_size=4, prefix_caching=True)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    first = _seq(1, 16, max_tokens=3)  # 4 blocks, then a 5th for its outputs
+    shared = first.prompt_token_ids[:8]  # its first two full blocks
+    second = Sequence(seq_id=2, request_id="2", prompt_token_ids=shared + list(range(900, 912)), params=SamplingParams(max_tokens=1))
+    sched.add(first)
+    sched.add(second)
+    waited = 0
+    while sched.has_unfinished():
+        b = sched.schedule()
+        waited += second in sched.waiting
+        for s, n in zip(b.seqs, b.num_new):
+            s.num_computed_tokens += n
+            kv.cache_blocks(s.seq_id, s.token_ids, s.num_computed_tokens)
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(7)
+                if s.num_output_tokens >= s.params.max_tokens:
+                    sched.finish(s, "length")
+    assert waited >= 2  # the second prompt really was refused (and looked up) on several steps
+    stats = kv.stats()
+    assert stats.prefix_queries == 16 + 20
+    assert stats.prefix_hits == 8  # the second prompt found the first's two full blocks, once

@@ -43,6 +43,9 @@ class _SeqState:
     num_hashed_blocks: int = 0  # leading full blocks whose key is known (registered or found)
     last_key: Optional[Hashable] = None  # key of block num_hashed_blocks - 1
     last_serial: int = _ROOT_SERIAL  # serial of the registered entry holding that content
+    # (tokens looked up, tokens found) by get_computed_prefix, counted in stats() only once an
+    # allocate_slots for the sequence succeeds: an admission that fails and is retried counts once
+    pending_lookup: Optional[tuple[int, int]] = None
 
 
 class PagedKVCacheManager:
@@ -160,8 +163,7 @@ class PagedKVCacheManager:
             state.block_table.append(block)
             state.num_hashed_blocks, state.last_key, state.last_serial = i + 1, key, self._serial[block]
         num_hit_tokens = len(state.block_table) * bs
-        self._prefix_queries += len(token_ids)
-        self._prefix_hits += num_hit_tokens
+        state.pending_lookup = (len(token_ids), num_hit_tokens)
         return num_hit_tokens
 
     def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
@@ -181,6 +183,11 @@ class PagedKVCacheManager:
             state = self._seqs[seq_id] = _SeqState()
         for _ in range(need):
             state.block_table.append(self._take_free_block())
+        if state.pending_lookup is not None:
+            queried, hit = state.pending_lookup
+            self._prefix_queries += queried
+            self._prefix_hits += hit
+            state.pending_lookup = None
         return True
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:

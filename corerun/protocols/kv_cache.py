@@ -26,6 +26,9 @@ class KVCacheStats:
     num_blocks: int
     num_free_blocks: int  # allocatable now (includes evictable cached blocks)
     num_cached_blocks: int  # blocks with a registered prefix hash
+    # prefix lookups count once per admission: get_computed_prefix's tokens are added when the
+    # sequence's next allocate_slots succeeds (a lookup freed before that, e.g. a failed admission
+    # the scheduler retries next step, is not counted)
     prefix_queries: int  # tokens looked up by get_computed_prefix
     prefix_hits: int  # tokens found
 
