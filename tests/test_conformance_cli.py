@@ -57,6 +57,19 @@ def test_usage_errors_and_nothing_ran() -> None:
         assert all(r["outcome"] == "skipped" and "unavailable" in r["reason"] for r in doc["results"])
 
 
+def test_graph_suite_with_another_attention_backend() -> None:
+    """``--attention`` swaps the backend the graph suite's model attends with; it is refused elsewhere."""
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["conformance", "graph:eager", "--attention", "triton", "--json", "-k", "prefill_and_mixed and fp32"])
+    doc = json.loads(ok.output)
+    assert ok.exit_code == 0, ok.output
+    assert [(r["case"], r["outcome"]) for r in doc["results"]] == [("triton-fp32-bs16-max8", "passed")]
+    typo = runner.invoke(cli, ["conformance", "graph:eager", "--attention", "tritn"])
+    assert typo.exit_code == 2 and "no attention backend named 'tritn'" in typo.output and "triton" in typo.output
+    wrong_kind = runner.invoke(cli, ["conformance", "sampler:full", "--attention", "triton"])
+    assert wrong_kind.exit_code == 2 and "only applies to graph runners" in wrong_kind.output
+
+
 def test_pytest_pyargs_entry(tmp_path) -> None:
     """``pytest --pyargs corerun.conformance --corerun-impl KIND:NAME`` from an unrelated directory."""
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "corerun.conformance", "-p", "no:cacheprovider", "-q",

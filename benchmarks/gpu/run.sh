@@ -46,6 +46,7 @@ part conformance-attention-triton 120 "$PY" -m corerun conformance attention:tri
 part conformance-attention-triton-split 45 "$PY" -m corerun conformance attention:triton --option num_splits=4 -k "decode or mixed" --device cuda --json
 part conformance-attention-torch 45 "$PY" -m corerun conformance attention:torch --device cuda --json
 part conformance-graph-cuda 45 "$PY" -m corerun conformance graph:cuda --device cuda --json
+part conformance-graph-cuda-triton 45 "$PY" -m corerun conformance graph:cuda --attention triton --device cuda --json
 part conformance-sampler-full 30 "$PY" -m corerun conformance sampler:full --device cuda --json
 part conformance-sampler-basic 30 "$PY" -m corerun conformance sampler:basic --device cuda --json
 part conformance-attention-flash 20 "$PY" -m corerun conformance attention:flash --device cuda --json

@@ -88,7 +88,8 @@ def _parse_options(items: tuple[str, ...]) -> dict:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Run on this device (default: cuda when available and declared).")
 @click.option("--xfail", "xfails", multiple=True, metavar="PATTERN=REASON", help="Declare an expected failure: a pattern over 'check[case]' (* and ? wildcards) and why.")
 @click.option("--option", "option_items", multiple=True, metavar="KEY=VALUE", help="An option for the implementation, validated by its plugin (e.g. num_splits=4); repeatable.")
-def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...], option_items: tuple[str, ...]) -> None:
+@click.option("--attention", "attention", default=None, metavar="NAME", help="graph runners only: the attention backend the suite's model attends with (default torch), e.g. triton.")
+def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...], option_items: tuple[str, ...], attention: str | None) -> None:
     """Run the conformance suite against KIND:NAME (attention:triton, sampler:full, kv_cache:paged, graph:eager)."""
     try:
         import pytest  # noqa: F401  (the suites use pytest's skip / fail outcomes)
@@ -106,12 +107,24 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
         options = _parse_options(option_items)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    cls = type(f"Conformance_{kind}_{name}", (suite_class(kind),), {
+    if attention is not None and kind != "graph":
+        raise click.UsageError(
+            f"--attention {attention!r} only applies to graph runners (graph:NAME), not to {kind}:{name}; "
+            f"to check an attention backend itself run `corerun conformance attention:{attention}`"
+        )
+    attrs = {
         "implementation": name, "full_matrix": full_matrix or None, "device": device, "expected_failures": expected,
         "options": options,
-    })
+    }
+    if attention is not None:
+        attrs["attention_backend"] = attention
+    cls = type(f"Conformance_{kind}_{name}", (suite_class(kind),), attrs)
     try:
         target = cls.resolve_targets()[0]
+        if attention is not None:
+            from corerun.registry import get_registry
+
+            get_registry().get("attention", attention)  # an unknown name: the registry's did-you-mean
     except PluginError as exc:
         raise click.UsageError(str(exc)) from None
     start = time.perf_counter()

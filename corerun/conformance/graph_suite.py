@@ -1,7 +1,9 @@
 """``GraphRunnerSuite``: every graph runner must pass it.
 
 The runner wraps a tiny model (:mod:`corerun.conformance.graph_model`) whose attention goes through
-the registered ``torch`` backend.  For every pure-decode batch size from 1 to ``max_batch_size`` the
+a registered backend: ``torch`` unless ``attention_backend`` names another
+(``corerun conformance graph:cuda --attention triton``), which is how an attention backend that declares
+``cuda_graph_decode`` proves it replays correctly inside a captured graph.  For every pure-decode batch size from 1 to ``max_batch_size`` the
 runner's output must equal the eager model's; rows it pads with never change real rows nor write the
 KV cache; prefill / mixed batches and batches above the maximum must still come out right (eagerly).
 """
@@ -30,10 +32,12 @@ class GraphConfig:
     dtype: str
     block_size: int
     max_batch_size: int
+    attention: str = "torch"
 
     @property
     def id(self) -> str:
-        return f"{SHORT_DTYPE[self.dtype]}-bs{self.block_size}-max{self.max_batch_size}"
+        prefix = "" if self.attention == "torch" else f"{self.attention}-"
+        return f"{prefix}{SHORT_DTYPE[self.dtype]}-bs{self.block_size}-max{self.max_batch_size}"
 
 
 @dataclass
@@ -84,9 +88,29 @@ class GraphRunnerSuite(ConformanceSuite):
     attention_backend: ClassVar[str] = "torch"  # the registered backend the tiny model attends with
 
     def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
-        dtypes = ("float32", "bfloat16", "float16") if full else ("float32", "bfloat16")
-        sizes = (16, 32) if full else (16,)
-        return [(c.id, c) for c in (GraphConfig(d, b, 8) for d in dtypes for b in sizes)]
+        from corerun.capabilities import AttentionCapabilities
+        from corerun.registry import get_registry
+
+        name = self.attention_backend
+        caps = get_registry().get("attention", name).capabilities or AttentionCapabilities()
+        dtypes = [d for d in (("float32", "bfloat16", "float16") if full else ("float32", "bfloat16")) if d in caps.dtypes]
+        if not dtypes:
+            dtypes = sorted(caps.dtypes)[:1]
+        # block sizes the backend accepts, the smallest first (the suite's sequences are a few blocks long)
+        sizes = sorted(caps.block_sizes)[: 2 if full else 1] if caps.block_sizes else ([16, 32] if full else [16])
+        return [(c.id, c) for c in (GraphConfig(d, b, 8, name) for d in dtypes for b in sizes)]
+
+    def start(self, case: Case | None) -> None:
+        """The base checks, then: skip (with every reason) when the attention backend cannot serve the case."""
+        super().start(case)
+        from corerun.registry import get_registry
+
+        cfg: GraphConfig = case.config
+        reg = get_registry().get("attention", cfg.attention)
+        spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, DTYPE_NAMES[cfg.dtype], cfg.block_size, torch.device(case.device))
+        reasons = reg.unavailable_reasons() + (reg.capabilities.check(spec) if reg.capabilities else [])
+        if reasons:
+            pytest.skip(f"attention backend '{cfg.attention}' cannot serve this case here: " + "; ".join(reasons))
 
     # ------------------------------------------------------------------ helpers
     def _world(self, case: Case) -> World:
@@ -95,7 +119,7 @@ class GraphRunnerSuite(ConformanceSuite):
         cfg: GraphConfig = case.config
         dev = torch.device(case.device)
         spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, DTYPE_NAMES[cfg.dtype], cfg.block_size, dev)
-        attention = get_registry().get("attention", self.attention_backend).create(spec)
+        attention = get_registry().get("attention", cfg.attention).create(spec)
         num_requests = cfg.max_batch_size + 3
         num_blocks = num_requests * BLOCKS_PER_SEQ + 2
         model = TinyModel(attention, spec, VOCAB, HIDDEN, num_blocks)
@@ -169,7 +193,10 @@ class GraphRunnerSuite(ConformanceSuite):
         problems: list[str] = []
         for b in range(1, case.config.max_batch_size + 1):
             problems += self._compare(w, [(r, 1) for r in range(b)], f"decode batch of {b}")
-        captures = bool(getattr(case.target.capabilities, "captures", False))
+        # a runner that captures must replay pure decodes, unless the backend keeps its decodes out of graphs
+        captures = bool(getattr(case.target.capabilities, "captures", False)) and bool(
+            getattr(w.attention.capabilities, "cuda_graph_decode", False)
+        )
         if captures and not problems:
             stats = w.runner.stats
             if not stats.captured_sizes or max(stats.captured_sizes) > case.config.max_batch_size:

@@ -1,12 +1,30 @@
-"""The shared conformance suite, adopted the way any plugin adopts it, and end-to-end equality
-with the torch reference backend through ``LLM``."""
+"""The shared conformance suite, adopted the way any plugin adopts it, end-to-end equality with
+the torch reference backend through ``LLM``, and the graph-runner suite with triton attention inside
+(emulated) CUDA graphs."""
 
 
-from corerun.conformance import AttentionBackendSuite
+from corerun.capabilities import GraphRunnerCapabilities
+from corerun.conformance import AttentionBackendSuite, GraphRunnerSuite
 
 
 class TestTritonConformance(AttentionBackendSuite):
     implementation = "triton"
+
+
+def _emulated_cuda_runner(model, attention, limits):
+    """The real ``cuda`` graph runner with capture emulated: replays reuse the capture-time triton plan."""
+    from corerun.graph.capturer import EmulatedGraphCapturer
+    from corerun.graph.cuda import CudaGraphRunner
+
+    return CudaGraphRunner(model, attention, limits, capturer=EmulatedGraphCapturer(), progress=False)
+
+
+class TestTritonInsideCapturedGraphs(GraphRunnerSuite):
+    """Triton declares ``cuda_graph_decode``: its capture-time plan must serve every later replay."""
+
+    factory = staticmethod(_emulated_cuda_runner)
+    capabilities = GraphRunnerCapabilities(devices=frozenset({"cpu"}), captures=True)
+    attention_backend = "triton"
 
 
 def test_llm_greedy_equals_torch_backend(tmp_path):
