@@ -9,9 +9,9 @@ them, and samples.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,12 @@ from corerun.config import Config
 from corerun.engine.scheduler import ScheduledBatch
 from corerun.errors import ConfigError, StepError
 from corerun.forward_context import AttentionContext
-from corerun.protocols.attention import AttentionBatch
+from corerun.kv_cache.profile import StepMemory
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, get_registry
+from corerun.sampling_params import SamplingParams
+from corerun.step_inputs import StepInputs
 
 logger = logging.getLogger("corerun.runner")
 
@@ -93,14 +95,35 @@ class ModelRunner:
             "attention", self.attention_name, spec, options=config.attention.options
         )
 
+        # graph runner and sampler are chosen first: the KV budget leaves room for what they need
+        graph_name = config.graph.runner.name
+        if graph_name == "auto":
+            graph_name, why = choose_graph_runner(self.device, self.attention.capabilities)
+            logger.info("graph.runner: auto chose '%s': %s", graph_name, why)
+        self.graph_name = graph_name
+        limits = GraphLimits(
+            max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            hidden_size=mc.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.sampler_name = config.sampler.name
+        self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
+
         # KV cache: blocks sized from the memory budget unless given
         per_block = self.attention.kv_cache_bytes_per_block() * mc.num_layers
+        self.step_memory: StepMemory | None = None
         if config.kv_cache.num_blocks == "auto":
+            if self._profiles_step_memory():
+                self.step_memory = self._profile_step_memory(limits)
             self.num_blocks = num_blocks_for_budget(
                 per_block,
                 device=self.device,
                 memory_fraction=config.kv_cache.memory_fraction,
                 cpu_memory_gb=config.kv_cache.cpu_memory_gb,
+                reserved_bytes=self.step_memory.reserved_bytes if self.step_memory else 0,
             )
         else:
             self.num_blocks = config.kv_cache.num_blocks
@@ -112,31 +135,73 @@ class ModelRunner:
         self.kv_manager_name = config.kv_cache.manager.name
 
         # graph runner around the composed model
-        graph_name = config.graph.runner.name
-        if graph_name == "auto":
-            graph_name, why = choose_graph_runner(self.device, self.attention.capabilities)
-            logger.info("graph.runner: auto chose '%s': %s", graph_name, why)
-        limits = GraphLimits(
-            max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            hidden_size=mc.hidden_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.graph_name = graph_name
         self.graph = self.registry.create(
             "graph", graph_name, self._model_fn, self.attention, limits, options=config.graph.runner.options
         )
         self.graph.capture()
 
-        self.sampler_name = config.sampler.name
-        self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
         logger.info(
             "model %s (%s) on %s/%s: attention=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
             self.model_dir, ",".join(mc.architectures), self.device, str(self.dtype).removeprefix("torch."),
             self.attention_name, self.kv_manager_name, self.num_blocks, self.block_size, graph_name, self.sampler_name,
         )
+
+    # ------------------------------------------------------ memory profile
+    def _profiles_step_memory(self) -> bool:
+        """Only CUDA measures its step memory; elsewhere ``kv_cache.cpu_memory_gb`` is the KV budget itself."""
+        return self.device.type == "cuda"
+
+    @torch.no_grad()  # not inference mode: a sampler may keep buffers it makes here and write them later
+    def _profile_step_memory(self, limits: GraphLimits) -> StepMemory:
+        """Run the worst prefill, the widest sampling and (when graphs are captured) the largest
+        captured decode once each on a scratch KV cache, and measure their peaks (see
+        :mod:`corerun.kv_cache.profile`).  Every rank of a tensor-parallel group runs the same steps."""
+        from corerun.kv_cache import profile
+
+        sc = self.config.scheduler
+        lengths = profile.prefill_lengths(sc.max_num_batched_tokens, self.max_model_len, sc.max_num_seqs)
+        prefill, prefill_blocks = profile.dummy_step(lengths, self.block_size, self.device)
+        reg = self.registry.get("graph", self.graph_name)
+        captures = bool(getattr(reg.capabilities, "captures", False)) and bool(
+            getattr(self.attention.capabilities, "cuda_graph_decode", False)
+        )
+        decode = None
+        if captures:
+            decode, _ = profile.dummy_step(
+                [1] * limits.max_batch_size, self.block_size, self.device,
+                table_width=-(-self.max_model_len // self.block_size), max_seq_len=self.max_model_len,
+            )
+        rows = sc.max_num_seqs
+        scratch = max(prefill_blocks, limits.max_batch_size if captures else 0) + 1
+        self.kv_caches = [self.attention.allocate_kv_cache(scratch) for _ in range(self.model_config.num_layers)]
+        try:
+            def forward(inputs: ModelInputs) -> torch.Tensor:
+                return self._model_fn(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch))
+
+            hidden_row = forward(profile.dummy_step([1], self.block_size, self.device)[0])
+            prefill_bytes = profile.peak_bytes(lambda: forward(prefill), self.device)
+
+            def sample() -> None:
+                logits = self.model.compute_logits(hidden_row.expand(rows, -1).contiguous())
+                if logits is not None:  # tensor parallel: rank 0 holds the logits
+                    params = [SamplingParams()] * rows
+                    meta = SamplingMetadata(params, [[0]] * rows, [[]] * rows)  # no seq_ids: nothing to cache
+                    self.sampler.sample(logits, meta)
+
+            sampling_bytes = profile.peak_bytes(sample, self.device)
+            graph_bytes = profile.peak_bytes(lambda: forward(decode), self.device) if decode is not None else 0
+        finally:
+            self.kv_caches = []
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        memory = profile.StepMemory(prefill_bytes, sampling_bytes, graph_bytes, sum(lengths), len(lengths))
+        logger.info(
+            "kv_cache: step memory kept out of the KV budget: %.1f MiB (prefill of %d tokens in %d requests %.1f MiB, "
+            "sampling %d rows %.1f MiB, captured decode of %d %.1f MiB)",
+            memory.reserved_bytes / 2**20, memory.prefill_tokens, memory.prefill_requests, prefill_bytes / 2**20,
+            rows, sampling_bytes / 2**20, limits.max_batch_size if captures else 0, graph_bytes / 2**20,
+        )
+        return memory
 
     @staticmethod
     def _default_model_dir() -> Path:
@@ -158,60 +223,25 @@ class ModelRunner:
         }
 
     # --------------------------------------------------------------- inputs
-    def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
-        """Flatten a scheduled batch. Returns the model inputs, the sampled rows, and their logits indices."""
-        seqs, num_new = sched.seqs, sched.num_new
-        r = len(seqs)
-        bs = self.block_size
-        query_lens = np.asarray(num_new, dtype=np.int64)
-        context = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=r)
-        seq_lens = context + query_lens
-        qsl = np.zeros(r + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
-        t = int(qsl[-1])
-        ids: list[int] = []
-        for s, c, n in zip(seqs, context.tolist(), num_new):
-            ids += s.token_ids[c : c + n]
-        input_ids = np.array(ids, dtype=np.int64)
-        req_of_token = np.repeat(np.arange(r), query_lens)
-        positions = np.arange(t, dtype=np.int64) - qsl[:-1][req_of_token] + context[req_of_token]
-        # block tables: one flat copy, scattered into a zero-padded [r, width] array
-        tables = [self.kv_manager.block_table(s.seq_id) for s in seqs]
-        lens = np.fromiter(map(len, tables), dtype=np.int64, count=r)
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-        block_tables = np.zeros((r, int(lens.max())), dtype=np.int32)
-        starts = np.zeros(r, dtype=np.int64)
-        np.cumsum(lens[:-1], out=starts[1:])
-        row_of_block = np.repeat(np.arange(r), lens)
-        block_tables[row_of_block, np.arange(flat.size) - starts[row_of_block]] = flat
-        slot_mapping = block_tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        # rows that finish their scheduled tokens are sampled from their last token's logits
-        sampled_rows = np.nonzero(seq_lens == np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=r))[0]
-        logits_indices = qsl[1:][sampled_rows] - 1
+    @cached_property
+    def step_inputs(self) -> StepInputs:
+        """The step-input builder and its staging buffer, sized from the scheduler's limits (made on first use)."""
+        sc = self.config.scheduler
+        return StepInputs(
+            self.block_size,
+            self.device,
+            max_num_tokens=sc.max_num_batched_tokens,
+            max_num_reqs=sc.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+        )
 
-        dev = self.device
-        qsl_cpu = torch.from_numpy(qsl.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        batch = AttentionBatch(
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            context_lens=torch.from_numpy(context.astype(np.int32)).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            num_reqs=r,
-            num_tokens=t,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_decodes=sched.num_decodes,
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-        )
-        inputs = ModelInputs(
-            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
-            batch=batch,
-        )
-        return inputs, sampled_rows, logits_indices
+    def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
+        """Flatten a scheduled batch (see :class:`corerun.step_inputs.StepInputs`).
+
+        Returns the model inputs, the sampled rows (int64 ``[S]``, indices into ``sched.seqs``) and
+        their logits indices (int64 ``[S]``, rows of the step's hidden states).
+        """
+        return self.step_inputs.build(sched, self.kv_manager.block_table)
 
     # ----------------------------------------------------------------- step
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
@@ -240,6 +270,7 @@ class ModelRunner:
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=[s.output_view() for s in seqs],
             eos_token_ids=eos_token_ids,
+            seq_ids=[s.seq_id for s in seqs],
         )
         try:
             out: SamplerOutput = self.sampler.sample(logits, meta)

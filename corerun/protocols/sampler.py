@@ -20,19 +20,28 @@ class SamplingMetadata:
       seeded requests use so that a seed gives the same tokens in any batch at any position.
     - ``eos_token_ids``: the model's end-of-sequence ids (masked until ``min_tokens`` is reached, with
       the request's ``stop_token_ids``).
+    - ``seq_ids``: optional, one identity per row that stays the same for the whole life of a request
+      and is never given to another request (the engine passes its ``seq_id``).  A sampler may key
+      per-request state on it (a device copy of the prompt, the output history so far) so that a step
+      costs in proportion to the new tokens rather than to the whole history.  A request's history only
+      grows while it lives: its prompt never changes, and its output gains tokens at the end.  ``None``
+      (the default, e.g. in conformance checks) means no identity: a sampler must then use the lists.
     """
 
     params: Sequence[SamplingParams]
     prompt_token_ids: Sequence[Sequence[int]]
     output_token_ids: Sequence[Sequence[int]]
     eos_token_ids: frozenset[int] = frozenset()
+    seq_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.params)
-        if len(self.prompt_token_ids) != n or len(self.output_token_ids) != n:
+        keys = n if self.seq_ids is None else len(self.seq_ids)
+        if len(self.prompt_token_ids) != n or len(self.output_token_ids) != n or keys != n:
             raise ValueError(
                 f"SamplingMetadata rows disagree: {n} params, {len(self.prompt_token_ids)} prompts, "
                 f"{len(self.output_token_ids)} outputs"
+                + ("" if self.seq_ids is None else f", {len(self.seq_ids)} seq_ids")
             )
 
     @property
