@@ -1,10 +1,10 @@
 """The ModelRunner: composes model, attention backend, KV cache, graph runner and sampler, and runs steps.
 
 Everything it composes comes from the registry by the names in the config; nothing here knows which
-backend, cache manager, graph runner or sampler it got.  Per step it prepares the inputs with
-vectorised numpy work (token ids, positions, slot mapping, block tables, query/sequence lengths,
-logits indices), runs the model through the graph runner, computes logits for the rows that need
-them, and samples.
+backend, cache manager, graph runner or sampler it got.  Per step it prepares the inputs (token ids,
+positions, slot mapping, block tables, query/sequence lengths, logits indices) in one host staging
+buffer copied to the device once (:mod:`corerun.step_inputs`), runs the model through the graph
+runner, computes logits for the rows that need them, and samples.
 """
 
 from __future__ import annotations

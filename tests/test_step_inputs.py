@@ -1,0 +1,325 @@
+"""Step-input preparation (corerun.step_inputs, ModelRunner.prepare_inputs) against a per-token reference.
+
+The reference below is written independently, the straightforward way: Python loops over the
+scheduled sequences and their tokens.  Random batches cover decodes only, prefills only, prompt
+chunks that stop mid-prompt, mixes, batch 1 and ragged block tables, through both ways of filling
+the staging buffer (Python lists for small steps, numpy for large ones).  The staging buffer is
+poisoned before each step, and consecutive steps change shape, so an element left unwritten, a stale
+tail or a too-short buffer would show.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from corerun.engine.scheduler import ScheduledBatch
+from corerun.engine.sequence import Sequence
+from corerun.sampling_params import SamplingParams
+from corerun.step_inputs import ALIGN, StagingLayout, StepInputs, device_fields, host_fields
+
+BS = 16
+KINDS = ("decode", "prefill", "chunk", "mixed")
+FILLS = {"lists": 10**9, "arrays": -1, "default": StepInputs.small_step_tokens}  # small_step_tokens per way
+INT64 = ("input_ids", "positions", "slot_mapping")
+
+
+# ----------------------------------------------------------------------------- the reference
+def reference(sched: ScheduledBatch, tables: dict[int, list[int]], bs: int) -> dict[str, Any]:
+    """Every prepared value, built token by token in Python lists."""
+    ref: dict[str, Any] = {k: [] for k in ("input_ids", "positions", "slot_mapping", "seq_lens", "context_lens",
+                                           "rows", "logits_indices")}
+    ref["query_start_loc"] = [0]
+    for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
+        start = seq.num_computed_tokens
+        table = tables[seq.seq_id]
+        for pos in range(start, start + n):
+            ref["input_ids"].append(seq.token_ids[pos])
+            ref["positions"].append(pos)
+            ref["slot_mapping"].append(table[pos // bs] * bs + pos % bs)
+        ref["query_start_loc"].append(ref["query_start_loc"][-1] + n)
+        ref["seq_lens"].append(start + n)
+        ref["context_lens"].append(start)
+        if start + n == len(seq.token_ids):
+            ref["rows"].append(i)
+            ref["logits_indices"].append(ref["query_start_loc"][-1] - 1)
+    width = max(len(tables[s.seq_id]) for s in sched.seqs)
+    ref["block_tables"] = [tables[s.seq_id] + [0] * (width - len(tables[s.seq_id])) for s in sched.seqs]
+    ref["max_query_len"] = max(sched.num_new)
+    ref["max_seq_len"] = max(ref["seq_lens"])
+    return ref
+
+
+def snapshot(out: tuple[Any, np.ndarray, np.ndarray]) -> dict[str, Any]:
+    """What a step handed out, as plain Python values (copied now)."""
+    inputs, rows, logits_indices = out
+    b = inputs.batch
+    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "slot_mapping": b.slot_mapping,
+               "query_start_loc": b.query_start_loc, "seq_lens": b.seq_lens, "context_lens": b.context_lens,
+               "block_tables": b.block_tables, "query_start_loc_cpu": b.query_start_loc_cpu, "seq_lens_cpu": b.seq_lens_cpu}
+    snap: dict[str, Any] = {k: (v.dtype, v.device.type, v.tolist()) for k, v in tensors.items()}
+    snap["rows"] = (rows.dtype, rows.tolist())
+    snap["logits_indices"] = (logits_indices.dtype, logits_indices.tolist())
+    snap["host"] = (b.num_reqs, b.num_tokens, b.max_query_len, b.max_seq_len, b.num_decodes)
+    return snap
+
+
+def check(out: tuple[Any, np.ndarray, np.ndarray], sched: ScheduledBatch, tables: dict[int, list[int]], bs: int = BS) -> dict[str, Any]:
+    """Assert ``out`` equals the reference (values, dtypes, device); return its snapshot."""
+    ref, snap = reference(sched, tables, bs), snapshot(out)
+    for key in INT64 + ("query_start_loc", "seq_lens", "context_lens", "block_tables"):
+        dtype, device, values = snap[key]
+        assert dtype == (torch.int64 if key in INT64 else torch.int32), (key, dtype)
+        assert device == "cpu" and values == ref[key], (key, values, ref[key])
+    for key, ref_key in (("query_start_loc_cpu", "query_start_loc"), ("seq_lens_cpu", "seq_lens")):
+        assert snap[key] == (torch.int32, "cpu", ref[ref_key]), key
+    assert snap["rows"] == (np.int64, ref["rows"]) and snap["logits_indices"] == (np.int64, ref["logits_indices"])
+    assert not np.shares_memory(out[1], out[2])
+    num_decodes = sum(1 for n in sched.num_new if n == 1)
+    assert snap["host"] == (len(sched.seqs), len(ref["input_ids"]), ref["max_query_len"], ref["max_seq_len"], num_decodes)
+    assert out[0].batch.block_tables.shape == (len(sched.seqs), len(ref["block_tables"][0]))
+    return snap
+
+
+# ----------------------------------------------------------------------------- random steps
+def random_step(rng: random.Random, kind: str, num_seqs: int, first_id: int = 0, max_extra_blocks: int = 2,
+                max_prompt: int = 80) -> tuple[ScheduledBatch, dict[int, list[int]]]:
+    """A batch of ``kind`` with decodes first (as the scheduler orders it), and each sequence's block table.
+
+    Tables have the blocks the step needs plus up to ``max_extra_blocks`` more (ragged widths); block
+    ids reach 2**30, so that ``block * block_size`` only fits int64.
+    """
+    seqs, num_new, tables = [], [], {}
+    for k in range(num_seqs):
+        sid = first_id + k
+        prompt = [rng.randrange(1, 50_000) for _ in range(rng.randint(1, max_prompt))]
+        seq = Sequence(seq_id=sid, request_id=str(sid), prompt_token_ids=prompt, params=SamplingParams(max_tokens=64))
+        what = kind if kind != "mixed" else rng.choice(("decode", "prefill", "chunk"))
+        if what == "decode":  # the prompt is in the cache, and some generated tokens
+            seq.token_ids += [rng.randrange(50_000) for _ in range(rng.randint(1, 20))]
+            seq.num_computed_tokens, n = seq.num_tokens - 1, 1
+        elif what == "prefill":  # all of the prompt, or what is left of it after a cached prefix
+            seq.num_computed_tokens = rng.choice((0, rng.randrange(len(prompt))))
+            n = len(prompt) - seq.num_computed_tokens
+        else:  # a chunk that stops before the prompt's end (not sampled); sometimes a 1-token chunk
+            if len(prompt) < 3:
+                prompt += [5, 6, 7]
+                seq.token_ids += [5, 6, 7]
+            seq.num_computed_tokens = rng.randrange(len(prompt) - 2)
+            n = rng.choice((1, rng.randint(1, len(prompt) - 1 - seq.num_computed_tokens)))
+        needed = -(-(seq.num_computed_tokens + n) // BS)
+        tables[sid] = [rng.randrange(2**30) for _ in range(needed + rng.randint(0, max_extra_blocks))]
+        seqs.append(seq)
+        num_new.append(n)
+    order = sorted(range(num_seqs), key=lambda i: num_new[i] != 1)
+    seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
+    return ScheduledBatch(seqs, num_new, sum(1 for n in num_new if n == 1), []), tables
+
+
+def builder(fill: str = "default", **limits: int) -> StepInputs:
+    si = StepInputs(BS, "cpu", max_num_tokens=limits.get("tokens", 512), max_num_reqs=limits.get("reqs", 64),
+                    max_blocks_per_seq=limits.get("blocks", 16))
+    si.small_step_tokens = FILLS[fill]
+    return si
+
+
+def build(si: StepInputs, sched: ScheduledBatch, tables: dict[int, list[int]]) -> tuple[Any, np.ndarray, np.ndarray]:
+    si._host_np.fill(0xA5)  # poison the staging buffer: an element the step does not write shows
+    return si.build(sched, tables.__getitem__)
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("fill", FILLS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num_seqs", [1, 3, 17])
+def test_matches_the_per_token_reference(kind, num_seqs, fill):
+    rng = random.Random(f"{kind}-{num_seqs}-{fill}")
+    si = builder(fill)
+    for _ in range(4):
+        sched, tables = random_step(rng, kind, num_seqs)
+        check(build(si, sched, tables), sched, tables)
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_every_row_full_width_and_every_row_ragged(fill):
+    rng = random.Random(fill)
+    si = builder(fill)
+    for extra in (0, 5):  # 0: tables exactly as long as needed, all one width; 5: ragged widths
+        for kind in KINDS:
+            sched, tables = random_step(rng, kind, 6, max_extra_blocks=extra, max_prompt=BS * 2)
+            if extra == 0:  # the same number of blocks for every row
+                width = max(len(t) for t in tables.values())
+                tables = {sid: t + [rng.randrange(2**30) for _ in range(width - len(t))] for sid, t in tables.items()}
+            check(build(si, sched, tables), sched, tables)
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_consecutive_steps_of_changing_shapes_and_earlier_outputs_unchanged(fill):
+    """Big, small, wide, narrow steps through one builder; what each step handed out stays as it was."""
+    rng = random.Random(f"shapes-{fill}")
+    si = builder(fill)
+    shapes = [("prefill", 12), ("decode", 1), ("mixed", 30), ("chunk", 2), ("decode", 40), ("prefill", 1), ("decode", 3)]
+    kept = []
+    for i, (kind, n) in enumerate(shapes):
+        sched, tables = random_step(rng, kind, n, first_id=100 * i, max_extra_blocks=rng.choice((0, 6)))
+        out = si.build(sched, tables.__getitem__)  # no poison here: the previous step's bytes are the stale tail
+        kept.append((out, check(out, sched, tables)))
+    for out, snap in kept:
+        assert snapshot(out) == snap
+
+
+def test_step_n_outputs_unchanged_after_step_n_plus_1_of_the_same_shape():
+    """Same shape, new values: step N+1 writes the same staging bytes that step N's tensors came from."""
+    rng = random.Random(7)
+    for fill in FILLS:
+        si = builder(fill)
+        first, tables1 = random_step(rng, "decode", 4)
+        out1 = si.build(first, tables1.__getitem__)
+        snap1 = check(out1, first, tables1)
+        for seq in first.seqs:  # the next decode of the same sequences
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(rng.randrange(50_000))
+        tables2 = {sid: [rng.randrange(2**30) for _ in t] for sid, t in tables1.items()}
+        check(si.build(first, tables2.__getitem__), first, tables2)
+        assert snapshot(out1) == snap1, fill
+        staging = (si._host_np.ctypes.data, si._host_np.ctypes.data + si.capacity)
+        for t in (out1[0].input_ids, out1[0].batch.block_tables, out1[0].batch.query_start_loc_cpu, out1[0].batch.seq_lens_cpu):
+            assert not staging[0] <= t.data_ptr() < staging[1], "a tensor handed out lives in the staging buffer"
+
+
+def test_a_step_beyond_the_limits_grows_the_buffer():
+    rng = random.Random(3)
+    si = builder(tokens=4, reqs=1, blocks=1)
+    before = si.capacity
+    sched, tables = random_step(rng, "prefill", 20, max_prompt=200)
+    check(build(si, sched, tables), sched, tables)
+    assert si.capacity >= StagingLayout.of(sched.num_tokens, 20, max(map(len, tables.values()))).nbytes > before
+    small, small_tables = random_step(rng, "decode", 2, first_id=50)
+    check(build(si, small, small_tables), small, small_tables)
+
+
+def test_limits_size_the_buffer_once():
+    si = builder(tokens=300, reqs=20, blocks=9)
+    assert si.capacity == StagingLayout.of(300, 20, 9).nbytes
+    rng = random.Random(4)
+    ptr = si._host_np.ctypes.data
+    for kind in KINDS:  # steps within the limits reuse the buffer
+        sched, tables = random_step(rng, kind, 4, max_prompt=60, max_extra_blocks=0)
+        check(build(si, sched, tables), sched, tables)
+    assert si._host_np.ctypes.data == ptr
+
+
+def test_device_views_equal_host_views_and_fields_are_aligned():
+    """``device_fields`` (the CUDA path's views of the one copied tensor), checked here on a CPU tensor."""
+    rng = np.random.default_rng(0)
+    for t, r, w in [(1, 1, 1), (7, 3, 5), (64, 64, 33), (513, 2, 40), (3, 1, 100)]:
+        lay = StagingLayout.of(t, r, w)
+        staged = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
+        dev = device_fields(torch.from_numpy(staged), lay)
+        host = host_fields(staged, lay)
+        base = staged.ctypes.data
+        for d, h, dtype, shape in zip(dev, host, [torch.int64] * 3 + [torch.int32] * 4,
+                                      [(t,), (t,), (t,), (r + 1,), (r,), (r,), (r, w)]):
+            assert d.dtype == h.dtype == dtype and d.shape == h.shape == shape and d.is_contiguous()
+            assert torch.equal(d, h) and d.data_ptr() == h.data_ptr()
+            assert (d.data_ptr() - base) % ALIGN == 0
+
+
+class RecordingFence:
+    """A fence for CPU: remembers the staged bytes at ``record``; ``synchronize`` checks they are still there."""
+
+    def __init__(self, si_ref: list[StepInputs]) -> None:
+        self.si_ref, self.recorded, self.waits = si_ref, None, 0
+
+    def record(self) -> None:
+        self.recorded = self.si_ref[0]._host_np.copy()
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        assert np.array_equal(self.si_ref[0]._host_np, self.recorded), "the buffer was written before the wait"
+
+
+def test_the_buffer_is_rewritten_only_after_waiting_for_the_previous_copy():
+    rng = random.Random(5)
+    ref: list[StepInputs] = []
+    fence = RecordingFence(ref)
+    si = StepInputs(BS, "cpu", max_num_tokens=256, max_num_reqs=32, max_blocks_per_seq=16, fence=fence)
+    ref.append(si)
+    sched, tables = random_step(rng, "mixed", 5)
+    check(si.build(sched, tables.__getitem__), sched, tables)
+    assert fence.waits == 0  # nothing was pending before the first step
+    for kind in ("decode", "prefill", "mixed"):
+        sched, tables = random_step(rng, kind, 5, first_id=10)
+        check(si.build(sched, tables.__getitem__), sched, tables)
+    assert fence.waits == 3
+
+    def broken(seq_id: int) -> list[int]:
+        raise KeyError(seq_id)
+
+    with pytest.raises(KeyError):  # a step that fails before its copy leaves the previous copy pending
+        si.build(sched, broken)
+    sched, tables = random_step(rng, "decode", 2, first_id=20)
+    check(si.build(sched, tables.__getitem__), sched, tables)
+    assert fence.waits == 4
+
+
+def test_refusals_say_what_was_wrong():
+    si = builder()
+    with pytest.raises(ValueError, match="empty scheduled batch"):
+        si.build(ScheduledBatch([], [], 0, []), {}.__getitem__)
+    with pytest.raises(ValueError, match="power of two.*got 12"):
+        StepInputs(12, "cpu", max_num_tokens=8, max_num_reqs=2, max_blocks_per_seq=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging and the CUDA event need a GPU")
+def test_cuda_pinned_staging_matches_the_reference():
+    rng = random.Random(6)
+    si = StepInputs(BS, "cuda", max_num_tokens=512, max_num_reqs=64, max_blocks_per_seq=16)
+    assert si._host.is_pinned()
+    kept = []
+    for kind, n in [("prefill", 9), ("decode", 1), ("mixed", 20), ("decode", 40)]:
+        sched, tables = random_step(rng, kind, n, first_id=len(kept) * 100)
+        out = si.build(sched, tables.__getitem__)  # the next build reuses the buffer while this copy may be in flight
+        assert out[0].input_ids.device.type == "cuda" and out[0].batch.query_start_loc_cpu.device.type == "cpu"
+        kept.append((out, sched, tables))
+    torch.cuda.synchronize()
+    for out, sched, tables in kept:
+        inputs = out[0]
+        inputs.input_ids, inputs.positions = inputs.input_ids.cpu(), inputs.positions.cpu()
+        b = inputs.batch
+        for name in ("query_start_loc", "seq_lens", "context_lens", "block_tables", "slot_mapping"):
+            setattr(b, name, getattr(b, name).cpu())
+        check(out, sched, tables)
+
+
+# ----------------------------------------------------------------------------- through the runner
+def test_prepare_inputs_of_a_real_run_matches_the_reference(tmp_path):
+    """Every step of a generation (chunked prompts beside decodes, a shared cached prefix) through ModelRunner."""
+    from corerun import LLM
+
+    from tests.helpers.tiny_models import make_tiny_model
+
+    llm = LLM(model=make_tiny_model(tmp_path, "llama"), device="cpu", dtype="float32", attention="torch",
+              kv_cache={"block_size": 4, "num_blocks": 96}, scheduler={"max_num_batched_tokens": 20, "max_model_len": 96})
+    runner = llm.engine.runner
+    prepare, kept = runner.prepare_inputs, []
+
+    def checked(sched: ScheduledBatch) -> Any:
+        tables = {s.seq_id: runner.kv_manager.block_table(s.seq_id) for s in sched.seqs}
+        out = prepare(sched)
+        kept.append((out, check(out, sched, tables, bs=4)))
+        return out
+
+    runner.prepare_inputs = checked
+    rng = random.Random(8)
+    shared = [rng.randrange(3, 200) for _ in range(9)]
+    prompts = [shared + [rng.randrange(3, 200) for _ in range(n)] for n in (2, 30, 5, 17, 1)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 5
+    kinds = {(b.is_pure_decode, b.num_decodes > 0) for b in (o[0].batch for o, _ in kept)}
+    assert {(True, True), (False, True), (False, False)} <= kinds  # decode-only, mixed and prefill-only steps
+    assert all(snapshot(out) == snap for out, snap in kept)
