@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import pytest
+
+
+def _triton_interpreter_without_cuda() -> None:
+    """Triton fixes interpreter-or-compiled when it is first imported, and tests import it early and
+    in any order (transformers does): without CUDA, ask for the interpreter before anything loads it."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+_triton_interpreter_without_cuda()
 
 
 @pytest.fixture(autouse=True, scope="session")

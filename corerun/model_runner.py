@@ -153,55 +153,73 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference mode: a sampler may keep buffers it makes here and write them later
     def _profile_step_memory(self, limits: GraphLimits) -> StepMemory:
-        """Run the worst prefill, the widest sampling and (when graphs are captured) the largest
-        captured decode once each on a scratch KV cache, and measure their peaks (see
-        :mod:`corerun.kv_cache.profile`).  Every rank of a tensor-parallel group runs the same steps."""
+        """Run the worst prefill, the widest eager decode, the widest sampling and (when graphs are
+        captured) the largest captured decode once each on a one-block scratch cache, and measure their
+        peaks (see :mod:`corerun.kv_cache.profile`).  Every rank of a tensor-parallel group runs the
+        same forwards in the same order; only the rank holding the logits samples."""
         from corerun.kv_cache import profile
 
-        sc = self.config.scheduler
-        lengths = profile.prefill_lengths(sc.max_num_batched_tokens, self.max_model_len, sc.max_num_seqs)
-        prefill, prefill_blocks = profile.dummy_step(lengths, self.block_size, self.device)
+        sc, bs, dev = self.config.scheduler, self.block_size, self.device
+        prefill = profile.worst_prefill(sc.max_num_batched_tokens, self.max_model_len, sc.max_num_seqs, bs, dev)
+        decode_rows = min(sc.max_num_seqs, sc.max_num_batched_tokens)
+        decode = profile.widest_decode(decode_rows, self.max_model_len, bs, dev)
         reg = self.registry.get("graph", self.graph_name)
         captures = bool(getattr(reg.capabilities, "captures", False)) and bool(
             getattr(self.attention.capabilities, "cuda_graph_decode", False)
         )
-        decode = None
-        if captures:
-            decode, _ = profile.dummy_step(
-                [1] * limits.max_batch_size, self.block_size, self.device,
-                table_width=-(-self.max_model_len // self.block_size), max_seq_len=self.max_model_len,
-            )
+        captured = profile.captured_decode(limits) if captures else None
         rows = sc.max_num_seqs
-        scratch = max(prefill_blocks, limits.max_batch_size if captures else 0) + 1
-        self.kv_caches = [self.attention.allocate_kv_cache(scratch) for _ in range(self.model_config.num_layers)]
+        params, what = self._widest_sampling(rows)
+        self.kv_caches = [self.attention.allocate_kv_cache(1).zero_() for _ in range(self.model_config.num_layers)]
         try:
             def forward(inputs: ModelInputs) -> torch.Tensor:
                 return self._model_fn(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch))
 
-            hidden_row = forward(profile.dummy_step([1], self.block_size, self.device)[0])
-            prefill_bytes = profile.peak_bytes(lambda: forward(prefill), self.device)
+            prefill_bytes = profile.peak_bytes(lambda: forward(prefill), dev)
+            decode_bytes = profile.peak_bytes(lambda: forward(decode), dev)
+            hidden = torch.randn(rows, self.model_config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dev, self.dtype)
 
             def sample() -> None:
-                logits = self.model.compute_logits(hidden_row.expand(rows, -1).contiguous())
-                if logits is not None:  # tensor parallel: rank 0 holds the logits
-                    params = [SamplingParams()] * rows
-                    meta = SamplingMetadata(params, [[0]] * rows, [[]] * rows)  # no seq_ids: nothing to cache
-                    self.sampler.sample(logits, meta)
+                logits = self.model.compute_logits(hidden)
+                if logits is not None:  # tensor parallel: the rank holding the logits samples
+                    prompts = [list(range(1, 9))] * rows
+                    self.sampler.sample(logits, SamplingMetadata(params, prompts, [[1, 2]] * rows))
 
-            sampling_bytes = profile.peak_bytes(sample, self.device)
-            graph_bytes = profile.peak_bytes(lambda: forward(decode), self.device) if decode is not None else 0
+            sampling_bytes = profile.peak_bytes(sample, dev)
+            graph_bytes = profile.peak_bytes(lambda: forward(captured), dev) if captured is not None else 0
         finally:
             self.kv_caches = []
-            if self.device.type == "cuda":
+            if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        memory = profile.StepMemory(prefill_bytes, sampling_bytes, graph_bytes, sum(lengths), len(lengths))
+        memory = profile.StepMemory(
+            prefill_bytes, decode_bytes, sampling_bytes, graph_bytes,
+            prefill.batch.num_tokens, prefill.batch.num_reqs, decode_rows,
+        )
+        mib = 2.0**20
         logger.info(
-            "kv_cache: step memory kept out of the KV budget: %.1f MiB (prefill of %d tokens in %d requests %.1f MiB, "
-            "sampling %d rows %.1f MiB, captured decode of %d %.1f MiB)",
-            memory.reserved_bytes / 2**20, memory.prefill_tokens, memory.prefill_requests, prefill_bytes / 2**20,
-            rows, sampling_bytes / 2**20, limits.max_batch_size if captures else 0, graph_bytes / 2**20,
+            "kv_cache: step memory kept out of the KV budget: %.1f MiB (prefill of %d tokens in %d requests at "
+            "max_model_len %d: %.1f MiB; eager decode of %d: %.1f MiB; sampling %d rows %s: %.1f MiB; captured "
+            "decode of %d: %.1f MiB)",
+            memory.reserved_bytes / mib, memory.prefill_tokens, memory.prefill_requests, self.max_model_len,
+            prefill_bytes / mib, decode_rows, decode_bytes / mib, rows, what, sampling_bytes / mib,
+            limits.max_batch_size if captures else 0, graph_bytes / mib,
         )
         return memory
+
+    def _widest_sampling(self, rows: int) -> tuple[list[SamplingParams], str]:
+        """Parameters for ``rows`` rows that take every path the sampler accepts: greedy rows mixed
+        with rows using all its other parameters (seeded, truncated, penalised, with logprobs)."""
+        everything = SamplingParams(
+            temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2,
+            presence_penalty=0.2, seed=1, logprobs=min(self.config.max_logprobs, 20) or None, logit_bias={0: 1.0},
+        )
+        for rich, what in ((everything, "with every parameter"), (SamplingParams(temperature=0.8, seed=1), "temperature, seed")):
+            try:
+                self.sampler.check(rich)
+            except Exception:
+                continue
+            return [SamplingParams(temperature=0.0) if i % 2 else rich for i in range(rows)], what
+        return [SamplingParams()] * rows, "defaults"
 
     @staticmethod
     def _default_model_dir() -> Path:

@@ -64,6 +64,7 @@ def test_graph_suite_with_another_attention_backend() -> None:
     doc = json.loads(ok.output)
     assert ok.exit_code == 0, ok.output
     assert [(r["case"], r["outcome"]) for r in doc["results"]] == [("triton-fp32-bs16-max8", "passed")]
+    assert doc["attention_backend"] == "triton"
     typo = runner.invoke(cli, ["conformance", "graph:eager", "--attention", "tritn"])
     assert typo.exit_code == 2 and "no attention backend named 'tritn'" in typo.output and "triton" in typo.output
     wrong_kind = runner.invoke(cli, ["conformance", "sampler:full", "--attention", "triton"])

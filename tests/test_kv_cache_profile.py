@@ -29,24 +29,49 @@ def test_prefill_lengths_fill_the_budget_with_the_longest_requests(budget, max_l
     assert profile.prefill_lengths(budget, max_len, max_seqs) == expected
 
 
-def test_dummy_step_lays_requests_out_in_consecutive_blocks_decodes_first() -> None:
-    inputs, blocks = profile.dummy_step([5, 1, 9], block_size=4, device=CPU)
+def test_worst_prefill_is_the_last_chunk_of_the_longest_prompts() -> None:
+    """Shapes only: contexts reach max_model_len, every table entry and every write is block 0."""
+    inputs = profile.worst_prefill(200, 96, 5, block_size=16, device=CPU)
     b = inputs.batch
-    # sorted decodes first: [1, 5, 9] -> 1, 2 and 3 blocks starting at blocks 0, 1 and 3
-    assert blocks == 6 and (b.num_reqs, b.num_tokens, b.num_decodes, b.max_query_len, b.max_seq_len) == (3, 15, 1, 9, 9)
-    assert b.query_start_loc.tolist() == [0, 1, 6, 15] and b.seq_lens.tolist() == [1, 5, 9]
-    assert b.context_lens.tolist() == [0, 0, 0]
-    assert b.block_tables.tolist() == [[0, 0, 0], [1, 2, 0], [3, 4, 5]]
-    assert b.slot_mapping.tolist() == [0] + list(range(4, 9)) + list(range(12, 21))
-    assert inputs.positions.tolist() == [0] + list(range(5)) + list(range(9))
-    assert inputs.input_ids.shape == (15,)
+    # 200 tokens: 96 + 96 + 8, each ending at position 95
+    assert (b.num_reqs, b.num_tokens, b.num_decodes, b.max_query_len, b.max_seq_len) == (3, 200, 0, 96, 96)
+    assert b.query_start_loc.tolist() == [0, 96, 192, 200] and b.seq_lens.tolist() == [96, 96, 96]
+    assert b.context_lens.tolist() == [0, 0, 88]
+    assert b.block_tables.shape == (3, 6) and not b.block_tables.any()
+    assert inputs.positions.tolist() == list(range(96)) * 2 + list(range(88, 96))
+    assert b.slot_mapping.tolist() == [p % 16 for p in inputs.positions.tolist()]
+    assert b.query_start_loc_cpu.tolist() == [0, 96, 192, 200] and b.seq_lens_cpu.tolist() == [96, 96, 96]
 
 
-def test_dummy_decode_is_shaped_like_a_captured_one() -> None:
-    inputs, blocks = profile.dummy_step([1] * 3, block_size=16, device=CPU, table_width=8, max_seq_len=128)
+def test_a_one_token_remainder_is_ordered_first_as_a_decode() -> None:
+    b = profile.worst_prefill(97, 96, 5, block_size=16, device=CPU).batch
+    assert b.num_decodes == 1 and b.query_start_loc.tolist() == [0, 1, 97] and b.context_lens.tolist() == [95, 0]
+
+
+def test_widest_decode_reaches_max_model_len() -> None:
+    inputs = profile.widest_decode(4, 100, block_size=16, device=CPU)
     b = inputs.batch
-    assert blocks == 3 and b.block_tables.shape == (3, 8) and b.max_seq_len == 128 and b.is_pure_decode
-    assert b.slot_mapping.tolist() == [0, 16, 32]
+    assert b.is_pure_decode and b.num_reqs == 4 and b.max_seq_len == 100 and b.block_tables.shape == (4, 7)
+    assert b.seq_lens_cpu.tolist() == [100] * 4 and inputs.positions.tolist() == [99] * 4
+    assert b.slot_mapping.tolist() == [99 % 16] * 4
+
+
+def test_captured_decode_plans_as_the_capture_does() -> None:
+    """The profiled graph decode is the runner's own static batch: the torch backend, which sizes a
+    decode by the host copies when they exist, must gather max_model_len keys here as in a capture."""
+    from corerun.attention.torch_backend import TorchAttentionBackend
+    from corerun.graph.static_inputs import StaticDecodeInputs
+    from corerun.protocols.attention import AttentionSpec
+    from corerun.protocols.graph import GraphLimits
+
+    limits = GraphLimits(max_batch_size=8, max_model_len=4096, block_size=16, hidden_size=64, dtype=torch.float32, device=CPU)
+    backend = TorchAttentionBackend(AttentionSpec(4, 2, 16, torch.float32, 16, CPU))
+    profiled = profile.captured_decode(limits)
+    captured = StaticDecodeInputs(limits).batch(8)
+    assert backend.plan(profiled.batch).decode_len == backend.plan(captured).decode_len == 4096
+    b = profiled.batch
+    assert b.block_tables.shape == captured.block_tables.shape == (8, 256)
+    assert (b.slot_mapping == -1).all() and b.seq_lens_cpu is None and b.query_start_loc_cpu is None
 
 
 def test_peak_bytes_off_cuda_runs_and_reports_zero() -> None:
@@ -54,16 +79,16 @@ def test_peak_bytes_off_cuda_runs_and_reports_zero() -> None:
     assert profile.peak_bytes(lambda: ran.append(1), CPU) == 0 and ran == [1]
 
 
-def test_step_memory_reserve_is_the_larger_eager_peak_plus_the_graph_pool() -> None:
-    m = profile.StepMemory(prefill_bytes=300, sampling_bytes=500, graph_bytes=70, prefill_tokens=8, prefill_requests=1)
-    assert m.reserved_bytes == 570
+def test_step_memory_reserve_is_the_largest_eager_peak_plus_the_graph_pool() -> None:
+    m = profile.StepMemory(300, 650, 500, 70, prefill_tokens=8, prefill_requests=1, decode_requests=4)
+    assert m.reserved_bytes == 720
 
 
 def test_runner_keeps_the_profiled_peaks_out_of_the_kv_budget(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner profiles (forced on here), runs the real steps, and sizes the cache from what is left."""
     model_dir = make_tiny_model(tmp_path)
     runs: list[object] = []
-    fake_peaks = iter([7 * MiB, 3 * MiB])  # prefill, then sampling (no graph pool: eager on CPU)
+    fake_peaks = iter([7 * MiB, 5 * MiB, 3 * MiB])  # prefill, eager decode, sampling (no graph pool: eager on CPU)
 
     def fake_peak(run, device):
         runs.append(run())
@@ -78,11 +103,13 @@ def test_runner_keeps_the_profiled_peaks_out_of_the_kv_budget(tmp_path, monkeypa
     )
     runner = ModelRunner(config)
 
-    # the prefill really ran: 200 tokens in requests of at most max_model_len (96 + 96 + 8)
-    hidden = runs[0]
-    assert isinstance(hidden, torch.Tensor) and hidden.shape == (200, 64) and torch.isfinite(hidden).all()
-    assert runner.step_memory is not None and runner.step_memory.prefill_tokens == 200
-    assert (runner.step_memory.prefill_requests, runner.step_memory.graph_bytes) == (3, 0)
+    # the prefill really ran: 200 tokens in requests of at most max_model_len (96 + 96 + 8), then the
+    # decode of max_num_seqs requests; a zeroed scratch cache keeps the hidden states finite
+    prefill, decode = runs[0], runs[1]
+    assert isinstance(prefill, torch.Tensor) and prefill.shape == (200, 64) and torch.isfinite(prefill).all()
+    assert isinstance(decode, torch.Tensor) and decode.shape == (5, 64) and torch.isfinite(decode).all()
+    m = runner.step_memory
+    assert m is not None and (m.prefill_tokens, m.prefill_requests, m.decode_requests, m.graph_bytes) == (200, 3, 5, 0)
     # K and V, 16 slots, 2 KV heads of 16 dims, float32, 2 layers
     per_block = 2 * 16 * 2 * 16 * 4 * 2
     assert runner.num_blocks == (GiB // 16 - 7 * MiB) // per_block
@@ -105,3 +132,21 @@ def test_generation_after_profiling_equals_generation_without(tmp_path, monkeypa
     profiled = LLM(**common)
     assert profiled.engine.runner.step_memory is not None
     assert [o.outputs[0].token_ids for o in profiled.generate(prompts, sp, use_tqdm=False)] == plain
+
+
+@pytest.mark.parametrize(("sampler", "what"), [("full", "with every parameter"), ("basic", "temperature, seed")])
+def test_sampling_profile_switches_on_what_the_sampler_accepts(tmp_path, sampler, what) -> None:
+    model_dir = make_tiny_model(tmp_path)
+    config = Config(model=str(model_dir), device="cpu", dtype="float32", attention="torch", sampler=sampler,
+                    kv_cache={"num_blocks": 8}, scheduler={"max_model_len": 64})
+    runner = ModelRunner(config)
+    params, got = runner._widest_sampling(6)
+    assert got == what
+    greedy = [p for p in params if p.temperature == 0.0]
+    assert len(greedy) == 3  # greedy rows mixed with sampled ones: both paths run
+    for p in params:
+        runner.sampler.check(p)
+    if sampler == "full":
+        rich = next(p for p in params if p.temperature > 0)
+        assert rich.top_p < 1 and rich.top_k > 0 and rich.min_p > 0 and rich.repetition_penalty != 1
+        assert rich.logprobs and rich.seed is not None and rich.logit_bias

@@ -136,6 +136,8 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
         with Console(stderr=True).status(f"running the {kind} suite against {name}") as status:
             results = run_suite(cls, keyword=keyword, progress=lambda r: status.update(f"{r.id}: {r.outcome}"))
     doc = _document(target, results, time.perf_counter() - start)
+    if kind == "graph":
+        doc["attention_backend"] = cls.attention_backend  # what the suite's model attended with
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:

@@ -25,6 +25,7 @@ from corerun.protocols.graph import GraphLimits, ModelInputs
 
 VOCAB, HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 97, 64, 4, 2, 16
 BLOCKS_PER_SEQ = 6
+CAPTURE_MAX_MODEL_LEN = 2048  # GraphLimits.max_model_len of every case (past triton's split-KV threshold)
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,11 @@ class GraphConfig:
     dtype: str
     block_size: int
     max_batch_size: int
-    attention: str = "torch"
+    attention: str | None = None  # None: the suite's ``attention_backend``
 
     @property
     def id(self) -> str:
-        prefix = "" if self.attention == "torch" else f"{self.attention}-"
+        prefix = "" if self.attention in (None, "torch") else f"{self.attention}-"
         return f"{prefix}{SHORT_DTYPE[self.dtype]}-bs{self.block_size}-max{self.max_batch_size}"
 
 
@@ -86,6 +87,7 @@ class GraphRunnerSuite(ConformanceSuite):
 
     kind = "graph"
     attention_backend: ClassVar[str] = "torch"  # the registered backend the tiny model attends with
+    attention_options: ClassVar[dict[str, Any]] = {}  # its options (e.g. {"num_splits": 4} for triton)
 
     def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
         from corerun.capabilities import AttentionCapabilities
@@ -96,8 +98,13 @@ class GraphRunnerSuite(ConformanceSuite):
         dtypes = [d for d in (("float32", "bfloat16", "float16") if full else ("float32", "bfloat16")) if d in caps.dtypes]
         if not dtypes:
             dtypes = sorted(caps.dtypes)[:1]
-        # block sizes the backend accepts, the smallest first (the suite's sequences are a few blocks long)
-        sizes = sorted(caps.block_sizes)[: 2 if full else 1] if caps.block_sizes else ([16, 32] if full else [16])
+        # block sizes the backend accepts: 16 and 32 when allowed, else the smallest from 16 up (the
+        # suite's sequences are a few blocks long), else the largest it has
+        if caps.block_sizes:
+            preferred = sorted(b for b in caps.block_sizes if b >= 16) or [max(caps.block_sizes)]
+            sizes = preferred[: 2 if full else 1]
+        else:
+            sizes = [16, 32] if full else [16]
         return [(c.id, c) for c in (GraphConfig(d, b, 8, name) for d in dtypes for b in sizes)]
 
     def start(self, case: Case | None) -> None:
@@ -106,11 +113,15 @@ class GraphRunnerSuite(ConformanceSuite):
         from corerun.registry import get_registry
 
         cfg: GraphConfig = case.config
-        reg = get_registry().get("attention", cfg.attention)
+        name = self._attention_name(cfg)
+        reg = get_registry().get("attention", name)
         spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, DTYPE_NAMES[cfg.dtype], cfg.block_size, torch.device(case.device))
         reasons = reg.unavailable_reasons() + (reg.capabilities.check(spec) if reg.capabilities else [])
         if reasons:
-            pytest.skip(f"attention backend '{cfg.attention}' cannot serve this case here: " + "; ".join(reasons))
+            pytest.skip(f"attention backend '{name}' cannot serve this case here: " + "; ".join(reasons))
+
+    def _attention_name(self, cfg: GraphConfig) -> str:
+        return cfg.attention or self.attention_backend
 
     # ------------------------------------------------------------------ helpers
     def _world(self, case: Case) -> World:
@@ -119,7 +130,7 @@ class GraphRunnerSuite(ConformanceSuite):
         cfg: GraphConfig = case.config
         dev = torch.device(case.device)
         spec = AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, DTYPE_NAMES[cfg.dtype], cfg.block_size, dev)
-        attention = get_registry().get("attention", cfg.attention).create(spec)
+        attention = get_registry().get("attention", self._attention_name(cfg)).create(spec, options=self.attention_options)
         num_requests = cfg.max_batch_size + 3
         num_blocks = num_requests * BLOCKS_PER_SEQ + 2
         model = TinyModel(attention, spec, VOCAB, HIDDEN, num_blocks)
@@ -131,7 +142,10 @@ class GraphRunnerSuite(ConformanceSuite):
         k, v = attention.kv_cache_view(model.kv_cache)
         k.copy_((torch.randn(k.shape, generator=gen, dtype=torch.float64)).to(spec.dtype).to(dev))
         v.copy_((torch.randn(v.shape, generator=gen, dtype=torch.float64)).to(spec.dtype).to(dev))
-        limits = GraphLimits(cfg.max_batch_size, max_len, cfg.block_size, HIDDEN, spec.dtype, dev)
+        # captures are bounded by a long max_model_len (as in serving), not by the short contexts used
+        # here: a backend that picks its decode path from that bound (triton's split-KV) takes the same
+        # path inside the graph as on a real deployment's GPU
+        limits = GraphLimits(cfg.max_batch_size, max(max_len, CAPTURE_MAX_MODEL_LEN), cfg.block_size, HIDDEN, spec.dtype, dev)
         runner = case.target.create(model, attention, limits)
         runner.capture()
         return World(spec, attention, model, runner, tables, contexts)
@@ -193,13 +207,19 @@ class GraphRunnerSuite(ConformanceSuite):
         problems: list[str] = []
         for b in range(1, case.config.max_batch_size + 1):
             problems += self._compare(w, [(r, 1) for r in range(b)], f"decode batch of {b}")
-        # a runner that captures must replay pure decodes, unless the backend keeps its decodes out of graphs
-        captures = bool(getattr(case.target.capabilities, "captures", False)) and bool(
-            getattr(w.attention.capabilities, "cuda_graph_decode", False)
-        )
+        # a runner that captures must replay pure decodes, and must not when the backend keeps its
+        # decodes out of graphs (it does not declare cuda_graph_decode)
+        captures = bool(getattr(case.target.capabilities, "captures", False))
+        graph_safe = bool(getattr(w.attention.capabilities, "cuda_graph_decode", False))
         if captures and not problems:
             stats = w.runner.stats
-            if not stats.captured_sizes or max(stats.captured_sizes) > case.config.max_batch_size:
+            if not graph_safe:
+                if stats.replays > replays_before or stats.captured_sizes:
+                    problems.append(
+                        f"attention backend '{self._attention_name(case.config)}' does not declare cuda_graph_decode, "
+                        f"yet the runner captured {stats.captured_sizes} and replayed {stats.replays - replays_before} steps"
+                    )
+            elif not stats.captured_sizes or max(stats.captured_sizes) > case.config.max_batch_size:
                 problems.append(f"declares captures but stats.captured_sizes is {stats.captured_sizes} after capture()")
             elif stats.replays <= replays_before:
                 problems.append("declares captures but stats.replays did not grow over pure-decode batches")

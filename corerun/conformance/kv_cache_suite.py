@@ -220,7 +220,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         hits_before = m.stats().prefix_hits
         b = a[: 2 * bs] + tok(bs + 2)
         self._expect(case, "prefix", m.get_computed_prefix(2, b), 2 * bs, "prompt sharing the first two blocks")
-        m.allocate_slots(2, len(b))
+        self._expect(case, "prefix", m.allocate_slots(2, len(b)), True, f"allocate_slots(2, {len(b)}) with {m.num_free_blocks} free blocks")
         self._expect(case, "prefix", m.stats().prefix_hits - hits_before, 2 * bs, "stats().prefix_hits increase once admitted")
         ta, tb = self._table(m, 1), self._table(m, 2)
         if tb[:2] != ta[:2] or set(tb[2:]) & set(ta):

@@ -67,6 +67,9 @@ class CudaGraphCapturer:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.synchronize()
+        # what the warm-up freed stays cached in torch's general pool, which a capture cannot use:
+        # hand it back so the graph pool does not need the step's memory twice
+        torch.cuda.empty_cache()
 
     def capture(self, fn: StepFn) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()

@@ -1,12 +1,24 @@
 """What one step needs on the device besides weights and KV cache, measured by running it.
 
 ``kv_cache.num_blocks: auto`` on CUDA gives the KV cache what is left of ``memory_fraction`` of the
-device after the weights *and* after room for the largest step: the runner runs the composed model
-once on the scheduler's worst prefill (``max_num_batched_tokens`` tokens, in requests of at most
-``max_model_len``), computes logits and samples for ``max_num_seqs`` rows, and, when the graph runner
-captures, runs a decode of the largest captured batch shaped as the captured one is (block tables as
-wide as ``max_model_len``).  The peaks of those runs are kept out of the KV budget: the first two share
-torch's caching pool, the last one lives in the graph pool, which nothing else can reuse.
+device after the weights *and* after room for the largest step.  Before the cache exists the runner
+runs the composed model on a one-block scratch cache for each step shape that can need the most
+memory, and keeps their peaks out of the KV budget:
+
+- the worst prefill: ``max_num_batched_tokens`` tokens in as few requests as possible (each at most
+  ``max_model_len``), each the last chunk of a ``max_model_len``-token prompt, so its queries attend
+  over the longest possible context;
+- the worst eager decode: ``max_num_seqs`` requests (at most ``max_num_batched_tokens``) each at
+  ``max_model_len`` tokens;
+- sampling: logits and one sampler call for ``max_num_seqs`` rows, with every parameter the sampler
+  accepts switched on;
+- when the graph runner captures, the largest captured decode, built from the same static inputs
+  the capture uses (``corerun.graph.static_inputs``), so the backend plans it exactly as at capture.
+
+The dummy steps are about shapes, not values: every block-table entry is block 0 of the scratch
+cache, and every new token is written there.  The first three peaks share torch's caching pool (the
+reserve takes the largest); the captured decode lives in the graph pool, which nothing else reuses,
+so it is added.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from typing import Callable
 import torch
 
 from corerun.protocols.attention import AttentionBatch
-from corerun.protocols.graph import ModelInputs
+from corerun.protocols.graph import GraphLimits, ModelInputs
 
 
 @dataclass(frozen=True)
@@ -25,15 +37,17 @@ class StepMemory:
     """Peak bytes above what was allocated before each profiled run (0 on devices that are not CUDA)."""
 
     prefill_bytes: int  # the worst prefill step's forward
+    decode_bytes: int  # the widest eager decode step's forward
     sampling_bytes: int  # logits and sampling of max_num_seqs rows
-    graph_bytes: int  # a decode of the largest captured batch (the graph pool); 0 when nothing is captured
+    graph_bytes: int  # the largest captured decode (the graph pool); 0 when nothing is captured
     prefill_tokens: int
     prefill_requests: int
+    decode_requests: int
 
     @property
     def reserved_bytes(self) -> int:
-        """What the KV budget must leave free: the larger eager peak plus the graph pool."""
-        return max(self.prefill_bytes, self.sampling_bytes) + self.graph_bytes
+        """What the KV budget must leave free: the largest eager peak plus the graph pool."""
+        return max(self.prefill_bytes, self.decode_bytes, self.sampling_bytes) + self.graph_bytes
 
 
 def prefill_lengths(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
@@ -41,7 +55,7 @@ def prefill_lengths(max_num_batched_tokens: int, max_model_len: int, max_num_seq
 
     Each request is at most ``max_model_len`` tokens (a longer one cannot exist) and there are at most
     ``max_num_seqs`` of them.  Few long requests is the worst case for attention backends whose
-    prefill work grows with the square of a request's length.
+    prefill work grows with a request's length times its context.
     """
     lengths: list[int] = []
     left = max_num_batched_tokens
@@ -52,46 +66,59 @@ def prefill_lengths(max_num_batched_tokens: int, max_model_len: int, max_num_seq
     return lengths
 
 
-def dummy_step(
-    query_lens: list[int], block_size: int, device: torch.device, *, table_width: int | None = None,
-    max_seq_len: int | None = None,
-) -> tuple[ModelInputs, int]:
-    """Requests with ``query_lens[i]`` new tokens each and nothing cached, in consecutive blocks from 0.
+def dummy_step(query_lens: list[int], context_lens: list[int], block_size: int, device: torch.device) -> ModelInputs:
+    """A step of requests with ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones.
 
-    Returns the inputs (token ids all 0, positions ``0..n-1`` per request; decodes, those of length 1,
-    come first as the runner orders them) and the number of blocks they use.  ``table_width`` widens
-    the block tables (padding entries are block 0) and ``max_seq_len`` raises the host bound, to shape
-    a decode like a captured one.
+    Shapes only: every block-table entry is block 0 and every new token's slot is in block 0 (a
+    one-block scratch cache serves it); token ids are 0, positions run from each context length.
+    Requests with one new token (decodes) must come first, as the runner orders them.
     """
-    query_lens = sorted(query_lens, key=lambda n: n != 1)
-    blocks = [-(-n // block_size) for n in query_lens]
-    width = max(max(blocks), table_width or 0)
-    first = [sum(blocks[:i]) for i in range(len(blocks))]
-    tables = [[first[i] + j for j in range(blocks[i])] + [0] * (width - blocks[i]) for i in range(len(blocks))]
-    positions = [p for n in query_lens for p in range(n)]
-    slots = [tables[i][p // block_size] * block_size + p % block_size for i, n in enumerate(query_lens) for p in range(n)]
+    if len(query_lens) != len(context_lens) or not query_lens:
+        raise ValueError(f"need one context length per request, got {len(query_lens)} and {len(context_lens)}")
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    width = -(-max(seq_lens) // block_size)
+    positions = [p for c, q in zip(context_lens, query_lens) for p in range(c, c + q)]
     qsl = torch.tensor([0] + [sum(query_lens[: i + 1]) for i in range(len(query_lens))], dtype=torch.int32)
-    seq_lens = torch.tensor(query_lens, dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    pos = torch.tensor(positions, dtype=torch.int64)
     batch = AttentionBatch(
         query_start_loc=qsl.to(device),
-        seq_lens=seq_lens.to(device),
-        context_lens=torch.zeros(len(query_lens), dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        seq_lens=seq_lens_t.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(len(query_lens), width, dtype=torch.int32, device=device),
+        slot_mapping=(pos % block_size).to(device),
         num_reqs=len(query_lens),
         num_tokens=len(positions),
         max_query_len=max(query_lens),
-        max_seq_len=max(max(query_lens), max_seq_len or 0),
-        num_decodes=sum(1 for n in query_lens if n == 1),
+        max_seq_len=max(seq_lens),
+        num_decodes=sum(1 for q in query_lens if q == 1),
         query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
+        seq_lens_cpu=seq_lens_t,
     )
-    inputs = ModelInputs(
-        input_ids=torch.zeros(len(positions), dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        batch=batch,
-    )
-    return inputs, sum(blocks)
+    return ModelInputs(torch.zeros(len(positions), dtype=torch.int64, device=device), pos.to(device), batch)
+
+
+def worst_prefill(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int, device: torch.device) -> ModelInputs:
+    """The prefill of :func:`prefill_lengths`, each request the last chunk of a ``max_model_len`` prompt."""
+    lengths = prefill_lengths(max_num_batched_tokens, max_model_len, max_num_seqs)
+    lengths.sort(key=lambda n: n != 1)  # a 1-token remainder is a decode-shaped row: first
+    return dummy_step(lengths, [max_model_len - n for n in lengths], block_size, device)
+
+
+def widest_decode(num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> ModelInputs:
+    """An eager decode of ``num_reqs`` requests, each reaching ``max_model_len`` tokens."""
+    return dummy_step([1] * num_reqs, [max_model_len - 1] * num_reqs, block_size, device)
+
+
+def captured_decode(limits: GraphLimits) -> ModelInputs:
+    """The decode of the largest bucket exactly as the ``cuda`` runner captures it: its static
+    inputs (all padding rows) and their :meth:`~corerun.graph.static_inputs.StaticDecodeInputs.batch`
+    view (``max_seq_len = max_model_len``, no host copies)."""
+    from corerun.graph.static_inputs import StaticDecodeInputs
+
+    static = StaticDecodeInputs(limits)
+    n = limits.max_batch_size
+    return ModelInputs(static.input_ids[:n], static.positions[:n], static.batch(n))
 
 
 def peak_bytes(run: Callable[[], object], device: torch.device) -> int:

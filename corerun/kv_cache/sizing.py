@@ -55,6 +55,12 @@ def num_blocks_for_budget(
             f"{_fmt_bytes(reserved_bytes)} reserved"
         )
         fix = "raise kv_cache.memory_fraction, free device memory (smaller model or dtype), or set kv_cache.num_blocks"
+        if reserved_bytes:
+            fix += (
+                "; the reserve is the step memory measured at startup (the 'kv_cache: step memory' log line), "
+                "which lower scheduler.max_num_batched_tokens, scheduler.max_num_seqs, scheduler.max_model_len "
+                "or graph.max_batch_size shrink"
+            )
     else:
         budget = int(cpu_memory_gb * GiB) - reserved_bytes
         where = (

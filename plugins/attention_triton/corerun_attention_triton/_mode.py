@@ -57,3 +57,12 @@ def ensure_mode() -> bool:
     if env_flag() is None and not cuda_available():
         os.environ[ENV] = "1"
     return bool(env_flag())
+
+
+def imported_compiled() -> bool:
+    """Whether triton itself was imported in compiled mode: its own ``@triton.jit`` helpers (``tl.max``,
+    ``tl.sum``, ...) are then compiled-mode functions, which an interpreted kernel cannot call."""
+    standard = sys.modules.get("triton.language.standard")
+    helper = getattr(standard, "max", None)
+    return helper is not None and type(helper).__name__ != "InterpretedFunction"
+

@@ -11,6 +11,7 @@ import importlib.metadata as md
 import importlib.util
 import logging
 import os
+import sys
 
 from corerun_attention_triton import _mode
 
@@ -46,6 +47,13 @@ def probe() -> list[str]:
     interpret = _mode.will_interpret()
     if interpret and importlib.util.find_spec("numpy") is None:
         reasons.append("Triton's interpreter (used on CPU) needs numpy (pip install numpy)")
+    kernels = sys.modules.get("corerun_attention_triton.kernels")
+    if interpret and getattr(kernels, "INTERPRET", True) and _mode.imported_compiled():
+        reasons.append(
+            f"triton was imported in compiled mode before {_mode.ENV}=1 was set (something imported triton "
+            "before the kernels, e.g. transformers), so its interpreter cannot run them on this machine without "
+            f"CUDA; set {_mode.ENV}=1 in the environment before starting Python"
+        )
     if not interpret and not _mode.cuda_available():
         reasons.append(
             f"{_mode.ENV}={os.environ.get(_mode.ENV)!r} asks for compiled kernels, but there is no CUDA device; "

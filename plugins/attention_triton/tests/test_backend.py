@@ -80,3 +80,20 @@ def test_cpu_without_triton_interpret_switches_to_the_interpreter():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["interpreter (TRITON_INTERPRET=1) on CPU", "1 True True"]
+
+
+def test_triton_imported_in_compiled_mode_first_is_an_unavailability_reason():
+    """Triton's own jit helpers take their mode when triton is first imported: if something imported it
+    before the interpreter was asked for, the probe says so instead of the kernels failing mid-step."""
+    code = (
+        "import triton\n"  # what `import transformers` does first in a user's script
+        "from corerun_attention_triton.probe import probe\n"
+        "print(probe())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "imported in compiled mode" in done.stdout and "TRITON_INTERPRET=1" in done.stdout
+    fine = subprocess.run([sys.executable, "-c", code.replace("import triton\n", "")], env=env, capture_output=True, text=True, timeout=120)
+    assert fine.returncode == 0 and fine.stdout.strip() == "[]", fine.stdout + fine.stderr
