@@ -1,6 +1,8 @@
-"""Time one sampling step of the ``full`` sampler against a straightforward sort-based sampler.
+"""Time one sampling step of the ``full`` sampler against a straightforward sort-based sampler, and
+its penalties with per-request history caching (``seq_ids``) against without.
 
     .venv/bin/python benchmarks/sampler_bench.py [--vocab 152064] [--batches 1 64 256] [--device cpu] [--threads N]
+        [--cases pipeline penalties] [--penalty-batch 64] [--prompt-len 2000] [--output-len 500] [--steps 20]
 
 Both run in the same process on the same logits and histories, batch by batch, and the table gives
 the median time per step and the ratio (baseline / full).  The batch mixes four kinds of request:
@@ -10,6 +12,15 @@ greedy with a repetition penalty; every request has a 256-token prompt and 64 ge
 The baseline is the textbook pipeline (vLLM v1's plain-torch path): dense ``[B, V]`` penalty tensors
 from padded histories, min-p through a softmax, one full sort of every row for top-k / top-p, a
 softmax, an exponential race.  Greedy rows must agree between the two (checked).
+
+The penalties case runs ``--penalty-batch`` requests with ``--prompt-len``-token prompts and
+``--output-len`` generated tokens, every one with repetition, frequency and presence penalties, in
+steady state: each step appends one token to every output (histories are ``TokenView``s over a growing
+list, as the engine passes them), and the same step is sampled by a ``full`` sampler given the
+requests' ``seq_ids`` (its history cache warm) and by one given ``seq_ids=None`` (stateless: the whole
+history goes from lists to the device every step).  It times the penalty stage alone
+(``apply_penalties``) and whole steps of greedy and of sampled (top-k 50, top-p 0.95) rows; greedy tokens and the penalised
+logits must agree between the two (checked).
 """
 
 from __future__ import annotations
@@ -22,8 +33,11 @@ from datetime import date
 
 import torch
 
+from corerun.engine.sequence import TokenView
 from corerun.protocols import SamplingMetadata
 from corerun.sampling_params import SamplingParams
+from corerun_sampler_full.history_cache import HistoryCache
+from corerun_sampler_full.penalties import apply_penalties
 from corerun_sampler_full.sampler import FullSampler
 
 KINDS = [
@@ -99,6 +113,72 @@ def median_ms(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times[1:])
 
 
+def penalty_case(args: argparse.Namespace, device: torch.device) -> None:
+    """Steady-state steps with and without ``seq_ids``; see the module docstring."""
+    batch, vocab = args.penalty_batch, args.vocab
+    gen = torch.Generator().manual_seed(7)
+    histories = torch.randint(0, vocab, (batch, args.prompt_len + args.output_len), generator=gen).tolist()
+    views = [TokenView(tokens, args.prompt_len) for tokens in histories]
+    prompts = [tokens[: args.prompt_len] for tokens in histories]
+    seq_ids = list(range(batch))
+    penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.2}
+    kinds = {
+        "greedy step": SamplingParams(temperature=0.0, **penalties),
+        "sampled step": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, **penalties),
+    }
+    rep, freq, pres = ([v] * batch for v in penalties.values())
+    print(f"\npenalties: batch {batch}, prompts {args.prompt_len}, outputs {args.output_len}+ tokens, "
+          f"one new token per step, {args.steps} timed steps")
+    print(f"{'':>16} {'seq_ids ms':>11} {'stateless ms':>13} {'ratio':>7}")
+
+    def timed(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    def pair(cached, stateless, step: int) -> tuple[float, float]:
+        """Both timings, in alternating order from step to step."""
+        if step % 2:
+            plain_ms = timed(stateless)
+            return timed(cached), plain_ms
+        cached_ms = timed(cached)
+        return cached_ms, timed(stateless)
+
+    rows = ["penalty stage", *kinds]
+    times: dict[str, tuple[list[float], list[float]]] = {row: ([], []) for row in rows}
+    cache = HistoryCache()
+    samplers = {row: (FullSampler(vocab, device), FullSampler(vocab, device)) for row in kinds}  # (seq_ids, stateless)
+    for step in range(args.steps + 1):  # step 0 fills the caches, untimed
+        for tokens in histories:
+            tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+        logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
+        with_ids, without = logits.clone(), logits.clone()
+        results = [pair(lambda: apply_penalties(with_ids, prompts, views, rep, freq, pres, cache, seq_ids),
+                        lambda: apply_penalties(without, prompts, views, rep, freq, pres), step)]
+        if not torch.equal(with_ids, without):
+            raise SystemExit(f"step {step}: the penalty stage differs with and without seq_ids")
+        for row, params in kinds.items():
+            md = SamplingMetadata([params] * batch, prompts, views, frozenset({0}), seq_ids=seq_ids)
+            plain_md = SamplingMetadata([params] * batch, prompts, views, frozenset({0}))
+            ours, plain = samplers[row]
+            out: dict[str, torch.Tensor] = {}
+            results.append(pair(lambda: out.setdefault("ids", ours.sample(logits, md).sampled_token_ids),
+                                lambda: out.setdefault("none", plain.sample(logits, plain_md).sampled_token_ids), step))
+            if params.greedy and not torch.equal(out["ids"], out["none"]):
+                raise SystemExit(f"step {step}: greedy tokens differ with and without seq_ids")
+        if step:
+            for row, (c, p) in zip(rows, results):
+                times[row][0].append(c)
+                times[row][1].append(p)
+    for row in rows:
+        cached_ms, plain_ms = (statistics.median(t) for t in times[row])
+        print(f"{row:>16} {cached_ms:>11.2f} {plain_ms:>13.2f} {plain_ms / cached_ms:>6.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=152064)
@@ -106,6 +186,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=0, help="timed runs per batch (default: 20 / 5 / 3 by size)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--cases", nargs="+", choices=["pipeline", "penalties"], default=["pipeline", "penalties"])
+    ap.add_argument("--penalty-batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--output-len", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=20, help="timed steady-state steps of the penalties case")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,7 +199,11 @@ def main() -> None:
 
     print(f"corerun sampler_bench  {date.today()}  torch {torch.__version__}  {platform.processor() or platform.machine()}"
           f"  device={device}  threads={torch.get_num_threads()}  vocab={args.vocab}")
-    print(f"{'batch':>6} {'full ms':>10} {'sort-based ms':>14} {'ratio':>7}")
+    if "penalties" in args.cases:
+        penalty_case(args, device)
+    if "pipeline" not in args.cases:
+        return
+    print(f"\n{'batch':>6} {'full ms':>10} {'sort-based ms':>14} {'ratio':>7}")
     for batch in args.batches:
         logits, md = step_inputs(batch, args.vocab, device)
         greedy = torch.tensor([p.greedy for p in md.params], device=device)

@@ -9,12 +9,13 @@ from corerun.conformance import run
 from tests.broken_impls.attention import DropsLastBlock, IgnoresCausalMask, NaiveAttentionBackend, WritesSlotPlusOne
 from tests.broken_impls.graph import PaddingRunner, WritesPaddingKV
 from tests.broken_impls.kv_cache import HitsWholePrompt, LeaksOnFree
-from tests.broken_impls.sampler import IgnoresTopP, TemperatureOff, TopPSampler
+from tests.broken_impls.sampler import IgnoresTopP, PenaltySampler, StaleHistory, TemperatureOff, TopPSampler
 
 # One float32 configuration of every attention check plus the refusal checks keeps this file fast;
 # the broken behaviours do not depend on the dtype.
 ATTENTION_KEYWORD = "fp32 or unsupported"
 SAMPLER_KEYWORD = "distribution or undeclared or declared or greedy"
+HISTORY_KEYWORD = "seq_id_history or greedy or penalt"  # the step-by-step check and every penalty case
 
 
 def _failed(results: list) -> dict[str, list]:
@@ -71,6 +72,20 @@ def test_sampler_with_wrong_temperature_rejected() -> None:
     assert {"default", "temperature0.7", "temperature1.6"} <= set(cases), sorted(cases)
     assert "chi-square" in cases["temperature0.7"] and "p = " in cases["temperature0.7"]
     assert "greedy" not in failed  # temperature 0 never divides
+
+
+def test_sampler_with_penalties_passes_step_by_step() -> None:
+    results = run("sampler", factory=PenaltySampler, keyword=HISTORY_KEYWORD)
+    assert not _failed(results), [(r.id, r.reason) for r in results if r.failed]
+    assert {r.check for r in results if r.outcome == "passed"} == {"seq_id_history", "greedy", "distribution"}
+
+
+def test_sampler_with_a_stale_per_request_history_rejected() -> None:
+    """Caching each request's history by seq_id and never refreshing it passes every check but the step-by-step one."""
+    failed = _failed(run("sampler", factory=StaleHistory, keyword=HISTORY_KEYWORD))
+    assert set(failed) == {"seq_id_history"}, sorted(failed)
+    reason = failed["seq_id_history"][0].reason
+    assert "the argmax of the processed logits of its current history" in reason and "a stale history?" in reason
 
 
 def test_leaking_kv_cache_manager_rejected() -> None:

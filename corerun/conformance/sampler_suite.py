@@ -4,8 +4,9 @@ Statistical checks draw ``NUM_DRAWS`` tokens from fixed logits in one big batch 
 against the float64 reference distribution (:mod:`corerun.conformance.reference.sampling`) with a
 chi-square test at significance 1e-4; tokens the reference gives probability 0 must never be drawn.
 Exact checks: greedy equals the argmax of the processed logits, logprobs equal ``log_softmax`` of the
-raw logits.  Only the parameters the sampler declares (``capabilities.params``) are exercised; every
-other one must be refused by ``check`` with a ``corerun.UnsupportedError`` naming it.
+raw logits, and over steps with ``seq_ids`` (requests joining, leaving, returning, histories growing)
+greedy rows still follow each request's current history.  Only the parameters the sampler declares
+(``capabilities.params``) are exercised; every other one must be refused by ``check`` with a ``corerun.UnsupportedError`` naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from corerun.conformance.sampler_cases import (
     MIXED_PREFERENCE, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable, base_logits,
 )
 from corerun.conformance.sampler_compare import fit_problems, logprob_problems
+from corerun.conformance.sampler_steps import EOS, STEPS, history_steps
+from corerun.conformance.sampler_steps import VOCAB as HISTORY_VOCAB
 from corerun.conformance.suite import Case, ConformanceSuite
 from corerun.conformance.target import Target
 from corerun.errors import UnsupportedError
@@ -71,6 +74,10 @@ class SamplerSuite(ConformanceSuite):
             if need not in declared:
                 return f"{target.name} does not declare {need}"
             return [("vocab64" if "logprobs" in check else f"vocab{VOCAB}", None)]
+        if check == "seq_id_history":
+            if "temperature" not in declared:
+                return f"{target.name} does not declare temperature, so it has no greedy mode (temperature 0) to follow step by step"
+            return [(f"{STEPS}-steps", None)]
         if check == "undeclared_refused":
             missing = [f for f in _sampler_fields() if f not in declared]
             if not missing:
@@ -254,6 +261,50 @@ class SamplerSuite(ConformanceSuite):
                 problems.append(f"step {step}: 12 different seeds all drew token {alone[0]} from near-uniform logits")
         if problems:
             _fail(case, "seeds", problems)
+
+    def test_seq_id_history(self, case: Case) -> None:
+        """Steps with ``seq_ids``: greedy rows take the argmax of the processed logits of each request's
+        current history while requests join, leave, come back and grow; seeded rows draw what they draw
+        without ``seq_ids``.  A sampler whose per-request state goes stale fails here."""
+        self.start(case)
+        declared, vocab, device = self.declared(case.target), HISTORY_VOCAB, case.device
+        sampler = self._sampler(case, vocab)
+        problems, telling = [], 0
+        for k, step in enumerate(history_steps(declared, zlib.crc32(case.key.encode()))):
+            params = [row.params for row in step.rows]
+            lists = ([row.prompt for row in step.rows], [row.output for row in step.rows])
+            with_ids = SamplingMetadata(params, *lists, frozenset({EOS}), seq_ids=[row.seq_id for row in step.rows])
+            tokens = self._tokens(case, sampler.sample(step.logits.clone().to(device), with_ids), len(params), vocab)
+            for i, row in enumerate(step.rows):
+                if not row.params.greedy:
+                    continue
+                raw = step.logits[i].double()
+                if boundary_margins(raw, row.params, row.prompt, row.output, {EOS})["greedy"] < 0.05:
+                    raise RuntimeError(f"suite input: step {k}, {row.variant} row sits near a greedy tie")
+                want = int(torch.argmax(processed_logits(raw, row.params, row.prompt, row.output, {EOS})))
+                stale = int(torch.argmax(processed_logits(raw, row.params, row.prompt, row.previous, {EOS})))
+                telling += stale != want
+                if int(tokens[i]) != want:
+                    hint = " (what the history of its previous step gives: a stale history?)" if int(tokens[i]) == stale else ""
+                    problems.append(
+                        f"step {k}, seq_id {row.seq_id} ({row.variant}: {sorted(row.params.non_default_fields())}), prompt "
+                        f"{len(row.prompt)} and output {len(row.output)} tokens: drew {int(tokens[i])}, the argmax of the "
+                        f"processed logits of its current history is {want}{hint}"
+                    )
+            seeded = [i for i, row in enumerate(step.rows) if row.params.seed is not None]
+            if seeded:
+                without_ids = SamplingMetadata(params, *lists, frozenset({EOS}))
+                plain = self._tokens(case, sampler.sample(step.logits.clone().to(device), without_ids), len(params), vocab)
+                for i in seeded:
+                    if int(tokens[i]) != int(plain[i]):
+                        problems.append(
+                            f"step {k}, seq_id {step.rows[i].seq_id} (seed {step.rows[i].params.seed}): drew {int(tokens[i])} "
+                            f"with seq_ids and {int(plain[i])} without, from the same logits and history"
+                        )
+        if telling < 3 and {"repetition_penalty", "frequency_penalty", "presence_penalty"} & declared:
+            raise RuntimeError(f"suite input: only {telling} rows tell a current history from a stale one")
+        if problems:
+            _fail(case, "per-request history over steps with seq_ids", problems)
 
     def test_undeclared_refused(self, case: Case) -> None:
         """``check`` refuses a parameter the sampler does not declare with an ``UnsupportedError`` naming it."""

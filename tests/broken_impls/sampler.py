@@ -69,3 +69,54 @@ class TemperatureOff(TopPSampler):
 
     name = "temperature-off"
     temperature_factor = 1.5
+
+
+class PenaltySampler(TopPSampler):
+    """Correct: repetition, frequency and presence penalties from the step's lists (dense counts), then
+    temperature, top-k and top-p as :class:`TopPSampler`."""
+
+    name = "dense-counts"
+    capabilities = SamplerCapabilities(
+        params=frozenset({"temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"})
+    )
+
+    def _histories(self, metadata: SamplingMetadata) -> tuple[list[list[int]], list[list[int]]]:
+        return [list(p) for p in metadata.prompt_token_ids], [list(o) for o in metadata.output_token_ids]
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        prompts, outputs = self._histories(metadata)
+        batch, vocab = logits.shape
+        dev = logits.device
+
+        def counts(seqs: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(s) for s in seqs))
+            padded = torch.tensor([s + [vocab] * (width - len(s)) for s in seqs], device=dev)
+            return torch.zeros(batch, vocab + 1, device=dev).scatter_add_(1, padded, torch.ones(padded.shape, device=dev))[:, :vocab]
+
+        col = lambda values: torch.tensor(values, dtype=torch.float32, device=dev)[:, None]  # noqa: E731
+        params = metadata.params
+        out_counts = counts(outputs)
+        seen = (counts(prompts) > 0) | (out_counts > 0)
+        rep = torch.where(seen, col([p.repetition_penalty for p in params]), 1.0)
+        x = logits.float()
+        x = torch.where(x > 0, x / rep, x * rep)
+        x = x - col([p.frequency_penalty for p in params]) * out_counts - col([p.presence_penalty for p in params]) * (out_counts > 0)
+        return super().sample(x, metadata)
+
+
+class StaleHistory(PenaltySampler):
+    """Broken: keeps each request's history by ``seq_id`` from the first step it sees it, and never
+    refreshes the output (steps without ``seq_ids`` read the lists, so every other check passes)."""
+
+    name = "stale-history"
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self._cache: dict[int, tuple[list[int], list[int]]] = {}
+
+    def _histories(self, metadata: SamplingMetadata) -> tuple[list[list[int]], list[list[int]]]:
+        if metadata.seq_ids is None:
+            return super()._histories(metadata)
+        for seq_id, prompt, output in zip(metadata.seq_ids, metadata.prompt_token_ids, metadata.output_token_ids):
+            self._cache.setdefault(seq_id, (list(prompt), list(output)))
+        return [self._cache[s][0] for s in metadata.seq_ids], [self._cache[s][1] for s in metadata.seq_ids]

@@ -1,5 +1,5 @@
-"""Token histories -> flat device positions, once per step, without a host sync (lists of numbers go
-through ``corerun.sampler_utils.to_device``)."""
+"""Token lists and index ranges -> device tensors, without a host sync (lists of numbers go through
+``corerun.sampler_utils.to_device``)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,15 @@ def flat_positions(
     tokens = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
     row_ids = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64), lengths)
     return row_ids * vocab_size + tokens, row_ids
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated index ranges ``[starts[s], starts[s] + lengths[s])`` built on the tensors' device.
+
+    ``starts``, ``lengths`` int64 ``[S]``; ``total`` (known on the host) is ``lengths.sum()``, given so that
+    nothing waits on the device.  Returns (the indices int64 ``[total]``, the range each belongs to
+    int64 ``[total]``).
+    """
+    seg = torch.repeat_interleave(torch.arange(starts.numel(), device=starts.device), lengths, output_size=total)
+    first = lengths.cumsum(0) - lengths  # where each range begins in the output
+    return torch.arange(total, device=starts.device) + (starts - first).index_select(0, seg), seg

@@ -9,7 +9,13 @@ For row ``i`` with repetition penalty ``r``, frequency penalty ``f`` and presenc
 Only entries ``(i, t)`` with ``t`` in row ``i``'s history change, so the work is proportional to the
 history, not to ``B * V``: one gather and one scatter at the flattened positions ``i * V + t``.
 Duplicate positions (a token seen twice) compute the same new value from the same old value, so the
-scatter is well defined.  Counts come from a sort and two ``searchsorted`` calls, with no host sync.
+scatter is well defined.  Nothing waits on the device.
+
+The positions (and output counts) come from the step's lists (``ListHistories``: every occurrence,
+counted by a sort and two ``searchsorted`` calls), or, given a :class:`HistoryCache` and the step's
+``seq_ids``, from the cache's per-request device copies (distinct tokens with counts kept up to date;
+host work then follows the new tokens only).  Each position gets the same value either way, so the
+logits are the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from typing import Sequence
 
 import torch
 
-from corerun_sampler_full._device import flat_positions, move
+from corerun.sampler_utils import to_device
+from corerun_sampler_full.histories import Histories, ListHistories
+from corerun_sampler_full.history_cache import HistoryCache
 
 
 def apply_penalties(
@@ -28,32 +36,37 @@ def apply_penalties(
     repetition: Sequence[float],
     frequency: Sequence[float],
     presence: Sequence[float],
+    cache: HistoryCache | None = None,
+    seq_ids: Sequence[int] | None = None,
 ) -> None:
-    """Apply the penalties in place to ``logits`` float32 ``[B, V]`` (contiguous); per-row lists of length ``B``."""
+    """Apply the penalties in place to ``logits`` float32 ``[B, V]`` (contiguous); per-row lists of length ``B``.
+
+    With ``cache`` and ``seq_ids`` (one per row) the histories come from ``cache``, which this call
+    brings up to date (and from which it drops the requests absent from this step); otherwise from the lists.
+    """
     vocab_size = logits.shape[1]
     flat = logits.view(-1)
     device = logits.device
-
     rep_rows = [i for i, r in enumerate(repetition) if r != 1.0]
-    if rep_rows:
-        index, row_ids = flat_positions(
-            [i for i in rep_rows for _ in (0, 1)],
-            [seq for i in rep_rows for seq in (prompt_token_ids[i], output_token_ids[i])],
-            vocab_size,
-        )
-        if index.numel():
-            penalty = move(torch.tensor(repetition, dtype=torch.float32)[row_ids], device)
-            index = move(index, device)
-            old = flat[index]
-            flat.index_put_((index,), torch.where(old > 0, old / penalty, old * penalty))
-
     out_rows = [i for i in range(len(frequency)) if frequency[i] != 0.0 or presence[i] != 0.0]
-    if out_rows:
-        index, row_ids = flat_positions(out_rows, [output_token_ids[i] for i in out_rows], vocab_size)
+
+    histories: Histories
+    if cache is not None and seq_ids is not None:
+        rows = sorted(set(rep_rows).union(out_rows))
+        histories = cache.sync(seq_ids, prompt_token_ids, output_token_ids, rows, rep_rows, device)
+    else:
+        histories = ListHistories(prompt_token_ids, output_token_ids)
+
+    if rep_rows:
+        index, row_ids = histories.seen(rep_rows, vocab_size, device)
         if index.numel():
-            freq = move(torch.tensor(frequency, dtype=torch.float32)[row_ids], device)
-            pres = move(torch.tensor(presence, dtype=torch.float32)[row_ids], device)
-            index = move(index, device)
-            ordered = index.sort().values
-            counts = torch.searchsorted(ordered, index, right=True) - torch.searchsorted(ordered, index)
-            flat.index_put_((index,), flat[index] - freq * counts.to(torch.float32) - pres)
+            penalty = to_device(repetition, torch.float32, device).index_select(0, row_ids)
+            old = flat.index_select(0, index)
+            flat.index_copy_(0, index, torch.where(old > 0, old / penalty, old * penalty))
+
+    if out_rows:
+        index, row_ids, counts = histories.counted(out_rows, vocab_size, device)
+        if index.numel():
+            freq = to_device(frequency, torch.float32, device).index_select(0, row_ids)
+            pres = to_device(presence, torch.float32, device).index_select(0, row_ids)
+            flat.index_copy_(0, index, flat.index_select(0, index) - freq * counts.to(torch.float32) - pres)

@@ -5,7 +5,7 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
     raw logprobs = log_softmax(logits) in float32         (only if a row asks for logprobs)
     x = float32 copy of logits
     logit_bias; min_tokens (EOS and stop ids -> -inf)    processors.py
-    repetition, frequency, presence penalties             penalties.py
+    repetition, frequency, presence penalties             penalties.py (histories: history_cache.py)
     greedy rows: argmax(x)
     x /= temperature (greedy rows: 1)
     min-p, top-k, top-p -> -inf                           truncation.py
@@ -14,6 +14,8 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
 
 Every stage is one tensor pass over the batch; per-request values become tensors once per step from
 the ``SamplingParams`` list, so nothing waits on the device (no ``.item()``, no branching on tensor values).
+When the metadata names ``seq_ids``, the penalties read each request's history from device copies kept
+across steps (``HistoryCache``), so a step's host work follows the new tokens, not the whole history.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from corerun.sampler_utils import GeneratorCache, check_logits, to_device
 from corerun_sampler_full.logprobs import gather_logprobs
 from corerun.sampling_noise import exponential_race
 from corerun_sampler_full.options import FullSamplerOptions
+from corerun_sampler_full.history_cache import HistoryCache
 from corerun_sampler_full.penalties import apply_penalties
 from corerun_sampler_full.plugin import CAPABILITIES
 from corerun_sampler_full.processors import apply_logit_bias, apply_min_tokens
@@ -52,6 +55,7 @@ class FullSampler:
         self.device = torch.device(device)
         self.options = FullSamplerOptions(**options)
         self._generators = GeneratorCache()
+        self._histories = HistoryCache()  # per-request device histories, used when the step names seq_ids
 
     def check(self, params: SamplingParams) -> None:
         """Raise :class:`UnsupportedError` for a parameter this sampler does not know; ``ValueError`` for ids outside the vocabulary."""
@@ -86,6 +90,8 @@ class FullSampler:
             [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
+            self._histories,
+            metadata.seq_ids,
         )
         tokens = self._choose(x, metadata)
 
