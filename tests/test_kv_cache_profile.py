@@ -150,3 +150,25 @@ def test_sampling_profile_switches_on_what_the_sampler_accepts(tmp_path, sampler
         rich = next(p for p in params if p.temperature > 0)
         assert rich.top_p < 1 and rich.top_k > 0 and rich.min_p > 0 and rich.repetition_penalty != 1
         assert rich.logprobs and rich.seed is not None and rich.logit_bias
+
+
+def test_peak_memory_meter_keeps_the_mark_the_profile_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's high-water mark is faked: 9 GiB before the profile's reset, 5 GiB after it."""
+    from corerun.bench.memory import PeakMemoryMeter
+
+    mark = {"value": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: mark.update(value=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mark["value"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    cuda = torch.device("cuda", 0)
+    meter = PeakMemoryMeter(cuda)
+    meter.start()
+    mark["value"] = 9 * GiB  # loading the weights peaks here
+    profile.peak_bytes(lambda: mark.update(value=2 * GiB), cuda)  # the profile resets the mark
+    mark["value"] = 5 * GiB  # serving afterwards
+    assert meter.read().bytes == 9 * GiB
+    meter.start()  # a new measurement forgets the old mark
+    mark["value"] = 3 * GiB
+    assert meter.read().bytes == 3 * GiB

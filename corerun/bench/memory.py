@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from corerun.kv_cache import profile
+
 
 @dataclass
 class PeakMemory:
@@ -39,6 +41,7 @@ class PeakMemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+            profile.forget_peaks(self.device)
             self._reset = True
         else:
             self._reset = _reset_peak_rss()
@@ -46,7 +49,9 @@ class PeakMemoryMeter:
     def read(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return PeakMemory(int(torch.cuda.max_memory_allocated(self.device)), "cuda_max_memory_allocated", self._reset)
+            # the engine's startup profile resets the mark to measure its steps: count what it had seen
+            peak = max(torch.cuda.max_memory_allocated(self.device), profile.peak_before_resets(self.device))
+            return PeakMemory(int(peak), "cuda_max_memory_allocated", self._reset)
         return PeakMemory(peak_rss_bytes(), "peak_rss", self._reset)
 
 
