@@ -3,6 +3,7 @@
 #   1. installs corerun and its plugins from this checkout (no network: extra wheels come from
 #      benchmarks/gpu/wheels/, carried along; make them with benchmarks/gpu/fetch_wheels.sh),
 #   2. captures CUDA graphs and checks replay against eager for every bucket, timing decode steps,
+#      and compares the KV budget's step-memory profile with what capture and serving then take,
 #   3. compiles the Triton kernels for real by running the conformance suite on CUDA
 #      (attention: torch, triton, flash when importable; graph: cuda with torch and with triton
 #      attention; sampler: full, basic),
@@ -45,6 +46,8 @@ part plugins 20 "$PY" -m corerun plugins --json
 # CUDA graphs first: the one part nothing else measures, so a short budget never skips it
 # (a max_model_len past the split-KV threshold, so captured decodes take the split path too)
 part bench-graphs 60 "$PY" benchmarks/gpu/bench_graphs.py --out "$OUT" --backends torch,triton --max-model-len 2048
+# the KV budget's step-memory profile against what capture and serving then take
+part kv-profile 60 "$PY" benchmarks/gpu/check_kv_profile.py --out "$OUT"
 # conformance on CUDA (compiles the Triton kernels for real); flash only reports its reasons when not importable
 part conformance-attention-triton 120 "$PY" -m corerun conformance attention:triton --device cuda --json
 part conformance-attention-triton-split 45 "$PY" -m corerun conformance attention:triton --option num_splits=4 -k "decode or mixed" --device cuda --json
