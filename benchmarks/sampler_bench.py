@@ -100,16 +100,19 @@ def step_inputs(batch: int, vocab: int, device: torch.device) -> tuple[torch.Ten
     return logits, SamplingMetadata(params, prompts, outputs, frozenset({0}))
 
 
+def timed_ms(fn, device: torch.device) -> float:
+    """One call of ``fn``, in milliseconds, with the device drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
 def median_ms(fn, repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+    times = [timed_ms(fn, device) for _ in range(repeats + 1)]  # the first run warms up
     return statistics.median(times[1:])
 
 
@@ -132,13 +135,7 @@ def penalty_case(args: argparse.Namespace, device: torch.device) -> None:
     print(f"{'':>16} {'seq_ids ms':>11} {'stateless ms':>13} {'ratio':>7}")
 
     def timed(fn) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
+        return timed_ms(fn, device)
 
     def pair(cached, stateless, step: int) -> tuple[float, float]:
         """Both timings, in alternating order from step to step."""

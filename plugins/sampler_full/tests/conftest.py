@@ -86,3 +86,22 @@ def _seeded_default_generator() -> Iterator[None]:
     """A fixed default generator for every test (one torch thread comes from the root conftest)."""
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture
+def forbid_host_sync(monkeypatch: pytest.MonkeyPatch):
+    """A CPU stand-in for CUDA's sync check: after ``forbid_host_sync()``, every host read of a tensor
+    value (``.item()``, ``.tolist()``, ``bool(t)``, ...) raises, until ``monkeypatch.undo()``."""
+
+    def refuse(name: str):
+        def method(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called while sampling: a host sync on a device")
+
+        return method
+
+    def install() -> None:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"):
+            monkeypatch.setattr(torch.Tensor, name, refuse(name))
+
+    return install
+
