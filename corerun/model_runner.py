@@ -175,15 +175,21 @@ class ModelRunner:
             def forward(inputs: ModelInputs) -> torch.Tensor:
                 return self._model_fn(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch))
 
+            # (the first prefill also compiles / autotunes the backend's kernels: triton's autotuner
+            # times candidates with a 256 MiB scratch buffer, which this peak then includes, and which
+            # a later autotune for another tile shape needs again)
             prefill_bytes = profile.peak_bytes(lambda: forward(prefill), dev)
             decode_bytes = profile.peak_bytes(lambda: forward(decode), dev)
             hidden = torch.randn(rows, self.model_config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dev, self.dtype)
 
             def sample() -> None:
+                # a real step still holds its hidden states [num_tokens, hidden] while it samples
+                held = torch.empty(prefill.batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=dev)
                 logits = self.model.compute_logits(hidden)
                 if logits is not None:  # tensor parallel: the rank holding the logits samples
                     prompts = [list(range(1, 9))] * rows
                     self.sampler.sample(logits, SamplingMetadata(params, prompts, [[1, 2]] * rows))
+                del held  # (only now: it was part of the peak)
 
             sampling_bytes = profile.peak_bytes(sample, dev)
             graph_bytes = profile.peak_bytes(lambda: forward(captured), dev) if captured is not None else 0
