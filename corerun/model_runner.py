@@ -26,6 +26,7 @@ from corerun.kv_cache.profile import StepMemory
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, get_registry
+from corerun.sampler_utils import to_device
 from corerun.sampling_params import SamplingParams
 from corerun.step_inputs import StepInputs
 
@@ -287,7 +288,7 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(sched, inputs, hidden)
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        logits = self.model.compute_logits(self._sampled_hidden(hidden, logits_indices))
         seqs = [sched.seqs[i] for i in rows.tolist()]
         meta = SamplingMetadata(
             params=[s.params for s in seqs],
@@ -303,6 +304,17 @@ class ModelRunner:
             raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
         self._check_sampled(out.sampled_token_ids, sampled, len(seqs))
         return StepResult(sampled, rows.tolist(), out.logprobs, prompt_lp)
+
+    def _sampled_hidden(self, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
+        """The hidden rows to sample from, without a host sync: every row when every token is sampled
+        (a decode step), else a gather whose indices go through pinned memory on CUDA (a blocking copy
+        from pageable memory would wait for the whole forward before the sampler could start)."""
+        if len(logits_indices) == hidden.shape[0]:  # increasing indices below num_tokens: all of them
+            return hidden
+        index = torch.from_numpy(logits_indices)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        return hidden[index]
 
     def _check_sampled(self, tokens: torch.Tensor, sampled: Any, batch_size: int) -> None:
         """A sampler's tokens must be int ``[batch_size]`` inside the vocabulary, or nothing is appended."""
@@ -337,7 +349,7 @@ class ModelRunner:
             if last <= first:
                 continue
             rows = torch.arange(qsl[i] + first - start, qsl[i] + last - start, device=self.device)
-            targets = torch.tensor(seq.prompt_token_ids[first + 1 : last + 1], device=self.device)
+            targets = to_device(seq.prompt_token_ids[first + 1 : last + 1], torch.int64, self.device)
             logits = self.model.compute_logits(hidden[rows])
             try:
                 lp = self.sampler.prompt_logprobs(logits, targets, seq.params.prompt_logprobs or 0)

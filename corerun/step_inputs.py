@@ -186,6 +186,12 @@ class StepInputs:
         r = len(seqs)
         if r == 0:
             raise ValueError("cannot prepare inputs for an empty scheduled batch (no sequences); schedule at least one")
+        if min(num_new) < 1:
+            i = num_new.index(min(num_new))
+            raise ValueError(
+                f"sequence {seqs[i].seq_id} is scheduled {num_new[i]} tokens; every scheduled sequence needs at "
+                "least one (a KV-cache manager's get_computed_prefix must leave the last prompt token uncomputed)"
+            )
         # per-sequence host work, before waiting for the previous copy (it overlaps with the device)
         ctx = [s.num_computed_tokens for s in seqs]
         tables = [block_table(s.seq_id) for s in seqs]
@@ -248,6 +254,9 @@ class StepInputs:
         """Python lists, token by token, then one assignment per dtype: the cheapest way for a few tokens."""
         t, r, w, tp, a, b, o32, nbytes = lay
         bs = self.block_size
+        for i, (tb, c, n) in enumerate(zip(tables, ctx, num_new)):
+            if len(tb) * bs < c + n:
+                raise _short_table(seqs[i].seq_id, len(tb), c + n, bs)
         if decode:
             positions = ctx
             slots = [tb[c // bs] * bs + c % bs for tb, c in zip(tables, ctx)]
@@ -302,6 +311,10 @@ class StepInputs:
             row_base = np.repeat(ar[:r] * w, query_lens)
         # block tables: zero-padded rows, one flat copy scattered (or copied, when every row is full)
         lens = list(map(len, tables))
+        short = np.flatnonzero(np.array(lens) * bs < seq_lens)  # a table must cover every position it is asked for
+        if short.size:
+            i = int(short[0])
+            raise _short_table(seqs[i].seq_id, lens[i], int(seq_lens[i]), bs)
         flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
         if flat.size == r * w:
             block_tables.reshape(-1)[:] = flat
@@ -316,3 +329,12 @@ class StepInputs:
         sampled_rows = np.flatnonzero(seq_lens == [len(s.token_ids) for s in seqs])
         logits_indices = sampled_rows.copy() if decode else np.subtract(qsl[1:][sampled_rows], 1, dtype=np.int64)
         return sampled_rows, logits_indices, int(np.maximum.reduce(seq_lens))
+
+
+def _short_table(seq_id: int, num_blocks: int, num_tokens: int, block_size: int) -> ValueError:
+    """The error for a block table too short for the step (a KV-cache manager broke its contract)."""
+    need = -(-num_tokens // block_size)
+    return ValueError(
+        f"sequence {seq_id}'s block table has {num_blocks} blocks, but this step reaches {num_tokens} tokens, "
+        f"which need {need} blocks of {block_size}; the KV-cache manager's allocate_slots must have grown it first"
+    )

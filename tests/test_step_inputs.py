@@ -323,3 +323,39 @@ def test_prepare_inputs_of_a_real_run_matches_the_reference(tmp_path):
     kinds = {(b.is_pure_decode, b.num_decodes > 0) for b in (o[0].batch for o, _ in kept)}
     assert {(True, True), (False, True), (False, False)} <= kinds  # decode-only, mixed and prefill-only steps
     assert all(snapshot(out) == snap for out, snap in kept)
+
+
+@pytest.mark.parametrize("fill", ["lists", "arrays"])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_a_block_table_too_short_for_the_step_is_refused_by_name(fill, kind):
+    """A KV-cache manager that did not grow a table: an error naming the sequence, never slots in another's blocks."""
+    rng = random.Random(f"short-{fill}-{kind}")
+    si = builder(fill)
+    sched, tables = random_step(rng, kind, 5, max_extra_blocks=0)
+    victim = sched.seqs[3]
+    tables[victim.seq_id] = tables[victim.seq_id][:-1]
+    need = -(-(victim.num_computed_tokens + sched.num_new[3]) // BS)
+    with pytest.raises(ValueError, match=rf"sequence {victim.seq_id}'s block table has {need - 1} blocks.*need {need} blocks"):
+        build(si, sched, tables)
+
+
+def test_a_sequence_scheduled_no_token_is_refused_by_name():
+    rng = random.Random("zero")
+    sched, tables = random_step(rng, "prefill", 3)
+    sched.num_new[1] = 0
+    with pytest.raises(ValueError, match=rf"sequence {sched.seqs[1].seq_id} is scheduled 0 tokens"):
+        build(builder(), sched, tables)
+
+
+def test_sampled_hidden_rows_gather_only_when_some_rows_are_not_sampled(tmp_path):
+    """All rows sampled (a decode step): the hidden states as they are, no index copy; else exactly the rows asked."""
+    from corerun.config import Config
+    from corerun.model_runner import ModelRunner
+    from tests.helpers.tiny_models import make_tiny_model
+
+    runner = ModelRunner(Config(model=str(make_tiny_model(tmp_path)), device="cpu", dtype="float32", attention="torch",
+                                kv_cache={"num_blocks": 4}, scheduler={"max_model_len": 64}))
+    hidden = torch.randn(6, 64)
+    assert runner._sampled_hidden(hidden, np.arange(6, dtype=np.int64)) is hidden
+    picked = runner._sampled_hidden(hidden, np.array([1, 4, 5], dtype=np.int64))
+    assert torch.equal(picked, hidden[[1, 4, 5]])
