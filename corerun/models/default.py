@@ -87,21 +87,29 @@ def default_model_dir(progress: bool = True) -> Path:
 
 
 def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+    """Convert in a child process (see :func:`corerun.models.gguf_convert.main` for why), with a progress bar."""
+    import subprocess
+    import sys
+
     from tqdm.auto import tqdm
 
-    from corerun.models.gguf_convert import convert_gguf
+    from corerun.models.gguf_convert import STEP_PREFIX
 
     stages = 4  # convert_gguf announces four stages
+    cmd = [sys.executable, "-m", "corerun.models.gguf_convert", str(gguf_path), str(out_dir), str(DTYPE).removeprefix("torch.")]
     with tqdm(total=stages, desc=f"corerun: converting {MODEL_NAME} to safetensors (once)", disable=not progress) as bar:
-        announced: list[str] = []
-
-        def on_step(stage: str) -> None:
-            if announced:
-                bar.update(1)  # the previous stage is done
-            announced.append(stage)
-            bar.set_postfix_str(stage)
-
-        convert_gguf(gguf_path, out_dir, dtype=DTYPE, on_step=on_step)
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+            announced = 0
+            for line in child.stdout:  # type: ignore[union-attr]
+                if line.startswith(STEP_PREFIX):
+                    if announced:
+                        bar.update(1)  # the previous stage is done
+                    announced += 1
+                    bar.set_postfix_str(line[len(STEP_PREFIX):].strip())
+            errors = child.stderr.read()  # type: ignore[union-attr]
+        if child.returncode != 0:
+            detail = errors.strip().splitlines()[-1] if errors.strip() else f"exit status {child.returncode}"
+            raise ModelLoadError(f"converting {gguf_path.name} failed: {detail}")
         bar.update(stages - bar.n)
 
 

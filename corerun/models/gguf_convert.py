@@ -55,3 +55,34 @@ def convert_gguf(
     model.save_pretrained(out_dir, safe_serialization=True)
     on_step("converting the tokenizer")
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+
+
+STEP_PREFIX = "corerun-step: "  # a stage announcement on the converting process's stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m corerun.models.gguf_convert GGUF OUT_DIR [DTYPE]``: convert in a process of its own.
+
+    The default model is converted this way so that transformers' model classes, and what they import
+    (triton among them, which fixes its interpreter-or-compiled mode when first imported), stay out of
+    the engine's process, and the Hugging Face copy of the weights is freed with the process.  Each
+    stage is announced on stdout as ``corerun-step: <stage>``; a failure is written to stderr (exit 1).
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) not in (2, 3):
+        print("usage: python -m corerun.models.gguf_convert GGUF OUT_DIR [DTYPE]", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args[2]) if len(args) == 3 else torch.bfloat16
+    try:
+        convert_gguf(Path(args[0]), Path(args[1]), dtype=dtype, on_step=lambda stage: print(STEP_PREFIX + stage, flush=True))
+    except ModelLoadError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
