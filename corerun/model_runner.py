@@ -69,6 +69,8 @@ class ModelRunner:
         self.config = config
         self.registry = registry or get_registry()
         self.device = resolve_device(config.device)
+        # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
+        torch.manual_seed(config.seed)
         self.model_dir = Path(config.model) if config.model else self._default_model_dir()
         self.model, self.model_config = load_model(
             self.model_dir,

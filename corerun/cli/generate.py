@@ -47,9 +47,10 @@ def generate(
             texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in texts]
         if stream if stream is not None else len(texts) == 1:
             for i, text in enumerate(texts):
-                click.echo(prompts[i], nl=False)
                 shown = 0
-                for out in llm.stream([text], params):
+                for j, out in enumerate(llm.stream([text], params)):
+                    if j == 0:  # the request was accepted: only now the prompt, so a refusal prints alone
+                        click.echo(prompts[i], nl=False)
                     new = out.outputs[0].text
                     click.echo(new[shown:], nl=False)
                     shown = len(new)

@@ -153,7 +153,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         except WeightShapeError as exc:
             where = target if shard is None else f"{target} (shard {shard!r})"
             mismatched.append(f"{name} -> {where}: corerun expects {exc.expected}, the checkpoint has {exc.got}")
-            continue
+        # a mis-shaped weight is reported as such, not again as missing
         loaded.add((id(param), shard))
     missing = _missing(model, loaded, packed)
     if mismatched or unexpected or missing:
