@@ -8,8 +8,13 @@ tokens, register full blocks for prefix caching, append a sampled token), untime
 
 Scenarios:
 
-- ``decode``: ``N`` running sequences (1, 8, 64, 256 by default), each with ``--context-len`` tokens
-  already in the KV cache (512 by default), each step decoding one token per sequence;
+- ``decode``: ``N`` running sequences (1, 8, 64, 256 by default), each with up to ``--context-len``
+  tokens already in the KV cache (512 by default), each step decoding one token per sequence;
+  contexts are staggered over one block (sequence ``i`` holds ``context_len - i % block_size``
+  tokens), so that on every step about one sequence in ``block_size`` crosses into a new block, as
+  in serving, rather than all of them on the same step;
+- ``long decode``: the same with long contexts, ``--long`` (``SEQSxCONTEXT`` pairs; 256 sequences
+  at 16k tokens and 32 at 128k by default): the block tables are 1024 and 8192 blocks wide;
 - ``prefill``: ``N`` fresh prompts of ``--context-len`` tokens scheduled in one step (``--prefill-seqs``).
 
 Every step, both input builders run on the same ``ScheduledBatch``, in alternating order: corerun's
@@ -18,9 +23,11 @@ for small steps and with vectorised numpy for large ones, then one copy) and :fu
 written here the straightforward way (Python lists filled token by token, as nano-vllm's
 ``prepare_decode`` / ``prepare_prefill``, then ``torch.tensor``).  Their outputs are compared for
 equality at every step, untimed (the staging buffer is reused, so later steps matter as much as the
-first).  The table gives medians over ``--steps`` steps, and the ratio baseline / corerun.
+first).  The table gives medians over ``--steps`` steps, and the ratio baseline / corerun; the JSON
+adds the means (a step where sequences cross into a new block costs more than one where none does).
 
-    python benchmarks/step_prep_bench.py                       # decode 1, 8, 64, 256 at context 512; prefill 1, 16
+    python benchmarks/step_prep_bench.py                       # decode 1, 8, 64, 256 at context 512; long; prefill 1, 16
+    python benchmarks/step_prep_bench.py --long 256x16384 --seqs '' --prefill-seqs ''
     python benchmarks/step_prep_bench.py --seqs 1,64,256 --context-len 512 --steps 100 --json
 """
 
@@ -126,12 +133,13 @@ def build_engine(model_dir: Path, num_seqs: int, context_len: int, block_size: i
     return LLMEngine(cfg)
 
 
-def add_prompts(engine: LLMEngine, num_seqs: int, context_len: int, rng: random.Random, max_tokens: int) -> list[Sequence]:
+def add_prompts(engine: LLMEngine, lengths: list[int], rng: random.Random, max_tokens: int) -> list[Sequence]:
+    """Queue one prompt of random tokens per entry of ``lengths``."""
     vocab = engine.runner.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = []
-    for _ in range(num_seqs):
-        seq = engine.make_sequence([rng.randrange(vocab) for _ in range(context_len)], params)
+    for n in lengths:
+        seq = engine.make_sequence([rng.randrange(vocab) for _ in range(n)], params)
         engine.requests[seq.request_id] = seq
         engine.scheduler.add(seq)
         seqs.append(seq)
@@ -170,18 +178,19 @@ def timed_step(engine: LLMEngine, step: int) -> tuple[ScheduledBatch, float, flo
     return sched, t1 - t0, times["corerun"], times["baseline"]
 
 
-def bench_decode(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> dict[str, Any]:
+def bench_decode(model_dir: Path, num_seqs: int, context_len: int, args: argparse.Namespace, kind: str = "decode") -> dict[str, Any]:
     rng = random.Random(num_seqs)
     total = args.warmup + args.steps
-    engine = build_engine(model_dir, num_seqs, args.context_len, args.block_size, total + 1, args.device)
-    add_prompts(engine, num_seqs, args.context_len, rng, max_tokens=total + 8)
-    # untimed: prefill every prompt in one step (a budget for all of them), so all contexts start equal
+    engine = build_engine(model_dir, num_seqs, context_len, args.block_size, total + 1, args.device)
+    lengths = [max(context_len - i % args.block_size, 1) for i in range(num_seqs)]  # staggered over one block
+    seqs = add_prompts(engine, lengths, rng, max_tokens=total + 8)
+    # untimed: prefill every prompt in one step (a budget for all of them)
     budget = engine.scheduler.max_num_batched_tokens
-    engine.scheduler.max_num_batched_tokens = num_seqs * args.context_len
+    engine.scheduler.max_num_batched_tokens = sum(lengths)
     after_step(engine, engine.scheduler.schedule(), rng)
     engine.scheduler.max_num_batched_tokens = budget
-    if any(s.num_computed_tokens != args.context_len for s in engine.scheduler.running) or engine.scheduler.waiting:
-        raise AssertionError("the setup prefill did not bring every sequence to the context length")
+    if [s.num_computed_tokens for s in seqs] != lengths or engine.scheduler.waiting:
+        raise AssertionError("the setup prefill did not bring every sequence to its context length")
     rows = []
     for step in range(total):
         sched, t_sched, t_core, t_base = timed_step(engine, step)
@@ -190,7 +199,7 @@ def bench_decode(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> di
         if step >= args.warmup:
             rows.append((t_sched, t_core, t_base))
         after_step(engine, sched, rng)
-    return summarize("decode", num_seqs, num_seqs, args.context_len, rows)
+    return summarize(kind, num_seqs, num_seqs, context_len, rows)
 
 
 def bench_prefill(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -203,7 +212,7 @@ def bench_prefill(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> d
             engine.kv, max_num_seqs=engine.scheduler.max_num_seqs,
             max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, chunked_prefill=engine.scheduler.chunked_prefill,
         )
-        add_prompts(engine, num_seqs, args.context_len, rng, max_tokens=1)
+        add_prompts(engine, [args.context_len] * num_seqs, rng, max_tokens=1)
         sched, t_sched, t_core, t_base = timed_step(engine, step)
         if sched.num_tokens != num_seqs * args.context_len:
             raise AssertionError(f"expected one prefill step of {num_seqs * args.context_len} tokens, got {sched.num_tokens}")
@@ -214,6 +223,7 @@ def bench_prefill(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> d
 
 def summarize(kind: str, num_seqs: int, num_tokens: int, context_len: int, rows: list[tuple[float, float, float]]) -> dict[str, Any]:
     med = lambda i: statistics.median(r[i] for r in rows) * 1e6  # noqa: E731  (microseconds)
+    mean = lambda i: statistics.fmean(r[i] for r in rows) * 1e6  # noqa: E731
     sched_us, core_us, base_us = med(0), med(1), med(2)
     step_core = statistics.median((r[0] + r[1]) for r in rows) * 1e6
     step_base = statistics.median((r[0] + r[2]) for r in rows) * 1e6
@@ -221,6 +231,7 @@ def summarize(kind: str, num_seqs: int, num_tokens: int, context_len: int, rows:
         "scenario": kind, "num_seqs": num_seqs, "num_tokens": num_tokens, "context_len": context_len, "steps": len(rows),
         "schedule_us": sched_us, "prepare_corerun_us": core_us, "prepare_baseline_us": base_us,
         "prepare_ratio": base_us / core_us,
+        "prepare_corerun_mean_us": mean(1), "prepare_baseline_mean_us": mean(2), "prepare_mean_ratio": mean(2) / mean(1),
         "step_corerun_us": step_core, "step_baseline_us": step_base, "step_ratio": step_base / step_core,
     }
 
@@ -230,26 +241,28 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from rich.table import Table
 
     table = Table(title=f"host cost of one step (median over {args.steps} steps, µs), block size {args.block_size}, device {args.device}")
-    for col in ("scenario", "seqs", "tokens", "schedule", "prep corerun", "prep baseline", "ratio",
+    for col in ("scenario", "seqs", "tokens", "schedule", "prep corerun", "prep baseline", "ratio", "mean ratio",
                 "step corerun", "step baseline", "step ratio"):
         table.add_column(col, justify="left" if col == "scenario" else "right", no_wrap=True)
     for r in results:
         table.add_row(
             f"{r['scenario']} @ {r['context_len']}", str(r["num_seqs"]), str(r["num_tokens"]), f"{r['schedule_us']:.0f}",
             f"{r['prepare_corerun_us']:.0f}", f"{r['prepare_baseline_us']:.0f}", f"{r['prepare_ratio']:.2f}x",
-            f"{r['step_corerun_us']:.0f}", f"{r['step_baseline_us']:.0f}", f"{r['step_ratio']:.2f}x",
+            f"{r['prepare_mean_ratio']:.2f}x", f"{r['step_corerun_us']:.0f}", f"{r['step_baseline_us']:.0f}", f"{r['step_ratio']:.2f}x",
         )
     console = Console()
-    if console.width < 120:
-        console = Console(width=120)
+    if console.width < 140:
+        console = Console(width=140)
     console.print(table)
     console.print("prep: ModelRunner.prepare_inputs vs the per-token Python-list baseline on the same batch; "
-                  "ratio = baseline / corerun; step = schedule + prep")
+                  "ratio = baseline / corerun (of the medians; mean ratio: of the means); step = schedule + prep")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", default="1,8,64,256", help="decode batch sizes (comma-separated) [1,8,64,256]")
+    p.add_argument("--long", default="256x16384,32x131072",
+                   help="long-context decode scenarios, SEQSxCONTEXT comma-separated; empty to skip [256x16384,32x131072]")
     p.add_argument("--prefill-seqs", default="1,16", help="prefill batch sizes; empty to skip [1,16]")
     p.add_argument("--context-len", type=int, default=512, help="tokens in the cache per sequence (decode), prompt length (prefill)")
     p.add_argument("--block-size", type=int, default=16)
@@ -260,13 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     seqs = [int(s) for s in args.seqs.split(",") if s.strip()]
     prefill = [int(s) for s in args.prefill_seqs.split(",") if s.strip()]
+    try:
+        long = [(int(n), int(c)) for n, c in (item.lower().split("x") for item in args.long.split(",") if item.strip())]
+    except ValueError:
+        p.error(f"--long takes SEQSxCONTEXT pairs separated by commas (e.g. 256x16384,32x131072), got {args.long!r}")
 
     from tests.helpers.tiny_models import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        longest = args.context_len + args.warmup + args.steps + 64
+        longest = max([args.context_len] + [c for _, c in long]) + args.warmup + args.steps + 64
         model_dir = make_tiny_model(tmp, "llama", max_position_embeddings=max(longest, 256))
-        results = [bench_decode(model_dir, n, args) for n in seqs]
+        results = [bench_decode(model_dir, n, args.context_len, args) for n in seqs]
+        results += [bench_decode(model_dir, n, c, args, kind="long decode") for n, c in long]
         results += [bench_prefill(model_dir, n, args) for n in prefill]
     if args.json:
         print(json.dumps({"block_size": args.block_size, "device": args.device, "results": results}, indent=2))

@@ -18,13 +18,21 @@ it.  Reuse of the buffer is guarded as :meth:`StepInputs._wait_for_copy` says.
 Two ways fill the buffer, with the same result: steps of ``small_step_tokens`` tokens or fewer (the
 decodes of a few sequences) build Python lists and assign them with one call per dtype, because a
 numpy call costs more than a few list appends; larger steps compute with vectorised numpy.
+
+Block tables cost per step what is new in them, not their length: :class:`BlockRows` keeps each
+sequence's table across steps as an int32 row of one persistent table and asks the KV-cache manager
+again only when a sequence is new, was preempted since, or needs blocks its row does not have (then
+it copies only the new tail); the step's ``[R, W]`` field is one gather of those rows.  This relies on
+the manager's contract (``KVCacheManager.block_table``): while a sequence holds blocks, its table
+only grows at the end.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from typing import Callable, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Protocol, Sequence as SequenceT
 
 import numpy as np
 import torch
@@ -114,12 +122,140 @@ class CudaCopyFence:
         self._event.synchronize()
 
 
+@dataclass(slots=True, eq=False)
+class BlockRow:
+    """One sequence's block table as :class:`BlockRows` last read it.
+
+    Row ``slot`` of ``BlockRows.table`` holds its first ``num_blocks`` block ids; ``blocks`` is what
+    ``block_table`` returned then (only its first ``num_blocks`` entries are ever used); ``tag`` is the
+    sequence's ``num_preemptions`` at that read; ``seen`` the last build that used the row.
+    """
+
+    seq_id: int
+    slot: int
+    num_blocks: int
+    tag: int
+    blocks: SequenceT[int]
+    seen: int
+
+
+class BlockRows:
+    """The block tables of recently scheduled sequences, kept across steps as rows of one int32 table.
+
+    ``table`` is int32 ``[slots, width]``, each row zero past its sequence's ``num_blocks`` (so rows
+    gathered at any width come zero-padded).  Why a row stays right without asking the KV-cache
+    manager again: while a sequence holds blocks its table only grows at the end, and it changes
+    otherwise only after ``free``, which the engine follows either by ``Sequence.num_preemptions += 1``
+    (preemption; the sequence comes back with a new table) or by never scheduling the sequence again
+    (finished or aborted; seq_ids are not reused).  So :meth:`rows_for` calls ``block_table`` only for
+    a sequence it has no row for, whose ``num_preemptions`` differs from the row's tag, or whose row
+    has fewer blocks than the step reaches; it then copies the new tail only, or the whole table when
+    the tag differs, the table got shorter or the row's last entry disagrees with the fresh table's.
+
+    Bounded: ``width`` doubles when a table outgrows it, and ``slots`` rows at most (``StepInputs``
+    gives 2 x ``max_num_reqs``, at least 64; doubled only when one step has more sequences).  A new
+    sequence that finds no free row drops the older half (least recently used first) of the rows no
+    sequence of the current step uses, finished sequences' rows among them.
+    """
+
+    def __init__(self, block_size: int, *, slots: int, width: int) -> None:
+        self.block_size = block_size
+        self._shift = block_size.bit_length() - 1  # block_size is a power of two
+        self.table = np.zeros((max(slots, 1), max(width, 1)), dtype=np.int32)
+        self._rows: dict[int, BlockRow] = {}  # seq_id -> its row
+        self._free = list(range(self.table.shape[0] - 1, -1, -1))  # slots without a row, popped from the end
+        self._used = [0] * self.table.shape[0]  # per slot: entries that may be nonzero (the rest are zero)
+        self._step = 0
+
+    def __len__(self) -> int:
+        """Sequences with a row."""
+        return len(self._rows)
+
+    def rows_for(
+        self, seqs: list[Sequence], ctx: list[int], num_new: list[int], block_table: Callable[[int], SequenceT[int]]
+    ) -> list[BlockRow]:
+        """The rows of ``seqs`` for a step computing ``num_new[i]`` tokens after ``ctx[i]``, read where stale.
+
+        Raises ``ValueError`` naming the first sequence whose fresh table has fewer blocks than
+        ``ceil((ctx[i] + num_new[i]) / block_size)``; whatever ``block_table`` raises propagates.
+        """
+        self._step = step = self._step + 1
+        shift, get = self._shift, self._rows.get
+        rows: list[BlockRow | None] = []
+        stale: list[int] = []
+        for s, c, n in zip(seqs, ctx, num_new):
+            row = get(s.seq_id)
+            if row is not None:
+                row.seen = step  # in use: never dropped to make room for another sequence of this step
+                if row.tag == s.num_preemptions and row.num_blocks << shift >= c + n:
+                    rows.append(row)
+                    continue
+            stale.append(len(rows))
+            rows.append(row)
+        for i in stale:
+            rows[i] = self._read(seqs[i], rows[i], ctx[i] + num_new[i], block_table)
+        return rows  # type: ignore[return-value]
+
+    def gather(self, rows: list[BlockRow], out: np.ndarray) -> None:
+        """Write ``rows`` into ``out`` (int32 ``[len(rows), W]``, W at least every row's ``num_blocks``), zero-padded."""
+        table, w = self.table, out.shape[1]
+        if len(rows) <= 4:  # a few slice copies cost less than one gather (its index array included)
+            for i, row in enumerate(rows):
+                out[i] = table[row.slot, :w]
+        else:
+            out[...] = table[np.array([row.slot for row in rows], dtype=np.intp), :w]
+
+    def _read(self, seq: Sequence, row: BlockRow | None, reach: int, block_table: Callable[[int], SequenceT[int]]) -> BlockRow:
+        """Ask the manager for ``seq``'s table, refuse it if shorter than ``reach`` tokens, update the row."""
+        fresh = block_table(seq.seq_id)
+        n = len(fresh)
+        if n << self._shift < reach:
+            raise _short_table(seq.seq_id, n, reach, self.block_size)
+        if n > self.table.shape[1]:
+            self._resize(self.table.shape[0], max(n, 2 * self.table.shape[1]))
+        tag, used = seq.num_preemptions, self._used
+        if row is None:
+            row = self._rows[seq.seq_id] = BlockRow(seq.seq_id, self._take_slot(), n, tag, fresh, self._step)
+            table, slot, start = self.table, row.slot, 0  # (after _take_slot: it may add slots)
+        else:
+            table, slot, have = self.table, row.slot, row.num_blocks
+            grows = row.tag == tag and have <= n and fresh[have - 1] == table[slot, have - 1]
+            start = have if grows else 0
+            row.num_blocks, row.tag, row.blocks = n, tag, fresh
+        table[slot, start:n] = fresh[start:] if start else fresh
+        if used[slot] > n:  # what an earlier, longer table left in the slot
+            table[slot, n : used[slot]] = 0
+        used[slot] = n
+        return row
+
+    def _take_slot(self) -> int:
+        if not self._free:
+            idle = sorted((row for row in self._rows.values() if row.seen < self._step), key=lambda row: row.seen)
+            if idle:
+                for row in idle[: (len(idle) + 1) // 2]:
+                    del self._rows[row.seq_id]
+                    self._free.append(row.slot)  # its entries are zeroed by the next row that needs fewer
+            else:  # every row belongs to this step's sequences
+                slots = self.table.shape[0]
+                self._resize(2 * slots, self.table.shape[1])
+                self._free.extend(range(2 * slots - 1, slots - 1, -1))
+        return self._free.pop()
+
+    def _resize(self, slots: int, width: int) -> None:
+        old = self.table
+        self.table = np.zeros((slots, width), dtype=np.int32)
+        self.table[: old.shape[0], : old.shape[1]] = old
+        self._used += [0] * (slots - len(self._used))
+
+
 class StepInputs:
     """Builds each step's inputs for a runner with KV-cache blocks of ``block_size`` tokens on ``device``.
 
     The staging buffer is sized for ``max_num_tokens`` tokens and ``max_num_reqs`` requests of
     ``max_blocks_per_seq`` blocks (a larger step grows it).  ``fence`` replaces the CUDA event that
     guards the buffer's reuse; tests pass one on CPU, where copies are synchronous and none is needed.
+    Block tables are kept across steps in :attr:`block_rows` (see :class:`BlockRows`): every
+    ``build`` must be given the same KV-cache manager's ``block_table``.
     """
 
     small_step_tokens = 32  # steps of at most this many tokens fill the buffer from Python lists
@@ -144,7 +280,8 @@ class StepInputs:
         self._copy_pending = False
         self._host = torch.empty(0, dtype=torch.uint8)
         self._host_np = self._host.numpy()
-        self._arange = np.arange(max(max_num_tokens, max_num_reqs + 1, max_blocks_per_seq), dtype=np.int64)
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs + 1), dtype=np.int64)
+        self.block_rows = BlockRows(block_size, slots=max(2 * max_num_reqs, 64), width=min(max_blocks_per_seq, 64))
         self._grow(StagingLayout.of(max_num_tokens, max_num_reqs, max_blocks_per_seq).nbytes)
 
     @property
@@ -178,6 +315,10 @@ class StepInputs:
     def build(self, sched: ScheduledBatch, block_table: Callable[[int], list[int]]) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
         """Flatten ``sched``; ``block_table(seq_id)`` gives a sequence's physical block ids.
 
+        ``block_table`` is called only for sequences whose kept row is stale (:class:`BlockRows`).
+        Raises ``ValueError`` naming a sequence scheduled no token, or one whose block table is too
+        short for the step.
+
         Returns the model inputs, the sampled rows (int64 ``[S]``: indices into ``sched.seqs`` of the
         sequences whose scheduled tokens reach their last token) and their logits indices (int64
         ``[S]``: each such row's last token in the flat token dimension).
@@ -194,7 +335,7 @@ class StepInputs:
             )
         # per-sequence host work, before waiting for the previous copy (it overlaps with the device)
         ctx = [s.num_computed_tokens for s in seqs]
-        tables = [block_table(s.seq_id) for s in seqs]
+        rows = self.block_rows.rows_for(seqs, ctx, num_new, block_table)
         decode = sched.num_decodes == r  # one token per request
         if decode:
             t = r
@@ -204,13 +345,13 @@ class StepInputs:
             ids = []
             for s, c, n in zip(seqs, ctx, num_new):
                 ids += s.token_ids[c : c + n]
-        lay = StagingLayout.of(t, r, max(map(len, tables)))
+        lay = StagingLayout.of(t, r, max([row.num_blocks for row in rows]))
 
         self._wait_for_copy()
         if lay.nbytes > self._host_np.size:
             self._grow(lay.nbytes)
         fill = self._fill_lists if t <= self.small_step_tokens else self._fill_arrays
-        sampled_rows, logits_indices, max_seq_len = fill(lay, seqs, ids, ctx, num_new, tables, decode)
+        sampled_rows, logits_indices, max_seq_len = fill(lay, seqs, ids, ctx, num_new, rows, decode)
 
         if self.pin_memory:  # one copy, queued; the fence tells the next build when the buffer is free
             staged = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
@@ -249,14 +390,15 @@ class StepInputs:
 
     def _fill_lists(
         self, lay: StagingLayout, seqs: list[Sequence], ids: list[int], ctx: list[int], num_new: list[int],
-        tables: list[list[int]], decode: bool,
+        rows: list[BlockRow], decode: bool,
     ) -> tuple[np.ndarray, np.ndarray, int]:
-        """Python lists, token by token, then one assignment per dtype: the cheapest way for a few tokens."""
+        """Python lists, token by token, then one assignment per dtype: the cheapest way for a few tokens.
+
+        Block tables are the exception: one gather of the kept rows (their length is not a few tokens).
+        """
         t, r, w, tp, a, b, o32, nbytes = lay
         bs = self.block_size
-        for i, (tb, c, n) in enumerate(zip(tables, ctx, num_new)):
-            if len(tb) * bs < c + n:
-                raise _short_table(seqs[i].seq_id, len(tb), c + n, bs)
+        tables = [row.blocks for row in rows]  # each covers the step's tokens (BlockRows.rows_for)
         if decode:
             positions = ctx
             slots = [tb[c // bs] * bs + c % bs for tb, c in zip(tables, ctx)]
@@ -271,24 +413,21 @@ class StepInputs:
         qsl = [0, *itertools.accumulate(num_new)]
         seq_lens = list(map(operator.add, ctx, num_new))
         pad32 = [0] * (b - r)
-        i32 = qsl + [0] * (a - r - 1) + seq_lens + pad32 + ctx + pad32
-        for tb in tables:
-            i32 += tb
-            if len(tb) < w:
-                i32 += [0] * (w - len(tb))
-        self._host_np[o32:nbytes].view(np.int32)[:] = i32
-        rows = [i for i, (s, n) in enumerate(zip(seqs, seq_lens)) if n == len(s.token_ids)]
-        return np.array(rows, dtype=np.int64), np.array([qsl[i + 1] - 1 for i in rows], dtype=np.int64), max(seq_lens)
+        h32 = self._host_np[o32:nbytes].view(np.int32)
+        h32[: a + 2 * b] = qsl + [0] * (a - r - 1) + seq_lens + pad32 + ctx + pad32
+        self.block_rows.gather(rows, h32[a + 2 * b :].reshape(r, w))
+        sampled = [i for i, (s, n) in enumerate(zip(seqs, seq_lens)) if n == len(s.token_ids)]
+        return np.array(sampled, dtype=np.int64), np.array([qsl[i + 1] - 1 for i in sampled], dtype=np.int64), max(seq_lens)
 
     def _fill_arrays(
         self, lay: StagingLayout, seqs: list[Sequence], ids: list[int], ctx: list[int], num_new: list[int],
-        tables: list[list[int]], decode: bool,
+        rows: list[BlockRow], decode: bool,
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """Vectorised numpy: a fixed cost per call, whatever the number of tokens."""
         t, r, w, tp, a, b, o32, nbytes = lay
         bs = self.block_size
-        if max(t, r + 1, w) > self._arange.size:
-            self._arange = np.arange(2 * max(t, r + 1, w), dtype=np.int64)
+        if max(t, r + 1) > self._arange.size:
+            self._arange = np.arange(2 * max(t, r + 1), dtype=np.int64)
         ar = self._arange
         h64, h32 = self._host_np[: 8 * (2 * tp + t)].view(np.int64), self._host_np[o32:nbytes].view(np.int32)
         input_ids, positions, slot_mapping = h64[:t], h64[tp : tp + t], h64[2 * tp :]
@@ -309,18 +448,7 @@ class StepInputs:
             np.add(context_lens, query_lens, out=seq_lens)
             np.add(ar[:t], np.repeat(context_lens - qsl[:-1], query_lens), out=positions)
             row_base = np.repeat(ar[:r] * w, query_lens)
-        # block tables: zero-padded rows, one flat copy scattered (or copied, when every row is full)
-        lens = list(map(len, tables))
-        short = np.flatnonzero(np.array(lens) * bs < seq_lens)  # a table must cover every position it is asked for
-        if short.size:
-            i = int(short[0])
-            raise _short_table(seqs[i].seq_id, lens[i], int(seq_lens[i]), bs)
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(lens))
-        if flat.size == r * w:
-            block_tables.reshape(-1)[:] = flat
-        else:
-            block_tables.fill(0)
-            block_tables[ar[:w] < np.array(lens)[:, None]] = flat
+        self.block_rows.gather(rows, block_tables)  # zero-padded; each covers the step's tokens (rows_for)
         block_index = positions >> self._block_shift
         block_index += row_base
         np.multiply(block_tables.reshape(-1).take(block_index), bs, out=slot_mapping, dtype=np.int64)

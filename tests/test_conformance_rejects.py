@@ -8,7 +8,7 @@ import pytest
 from corerun.conformance import run
 from tests.broken_impls.attention import DropsLastBlock, IgnoresCausalMask, NaiveAttentionBackend, WritesSlotPlusOne
 from tests.broken_impls.graph import PaddingRunner, WritesPaddingKV
-from tests.broken_impls.kv_cache import HitsWholePrompt, LeaksOnFree
+from tests.broken_impls.kv_cache import HitsWholePrompt, InsertsBeforeTail, LeaksOnFree
 from tests.broken_impls.sampler import IgnoresTopP, PenaltySampler, StaleHistory, TemperatureOff, TopPSampler
 
 # One float32 configuration of every attention check plus the refusal checks keeps this file fast;
@@ -98,6 +98,13 @@ def test_kv_cache_manager_hitting_the_whole_prompt_rejected() -> None:
     failed = _failed(run("kv_cache", factory=HitsWholePrompt, keyword="prefix"))
     assert set(failed) == {"prefix_never_whole_prompt", "prefix_reference_counting"}, sorted(failed)
     assert "prefix of the whole cached prompt" in failed["prefix_never_whole_prompt"][0].reason
+
+
+def test_kv_cache_manager_rewriting_a_held_table_rejected() -> None:
+    """Only the growth check sees it: every other check reads tables once, or at lengths under 4."""
+    failed = _failed(run("kv_cache", factory=InsertsBeforeTail))
+    assert set(failed) == {"block_tables_only_grow"}, sorted(failed)
+    assert "entries handed out must not change while the sequence holds blocks" in failed["block_tables_only_grow"][0].reason
 
 
 def test_graph_runner_padding_rows_must_not_write_kv() -> None:

@@ -6,12 +6,20 @@ chunks that stop mid-prompt, mixes, batch 1 and ragged block tables, through bot
 the staging buffer (Python lists for small steps, numpy for large ones).  The staging buffer is
 poisoned before each step, and consecutive steps change shape, so an element left unwritten, a stale
 tail or a too-short buffer would show.
+
+Block tables are kept across steps (``BlockRows``), so a test honours what a KV-cache manager
+promises: a seq_id is never reused, and a table changes only by growing at the end, or after a
+preemption (``num_preemptions`` + 1).  Multi-step runs below drive sequences through growth across
+block boundaries, preemption and re-admission (tables rewritten at the same length included),
+finishing and eviction, against the same reference, and count the calls to ``block_table``.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -127,9 +135,10 @@ def builder(fill: str = "default", **limits: int) -> StepInputs:
     return si
 
 
-def build(si: StepInputs, sched: ScheduledBatch, tables: dict[int, list[int]]) -> tuple[Any, np.ndarray, np.ndarray]:
+def build(si: StepInputs, sched: ScheduledBatch, tables: dict[int, list[int]],
+          block_table: Callable[[int], list[int]] | None = None) -> tuple[Any, np.ndarray, np.ndarray]:
     si._host_np.fill(0xA5)  # poison the staging buffer: an element the step does not write shows
-    return si.build(sched, tables.__getitem__)
+    return si.build(sched, block_table or tables.__getitem__)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -139,8 +148,8 @@ def build(si: StepInputs, sched: ScheduledBatch, tables: dict[int, list[int]]) -
 def test_matches_the_per_token_reference(kind, num_seqs, fill):
     rng = random.Random(f"{kind}-{num_seqs}-{fill}")
     si = builder(fill)
-    for _ in range(4):
-        sched, tables = random_step(rng, kind, num_seqs)
+    for step in range(4):
+        sched, tables = random_step(rng, kind, num_seqs, first_id=100 * step)
         check(build(si, sched, tables), sched, tables)
 
 
@@ -149,8 +158,8 @@ def test_every_row_full_width_and_every_row_ragged(fill):
     rng = random.Random(fill)
     si = builder(fill)
     for extra in (0, 5):  # 0: tables exactly as long as needed, all one width; 5: ragged widths
-        for kind in KINDS:
-            sched, tables = random_step(rng, kind, 6, max_extra_blocks=extra, max_prompt=BS * 2)
+        for k, kind in enumerate(KINDS):
+            sched, tables = random_step(rng, kind, 6, first_id=100 * k + 1000 * extra, max_extra_blocks=extra, max_prompt=BS * 2)
             if extra == 0:  # the same number of blocks for every row
                 width = max(len(t) for t in tables.values())
                 tables = {sid: t + [rng.randrange(2**30) for _ in range(width - len(t))] for sid, t in tables.items()}
@@ -180,9 +189,10 @@ def test_step_n_outputs_unchanged_after_step_n_plus_1_of_the_same_shape():
         first, tables1 = random_step(rng, "decode", 4)
         out1 = si.build(first, tables1.__getitem__)
         snap1 = check(out1, first, tables1)
-        for seq in first.seqs:  # the next decode of the same sequences
+        for seq in first.seqs:  # the same sequences, preempted and back: new tables of the same length
             seq.num_computed_tokens += 1
             seq.token_ids.append(rng.randrange(50_000))
+            seq.num_preemptions += 1
         tables2 = {sid: [rng.randrange(2**30) for _ in t] for sid, t in tables1.items()}
         check(si.build(first, tables2.__getitem__), first, tables2)
         assert snapshot(out1) == snap1, fill
@@ -207,8 +217,8 @@ def test_limits_size_the_buffer_once():
     assert si.capacity == StagingLayout.of(300, 20, 9).nbytes
     rng = random.Random(4)
     ptr = si._host_np.ctypes.data
-    for kind in KINDS:  # steps within the limits reuse the buffer
-        sched, tables = random_step(rng, kind, 4, max_prompt=60, max_extra_blocks=0)
+    for k, kind in enumerate(KINDS):  # steps within the limits reuse the buffer
+        sched, tables = random_step(rng, kind, 4, first_id=10 * k, max_prompt=60, max_extra_blocks=0)
         check(build(si, sched, tables), sched, tables)
     assert si._host_np.ctypes.data == ptr
 
@@ -252,17 +262,18 @@ def test_the_buffer_is_rewritten_only_after_waiting_for_the_previous_copy():
     sched, tables = random_step(rng, "mixed", 5)
     check(si.build(sched, tables.__getitem__), sched, tables)
     assert fence.waits == 0  # nothing was pending before the first step
-    for kind in ("decode", "prefill", "mixed"):
-        sched, tables = random_step(rng, kind, 5, first_id=10)
+    for k, kind in enumerate(("decode", "prefill", "mixed")):
+        sched, tables = random_step(rng, kind, 5, first_id=10 * (k + 1))
         check(si.build(sched, tables.__getitem__), sched, tables)
     assert fence.waits == 3
 
     def broken(seq_id: int) -> list[int]:
         raise KeyError(seq_id)
 
+    sched, _ = random_step(rng, "decode", 2, first_id=40)  # new sequences: their tables must be read
     with pytest.raises(KeyError):  # a step that fails before its copy leaves the previous copy pending
         si.build(sched, broken)
-    sched, tables = random_step(rng, "decode", 2, first_id=20)
+    sched, tables = random_step(rng, "decode", 2, first_id=50)
     check(si.build(sched, tables.__getitem__), sched, tables)
     assert fence.waits == 4
 
@@ -296,6 +307,174 @@ def test_cuda_pinned_staging_matches_the_reference():
         check(out, sched, tables)
 
 
+# ----------------------------------------------------------------------------- block tables kept across steps
+class GrowOnlyTables:
+    """Block tables as a KV-cache manager keeps them: grown at the end while held, new after ``free``.
+
+    ``block_table`` returns a copy (as ``paged`` does) and records the seq_id it was asked for.
+    """
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.tables: dict[int, list[int]] = {}
+        self.calls: list[int] = []
+
+    def grow(self, seq_id: int, num_tokens: int, extra: int = 0) -> None:
+        """Hold ``num_tokens`` tokens (a table made now gets ``extra`` blocks more than that)."""
+        need = -(-num_tokens // BS)
+        if seq_id not in self.tables:
+            self.tables[seq_id], need = [], need + extra
+        table = self.tables[seq_id]
+        table += [self.rng.randrange(2**30) for _ in range(need - len(table))]
+
+    def free(self, seq_id: int) -> None:
+        del self.tables[seq_id]
+
+    def block_table(self, seq_id: int) -> list[int]:
+        self.calls.append(seq_id)
+        return list(self.tables[seq_id])
+
+
+def new_sequence(rng: random.Random, seq_id: int, prompt_len: int) -> Sequence:
+    prompt = [rng.randrange(1, 50_000) for _ in range(prompt_len)]
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), prompt_token_ids=prompt, params=SamplingParams(max_tokens=64))
+
+
+def schedule(rng: random.Random, kv: GrowOnlyTables, seqs: list[Sequence], extra: int = 2) -> ScheduledBatch:
+    """One step for ``seqs``: a decode, the rest of the prompt or a chunk of it; tables grown to cover it."""
+    items = []
+    for seq in seqs:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = 1 if remaining == 1 else rng.choice((remaining, rng.randint(1, remaining)))
+        kv.grow(seq.seq_id, seq.num_computed_tokens + n, extra=rng.randint(0, extra))
+        items.append((seq, n))
+    items.sort(key=lambda it: it[1] != 1)  # decodes first, as the scheduler orders them
+    return ScheduledBatch([s for s, _ in items], [n for _, n in items], sum(1 for _, n in items if n == 1), [])
+
+
+def advance(rng: random.Random, sched: ScheduledBatch) -> None:
+    """What the engine does after the forward: tokens computed, a sampled token for rows that finished their prompt."""
+    for seq, n in zip(sched.seqs, sched.num_new):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(rng.randrange(50_000))
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_many_steps_of_growth_preemption_readmission_and_finishing_match_the_reference(fill):
+    """An engine's life over 120 steps: prompts chunked and decoded across block boundaries, sequences
+    preempted (table freed, ``num_preemptions`` + 1) and re-admitted with a new table, as long as the old
+    one or shorter, sequences finished for good, some left unscheduled for a step; every step checked."""
+    rng = random.Random(f"engine-{fill}")
+    si, kv = builder(fill, reqs=6), GrowOnlyTables(rng)
+    ids, running, waiting = itertools.count(), [], []
+    old_len: dict[int, int] = {}  # preempted seq_id -> length of its table before the preemption
+    events: collections.Counter = collections.Counter()
+    for _ in range(120):
+        for seq in list(running):
+            u = rng.random()
+            if u < 0.15 and seq.seq_id in kv.tables:
+                running.remove(seq)
+                if u < 0.06:  # finished: never scheduled again
+                    kv.free(seq.seq_id)
+                    events["finished"] += 1
+                    continue
+                old_len[seq.seq_id] = len(kv.tables[seq.seq_id])
+                kv.free(seq.seq_id)
+                seq.num_preemptions += 1
+                seq.num_computed_tokens = 0
+                waiting.append(seq)
+        while len(running) < 6 and rng.random() < 0.6:
+            if waiting and rng.random() < 0.7:  # back: recompute everything, or (prefix cache) all but the last token
+                seq = waiting.pop(0)
+                seq.num_computed_tokens = rng.choice((0, seq.num_tokens - 1))
+            else:
+                seq = new_sequence(rng, next(ids), rng.randint(1, 300))
+            running.append(seq)
+        picked = [seq for seq in running if rng.random() < 0.9]
+        if not picked:
+            continue
+        sched = schedule(rng, kv, picked, extra=rng.choice((0, 2)))
+        for seq in sched.seqs:
+            if seq.seq_id in old_len:
+                was, now = old_len.pop(seq.seq_id), len(kv.tables[seq.seq_id])
+                events["same length" if now == was else "shorter" if now < was else "longer"] += 1
+        events["wider than the first row width"] += any(len(t) > 16 for t in kv.tables.values())
+        tables = {s.seq_id: list(kv.tables[s.seq_id]) for s in sched.seqs}
+        check(build(si, sched, tables, kv.block_table), sched, tables)
+        advance(rng, sched)
+    for what in ("finished", "same length", "shorter", "wider than the first row width"):
+        assert events[what] >= 2, events
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_a_steady_decode_reads_only_the_tables_that_cross_into_a_new_block(fill):
+    """48 decoding sequences, contexts spread over three blocks: after the first step (every table new),
+    ``block_table`` is called once for each sequence whose new token is the first of a block, and for no other."""
+    rng = random.Random(f"calls-{fill}")
+    si, kv = builder(fill), GrowOnlyTables(rng)
+    seqs = [new_sequence(rng, 7 + k, 40 + k) for k in range(48)]
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    for step in range(2 * BS + 1):
+        kv.calls.clear()
+        sched = schedule(rng, kv, seqs, extra=0)
+        expected = [s.seq_id for s in sched.seqs if step == 0 or s.num_computed_tokens % BS == 0]
+        tables = {s.seq_id: list(kv.tables[s.seq_id]) for s in sched.seqs}
+        check(build(si, sched, tables, kv.block_table), sched, tables)
+        assert kv.calls == expected, step
+        assert step == 0 or 0 < len(expected) < len(seqs) // 4
+        advance(rng, sched)
+
+
+def test_a_table_whose_kept_entries_changed_is_read_whole():
+    """Outside the contract, but cheap to catch when the table is read anyway: the block kept last
+    differs in the fresh table, so the whole row is replaced, not only the new tail."""
+    rng = random.Random("rewritten")
+    for fill in ("lists", "arrays"):
+        si, kv = builder(fill), GrowOnlyTables(rng)
+        seq = new_sequence(rng, 3, 2 * BS)
+        seq.num_computed_tokens = 2 * BS - 1
+        sched = schedule(rng, kv, [seq], extra=0)
+        check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
+        advance(rng, sched)
+        kv.tables[3][1] = rng.randrange(2**30)  # rewritten while held, just as the table grows
+        sched = schedule(rng, kv, [seq], extra=0)
+        assert len(kv.tables[3]) == 3
+        check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
+
+
+def test_a_long_run_of_short_lived_sequences_keeps_the_rows_bounded():
+    """800 steps, a new sequence every step or so, each living a few steps, every 50th step a burst of
+    40 more, beside one sequence decoding throughout (its row, in use, must survive the evictions a
+    burst causes): the rows stay at max(2 x max_num_reqs, 64); then one step of more sequences than
+    that makes room for all of them."""
+    rng = random.Random("bounded")
+    si, kv = builder(reqs=4), GrowOnlyTables(rng)
+    rows = si.block_rows
+    assert rows.table.shape == (64, 16)
+    ids, live = itertools.count(), []
+    elder = new_sequence(rng, next(ids), 10)
+    for step in range(800):
+        while len(live) < 4 and rng.random() < 0.5:
+            live.append([new_sequence(rng, next(ids), rng.randint(1, 100)), rng.randint(1, 6)])
+        burst = [new_sequence(rng, next(ids), rng.randint(1, 30)) for _ in range(40 if step % 50 == 49 else 0)]
+        sched = schedule(rng, kv, [elder] + [seq for seq, _ in live if rng.random() < 0.8] + burst)
+        check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
+        advance(rng, sched)
+        for entry in list(live):
+            entry[1] -= 1
+            if entry[1] == 0:
+                live.remove(entry)
+                kv.tables.pop(entry[0].seq_id, None)  # freed (if it was ever scheduled)
+        assert len(rows) <= 64 and rows.table.shape[0] == 64, (len(rows), rows.table.shape)
+    assert next(ids) > 16 * 64  # rows were reused many times over
+    assert elder.num_tokens > 800 and rows.table.shape[1] == 64  # 16, doubled twice for the elder's 51 blocks
+    many = [new_sequence(rng, next(ids), rng.randint(1, 40)) for _ in range(70)]
+    sched = schedule(rng, kv, many)
+    check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
+    assert len(rows) >= 70 and rows.table.shape[0] == 128
+
 # ----------------------------------------------------------------------------- through the runner
 def test_prepare_inputs_of_a_real_run_matches_the_reference(tmp_path):
     """Every step of a generation (chunked prompts beside decodes, a shared cached prefix) through ModelRunner."""
@@ -323,6 +502,33 @@ def test_prepare_inputs_of_a_real_run_matches_the_reference(tmp_path):
     kinds = {(b.is_pure_decode, b.num_decodes > 0) for b in (o[0].batch for o, _ in kept)}
     assert {(True, True), (False, True), (False, False)} <= kinds  # decode-only, mixed and prefill-only steps
     assert all(snapshot(out) == snap for out, snap in kept)
+
+
+def test_prepare_inputs_of_a_run_with_preemptions_matches_the_reference(tmp_path):
+    """A KV cache too small for every request at once: sequences are preempted, freed and recomputed
+    into new tables under the same seq_id; every step's inputs still match the manager's tables."""
+    from corerun import LLM
+
+    from tests.helpers.tiny_models import make_tiny_model
+
+    llm = LLM(model=make_tiny_model(tmp_path, "llama"), device="cpu", dtype="float32", attention="torch",
+              kv_cache={"block_size": 4, "num_blocks": 40}, scheduler={"max_num_batched_tokens": 64, "max_model_len": 96})
+    runner, steps = llm.engine.runner, []
+
+    def checked(sched: ScheduledBatch, prepare=runner.prepare_inputs) -> Any:
+        tables = {s.seq_id: runner.kv_manager.block_table(s.seq_id) for s in sched.seqs}
+        out = prepare(sched)
+        check(out, sched, tables, bs=4)
+        steps.append({s.seq_id: s.num_preemptions for s in sched.seqs})
+        return out
+
+    runner.prepare_inputs = checked
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(20, 40))] for _ in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 6
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(n > 0 for step in steps for n in step.values())  # preempted sequences ran again
 
 
 @pytest.mark.parametrize("fill", ["lists", "arrays"])

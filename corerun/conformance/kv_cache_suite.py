@@ -185,6 +185,49 @@ class KVCacheManagerSuite(ConformanceSuite):
             m.free(seq)
         self._expect(case, "random ops", m.num_free_blocks, n, "num_free_blocks after freeing every sequence (a leak otherwise)")
 
+    def test_block_tables_only_grow(self, case: Case) -> None:
+        """While a sequence holds blocks its table only grows at the end (the runner keeps tables across
+        steps and reads only what is new); after free and re-admission under the same seq_id it is a new
+        table, read fresh, disjoint from the live ones."""
+        self.start(case)
+        bs, n = case.config.block_size, 64
+        m = self._manager(case, n)
+        tok, rng = _Tokens(10), random.Random(11)
+        what = "tables only grow"
+        tokens = {seq: tok(rng.randint(1, 2 * bs)) for seq in (1, 2, 3)}
+        held: dict[int, list[int]] = {}  # seq -> its table as last read
+        for seq, prompt in tokens.items():
+            self._admit(case, m, seq, prompt)
+            held[seq] = self._table(m, seq)
+        for step in range(24):
+            seq = rng.choice(sorted(held))
+            if step % 8 == 7:  # preempted and back: the same tokens, recomputed into a new table
+                m.free(seq)
+                del held[seq]
+                self._admit(case, m, seq, tokens[seq])
+                table = self._table(m, seq)
+                self._expect(case, what, len(table), _ceil(len(tokens[seq]), bs), f"step {step}: table length of re-admitted seq {seq} holding {len(tokens[seq])} tokens")
+                live = {b for t in held.values() for b in t}
+                if set(table) & live:
+                    self._fail(case, what, f"step {step}: re-admitted seq {seq}'s table {table} shares blocks with live tables {held}")
+                held[seq] = table
+                continue
+            grown = tokens[seq] + tok(rng.choice((1, 1, max(bs - 1, 1), bs, bs + 1)))
+            if case.config.prefix_caching:
+                m.cache_blocks(seq, tokens[seq], len(tokens[seq]))
+            if m.allocate_slots(seq, len(grown)):
+                tokens[seq] = grown
+            for s in sorted(held):  # every live table, not only the grown one
+                table = self._table(m, s)
+                if table[: len(held[s])] != held[s]:
+                    self._fail(case, what, f"step {step}: seq {s}'s table was {held[s]} and is now {table} after growing seq {seq} to "
+                               f"{len(tokens[seq])} tokens; entries handed out must not change while the sequence holds blocks")
+                self._expect(case, what, len(table), _ceil(len(tokens[s]), bs), f"step {step}: table length of seq {s} holding {len(tokens[s])} tokens")
+                held[s] = table
+        for seq in held:
+            m.free(seq)
+        self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing every sequence")
+
     def test_exhaustion(self, case: Case) -> None:
         """Running out of blocks returns False and changes nothing; freeing makes room again."""
         self.start(case)

@@ -50,7 +50,17 @@ class KVCacheManager(Protocol):
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
 
-    def block_table(self, seq_id: int) -> list[int]: ...
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical block ids of ``seq_id``'s tokens in order (token ``j`` lives in block ``[j // block_size]``).
+
+        Contract the runner relies on (it keeps each table across steps and asks again only when a
+        sequence needs blocks its copy lacks, or was preempted since): while a sequence holds blocks,
+        its table only grows at the end; it changes otherwise only after ``free(seq_id)``.  Entries
+        handed out are never rewritten while the sequence holds them; after ``free`` and a new
+        admission under the same ``seq_id`` (a preemption) the table is a new one, which the runner
+        reads whole.
+        """
+        ...
 
     def free(self, seq_id: int) -> None: ...
 

@@ -59,3 +59,16 @@ class HitsWholePrompt(_Wrapped):
         if hit and len(token_ids) % self.block_size == 0 and hit == len(token_ids) - self.block_size:
             return len(token_ids)
         return hit
+
+
+class InsertsBeforeTail(_Wrapped):
+    """Broken: a table that grows to an even number of blocks (4 or more) gets its new block before the
+    previous last one, so an entry already handed out changes while the sequence holds it."""
+
+    name = "inserts-before-tail"
+
+    def block_table(self, seq_id: int) -> list[int]:
+        table = self.inner.block_table(seq_id)
+        if len(table) >= 4 and len(table) % 2 == 0:
+            table[-2], table[-1] = table[-1], table[-2]
+        return table
