@@ -10,7 +10,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,14 +25,9 @@ def main() -> int:
     p.add_argument("--timeout", type=int, default=25, help="seconds per configuration")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from tests.helpers.tiny_models import make_tiny_model
+    from benchmarks.gpu.random_llama import random_llama
 
-    heads = args.hidden // 64
-    model = make_tiny_model(
-        tempfile.mkdtemp(prefix="corerun-e2e-"), arch="llama", hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-        vocab_size=32000, max_position_embeddings=4096,
-    )
+    model = random_llama(args.hidden, args.layers, 4096, "corerun-e2e-")
     runs = [("torch", "eager"), ("torch", "cuda"), ("triton", "eager"), ("triton", "cuda")]
     results = {}
     for attention, graph in runs:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,14 +40,9 @@ def main() -> int:
     import torch
 
     from corerun import LLM, SamplingParams
-    from tests.helpers.tiny_models import make_tiny_model
+    from benchmarks.gpu.random_llama import random_llama
 
-    heads = args.hidden // 64
-    model = make_tiny_model(
-        tempfile.mkdtemp(prefix="corerun-kvprof-"), arch="llama", hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-        vocab_size=32000, max_position_embeddings=args.max_model_len, dtype=torch.bfloat16,
-    )
+    model = random_llama(args.hidden, args.layers, args.max_model_len, "corerun-kvprof-", dtype=torch.bfloat16)
     results = {}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         start = time.perf_counter()

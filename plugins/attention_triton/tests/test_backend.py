@@ -63,6 +63,13 @@ def test_registered_through_the_entry_point_with_options():
         reg.create(make_spec(), options={"split_kv": True})
 
 
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new interpreter with no CUDA device and TRITON_INTERPRET unset."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_cpu_without_triton_interpret_switches_to_the_interpreter():
     """With no CUDA and TRITON_INTERPRET unset, importing the backend sets it before any kernel exists."""
     code = (
@@ -75,9 +82,7 @@ def test_cpu_without_triton_interpret_switches_to_the_interpreter():
         "print(os.environ['TRITON_INTERPRET'], triton.knobs.runtime.interpret,\n"
         "      isinstance(b.unified_attention.__globals__['unified_attention_kernel'], InterpretedFunction))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = _fresh_python(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["interpreter (TRITON_INTERPRET=1) on CPU", "1 True True"]
 
@@ -90,10 +95,8 @@ def test_triton_imported_in_compiled_mode_first_is_an_unavailability_reason():
         "from corerun_attention_triton.probe import probe\n"
         "print(probe())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = _fresh_python(code)
     assert done.returncode == 0, done.stderr
     assert "imported in compiled mode" in done.stdout and "TRITON_INTERPRET=1" in done.stdout
-    fine = subprocess.run([sys.executable, "-c", code.replace("import triton\n", "")], env=env, capture_output=True, text=True, timeout=120)
+    fine = _fresh_python(code.replace("import triton\n", ""))
     assert fine.returncode == 0 and fine.stdout.strip() == "[]", fine.stdout + fine.stderr
