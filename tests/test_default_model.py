@@ -154,3 +154,17 @@ def test_converter_entry_point_announces_each_stage(monkeypatch, capsys, tmp_pat
     assert gguf_convert.main([str(tmp_path / "m.gguf"), str(tmp_path), "float16"]) == 0
     assert capsys.readouterr().out.splitlines() == [gguf_convert.STEP_PREFIX + "one", gguf_convert.STEP_PREFIX + "two"]
     assert gguf_convert.main([]) == 2
+
+
+def test_a_child_writing_much_to_stderr_does_not_stall_the_conversion(monkeypatch, tmp_path):
+    """transformers' own progress bars go to stderr: megabytes of it must not block the child (or us)."""
+    import sys
+
+    from corerun.models.gguf_convert import STEP_PREFIX
+
+    code = (
+        "import sys\n"
+        f"for stage in range(4): print({STEP_PREFIX!r} + str(stage), flush=True); sys.stderr.write('x' * 400_000)\n"
+    )
+    monkeypatch.setattr(default, "_converter_command", lambda gguf, out: [sys.executable, "-c", code])
+    default._convert(tmp_path / "m.gguf", tmp_path, progress=False)  # returns: no deadlock on a full pipe

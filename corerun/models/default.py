@@ -86,19 +86,25 @@ def default_model_dir(progress: bool = True) -> Path:
     return target
 
 
+def _converter_command(gguf_path: Path, out_dir: Path) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "corerun.models.gguf_convert", str(gguf_path), str(out_dir), str(DTYPE).removeprefix("torch.")]
+
+
 def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
     """Convert in a child process (see :func:`corerun.models.gguf_convert.main` for why), with a progress bar."""
     import subprocess
-    import sys
 
     from tqdm.auto import tqdm
 
     from corerun.models.gguf_convert import STEP_PREFIX
 
     stages = 4  # convert_gguf announces four stages
-    cmd = [sys.executable, "-m", "corerun.models.gguf_convert", str(gguf_path), str(out_dir), str(DTYPE).removeprefix("torch.")]
-    with tqdm(total=stages, desc=f"corerun: converting {MODEL_NAME} to safetensors (once)", disable=not progress) as bar:
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+    cmd = _converter_command(gguf_path, out_dir)
+    with tqdm(total=stages, desc=f"corerun: converting {MODEL_NAME} to safetensors (once)", disable=not progress) as bar, \
+            tempfile.TemporaryFile(mode="w+") as err:  # a file, not a pipe: a chatty child never blocks on it
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as child:
             announced = 0
             for line in child.stdout:  # type: ignore[union-attr]
                 if line.startswith(STEP_PREFIX):
@@ -106,7 +112,8 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
                         bar.update(1)  # the previous stage is done
                     announced += 1
                     bar.set_postfix_str(line[len(STEP_PREFIX):].strip())
-            errors = child.stderr.read()  # type: ignore[union-attr]
+        err.seek(0)
+        errors = err.read()
         if child.returncode != 0:
             detail = errors.strip().splitlines()[-1] if errors.strip() else f"exit status {child.returncode}"
             raise ModelLoadError(f"converting {gguf_path.name} failed: {detail}")
