@@ -33,7 +33,7 @@ def test_json_reports_every_selected_check() -> None:
 def test_table_and_failure_exit_status() -> None:
     ok = CliRunner().invoke(cli, ["conformance", "kv_cache:paged", "-k", "exhaustion"])
     assert ok.exit_code == 0, ok.output
-    assert "exhaustion" in ok.output and "bs16-prefix" in ok.output and "PASS" in ok.output
+    assert "exhaustion" in ok.output and "bs16-shared" in ok.output and "PASS" in ok.output
     # a declared expected failure that passes is an unexpected pass: the run fails, saying why
     xpass = CliRunner().invoke(cli, ["conformance", "kv_cache:paged", "-k", "exhaustion", "--xfail", "exhaustion[bs4-*]=tracked upstream"])
     assert xpass.exit_code == 1, xpass.output

@@ -28,7 +28,8 @@ class KVConfig:
 
     @property
     def id(self) -> str:
-        return f"bs{self.block_size}-{'prefix' if self.prefix_caching else 'noprefix'}"
+        # ("shared"/"private", not "prefix"/"noprefix": `-k prefix` then selects the prefix checks only)
+        return f"bs{self.block_size}-{'shared' if self.prefix_caching else 'private'}"
 
 
 def _ceil(a: int, b: int) -> int:
