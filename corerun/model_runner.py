@@ -290,7 +290,7 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(sched, inputs, hidden)
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
-        logits = self.model.compute_logits(self._sampled_hidden(hidden, logits_indices))
+        logits = self.model.compute_logits(self._sampled_hidden(hidden, inputs.batch, logits_indices))
         seqs = [sched.seqs[i] for i in rows.tolist()]
         meta = SamplingMetadata(
             params=[s.params for s in seqs],
@@ -307,12 +307,19 @@ class ModelRunner:
         self._check_sampled(out.sampled_token_ids, sampled, len(seqs))
         return StepResult(sampled, rows.tolist(), out.logprobs, prompt_lp)
 
-    def _sampled_hidden(self, hidden: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
-        """The hidden rows to sample from, without a host sync: every row when every token is sampled
-        (a decode step), else a gather whose indices go through pinned memory on CUDA (a blocking copy
-        from pageable memory would wait for the whole forward before the sampler could start)."""
+    def _sampled_hidden(self, hidden: torch.Tensor, batch: AttentionBatch, logits_indices: np.ndarray) -> torch.Tensor:
+        """The hidden rows to sample from, without a host sync or a per-step copy where it can:
+
+        - every token sampled (a decode step): ``hidden`` as it is;
+        - every request sampled (whole prefills, with or without decodes): each request's last token,
+          indexed by the step's device ``query_start_loc``, already on the device;
+        - otherwise (a prefill chunk that does not end its prompt): a gather whose indices go through
+          pinned memory on CUDA (a blocking copy from pageable memory would wait for the whole forward).
+        """
         if len(logits_indices) == hidden.shape[0]:  # increasing indices below num_tokens: all of them
             return hidden
+        if len(logits_indices) == batch.num_reqs:
+            return hidden[batch.query_start_loc[1:].long() - 1]
         index = torch.from_numpy(logits_indices)
         if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)

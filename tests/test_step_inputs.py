@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import random
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -562,6 +563,12 @@ def test_sampled_hidden_rows_gather_only_when_some_rows_are_not_sampled(tmp_path
     runner = ModelRunner(Config(model=str(make_tiny_model(tmp_path)), device="cpu", dtype="float32", attention="torch",
                                 kv_cache={"num_blocks": 4}, scheduler={"max_model_len": 64}))
     hidden = torch.randn(6, 64)
-    assert runner._sampled_hidden(hidden, np.arange(6, dtype=np.int64)) is hidden
-    picked = runner._sampled_hidden(hidden, np.array([1, 4, 5], dtype=np.int64))
-    assert torch.equal(picked, hidden[[1, 4, 5]])
+    # one decode, then two prefills of 2 and 3 tokens: rows 0 | 1 2 | 3 4 5
+    qsl = torch.tensor([0, 1, 3, 6], dtype=torch.int32)
+    batch = SimpleNamespace(num_reqs=3, query_start_loc=qsl)
+    decodes = SimpleNamespace(num_reqs=6, query_start_loc=torch.arange(7, dtype=torch.int32))
+    assert runner._sampled_hidden(hidden, decodes, np.arange(6, dtype=np.int64)) is hidden
+    every_request = runner._sampled_hidden(hidden, batch, np.array([0, 2, 5], dtype=np.int64))
+    assert torch.equal(every_request, hidden[[0, 2, 5]])  # each request's last token, from query_start_loc
+    some = runner._sampled_hidden(hidden, batch, np.array([0, 5], dtype=np.int64))  # request 1 is a mid-prompt chunk
+    assert torch.equal(some, hidden[[0, 5]])

@@ -55,7 +55,7 @@ class TorchAttentionBackend:
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         s = self.spec
-        return torch.empty(2, num_blocks + 1, s.block_size, s.num_kv_heads, s.head_size, dtype=s.dtype, device=s.device)
+        return torch.empty(s.kv_cache_shape(num_blocks + 1), dtype=s.dtype, device=s.device)  # + the write-off block
 
     def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache[0, :-1], kv_cache[1, :-1]

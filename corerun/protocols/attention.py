@@ -15,6 +15,8 @@ step's K/V were written.  A decode is simply a request with ``query_lens[i] == 1
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -55,11 +57,16 @@ class AttentionSpec:
     def gqa_ratio(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """The usual dense layout of one layer's cache: ``(2, num_blocks, block_size, num_kv_heads,
+        head_size)``, K at index 0 and V at 1 (what the bundled backends allocate)."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block's K and V in one layer, densely packed at ``dtype`` (the usual
-        ``kv_cache_bytes_per_block`` of a backend whose layout has no padding)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one block's K and V in one layer in :meth:`kv_cache_shape`'s layout at ``dtype`` (the
+        usual ``kv_cache_bytes_per_block`` of a backend whose layout has no padding)."""
+        return math.prod(self.kv_cache_shape(1)) * self.dtype.itemsize
 
 
 @dataclass

@@ -39,7 +39,7 @@ class NaiveAttentionBackend:
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         s = self.spec
-        return torch.zeros(2, num_blocks, s.block_size, s.num_kv_heads, s.head_size, dtype=s.dtype, device=s.device)
+        return torch.zeros(s.kv_cache_shape(num_blocks), dtype=s.dtype, device=s.device)
 
     def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache[0], kv_cache[1]

@@ -74,7 +74,7 @@ class FlashAttentionBackend:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Zeroed ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (zeros: padding rows never read NaN garbage)."""
         s = self.spec
-        return torch.zeros(2, num_blocks, s.block_size, s.num_kv_heads, s.head_size, dtype=s.dtype, device=s.device)
+        return torch.zeros(s.kv_cache_shape(num_blocks), dtype=s.dtype, device=s.device)
 
     def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_size]``; views into ``kv_cache``."""

@@ -85,8 +85,7 @@ class TritonAttentionBackend:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Zeroed ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K at index 0, V at 1)."""
         s = self.spec
-        shape = (2, num_blocks, s.block_size, s.num_kv_heads, s.head_size)
-        return torch.zeros(shape, dtype=s.dtype, device=s.device)
+        return torch.zeros(s.kv_cache_shape(num_blocks), dtype=s.dtype, device=s.device)
 
     def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
