@@ -7,12 +7,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from corerun.attention.dense_cache import DenseKVCache
 from corerun.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 
 
-class NaiveAttentionBackend:
+class NaiveAttentionBackend(DenseKVCache):
     """Correct: per-request gather of whole blocks through the block table, causal mask, float32 math.
 
     Declares a narrow set (no float64, head sizes 32/64/128, block sizes 8/16) so the suite's
@@ -33,16 +34,6 @@ class NaiveAttentionBackend:
         if reasons:
             raise UnsupportedError(f"attention backend '{self.name}'", reasons)
         self.spec = spec
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self.spec.kv_bytes_per_block
-
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        s = self.spec
-        return torch.zeros(s.kv_cache_shape(num_blocks), dtype=s.dtype, device=s.device)
-
-    def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_cache[0], kv_cache[1]
 
     def plan(self, batch: AttentionBatch) -> AttentionBatch:
         return batch

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from corerun.attention.dense_cache import DenseKVCache
 from corerun.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
@@ -34,7 +35,7 @@ logger = logging.getLogger("corerun_attention_flash")
 IMPLEMENTATION = "attention backend 'flash'"
 
 
-class FlashAttentionBackend:
+class FlashAttentionBackend(DenseKVCache):
     """flash-attn over corerun's paged KV cache.  Factory: ``FlashAttentionBackend(spec)``."""
 
     name: ClassVar[str] = "flash"
@@ -66,19 +67,6 @@ class FlashAttentionBackend:
             return cls.capabilities
         caps = cls.capabilities
         return dataclasses.replace(caps, devices=caps.devices | {"cpu"}, dtypes=caps.dtypes | emulated.extra_dtypes)
-
-    # ------------------------------------------------------------------ KV cache
-    def kv_cache_bytes_per_block(self) -> int:
-        return self.spec.kv_bytes_per_block
-
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """Zeroed ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (zeros: padding rows never read NaN garbage)."""
-        s = self.spec
-        return torch.zeros(s.kv_cache_shape(num_blocks), dtype=s.dtype, device=s.device)
-
-    def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_size]``; views into ``kv_cache``."""
-        return kv_cache[0], kv_cache[1]
 
     # ---------------------------------------------------------------- per step
     def plan(self, batch: AttentionBatch) -> FlashMetadata:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from corerun import AttentionCapabilities, UnsupportedError
+from corerun.attention.dense_cache import DenseKVCache
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 
 from corerun_attention_triton import _mode
@@ -55,7 +56,7 @@ def _check_num_splits(num_splits: Any) -> int | None:
     return num_splits
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(DenseKVCache):
     """Triton paged attention. ``TritonAttentionBackend(spec, num_splits="auto")``.
 
     ``num_splits``: ``"auto"`` (the split-KV rule of ``split_rule``), ``1`` (never split), or ``N``
@@ -77,26 +78,6 @@ class TritonAttentionBackend:
         self.num_sms: int | None = None
         if device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-
-    # ------------------------------------------------------------------ cache
-    def kv_cache_bytes_per_block(self) -> int:
-        return self.spec.kv_bytes_per_block
-
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """Zeroed ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K at index 0, V at 1)."""
-        s = self.spec
-        return torch.zeros(s.kv_cache_shape(num_blocks), dtype=s.dtype, device=s.device)
-
-    def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.spec
-        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[2:]) != (
-            s.block_size, s.num_kv_heads, s.head_size,
-        ):
-            raise ValueError(
-                f"triton KV cache must have shape [2, num_blocks, {s.block_size}, {s.num_kv_heads}, {s.head_size}], "
-                f"got {list(kv_cache.shape)}"
-            )
-        return kv_cache[0], kv_cache[1]
 
     # ------------------------------------------------------------------- step
     def plan(self, batch: AttentionBatch) -> TritonAttentionMetadata:
