@@ -1,0 +1,197 @@
+"""``CpuAttentionBackend``: paged attention on CPU that reads the KV cache in place.
+
+KV cache, one tensor per layer: the usual dense ``[2, num_blocks, block_size, num_kv_heads,
+head_size]`` (K at 0, V at 1) in the model's dtype, zeroed at allocation (``DenseKVCache``).
+
+``plan`` makes the step's lengths, block tables and slot mapping contiguous int32 / int64 tensors,
+once per step; ``forward`` makes two C calls per layer: the K/V write by slot mapping, then the
+attention of every request's query tokens over its own blocks (the kernel in
+``csrc/paged_attention.cpp``), on ``torch.get_num_threads()`` threads.  Nothing is gathered or
+copied per step beyond the new tokens' K/V.
+
+The kernel checks the batch before it reads anything (query ranges, lengths against the block
+table's width, every block id it will read against the cache's size, every slot against the
+cache) and the backend turns a refusal into a ``ValueError`` naming the request, the field and the
+value, instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from corerun.attention.dense_cache import DenseKVCache
+from corerun.capabilities import AttentionCapabilities
+from corerun.errors import UnsupportedError
+from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
+from corerun_attention_cpu import kernels
+from corerun_attention_cpu.capabilities import CPU_CAPABILITIES
+
+logger = logging.getLogger("corerun_attention_cpu")
+
+IMPLEMENTATION = "attention backend 'cpu'"
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DType in the source
+
+
+@dataclass
+class CpuAttentionMetadata:
+    """One step's batch in the form the kernel reads (all CPU, contiguous)."""
+
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_tables: torch.Tensor  # int32 [num_reqs, width], rows contiguous
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    num_reqs: int
+    num_tokens: int
+
+
+def _int_tensor(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise ValueError(f"cpu attention: batch.{field} must be on the CPU, got a tensor on {t.device}")
+    return t.to(dtype).contiguous()
+
+
+class CpuAttentionBackend(DenseKVCache):
+    """Paged attention on CPU through a C++ kernel.  Factory: ``CpuAttentionBackend(spec)``."""
+
+    name: ClassVar[str] = "cpu"
+    capabilities: ClassVar[AttentionCapabilities] = CPU_CAPABILITIES
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        reasons = self.capabilities.check(spec)
+        lib, lib_reasons = kernels.load()
+        if reasons or lib is None:
+            raise UnsupportedError(IMPLEMENTATION, reasons + lib_reasons)
+        self.spec = spec
+        self.lib = lib
+        self.scale = float(spec.softmax_scale)
+        self._dtype_code = DTYPE_CODES[spec.dtype]
+        self._err = (ctypes.c_int64 * 4)()
+        self._err_ptr = ctypes.addressof(self._err)
+        logger.info(
+            "cpu attention: %s, %d/%d heads of size %d, block size %d, %s",
+            dtype_name(spec.dtype), spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
+            "OpenMP" if lib.corerun_cpu_openmp() else "single-threaded (built without OpenMP)",
+        )
+
+    # ---------------------------------------------------------------- per step
+    def plan(self, batch: AttentionBatch) -> CpuAttentionMetadata:
+        return CpuAttentionMetadata(
+            query_start_loc=_int_tensor(batch.query_start_loc, torch.int32, "query_start_loc"),
+            seq_lens=_int_tensor(batch.seq_lens, torch.int32, "seq_lens"),
+            block_tables=_int_tensor(batch.block_tables, torch.int32, "block_tables"),
+            slot_mapping=_int_tensor(batch.slot_mapping, torch.int64, "slot_mapping"),
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+        )
+
+    def _cache_parts(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        if (
+            kv_cache.dim() != 5 or kv_cache.shape[0] != 2
+            or tuple(kv_cache.shape[2:]) != (s.block_size, s.num_kv_heads, s.head_size)
+            or kv_cache.dtype != s.dtype or kv_cache.device.type != "cpu" or kv_cache.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"cpu attention: kv_cache must be a CPU {dtype_name(s.dtype)} tensor [2, num_blocks, {s.block_size}, "
+                f"{s.num_kv_heads}, {s.head_size}] with a contiguous last dimension, got {dtype_name(kv_cache.dtype)} "
+                f"{list(kv_cache.shape)} on {kv_cache.device}"
+            )
+        return kv_cache[0], kv_cache[1]
+
+    def _rows(self, t: torch.Tensor, heads: int, field: str) -> torch.Tensor:
+        """``t`` as ``[tokens, heads, head_size]`` in the cache's dtype on the CPU, last dimension contiguous."""
+        s = self.spec
+        if t.dim() != 3 or t.shape[1:] != (heads, s.head_size) or t.device.type != "cpu":
+            raise ValueError(
+                f"cpu attention: {field} must be a CPU tensor [num_tokens, {heads}, {s.head_size}], "
+                f"got {list(t.shape)} on {t.device}"
+            )
+        if t.dtype != s.dtype or t.stride(-1) != 1:
+            t = t.to(s.dtype).contiguous()
+        return t
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        s = self.spec
+        k_cache, v_cache = self._cache_parts(kv_cache)
+        key = self._rows(key, s.num_kv_heads, "key")
+        value = self._rows(value, s.num_kv_heads, "value")
+        slots = _int_tensor(slot_mapping, torch.int64, "slot_mapping")
+        n = slots.shape[0]
+        if key.shape[0] != n or value.shape[0] != n:
+            raise ValueError(
+                f"cpu attention: key {list(key.shape)} / value {list(value.shape)} must have one row per "
+                f"slot_mapping entry ({n})"
+            )
+        if n == 0:
+            return
+        rc = self.lib.corerun_cpu_write_kv(
+            k_cache.element_size(), key.data_ptr(), key.stride(0), key.stride(1),
+            value.data_ptr(), value.stride(0), value.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            slots.data_ptr(), n, s.num_kv_heads, s.head_size, s.block_size, k_cache.shape[0], self._err_ptr,
+        )
+        if rc:
+            _, token, slot, num_slots = list(self._err)
+            raise ValueError(
+                f"cpu attention: slot_mapping[{token}] = {slot} is outside the cache (valid: -1 for none, or "
+                f"0 .. {num_slots - 1} for {k_cache.shape[0]} blocks of {s.block_size}); nothing was written"
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V, then attend over the paged cache.
+
+        ``query`` ``[num_tokens, num_heads, head_size]``, ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]``
+        -> ``[num_tokens, num_heads, head_size]`` (into ``out`` when given).
+        """
+        s = self.spec
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        q = self._rows(query, s.num_heads, "query")
+        if out is None:
+            out = torch.empty(q.shape, dtype=s.dtype)
+        target = out if out.dtype == s.dtype and out.stride(-1) == 1 and out.device.type == "cpu" else torch.empty(q.shape, dtype=s.dtype)
+        if tuple(target.shape) != tuple(q.shape):
+            raise ValueError(f"cpu attention: out must have the query's shape {list(q.shape)}, got {list(target.shape)}")
+        md = metadata
+        bt = md.block_tables
+        rc = self.lib.corerun_cpu_attention(
+            self._dtype_code, q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            target.data_ptr(), target.stride(0), target.stride(1),
+            md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
+            md.num_reqs, q.shape[0], k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
+            self.scale, torch.get_num_threads(), self._err_ptr,
+        )
+        if rc:
+            raise ValueError(self._explain(rc, md, k_cache.shape[0]))
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def _explain(self, rc: int, md: CpuAttentionMetadata, num_blocks: int) -> str:
+        _, a, b, c = list(self._err)
+        if rc == 1:
+            return (f"cpu attention: query_start_loc[{a}:{a + 2}] = [{b}, {c}] is not a non-decreasing range "
+                    f"within the step's {md.num_tokens} tokens")
+        if rc == 2:
+            return f"cpu attention: seq_lens[{a}] = {b} is shorter than request {a}'s {c} query tokens"
+        if rc == 3:
+            return (f"cpu attention: request {a} needs {b} blocks of {self.spec.block_size} tokens, but block_tables "
+                    f"has {c} columns")
+        if rc == 4:
+            return (f"cpu attention: block_tables[{a}, {b}] = {c} is not a block of this cache "
+                    f"(valid: 0 .. {num_blocks - 1})")
+        return f"cpu attention: the kernel refused the call (code {rc}, detail {a}, {b}, {c})"

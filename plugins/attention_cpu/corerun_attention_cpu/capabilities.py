@@ -1,0 +1,22 @@
+"""What the ``cpu`` backend declares, as plain data (imported at plugin-listing time: no torch).
+
+The kernel takes any head size up to 256 (its per-thread buffers are sized for that), any block
+size, GQA/MQA with any group size, and keeps float32 accumulators for every dtype.  float64 is left
+to the ``torch`` reference backend.
+"""
+
+from __future__ import annotations
+
+from corerun.capabilities import AttentionCapabilities
+
+MAX_HEAD_SIZE = 256  # MAX_HEAD_SIZE in csrc/paged_attention.cpp
+
+CPU_CAPABILITIES = AttentionCapabilities(
+    dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    head_sizes=None,
+    max_head_size=MAX_HEAD_SIZE,
+    block_sizes=None,
+    devices=frozenset({"cpu"}),
+    gqa=True,
+    cuda_graph_decode=False,
+)

@@ -1,0 +1,431 @@
+// Paged attention on CPU over corerun's KV cache, read in place through the block tables.
+//
+// C ABI (called through ctypes; see kernels.py for the argument order and meaning):
+//   corerun_cpu_attention  one layer's attention for a batch of prefill chunks and decodes
+//   corerun_cpu_write_kv   this step's K/V into the cache by slot mapping (-1 writes nothing)
+//
+// Layouts (strides in elements, last dimension contiguous):
+//   query/out  [num_tokens, num_heads, head_size]
+//   k/v cache  [num_blocks, block_size, num_kv_heads, head_size]
+//   query_start_loc int32 [num_reqs + 1], seq_lens int32 [num_reqs], block_tables int32 [num_reqs, width]
+//
+// Work item = (request, KV head, tile of up to TILE_ROWS / group query tokens): the query heads that
+// share the KV head are processed together, so each K/V block is read from memory once per tile and
+// then served from L1.  Each row keeps an online softmax (running max, running sum, float32
+// accumulator) while the item walks its request's blocks up to the causal horizon of its last token;
+// a row stops at its own horizon.  float32 accumulation for every dtype.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+enum DType { F32 = 0, BF16 = 1, F16 = 2 };
+constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads of one group) per work item
+constexpr int64_t MAX_HEAD_SIZE = 256;
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__FLT16_MAX__)
+inline float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    std::memcpy(&x, &h, 2);
+    return static_cast<float>(x);
+}
+inline uint16_t f32_to_f16(float f) {
+    _Float16 x = static_cast<_Float16>(f);
+    uint16_t h;
+    std::memcpy(&h, &x, 2);
+    return h;
+}
+#else
+inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        float f = std::ldexp(static_cast<float>(man), -24);
+        return sign ? -f : f;
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline uint16_t f32_to_f16(float f) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+    if (a < 0x38800000u) {  // subnormal half (or zero)
+        float mag;
+        std::memcpy(&mag, &a, 4);
+        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(mag * 16777216.0f)));
+    }
+    uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;
+    return static_cast<uint16_t>(sign | (r >> 13));
+}
+#endif
+
+template <int DT> struct Elem;
+template <> struct Elem<F32> {
+    using T = float;
+    static inline float load(T x) { return x; }
+    static inline T store(float x) { return x; }
+};
+template <> struct Elem<BF16> {
+    using T = uint16_t;
+    static inline float load(T x) { return bf16_to_f32(x); }
+    static inline T store(float x) { return f32_to_bf16(x); }
+};
+template <> struct Elem<F16> {
+    using T = uint16_t;
+    static inline float load(T x) { return f16_to_f32(x); }
+    static inline T store(float x) { return f32_to_f16(x); }
+};
+
+// exp(x) for x <= 0 in arithmetic the compiler vectorises: x = n ln2 + r, |r| <= ln2 / 2,
+// exp(r) by its degree-7 Taylor polynomial (relative error < 1e-8 before rounding); 0 below -87.
+inline float exp_nonpos(float x) {
+    const float xc = x < -87.0f ? -87.0f : x;
+    const float t = xc * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest integer
+    const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+struct Args {
+    const void* q;
+    int64_t q_st, q_sh;
+    const void* k;
+    const void* v;
+    int64_t kv_sb, kv_st, kv_sh;
+    void* out;
+    int64_t o_st, o_sh;
+    const int32_t* qsl;
+    const int32_t* seq_lens;
+    const int32_t* bt;
+    int64_t bt_stride;
+    int64_t num_heads, num_kv_heads, head_size, block_size;
+    float scale;
+};
+
+struct Item {
+    int32_t req, first, count;  // request, first query token of the tile (relative), tokens in the tile
+};
+
+template <int DT>
+void attend_item(const Args& a, const Item& it, int64_t h, float* buf) {
+    using E = Elem<DT>;
+    using T = typename E::T;
+    const int64_t D = a.head_size, BS = a.block_size;
+    const int64_t G = a.num_heads / a.num_kv_heads;
+    const int64_t M = it.count * G;
+    const int64_t q0 = a.qsl[it.req];
+    const int64_t qlen = a.qsl[it.req + 1] - q0;
+    const int64_t ctx = a.seq_lens[it.req] - qlen;
+    const int64_t max_hz = ctx + it.first + it.count;  // keys the tile's last token sees
+    const int32_t* table = a.bt + it.req * a.bt_stride;
+
+    float* qf = buf;                 // [M][D] scaled query rows
+    float* acc = qf + M * D;         // [M][D]
+    float* mrow = acc + M * D;       // [M]
+    float* lrow = mrow + M;          // [M]
+    float* kf = lrow + M;            // [BS][D] (converted block, half types)
+    float* vf = kf + BS * D;         // [BS][D]
+    float* s = vf + BS * D;          // [BS]
+
+    const T* qbase = static_cast<const T*>(a.q);
+    for (int64_t ti = 0; ti < it.count; ++ti) {
+        for (int64_t g = 0; g < G; ++g) {
+            const T* src = qbase + (q0 + it.first + ti) * a.q_st + (h * G + g) * a.q_sh;
+            float* dst = qf + (ti * G + g) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) dst[d] = E::load(src[d]) * a.scale;
+        }
+    }
+    for (int64_t i = 0; i < M * D; ++i) acc[i] = 0.0f;
+    for (int64_t m = 0; m < M; ++m) {
+        mrow[m] = -INFINITY;
+        lrow[m] = 0.0f;
+    }
+
+    const T* kc = static_cast<const T*>(a.k);
+    const T* vc = static_cast<const T*>(a.v);
+    const int64_t nblocks = (max_hz + BS - 1) / BS;
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = b * BS;
+        const int64_t nkeys = max_hz - start < BS ? max_hz - start : BS;
+        const int64_t off = static_cast<int64_t>(table[b]) * a.kv_sb + h * a.kv_sh;
+        const float* krows;
+        const float* vrows;
+        int64_t kstride;
+        if constexpr (DT == F32) {
+            krows = kc + off;
+            vrows = vc + off;
+            kstride = a.kv_st;
+        } else {
+            for (int64_t j = 0; j < nkeys; ++j) {
+                const T* ks = kc + off + j * a.kv_st;
+                const T* vs = vc + off + j * a.kv_st;
+                float* kd = kf + j * D;
+                float* vd = vf + j * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) {
+                    kd[d] = E::load(ks[d]);
+                    vd[d] = E::load(vs[d]);
+                }
+            }
+            krows = kf;
+            vrows = vf;
+            kstride = D;
+        }
+        for (int64_t m = 0; m < M; ++m) {
+            const int64_t hz = ctx + it.first + m / G + 1;  // this row's keys: positions < hz
+            const int64_t n = hz - start < nkeys ? hz - start : nkeys;
+            if (n <= 0) continue;
+            const float* qr = qf + m * D;
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4) {
+                const float* k0 = krows + j * kstride;
+                const float* k1 = k0 + kstride;
+                const float* k2 = k1 + kstride;
+                const float* k3 = k2 + kstride;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                for (int64_t d = 0; d < D; ++d) {
+                    s0 += qr[d] * k0[d];
+                    s1 += qr[d] * k1[d];
+                    s2 += qr[d] * k2[d];
+                    s3 += qr[d] * k3[d];
+                }
+                s[j] = s0;
+                s[j + 1] = s1;
+                s[j + 2] = s2;
+                s[j + 3] = s3;
+            }
+            for (; j < n; ++j) {
+                const float* k0 = krows + j * kstride;
+                float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+                for (int64_t d = 0; d < D; ++d) s0 += qr[d] * k0[d];
+                s[j] = s0;
+            }
+            float bmax = s[0];
+            for (int64_t jj = 1; jj < n; ++jj) bmax = s[jj] > bmax ? s[jj] : bmax;
+            const float mold = mrow[m];
+            const float mnew = bmax > mold ? bmax : mold;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t jj = 0; jj < n; ++jj) {
+                const float p = exp_nonpos(s[jj] - mnew);
+                s[jj] = p;
+                sum += p;
+            }
+            float* ar = acc + m * D;
+            if (mnew != mold) {
+                const float alpha = exp_nonpos(mold - mnew);
+                lrow[m] *= alpha;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+            }
+            lrow[m] += sum;
+            mrow[m] = mnew;
+            j = 0;
+            for (; j + 4 <= n; j += 4) {
+                const float* v0 = vrows + j * kstride;
+                const float* v1 = v0 + kstride;
+                const float* v2 = v1 + kstride;
+                const float* v3 = v2 + kstride;
+                const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ar[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+            }
+            for (; j < n; ++j) {
+                const float* v0 = vrows + j * kstride;
+                const float p0 = s[j];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ar[d] += p0 * v0[d];
+            }
+        }
+    }
+
+    T* obase = static_cast<T*>(a.out);
+    for (int64_t m = 0; m < M; ++m) {
+        const int64_t ti = m / G, g = m % G;
+        T* dst = obase + (q0 + it.first + ti) * a.o_st + (h * G + g) * a.o_sh;
+        const float inv = 1.0f / lrow[m];
+        const float* ar = acc + m * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = E::store(ar[d] * inv);
+    }
+}
+
+template <int DT>
+void attend_all(const Args& a, const Item* items, int64_t num_items, int num_threads) {
+    const int64_t hkv = a.num_kv_heads;
+    const int64_t total = num_items * hkv;
+    const int64_t G = a.num_heads / a.num_kv_heads;
+    const int64_t rows = TILE_ROWS > G ? TILE_ROWS : G;
+    const size_t floats = static_cast<size_t>(2 * rows * a.head_size + 2 * rows + 2 * a.block_size * a.head_size + a.block_size + 16);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && total > 1)
+    {
+        float* buf = static_cast<float*>(std::aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < total; ++w) attend_item<DT>(a, items[w / hkv], w % hkv, buf);
+        std::free(buf);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Error codes written to err[0] (err[1..3] say where): 0 ok, 1 query_start_loc not non-decreasing or past
+// num_tokens (req, start, end), 2 seq_len shorter than the query (req, seq_len, query_len), 3 block table
+// too narrow (req, blocks needed, width), 4 block id out of range (req, column, id), 5 bad dtype/shape
+// (field, value, 0), 6 out of memory.
+int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, const void* k, const void* v,
+                          int64_t kv_sb, int64_t kv_st, int64_t kv_sh, void* out, int64_t o_st, int64_t o_sh,
+                          const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt, int64_t bt_stride,
+                          int64_t bt_width, int64_t num_reqs, int64_t num_tokens, int64_t num_blocks,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
+                          int num_threads, int64_t* err) {
+    err[0] = err[1] = err[2] = err[3] = 0;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size <= 0 || head_size > MAX_HEAD_SIZE || block_size <= 0) {
+        err[0] = 5;
+        err[1] = head_size;
+        return 5;
+    }
+    const int64_t G = num_heads / num_kv_heads;
+    const int64_t tile = TILE_ROWS / G > 1 ? TILE_ROWS / G : 1;
+    int64_t num_items = 0;
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        const int64_t s0 = qsl[r], s1 = qsl[r + 1], qlen = s1 - s0, sl = seq_lens[r];
+        if (s0 < 0 || s1 < s0 || s1 > num_tokens) {
+            err[0] = 1; err[1] = r; err[2] = s0; err[3] = s1;
+            return 1;
+        }
+        if (qlen == 0) continue;
+        if (sl < qlen) {
+            err[0] = 2; err[1] = r; err[2] = sl; err[3] = qlen;
+            return 2;
+        }
+        const int64_t need = (sl + block_size - 1) / block_size;
+        if (need > bt_width) {
+            err[0] = 3; err[1] = r; err[2] = need; err[3] = bt_width;
+            return 3;
+        }
+        for (int64_t c = 0; c < need; ++c) {
+            const int64_t id = bt[r * bt_stride + c];
+            if (id < 0 || id >= num_blocks) {
+                err[0] = 4; err[1] = r; err[2] = c; err[3] = id;
+                return 4;
+            }
+        }
+        num_items += (qlen + tile - 1) / tile;
+    }
+    if (num_items == 0) return 0;
+    Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * num_items));
+    if (!items) {
+        err[0] = 6;
+        return 6;
+    }
+    // Prefill tiles first, last tiles (longest horizons) first: the dynamic schedule then ends on small items.
+    int64_t n = 0;
+    for (int64_t r = num_reqs - 1; r >= 0; --r) {
+        const int64_t qlen = qsl[r + 1] - qsl[r];
+        if (qlen <= 1) continue;
+        for (int64_t t = ((qlen - 1) / tile) * tile; t >= 0; t -= tile)
+            items[n++] = Item{static_cast<int32_t>(r), static_cast<int32_t>(t), static_cast<int32_t>(qlen - t < tile ? qlen - t : tile)};
+    }
+    for (int64_t r = 0; r < num_reqs; ++r)
+        if (qsl[r + 1] - qsl[r] == 1) items[n++] = Item{static_cast<int32_t>(r), 0, 1};
+    Args a{q, q_st, q_sh, k, v, kv_sb, kv_st, kv_sh, out, o_st, o_sh, qsl, seq_lens, bt, bt_stride,
+           num_heads, num_kv_heads, head_size, block_size, scale};
+    switch (dtype) {
+        case F32: attend_all<F32>(a, items, num_items, num_threads); break;
+        case BF16: attend_all<BF16>(a, items, num_items, num_threads); break;
+        case F16: attend_all<F16>(a, items, num_items, num_threads); break;
+        default:
+            err[0] = 5; err[1] = -1; err[2] = dtype;
+            std::free(items);
+            return 5;
+    }
+    std::free(items);
+    return 0;
+}
+
+// Copies key/value rows [num_tokens, num_kv_heads, head_size] (the cache's dtype, elem_size bytes each)
+// to their slots; slot -1 writes nothing.  err: 0 ok, 1 slot out of range (token, slot, num_slots).
+int corerun_cpu_write_kv(int64_t elem_size, const void* key, int64_t k_st, int64_t k_sh, const void* value,
+                         int64_t v_st, int64_t v_sh, void* k_cache, void* v_cache, int64_t kv_sb, int64_t kv_st,
+                         int64_t kv_sh, const int64_t* slots, int64_t num_tokens, int64_t num_kv_heads,
+                         int64_t head_size, int64_t block_size, int64_t num_blocks, int64_t* err) {
+    err[0] = err[1] = err[2] = err[3] = 0;
+    const int64_t num_slots = num_blocks * block_size;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        if (slots[t] < -1 || slots[t] >= num_slots) {
+            err[0] = 1; err[1] = t; err[2] = slots[t]; err[3] = num_slots;
+            return 1;
+        }
+    }
+    const size_t row = static_cast<size_t>(head_size * elem_size);
+    const char* kb = static_cast<const char*>(key);
+    const char* vb = static_cast<const char*>(value);
+    char* kc = static_cast<char*>(k_cache);
+    char* vc = static_cast<char*>(v_cache);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t base = (slot / block_size) * kv_sb + (slot % block_size) * kv_st;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            std::memcpy(kc + (base + h * kv_sh) * elem_size, kb + (t * k_st + h * k_sh) * elem_size, row);
+            std::memcpy(vc + (base + h * kv_sh) * elem_size, vb + (t * v_st + h * v_sh) * elem_size, row);
+        }
+    }
+    return 0;
+}
+
+int corerun_cpu_abi_version(void) { return 1; }
+
+int corerun_cpu_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+}  // extern "C"
