@@ -25,7 +25,7 @@ from corerun.forward_context import AttentionContext
 from corerun.kv_cache.profile import StepMemory
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
-from corerun.registry import Registry, get_registry
+from corerun.registry import Registry, announce, get_registry
 from corerun.sampler_utils import to_device
 from corerun.sampling_params import SamplingParams
 from corerun.step_inputs import StepInputs
@@ -68,6 +68,7 @@ class ModelRunner:
 
         self.config = config
         self.registry = registry or get_registry()
+        self.registry.check_names(config)  # a wrong or duplicated name fails now, not after the model loads
         self.device = resolve_device(config.device)
         # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
         torch.manual_seed(config.seed)
@@ -102,7 +103,7 @@ class ModelRunner:
         graph_name = config.graph.runner.name
         if graph_name == "auto":
             graph_name, why = choose_graph_runner(self.device, self.attention.capabilities)
-            logger.info("graph.runner: auto chose '%s': %s", graph_name, why)
+            announce("graph.runner: auto chose '%s': %s", graph_name, why)
         self.graph_name = graph_name
         limits = GraphLimits(
             max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),

@@ -18,11 +18,36 @@ from typing import Any, Callable, Iterable
 
 import pluggy
 
-from corerun import hookspecs
+from corerun import hookspecs, trust
 from corerun._version import PROTOCOL_VERSION, __version__
-from corerun.errors import PluginError, PluginNotFoundError, PluginUnavailableError, ProtocolVersionError
+from corerun.errors import CorerunError, PluginError, PluginNotFoundError, PluginUnavailableError, ProtocolVersionError
 
 logger = logging.getLogger("corerun.registry")
+# What serves the user (the `auto` choice and why, an explicitly named backend) is said on every
+# startup: this logger is at INFO whatever the root level, and prints on its own when nothing is set up.
+selection_logger = logging.getLogger("corerun.selection")
+selection_logger.setLevel(logging.INFO)
+
+
+def announce(message: str, *args: Any) -> None:
+    """Log ``message`` on ``corerun.selection`` (shown at the default log level; silence it with
+    ``logging.getLogger("corerun.selection").setLevel(logging.WARNING)``)."""
+    if not selection_logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("corerun: %(message)s"))
+        selection_logger.addHandler(handler)
+        selection_logger.propagate = False
+    selection_logger.info(message, *args)
+
+
+class PluginLoadError(PluginError):
+    """Importing or building a plugin's implementation raised; names the plugin, its distribution and
+    the original exception (chained as ``__cause__``).  ``import_failure``: the exception was an
+    ImportError (a kernel module that cannot be imported), so no build of it can succeed."""
+
+    def __init__(self, message: str, import_failure: bool = False) -> None:
+        super().__init__(message)
+        self.import_failure = import_failure
 
 ENTRY_POINT_GROUP = "corerun"
 ENV_ALLOW_LIST = "CORERUN_PLUGINS"
@@ -66,6 +91,7 @@ class Registration:
     protocol_version: int = PROTOCOL_VERSION
     priority: int | dict[str, int] = 0  # or per device type: {"cuda": 10, "cpu": -10}
     description: str = ""
+    origin: str = trust.THIRD_PARTY  # built-in, first-party or third-party (corerun.trust)
     _reasons: list[str] | None = field(default=None, repr=False)
 
     def priority_on(self, device_type: str) -> int:
@@ -76,10 +102,28 @@ class Registration:
 
     @property
     def builtin(self) -> bool:
-        return self.plugin == "corerun"
+        return self.origin == trust.BUILTIN
+
+    @property
+    def title(self) -> str:
+        """``attention backend 'mine' (plugin 'mine', distribution corerun-attention-mine 0.4.0)``."""
+        return f"{KIND_TITLES[self.kind]} '{self.name}' (plugin '{self.plugin}', distribution {self.distribution} {self.version})"
+
+    def trust_problem(self, device_type: str) -> str | None:
+        """``None`` when ``auto`` may choose this implementation on ``device_type``; else why not."""
+        if self.origin in (trust.BUILTIN, trust.FIRST_PARTY):
+            return None
+        problem = trust.certificate_problem(self, device_type)
+        return None if problem is None else f"third-party, {problem}"
+
+    def trust_label(self, device_type: str) -> str:
+        if self.origin != trust.THIRD_PARTY:
+            return self.origin
+        return "certified" if trust.certificate_problem(self, device_type) is None else "not certified"
 
     def unavailable_reasons(self) -> list[str]:
-        """Every reason this implementation cannot run here (empty when it can). Runs the probe once."""
+        """Every reason this implementation cannot run here (empty when it can): the probe's, else an
+        import of the factory's module that fails.  Computed once."""
         if self._reasons is None:
             if self.probe is None:
                 self._reasons = []
@@ -88,6 +132,11 @@ class Registration:
                     self._reasons = list(resolve(self.probe)())
                 except Exception as exc:  # a probe that crashes makes its plugin unavailable, not the CLI
                     self._reasons = [f"availability probe raised {type(exc).__name__}: {exc}"]
+            if not self._reasons and isinstance(self.factory, str):
+                try:
+                    resolve(self.factory)
+                except Exception as exc:
+                    self._reasons = [f"import of {self.factory} failed: {type(exc).__name__}: {exc}"]
         return self._reasons
 
     @property
@@ -113,12 +162,25 @@ class Registration:
         return model.model_dump()
 
     def create(self, *args: Any, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        """Build the implementation. Raises PluginUnavailableError with every probe reason first."""
+        """Build the implementation.  Raises PluginUnavailableError with every probe reason first; an
+        exception while importing or building it becomes one PluginLoadError line naming the plugin,
+        its distribution and the exception (corerun errors such as UnsupportedError pass as they are)."""
         reasons = self.unavailable_reasons()
         if reasons:
             raise PluginUnavailableError(KIND_TITLES[self.kind], self.name, reasons)
         opts = self.validate_options(options or {}, self.kind)
-        return resolve(self.factory)(*args, **kwargs, **opts)
+        try:
+            return resolve(self.factory)(*args, **kwargs, **opts)
+        except CorerunError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ImportError):  # a kernel module imported lazily: unavailable from now on
+                self._reasons = [f"import failed while building it: {type(exc).__name__}: {exc}"]
+            logger.info("building %s failed", self.title, exc_info=True)
+            raise PluginLoadError(
+                f"{self.title} failed to load: {type(exc).__name__}: {exc} (corerun -v shows the traceback)",
+                import_failure=isinstance(exc, ImportError),
+            ) from exc
 
     def to_dict(self, with_availability: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -130,6 +192,7 @@ class Registration:
             "protocol_version": self.protocol_version,
             "priority": self.priority,
             "description": self.description,
+            "origin": self.origin,
             "capabilities": self.capabilities.to_dict() if hasattr(self.capabilities, "to_dict") else None,
         }
         if with_availability:
@@ -160,6 +223,8 @@ class Registry:
         self.load_errors: list[LoadError] = []
         self.duplicates: dict[tuple[str, str], list[Registration]] = {}
         self.plugins: dict[str, tuple[str, str]] = {}  # plugin id -> (distribution, version)
+        self.allow_list: list[str] | None = None  # the CORERUN_PLUGINS ids, when set
+        self.filter_warnings: list[str] = []
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -174,8 +239,10 @@ class Registry:
         return reg
 
     def load_entry_points(self, allow: Iterable[str] | None = None) -> None:
-        allowed = None if allow is None else set(allow)
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        allowed = None if allow is None else list(dict.fromkeys(allow))
+        self.allow_list = allowed
+        installed = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        for ep in installed:
             if allowed is not None and ep.name not in allowed:
                 continue
             dist = ep.dist.name if ep.dist is not None else "?"
@@ -190,9 +257,26 @@ class Registry:
                 continue
             self.register_module(module, plugin=ep.name, distribution=dist, version=version)
         self.pm.check_pending()
+        ids = sorted({ep.name for ep in installed})
+        for entry in allowed or ():
+            if entry in ids:
+                continue
+            msg = (
+                f"{ENV_ALLOW_LIST} names '{entry}', but no installed plugin has that id; it lists plugin ids "
+                f"(entry-point names), not implementation names. Installed plugin ids: {', '.join(ids) or 'none'}"
+            )
+            close = difflib.get_close_matches(entry, ids, n=1)
+            if close:
+                msg += f". Did you mean '{close[0]}'?"
+            self.filter_warnings.append(msg)
+            logger.warning("%s", msg)
 
-    def register_module(self, module: Any, *, plugin: str, distribution: str, version: str) -> None:
-        """Register one plugin object (a module or any object with hook implementations) and collect what it provides."""
+    def register_module(
+        self, module: Any, *, plugin: str, distribution: str, version: str, origin: str | None = None
+    ) -> None:
+        """Register one plugin object (a module or any object with hook implementations) and collect what
+        it provides.  ``origin`` (built-in, first-party, third-party) defaults to what :mod:`corerun.trust`
+        derives from the plugin id and distribution."""
         if plugin in self.plugins:
             other = self.plugins[plugin][0]
             self.load_errors.append(
@@ -210,11 +294,12 @@ class Registry:
             self.load_errors.append(LoadError(plugin, distribution, problem))
             return
         self.plugins[plugin] = (distribution, version)
+        origin = origin or trust.origin(plugin, distribution)
         for kind, hook_name in hookspecs.HOOKS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 if impl.plugin_name != plugin:
                     continue
-                register = self._register_callback(kind, plugin, distribution, version)
+                register = self._register_callback(kind, plugin, distribution, version, origin)
                 kwargs = {"register": register}
                 try:
                     impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
@@ -241,7 +326,7 @@ class Registry:
             return f"defines {', '.join(unmarked)} without the @corerun.hookimpl decorator, so corerun would never call it"
         return ""
 
-    def _register_callback(self, kind: str, plugin: str, distribution: str, version: str) -> Callable[..., None]:
+    def _register_callback(self, kind: str, plugin: str, distribution: str, version: str, origin: str) -> Callable[..., None]:
         def register(
             name: str,
             factory: str | Callable[..., Any],
@@ -262,24 +347,49 @@ class Registry:
             reg = Registration(
                 kind=kind, name=name, factory=factory, plugin=plugin, distribution=distribution, version=version,
                 capabilities=capabilities, probe=probe, options=options, protocol_version=protocol_version,
-                priority=priority, description=description,
+                priority=priority, description=description, origin=origin,
             )
-            table = self.registrations[kind]
-            key = (kind, name)
-            if key in self.duplicates:
-                self.duplicates[key].append(reg)
-            elif name in table:
-                first = table.pop(name)
-                self.duplicates[key] = [first, reg]
-            else:
-                table[name] = reg
-                return
-            dists = " and ".join(f"{r.distribution} (plugin '{r.plugin}')" for r in self.duplicates[key])
-            self.load_errors.append(
-                LoadError(plugin, distribution, f"{KIND_TITLES[kind]} name '{name}' is registered by both {dists}")
-            )
+            self._add(reg)
 
         return register
+
+    def _add(self, reg: Registration) -> None:
+        """Add ``reg``; a name taken twice is kept by the higher origin (built-in, then first-party), and
+        a tie leaves the name to nobody, each refusal a load error naming both distributions."""
+        kind, name = reg.kind, reg.name
+        table, key = self.registrations[kind], (reg.kind, reg.name)
+        holder = table.get(name)
+        title = f"{KIND_TITLES[kind]} name '{name}'"
+        if key in self.duplicates:
+            self.duplicates[key].append(reg)
+        elif holder is None:
+            table[name] = reg
+            return
+        elif trust.RANK[holder.origin] != trust.RANK[reg.origin]:
+            keep, refuse = (holder, reg) if trust.RANK[holder.origin] > trust.RANK[reg.origin] else (reg, holder)
+            table[name] = keep
+            self.load_errors.append(LoadError(refuse.plugin, refuse.distribution, (
+                f"{title} belongs to {keep.distribution} ({keep.origin}); the one {refuse.distribution} "
+                f"(plugin '{refuse.plugin}') registers is ignored. {keep.distribution} keeps serving '{name}'; "
+                f"to use the other, {refuse.distribution} must register it under another name "
+                f"(or pip uninstall {refuse.distribution})"
+            )))
+            return
+        else:
+            table.pop(name)
+            self.duplicates[key] = [holder, reg]
+        self.load_errors.append(LoadError(reg.plugin, reg.distribution, self._duplicate_message(key)))
+
+    def _duplicate_message(self, key: tuple[str, str]) -> str:
+        regs = self.duplicates[key]
+        kind, name = key
+        dists = " and ".join(f"{r.distribution} (plugin '{r.plugin}')" for r in regs)
+        removes = " or ".join(f"`pip uninstall {r.distribution}`" for r in regs)
+        keep_one = ",".join(r.plugin for r in regs[:1])
+        return (
+            f"{KIND_TITLES[kind]} name '{name}' is registered by both {dists}, so neither is used; remove one: "
+            f"{removes} (or load only one, e.g. {ENV_ALLOW_LIST}={keep_one})"
+        )
 
     # --------------------------------------------------------------- lookup
     def names(self, kind: str) -> list[str]:
@@ -289,16 +399,13 @@ class Registry:
         return [r for kind in KINDS for r in sorted(self.registrations[kind].values(), key=lambda r: r.name)]
 
     def get(self, kind: str, name: str) -> Registration:
-        """The registration for ``name``; errors list what is installed, suggest a spelling and the pip command."""
+        """The registration for ``name``; errors list what is installed, what failed to load, the active
+        ``CORERUN_PLUGINS`` filter, and suggest a spelling and the pip command."""
         if kind not in self.registrations:
             raise PluginError(f"unknown plugin kind '{kind}'; kinds are {', '.join(KINDS)}")
         key = (kind, name)
         if key in self.duplicates:
-            dists = " and ".join(f"{r.distribution} (plugin '{r.plugin}')" for r in self.duplicates[key])
-            raise PluginError(
-                f"{KIND_TITLES[kind]} name '{name}' is registered by both {dists}; uninstall one of them "
-                f"or restrict loading with {ENV_ALLOW_LIST}"
-            )
+            raise PluginError(self._duplicate_message(key))
         table = self.registrations[kind]
         if name in table:
             return table[name]
@@ -312,41 +419,88 @@ class Registry:
         dist = KNOWN_DISTRIBUTIONS.get((kind, hinted)) if hinted else None
         if dist:
             msg += f" '{hinted}' is provided by {dist}: pip install {dist}"
-            if os.environ.get(ENV_ALLOW_LIST) is not None:
+            if self.allow_list is not None:
                 msg += f" (and allow it in {ENV_ALLOW_LIST})"
-        failed = [e for e in self.load_errors if e.plugin == name or name in e.error]
-        for e in failed:
-            msg += f" Plugin '{e.plugin}' ({e.distribution}) failed to load: {e.error}"
+        failed = [e for e in self.load_errors if not e.error.startswith(f"{KIND_TITLES[kind]} name ")]
+        if failed:
+            msg += " Plugins that failed to load: " + "; ".join(f"'{e.plugin}' ({e.distribution}): {e.error}" for e in failed) + "."
+        if self.allow_list is not None:
+            msg += (
+                f" {ENV_ALLOW_LIST}={','.join(self.allow_list)} is set: only those plugin ids (and the built-ins) load"
+            )
+            if self.filter_warnings:
+                msg += "; " + "; ".join(w.split(";")[0].removeprefix(f"{ENV_ALLOW_LIST} names ") for w in self.filter_warnings)
+            msg += "."
         raise PluginNotFoundError(msg)
 
     def create(self, kind: str, name: str, *args: Any, options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         return self.get(kind, name).create(*args, options=options, **kwargs)
 
+    def check_names(self, config: Any) -> None:
+        """Look up every implementation ``config`` names (not ``auto``) before anything is loaded, so a
+        misspelt, duplicated or missing name fails at once, not after the model has loaded."""
+        wanted = [
+            ("attention", config.attention.name), ("sampler", config.sampler.name),
+            ("kv_cache", config.kv_cache.manager.name), ("graph", config.graph.runner.name),
+        ]
+        for kind, name in wanted:
+            if name != "auto":
+                self.get(kind, name)
+
+    # ------------------------------------------------------------ selection
+    def auto_ranking(
+        self, kind: str, device_type: str, check: Callable[[Registration], list[str]] | None = None
+    ) -> tuple[list[Registration], list[tuple[Registration, str]]]:
+        """What ``auto`` considers on ``device_type``: the eligible implementations, best first (highest
+        priority, then name), and every other one with why it was passed over (capability, availability,
+        trust).  ``check`` adds reasons (the attention capabilities against a spec)."""
+        eligible: list[Registration] = []
+        passed: list[tuple[Registration, str]] = []
+        for reg in sorted(self.registrations[kind].values(), key=lambda r: r.name):
+            caps = reg.capabilities
+            reasons = list(check(reg)) if check else []
+            devices = getattr(caps, "devices", None)
+            if check is None and devices is not None and device_type not in devices:
+                reasons.append(f"device {device_type} not in {{{', '.join(sorted(devices))}}}")
+            reasons += reg.unavailable_reasons()
+            if reasons:
+                passed.append((reg, "; ".join(reasons)))
+                continue
+            problem = reg.trust_problem(device_type)
+            if problem:
+                passed.append((reg, problem))
+            else:
+                eligible.append(reg)
+        eligible.sort(key=lambda r: (-r.priority_on(device_type), r.name))
+        for reg in eligible[1:]:
+            passed.insert(0, (reg, f"lower priority ({reg.priority_on(device_type)} < {eligible[0].priority_on(device_type)})"))
+        return eligible, passed
+
     def select_attention(self, name: str, spec: Any) -> Registration:
-        """The attention backend for ``spec``: ``name`` itself (never replaced), or the best capable one for ``auto``."""
+        """The attention backend for ``spec``: ``name`` itself (used as asked, never replaced), or for
+        ``auto`` the highest-priority capable, available and trusted one (built-in, first-party or
+        certified).  Either way the choice is announced on ``corerun.selection``."""
+        dev = getattr(spec.device, "type", str(spec.device))
+
+        def capable(reg: Registration) -> list[str]:
+            return reg.capabilities.check(spec) if reg.capabilities else []
+
         if name != "auto":
             reg = self.get("attention", name)
-            reasons = reg.unavailable_reasons() + (reg.capabilities.check(spec) if reg.capabilities else [])
+            reasons = reg.unavailable_reasons() + capable(reg)
             if reasons:
                 raise PluginUnavailableError(KIND_TITLES["attention"], name, reasons)
+            announce("attention: '%s' as configured, from %s %s (%s on %s)", reg.name, reg.distribution, reg.version,
+                     reg.trust_label(dev), dev)
             return reg
-        rejected: list[str] = []
-        candidates: list[Registration] = []
-        for reg in self.registrations["attention"].values():
-            reasons = reg.unavailable_reasons() + (reg.capabilities.check(spec) if reg.capabilities else [])
-            if reasons:
-                rejected.append(f"{reg.name}: " + "; ".join(reasons))
-            else:
-                candidates.append(reg)
-        if not candidates:
-            raise PluginUnavailableError(KIND_TITLES["attention"], "auto", rejected or ["no attention backend is installed"])
-        dev = getattr(spec.device, "type", str(spec.device))
-        best = max(candidates, key=lambda r: (r.priority_on(dev), r.name))
-        others = ", ".join(f"{r.name} (priority {r.priority_on(dev)})" for r in candidates if r is not best)
-        logger.info(
-            "attention: auto chose '%s' (priority %d on %s)%s%s", best.name, best.priority_on(dev), dev,
-            f"; also capable: {others}" if others else "",
-            f"; not capable: {' | '.join(rejected)}" if rejected else "",
+        eligible, passed = self.auto_ranking("attention", dev, capable)
+        why_not = [f"{r.name}: {why}" for r, why in passed]
+        if not eligible:
+            raise PluginUnavailableError(KIND_TITLES["attention"], "auto", why_not or ["no attention backend is installed"])
+        best = eligible[0]
+        announce(
+            "attention: auto chose '%s' from %s %s (%s, priority %d on %s)%s", best.name, best.distribution, best.version,
+            best.trust_label(dev), best.priority_on(dev), dev, f"; passed over: {' | '.join(why_not)}" if why_not else "",
         )
         return best
 

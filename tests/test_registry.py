@@ -215,13 +215,15 @@ def test_duplicate_name_is_an_error_naming_both_distributions() -> None:
     a = Provides(attention=[("fast", Recorder(), {})])
     b = Provides(attention=[("fast", Recorder(), {}), ("other", Recorder(), {})])
     reg = builtins_only((a, "fast_a", "corerun-fast-a"), (b, "fast_b", "corerun-fast-b"))
-    both = "corerun-fast-a (plugin 'fast_a') and corerun-fast-b (plugin 'fast_b')"
-    assert [e.error for e in reg.load_errors] == [f"attention backend name 'fast' is registered by both {both}"]
+    expected = (
+        "attention backend name 'fast' is registered by both corerun-fast-a (plugin 'fast_a') and corerun-fast-b "
+        "(plugin 'fast_b'), so neither is used; remove one: `pip uninstall corerun-fast-a` or "
+        "`pip uninstall corerun-fast-b` (or load only one, e.g. CORERUN_PLUGINS=fast_a)"
+    )
+    assert [e.error for e in reg.load_errors] == [expected]
     with pytest.raises(PluginError) as err:
         reg.get("attention", "fast")
-    assert str(err.value) == (
-        f"attention backend name 'fast' is registered by both {both}; uninstall one of them or restrict loading with CORERUN_PLUGINS"
-    )
+    assert str(err.value) == expected
     assert "fast" not in reg.names("attention")  # no silent last-wins
     assert reg.get("attention", "other").distribution == "corerun-fast-b"
 
@@ -233,10 +235,35 @@ def test_third_registrant_of_a_name_is_named_too() -> None:
         reg.get("sampler", "same")
 
 
-def test_builtin_name_cannot_be_taken_over() -> None:
-    reg = builtins_only((Provides(attention=[("torch", Recorder(), {})]), "evil", "corerun-evil"))
-    with pytest.raises(PluginError, match="'torch' is registered by both corerun \\(plugin 'corerun'\\) and corerun-evil"):
-        reg.get("attention", "torch")
+@pytest.mark.parametrize("first", [True, False], ids=["plugin-loads-after", "plugin-loads-before"])
+def test_builtin_name_cannot_be_taken_over(first: bool) -> None:
+    evil = (Provides(attention=[("torch", Recorder(), {}), ("extra", Recorder(), {})]), "evil", "corerun-evil")
+    if first:
+        reg = builtins_only(evil)
+    else:  # whatever the loading order, the built-in keeps its name
+        reg = Registry()
+        reg.register_module(evil[0], plugin="evil", distribution="corerun-evil", version="6.6")
+        reg.register_module(importlib.import_module("corerun.builtin_plugins"), plugin="corerun", distribution="corerun", version=__version__)
+    assert reg.get("attention", "torch").distribution == "corerun"
+    assert reg.get("attention", "extra").distribution == "corerun-evil"  # the rest of the plugin keeps working
+    (error,) = reg.load_errors
+    assert (error.plugin, error.distribution) == ("evil", "corerun-evil")
+    assert error.error.startswith(
+        "attention backend name 'torch' belongs to corerun (built-in); the one corerun-evil (plugin 'evil') "
+        "registers is ignored"
+    )
+    assert "pip uninstall corerun-evil" in error.error and "uninstall corerun " not in error.error
+
+
+def test_first_party_name_cannot_be_taken_over_by_a_third_party() -> None:
+    real, evil = Recorder(), Recorder()
+    reg = Registry()
+    reg.register_module(Provides(sampler=[("full", evil, {})]), plugin="evil", distribution="corerun-evil", version="1")
+    reg.register_module(Provides(sampler=[("full", real, {})]), plugin="sampler_full", distribution="corerun-sampler-full", version="0.1.0")
+    assert reg.get("sampler", "full").factory is real
+    assert reg.get("sampler", "full").origin == "first-party"  # corerun's metadata lists corerun-sampler-full as an extra
+    assert [e.distribution for e in reg.load_errors] == ["corerun-evil"]
+    assert "belongs to corerun-sampler-full (first-party)" in reg.load_errors[0].error
 
 
 def test_duplicate_plugin_id_is_a_load_error() -> None:
@@ -288,7 +315,8 @@ def test_unknown_backend_name_suggests_the_installed_one(tmp_path: Path, monkeyp
     msg = _get_from_yaml(reg, tmp_path, "attention: tritonn\n", "attention")
     assert msg == (
         "no attention backend named 'tritonn'. Installed: flash (corerun-attention-flash), torch (corerun), "
-        "triton (corerun-attention-triton). Did you mean 'triton'?"
+        "triton (corerun-attention-triton). Did you mean 'triton'? CORERUN_PLUGINS=attention_triton,attention_flash "
+        "is set: only those plugin ids (and the built-ins) load."
     )
 
 
@@ -306,8 +334,9 @@ def test_unknown_name_of_a_known_plugin_gives_the_pip_command(tmp_path: Path, mo
         "'full' is provided by corerun-sampler-full: pip install corerun-sampler-full"
     )
     monkeypatch.setenv("CORERUN_PLUGINS", "")
-    msg = _get_from_yaml(reg, tmp_path, "sampler: basic\n", "sampler")
-    assert msg.endswith("pip install corerun-sampler-basic (and allow it in CORERUN_PLUGINS)")
+    msg = _get_from_yaml(Registry.from_environment(), tmp_path, "sampler: basic\n", "sampler")
+    assert "pip install corerun-sampler-basic (and allow it in CORERUN_PLUGINS)" in msg
+    assert msg.endswith("CORERUN_PLUGINS= is set: only those plugin ids (and the built-ins) load.")
 
 
 def test_unknown_name_with_nothing_close(tmp_path: Path) -> None:
@@ -353,9 +382,11 @@ def test_factory_and_probe_are_imported_only_when_used() -> None:
             "ghost", "corerun-ghost",
         )
     )
-    assert reg.load_errors == []
-    assert reg.get("attention", "ghost").available
-    with pytest.raises(ModuleNotFoundError, match="corerun_no_such_module"):
+    assert reg.load_errors == []  # registering imported neither the factory nor the probe
+    assert reg.get("attention", "ghost").unavailable_reasons() == [  # asking availability imports the factory
+        "import of corerun_no_such_module:Backend failed: ModuleNotFoundError: No module named 'corerun_no_such_module'"
+    ]
+    with pytest.raises(PluginUnavailableError, match="corerun_no_such_module"):
         reg.create("attention", "ghost", spec())
     assert reg.get("attention", "spooky").unavailable_reasons() == [
         "availability probe raised ModuleNotFoundError: No module named 'corerun_no_such_probe'"
@@ -373,6 +404,14 @@ def test_explicit_name_is_never_replaced() -> None:
     assert reg.select_attention("torch", spec()).name == "torch"
 
 
+def trusted(*plugins: tuple[Any, str, str]) -> Registry:
+    """Like :func:`builtins_only`, with the plugins registered as first-party (``auto`` may choose them)."""
+    reg = builtins_only()
+    for obj, plugin, dist in plugins:
+        reg.register_module(obj, plugin=plugin, distribution=dist, version="1.2.3", origin="first-party")
+    return reg
+
+
 def test_auto_picks_the_best_capable_available_backend(caplog: pytest.LogCaptureFixture) -> None:
     plugin = Provides(
         attention=[
@@ -381,14 +420,37 @@ def test_auto_picks_the_best_capable_available_backend(caplog: pytest.LogCapture
             ("good", Recorder(), {"priority": 10, "capabilities": AttentionCapabilities()}),
         ]
     )
-    reg = builtins_only((plugin, "mine", "corerun-mine"))
-    with caplog.at_level(logging.INFO, logger="corerun.registry"):
+    reg = trusted((plugin, "mine", "corerun-mine"))
+    with caplog.at_level(logging.INFO, logger="corerun.selection"):
         assert reg.select_attention("auto", spec(torch.float16)).name == "good"
     (record,) = caplog.records
-    assert "auto chose 'good' (priority 10 on cpu)" in record.message
-    assert "also capable: torch (priority 0)" in record.message
+    assert record.levelno == logging.INFO and record.name == "corerun.selection"
+    assert "auto chose 'good' from corerun-mine 1.2.3 (first-party, priority 10 on cpu)" in record.message
+    assert "torch: lower priority (0 < 10)" in record.message
     assert "fastest: needs a CUDA device" in record.message and "fast: dtype float16 not in {bfloat16}" in record.message
     assert reg.select_attention("auto", spec(torch.bfloat16)).name == "fast"
+
+
+def test_auto_never_picks_an_uncertified_third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A priority-100 third-party backend stays out of ``auto`` until certified for its exact version;
+    named explicitly, it is used as asked."""
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path))
+    from corerun import trust
+
+    reg = builtins_only((Provides(attention=[("greedy", Recorder(), {"priority": 100})]), "greedy", "corerun-greedy"))
+    with caplog.at_level(logging.INFO, logger="corerun.selection"):
+        assert reg.select_attention("auto", spec()).name == "torch"
+    assert "greedy: third-party, not certified on cpu (run `corerun conformance attention:greedy`)" in caplog.records[-1].message
+    with caplog.at_level(logging.INFO, logger="corerun.selection"):
+        assert reg.select_attention("greedy", spec()).name == "greedy"
+    assert caplog.records[-1].message == "attention: 'greedy' as configured, from corerun-greedy 1.2.3 (not certified on cpu)"
+    greedy = reg.get("attention", "greedy")
+    trust.record_certificate(greedy, "cpu", {"passed": 1})
+    assert reg.select_attention("auto", spec()).name == "greedy"
+    assert greedy.trust_problem("cuda") is not None  # a certificate covers one device type
+    greedy.version = "1.2.4"  # another installed version: the certificate no longer covers it
+    assert reg.select_attention("auto", spec()).name == "torch"
+    assert "certificate is for another version (distribution version 1.2.3 -> 1.2.4)" in greedy.trust_problem("cpu")
 
 
 def test_priority_may_depend_on_the_device_type() -> None:
@@ -398,7 +460,7 @@ def test_priority_may_depend_on_the_device_type() -> None:
             ("steady", Recorder(), {"priority": {"default": 5}}),
         ]
     )
-    reg = builtins_only((plugin, "mine", "corerun-mine"))
+    reg = trusted((plugin, "mine", "corerun-mine"))
     assert reg.select_attention("auto", spec(device="cpu")).name == "steady"
     assert reg.get("attention", "gpu_first").priority_on("cuda") == 30
     assert reg.get("attention", "steady").priority_on("cuda") == 5

@@ -179,6 +179,7 @@ def test_third_party_backend_is_listed_in_json(listing: dict) -> None:
         "protocol_version": 1,
         "priority": -5,
         "description": "the torch reference backend, packaged by a third party",
+        "origin": "third-party",
         "capabilities": {
             "dtypes": ["float32", "float64"],
             "head_sizes": None,
@@ -200,10 +201,13 @@ def test_third_party_backend_is_listed_in_json(listing: dict) -> None:
     assert {_impls(listing)[k]["distribution"] for k in BUILTINS} == {"corerun"}
 
 
-def test_listing_runs_probes_but_imports_no_factory(listing: dict) -> None:
-    # The cuda graph runner's probe lives in its factory module (which imports the eager runner);
-    # every other factory, the third party's included, stays unimported until an engine is built.
-    assert set(listing["factories_imported"]) <= {"corerun.graph.cuda", "corerun.graph.eager"}
+def test_listing_with_probes_imports_each_available_factory(listing: dict) -> None:
+    # A factory whose module cannot be imported is unavailable, so the probing listing imports the
+    # factory of every implementation its probe passes (never one whose probe failed, like flash here).
+    imported = set(listing["factories_imported"])
+    assert {"corerun_attention_mine.backend", "corerun.attention.torch_backend", "corerun_sampler_full.sampler"} <= imported
+    if not HAS_CUDA:
+        assert "corerun_attention_flash.backend" not in imported
 
 
 def test_flash_and_cuda_graphs_unavailable_with_every_reason(listing: dict) -> None:
@@ -245,7 +249,9 @@ def test_duplicate_name_names_both_distributions(site: Site, listing: dict) -> N
     ]
     assert ("sampler", "twin") not in _impls(listing)  # no silent last-wins
     assert [e["error"] for e in listing["load_errors"] if "twin" in e["error"]] == [
-        "sampler name 'twin' is registered by both corerun-twin-a (plugin 'twin_a') and corerun-twin-b (plugin 'twin_b')"
+        "sampler name 'twin' is registered by both corerun-twin-a (plugin 'twin_a') and corerun-twin-b (plugin 'twin_b'), "
+        "so neither is used; remove one: `pip uninstall corerun-twin-a` or `pip uninstall corerun-twin-b` "
+        "(or load only one, e.g. CORERUN_PLUGINS=twin_a)"
     ]
     done = site.python(
         """
@@ -266,9 +272,10 @@ def test_duplicate_name_names_both_distributions(site: Site, listing: dict) -> N
 def test_table_lists_plugins_conflicts_and_load_errors(listing: dict) -> None:
     out = listing["table"]
     rows = {(r[3], r[4]): r for r in _rows(out, "Installed implementations")}
-    assert rows[("attention", "mine")] == ["mine", "corerun-attention-mine", "0.4.0", "attention", "mine", "yes"]
+    assert rows[("attention", "mine")] == ["mine", "corerun-attention-mine", "0.4.0", "attention", "mine", "third-party", "yes"]
+    assert rows[("attention", "torch")][5] == "built-in" and rows[("sampler", "full")][5] == "first-party"
     assert rows[("attention", "torch")][:3] == ["corerun", "corerun", "0.1.0"]
-    flash = rows[("attention", "flash")][5]
+    flash = rows[("attention", "flash")][6]
     if not HAS_CUDA:
         assert flash.startswith("no\n") and "- needs a CUDA device" in flash
     (conflict,) = _rows(out, "Name conflicts")
@@ -335,7 +342,7 @@ def selection(site: Site, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_yaml_selects_the_installed_backend(selection: dict) -> None:
     out = selection["available"]
     assert out["chosen"] == ["mine", "corerun-attention-mine", "mine"]
-    assert out["imported_before_create"] is False
+    assert out["imported_before_create"] is True  # selecting checks that its factory imports
     module, cls, mro = out["backend"]
     assert (module, cls) == ("corerun_attention_mine.backend", "MineAttentionBackend")
     assert "TorchAttentionBackend" in mro

@@ -45,23 +45,83 @@ def exit_code(results: list[Any]) -> int:
     return 0
 
 
-def _render(doc: dict[str, Any], results: list[Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+def _wrap(text: str, width: int, indent: str) -> list[str]:
+    import textwrap
 
-    console = Console()
-    table = Table(title=f"corerun conformance {doc['implementation']}", title_justify="left")
-    table.add_column("check", no_wrap=True)
-    table.add_column("case", no_wrap=True)
-    table.add_column("result", no_wrap=True)
-    table.add_column("reason", overflow="fold", ratio=1)
+    lines: list[str] = []
+    for raw in text.splitlines() or [""]:
+        sub = indent + " " * (len(raw) - len(raw.lstrip()))
+        lines += textwrap.wrap(raw.strip(), width=width, initial_indent=sub, subsequent_indent=sub + "  ",
+                               break_on_hyphens=False) or [sub]
+    return lines
+
+
+def _render(doc: dict[str, Any], results: list[Any]) -> None:
+    """Per check, one line of counts; then every failure (and grouped skips and expected failures) as
+    a block wrapped to the terminal, so it reads at 80 columns."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(highlight=False)
+    width = max(40, min(console.width, 100))
+    console.print(f"[bold]corerun conformance {doc['implementation']}[/bold]")
+    by_check: dict[str, dict[str, int]] = {}
     for r in results:
-        table.add_row(Text(r.check), Text(r.case), Text(r.outcome, style=STYLES.get(r.outcome, "")), Text(r.reason))
-    console.print(table)
+        counts = by_check.setdefault(r.check, {})
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    name_width = max([len(c) for c in by_check] + [5])
+    for check, counts in by_check.items():
+        parts = ", ".join(f"[{STYLES[o]}]{n} {o}[/]" for o, n in counts.items())
+        console.print(f"  {check:<{name_width}}  {parts}")
+    bad = [r for r in results if r.failed]
+    for r in bad:
+        console.print(f"\n[{STYLES[r.outcome]}]{r.outcome.upper()}[/] {escape(r.check)}\\[{escape(r.case)}]")
+        for line in _wrap(r.reason, width, "  "):
+            console.print(escape(line))
+    for outcome in ("xfailed", "skipped"):
+        grouped: dict[str, list[str]] = {}
+        for r in results:
+            if r.outcome == outcome:
+                grouped.setdefault(r.reason, []).append(f"{r.check}[{r.case}]")
+        for reason, ids in grouped.items():
+            shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+            console.print(f"\n[{STYLES[outcome]}]{outcome}[/] {escape(shown)}")
+            for line in _wrap(reason, width, "  "):
+                console.print(escape(line))
     parts = [f"{n} {k}" for k, n in doc["summary"].items() if n]
-    verdict = Text("PASS" if doc["ok"] else "FAIL", style="bold green" if doc["ok"] else "bold red")
-    console.print(Text(f"{doc['implementation']}: ") + verdict + Text(f"  {', '.join(parts) or 'no checks selected'} in {doc['seconds']:.1f}s"))
+    verdict = "[bold green]PASS[/]" if doc["ok"] else "[bold red]FAIL[/]"
+    console.print(f"\n{doc['implementation']}: {verdict}  {', '.join(parts) or 'no checks selected'} in {doc['seconds']:.1f}s")
+    if doc.get("certificate_note"):
+        for line in _wrap(doc["certificate_note"], width, ""):
+            console.print(escape(line))
+
+
+def _certify(target: Any, results: list[Any], device: str, partial: str | None) -> tuple[str | None, str]:
+    """Record a certificate for a complete, passed run of a registered third-party implementation:
+    ``(path or None, what was done and why)``."""
+    from corerun import trust
+    from corerun.conformance.runner import summarize
+
+    reg = target.registration
+    if reg is None:
+        return None, ""
+    if reg.origin != trust.THIRD_PARTY:
+        return None, f"{reg.distribution} is {reg.origin}: `auto` may choose it without a certificate."
+    if exit_code(results) != 0:
+        return None, f"not certified: the run did not pass, so `auto` will not choose {target.label}."
+    if partial:
+        return None, f"not certified: {partial}; run the whole suite (`corerun conformance {target.label}`) to certify it."
+    counts = summarize(results)
+    if counts["xfailed"] or counts["skipped"]:
+        return None, (
+            f"not certified: {counts['xfailed']} expected failures and {counts['skipped']} skipped checks; "
+            f"`auto` only chooses what passed every check."
+        )
+    path = trust.record_certificate(reg, device, counts)
+    return str(path), (
+        f"certified {target.label} from {reg.distribution} {reg.version} for corerun {trust.__version__} on "
+        f"{device} ({path}): `auto` may now choose it."
+    )
 
 
 def _parse_options(items: tuple[str, ...]) -> dict:
@@ -138,6 +198,12 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
     doc = _document(target, results, time.perf_counter() - start)
     if kind == "graph":
         doc["attention_backend"] = cls.attention_backend  # what the suite's model attended with
+    partial = (
+        "-k selected a subset of the checks" if keyword else "--option changed the implementation's options" if options
+        else "--attention changed the suite's model" if attention else None
+    )
+    run_device = device or cls().pick_device(target)
+    doc["certificate"], doc["certificate_note"] = _certify(target, results, run_device, partial)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:

@@ -52,12 +52,56 @@ def describe(registry: Registry, probe: bool = True) -> dict[str, Any]:
             for (kind, name), regs in sorted(registry.duplicates.items())
         ],
         "load_errors": [e.to_dict() for e in registry.load_errors],
+        "filter_warnings": list(registry.filter_warnings),
+        "auto": auto_choices(registry) if probe else [],
         "not_loaded": [
             {"plugin": ep.name, "distribution": ep.dist.name if ep.dist is not None else "?"}
             for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
             if env is not None and ep.name not in loaded
         ],
     }
+
+
+AUTO_DEVICES = ("cpu", "cuda")
+
+
+def auto_choices(registry: Registry) -> list[dict[str, Any]]:
+    """Per kind with an ``auto`` and per device type: what ``auto`` would pick and why each other
+    implementation was passed over (attention is also narrowed by the model's spec at startup)."""
+    from corerun.graph import choose_graph_runner
+
+    out: list[dict[str, Any]] = []
+    for device in AUTO_DEVICES:
+        eligible, passed = registry.auto_ranking("attention", device)
+        best = eligible[0] if eligible else None
+        out.append({
+            "kind": "attention", "device": device, "choice": best.name if best else None,
+            "reason": (
+                f"{best.trust_label(device)}, highest priority ({best.priority_on(device)}) among the capable, "
+                f"available and trusted" if best else "nothing is capable, available and trusted"
+            ),
+            "passed_over": [{"name": r.name, "why": why} for r, why in passed],
+        })
+        name, why = choose_graph_runner(device, best.capabilities if best else None, best.name if best else None)
+        others = [r.name for r in registry.all() if r.kind == "graph" and r.name != name]
+        out.append({
+            "kind": "graph", "device": device, "choice": name, "reason": why,
+            "passed_over": [{"name": n, "why": f"the rule picks '{name}' here"} for n in others],
+        })
+    return out
+
+
+def _auto(doc: dict[str, Any]) -> Any:
+    from rich.text import Text
+
+    table = _table("What `auto` picks (attention: built-ins, first-party and certified plugins only)",
+                   ("kind", "device", "auto picks", "passed over"), no_wrap=("kind", "device"))
+    for a in doc["auto"]:
+        passed = "\n".join(f"{p['name']}: {p['why']}" for p in a["passed_over"]) or "-"
+        choice = Text(a["choice"] or "nothing", style="bold" if a["choice"] else "red")
+        table.add_row(Text(a["kind"]), Text(a["device"]), choice + Text(f"\n({a['reason']})", style="dim"),
+                      Text(passed))
+    return table
 
 
 def _table(title: str, columns: tuple[str, ...], no_wrap: tuple[str, ...] = ()) -> Any:
@@ -85,15 +129,15 @@ def _available_cell(impl: dict[str, Any]) -> Any:
 def _implementations(doc: dict[str, Any]) -> Any:
     from rich.text import Text
 
-    columns = ("plugin", "distribution", "version", "kind", "name", "available")
+    columns = ("plugin", "distribution", "version", "kind", "name", "origin", "available")
     table = _table("Installed implementations", columns, no_wrap=("version", "kind", "name"))
     for i in doc["implementations"]:
         cells = [Text(i[c]) for c in columns[:4]]
-        table.add_row(*cells, Text(i["name"], style="bold"), _available_cell(i))
+        table.add_row(*cells, Text(i["name"], style="bold"), Text(i["origin"]), _available_cell(i))
     for p in doc["plugins"]:
         if not p["provides"]:
             cells = [Text(p[c]) for c in columns[:3]]
-            table.add_row(*cells, "-", "-", Text("provides nothing", style="yellow"))
+            table.add_row(*cells, "-", "-", "-", Text("provides nothing", style="yellow"))
     return table
 
 
@@ -130,10 +174,14 @@ def render(doc: dict[str, Any]) -> None:
     console.print(_implementations(doc))
     if doc["conflicts"]:
         console.print(_conflicts(doc))
-        note = f"A name registered twice cannot be selected: uninstall one, or leave one out with {ENV_ALLOW_LIST}."
+        note = f"A name registered twice by equals cannot be selected: uninstall one, or leave one out with {ENV_ALLOW_LIST}."
         console.print(Text(note, style="dim"))
+    if doc["auto"]:
+        console.print(_auto(doc))
     if doc["load_errors"]:
         console.print(_load_errors(doc))
+    for warning in doc["filter_warnings"]:
+        console.print(Text(f"warning: {warning}", style="yellow"))
     if doc["not_loaded"]:
         skipped = ", ".join(f"{p['plugin']} ({p['distribution']})" for p in doc["not_loaded"])
         console.print(Text(f"Not loaded ({ENV_ALLOW_LIST} leaves them out): {skipped}", style="dim"))

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from corerun.conformance.keyword import compile_keyword
 from corerun.conformance.settings import parse_impl
 from corerun.conformance.suite import Case, ConformanceSuite, expected_failure_reason
+from corerun.registry import PluginLoadError
 
 SUITES = {
     "attention": "corerun.conformance.attention_suite:AttentionBackendSuite",
@@ -25,6 +26,7 @@ SUITES = {
     "sampler": "corerun.conformance.sampler_suite:SamplerSuite",
 }
 FAILING = ("failed", "error", "xpassed")
+LOAD_FAILURE = "cannot build the implementation: "
 
 
 @dataclass
@@ -99,6 +101,8 @@ def run_suite(cls: type[ConformanceSuite], keyword: str | None = None, progress:
                 results.append(result)
                 if progress is not None:
                     progress(result)
+                if result.outcome == "error" and result.reason.startswith(LOAD_FAILURE):
+                    return results  # the implementation cannot be built at all: one error, not one per case
     return results
 
 
@@ -118,6 +122,11 @@ def run_case(cls: type[ConformanceSuite], case: Case, xfails: dict[str, str]) ->
         outcome, reason = "skipped", str(exc.msg)
     except pytest.xfail.Exception as exc:
         outcome, reason = "xfailed", str(exc.msg)
+    except PluginLoadError as exc:
+        if exc.import_failure:
+            outcome, reason = "error", f"{LOAD_FAILURE}{exc}; the remaining checks were not run"
+        else:
+            outcome, reason = "error", str(exc)
     except pytest.fail.Exception as exc:
         outcome, reason = "failed", str(exc.msg)
     except AssertionError as exc:

@@ -1,0 +1,18 @@
+"""The public toolkit for plugin authors: the pieces every backend or sampler writes the same way.
+
+- :mod:`corerun.sdk.attention`: the dense KV-cache layout (:class:`DenseKVCache`), a sync-free
+  :func:`write_kv`, :class:`DenseAttentionBackend` (capability check, plan, KV write; an author writes
+  only ``attend``), and :func:`reference_attention`, a plain-torch kernel to start from.
+- :mod:`corerun.sdk.sampling`: per-request seeded generators (:func:`seeded_generator`,
+  :func:`row_seed`, :func:`exponential_race`), host lists to device without a sync, and the logits check.
+- :func:`require_spec` / :func:`require_params`: raise :class:`corerun.UnsupportedError` for what
+  the declared capabilities do not cover, as the protocols require.
+
+Importing ``corerun.sdk`` imports no torch; its submodules do.
+"""
+
+from __future__ import annotations
+
+from corerun.sdk.checks import require_params, require_spec
+
+__all__ = ["require_params", "require_spec"]
