@@ -50,3 +50,7 @@ class RequestError(CorerunError, ValueError):
 
 class StepError(CorerunError):
     """A plugin raised inside an engine step; the step's requests end with this error."""
+
+
+class EngineClosedError(CorerunError, RuntimeError):
+    """A request was made to an engine after ``shutdown()``."""

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from contextlib import closing
 import time
 from typing import Any, Iterator, Sequence as Seq
 
 from corerun.config import Config, deep_merge, load_config
 from corerun.engine.llm_engine import LLMEngine, Prompt
+from corerun.engine.loop import EngineLoop, OutputQueue
 from corerun.errors import RequestError
 from corerun.outputs import RequestOutput
 from corerun.sampling_params import SamplingParams
@@ -34,12 +34,15 @@ class LLM:
             cfg = load_config(config, overrides=overrides)
         self.config = cfg
         self.engine = LLMEngine(cfg)
+        self.engine_loop = EngineLoop(self.engine)  # the one loop every caller's requests join
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop what this engine runs outside the process (tensor-parallel workers). Safe to call twice."""
+        """Abort what is still in flight, stop the engine loop and what runs outside the process
+        (tensor-parallel workers). Safe to call twice."""
+        self.engine_loop.shutdown()
         self.engine.shutdown()
 
     def __enter__(self) -> "LLM":
@@ -47,6 +50,12 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    def abort(self, request_id: str | Seq[str]) -> None:
+        """End a request (or several) as ``abort`` and free its blocks, from any thread, whether it is
+        waiting or running; its ``generate``/``stream`` caller gets the ``abort`` output. Finished and
+        unknown ids are ignored."""
+        self.engine_loop.abort([request_id] if isinstance(request_id, str) else list(request_id))
 
     # ---------------------------------------------------------------- batch
     def generate(
@@ -58,9 +67,11 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order.
 
         Every request is validated before any runs: a bad one raises RequestError naming its index,
-        and nothing is queued.
+        and nothing is queued. Safe to call from several threads at once: all requests share the
+        engine loop, each caller gets its own outputs.
         """
-        ids = self._add(prompts, sampling_params)
+        outputs = OutputQueue()
+        ids = self._add(prompts, sampling_params, outputs, final_only=True)
         total = len(ids)
         show = use_tqdm if use_tqdm is not None else total > 1
         bar = _progress(total) if show else None
@@ -68,16 +79,16 @@ class LLM:
         start, tokens0 = time.perf_counter(), engine.num_generated_tokens
         done: dict[str, RequestOutput] = {}
         try:
-            with closing(self._drive(ids)) as steps:  # closing: abort the rest at once if this loop raises
-                for seq in steps:
-                    if seq.is_finished:
-                        done[seq.request_id] = engine.output(seq)
-                        if bar is not None:
-                            bar.update(1)
-                    if bar is not None:
-                        elapsed = max(time.perf_counter() - start, 1e-9)
-                        bar.set_postfix_str(f"{(engine.num_generated_tokens - tokens0) / elapsed:.1f} tok/s", refresh=False)
+            while len(done) < total:
+                out = outputs.get()
+                done[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{(engine.num_generated_tokens - tokens0) / elapsed:.1f} tok/s", refresh=False)
         finally:
+            if len(done) < total:  # interrupted (Ctrl-C) or the loop failed: abort the rest at once
+                self.engine_loop.abort([r for r in ids if r not in done])
             if bar is not None:
                 bar.close()
         return [done[r] for r in ids]
@@ -86,38 +97,32 @@ class LLM:
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:
         """Yield a cumulative ``RequestOutput`` each time a request gets a token (``finished`` on its last).
 
-        Closing the iterator early aborts the requests still running and frees their blocks.
+        Closing the iterator early aborts the requests still running and frees their blocks. Outputs
+        wait in the iterator's own queue while it is not read, so pausing it loses nothing.
         """
-        with closing(self._drive(self._add(prompts, sampling_params))) as steps:
-            for seq in steps:
-                yield self.engine.output(seq)
-
-    def _drive(self, ids: list[str]) -> Iterator[Any]:
-        """Step the engine until the requests ``ids`` finish, yielding each of their sequences that got a
-        token or finished; finished ones are released after the caller has seen them, and those still
-        pending when the caller stops (or an error escapes) are aborted, their blocks freed."""
-        engine = self.engine
+        outputs = OutputQueue()
+        ids = self._add(prompts, sampling_params, outputs, final_only=False)
         pending = set(ids)
         try:
             while pending:
-                touched = engine.step()
-                if not touched and not engine.has_unfinished_requests():
-                    break
-                for seq in touched:
-                    if seq.request_id in pending:
-                        yield seq
-                        if seq.is_finished:
-                            pending.discard(seq.request_id)
-                            engine.release(seq.request_id)
+                out = outputs.get()
+                if out.finished:
+                    pending.discard(out.request_id)
+                yield out
         finally:
-            for rid in pending:
-                engine.abort(rid)
-                engine.release(rid)
+            if pending:
+                self.engine_loop.abort(list(pending))
 
-    def _add(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg) -> list[str]:
+    def _add(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg, outputs: OutputQueue,
+             final_only: bool) -> list[str]:
         plist = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params_list = [sampling_params] * len(plist)
+        elif isinstance(sampling_params, (str, bytes)) or not hasattr(sampling_params, "__len__"):
+            raise RequestError(
+                f"sampling_params must be a SamplingParams, a dict of its fields, or a list of them (one per "
+                f"prompt), got {type(sampling_params).__name__} {_short(sampling_params)}"
+            )
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(plist):
@@ -125,16 +130,12 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are {len(plist)} prompts; "
                     "give one SamplingParams for all, or one per prompt"
                 )
-        seqs = []
-        for i, (p, sp) in enumerate(zip(plist, params_list)):
-            try:
-                seqs.append(self.engine.make_sequence(p, sp))
-            except (RequestError, ValueError) as exc:
-                raise RequestError(f"prompt {i}: {exc}") from None
-        for seq in seqs:
-            self.engine.requests[seq.request_id] = seq
-            self.engine.scheduler.add(seq)
-        return [s.request_id for s in seqs]
+        return self.engine_loop.add_requests(plist, params_list, outputs, final_only=final_only)
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _as_prompt_list(prompts: Any) -> list[Prompt]:

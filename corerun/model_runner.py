@@ -10,6 +10,7 @@ runner, computes logits for the rows that need them, and samples.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -140,7 +141,7 @@ class ModelRunner:
 
         # graph runner around the composed model
         self.graph = self.registry.create(
-            "graph", graph_name, self._model_fn, self.attention, limits, options=config.graph.runner.options
+            "graph", graph_name, _weak_model_fn(self), self.attention, limits, options=config.graph.runner.options
         )
         self.graph.capture()
 
@@ -369,3 +370,14 @@ class ModelRunner:
                 ) from exc
             result[i] = (first + 1, lp)
         return result
+
+
+def _weak_model_fn(runner: ModelRunner) -> Any:
+    """``runner._model_fn`` without a reference to ``runner``: the graph runner keeps this, and a bound
+    method would make a cycle that holds the KV cache and graph pool until a full garbage collection."""
+    ref = weakref.ref(runner)
+
+    def model_fn(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        return ref()._model_fn(input_ids, positions, metadata)  # type: ignore[union-attr]
+
+    return model_fn

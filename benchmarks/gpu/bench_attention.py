@@ -17,12 +17,14 @@ times are whole ``forward`` calls, so they include writing the step's K/V into t
 
 Every timed configuration is also checked against a float32 torch computation of the same step
 (``rel_err``: max |out - ref| / max |ref|); the exit status is 1 when one goes above ``--max-error``.
-Prints a table and writes JSON to ``--out`` (a file, or a folder that gets ``bench_attention.json``).
+Prints a table and writes JSON to ``--out`` (a file, or a folder that gets ``bench_attention.json``),
+rewritten before and after every measurement: a run cut short keeps its rows and names the one it was in.
 
     python benchmarks/gpu/bench_attention.py --out results/bench_attention.json
     python benchmarks/gpu/bench_attention.py --out /tmp/b.json --smoke     # CPU, interpreter, tiny shapes
 
 ``--smoke`` only exercises this script (Triton's interpreter on CPU); its numbers mean nothing.
+``--dry-run`` only writes the planned rows (no torch import): ``run.sh --dry-run`` rehearses with it.
 """
 
 from __future__ import annotations
@@ -42,10 +44,7 @@ for path in (ROOT, ROOT / "plugins" / "attention_triton"):  # runs from a checko
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from corerun.protocols.attention import AttentionBatch, AttentionSpec  # noqa: E402
+from benchmarks.gpu.part_report import PartReport  # noqa: E402
 
 GIB = 1024**3
 
@@ -71,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU run with tiny shapes, to exercise the script")
+    p.add_argument("--dry-run", action="store_true", help="write the planned rows only (no torch, no device)")
     args = p.parse_args(argv)
     if args.smoke:
         args.heads, args.kv_heads, args.head_size = 4, 2, 64
@@ -88,10 +88,14 @@ class Timer:
     """Median milliseconds of ``fn()``: CUDA events on a GPU (L2 flushed between calls), wall clock on CPU."""
 
     def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
+        import torch
+
         self.device, self.warmup, self.iters = device, warmup, iters
         self.flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device) if device.type == "cuda" else None
 
     def __call__(self, fn: Callable[[], Any]) -> float:
+        import torch
+
         for _ in range(self.warmup):
             fn()
         if self.device.type != "cuda":
@@ -115,6 +119,8 @@ class Timer:
 
 def copy_bandwidth(device: torch.device, timer: Timer, smoke: bool) -> float:
     """Device memory bandwidth in GB/s, measured as bytes read + written by a large copy."""
+    import torch
+
     n = (64 if smoke else 4096) * 1024 * 1024
     src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
@@ -127,6 +133,10 @@ def make_step(
     spec: AttentionSpec, reqs: list[tuple[int, int]], gen: torch.Generator, device: torch.device
 ) -> dict[str, Any]:
     """Random Q/K/V, a random paged cache (canonical layout) with shuffled blocks, and the batch."""
+    import torch
+
+    from corerun.protocols.attention import AttentionBatch
+
     bs = spec.block_size
     seq_lens = [c + q for c, q in reqs]
     blocks = [math.ceil(s / bs) for s in seq_lens]
@@ -170,6 +180,8 @@ def load_cache(backend: Any, step: dict[str, Any]) -> torch.Tensor:
 
 def gather_sequence(spec: AttentionSpec, step: dict[str, Any], i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Request ``i``'s K and V ``[seq_len, Hkv, D]``: its prefix read through the block table, then its new tokens."""
+    import torch
+
     b, bs = step["batch"], spec.block_size
     ctx, q_len = step["reqs"][i]
     start = int(b.query_start_loc_cpu[i])
@@ -182,6 +194,8 @@ def gather_sequence(spec: AttentionSpec, step: dict[str, Any], i: int) -> tuple[
 
 def reference(spec: AttentionSpec, step: dict[str, Any], max_reqs: int = 4) -> tuple[list[int], torch.Tensor]:
     """float32 attention of the first ``max_reqs`` requests: (their token rows, ``[rows, H, D]``)."""
+    import torch
+
     group = spec.num_heads // spec.num_kv_heads
     rows, outs = [], []
     start = 0
@@ -225,6 +239,8 @@ def torch_backend_available() -> str | None:
 
 def time_backend(name: str, spec: AttentionSpec, step: dict[str, Any], timer: Timer) -> tuple[float, torch.Tensor, Any]:
     """(ms per forward, the output, the plan) of one backend on ``step`` (eager launches)."""
+    import torch
+
     backend = make_backend(name, spec)
     cache = load_cache(backend, step)
     plan = backend.plan(step["batch"])
@@ -239,6 +255,8 @@ def time_backend(name: str, spec: AttentionSpec, step: dict[str, Any], timer: Ti
 
 def time_graph(spec: AttentionSpec, step: dict[str, Any], timer: Timer) -> tuple[float, torch.Tensor]:
     """(ms per replay, output) of the triton decode step captured in a CUDA graph."""
+    import torch
+
     backend = make_backend("triton", spec)
     cache = load_cache(backend, step)
     plan = backend.plan(step["batch"])
@@ -261,34 +279,52 @@ def time_graph(spec: AttentionSpec, step: dict[str, Any], timer: Timer) -> tuple
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def run_decode(args: argparse.Namespace, spec: AttentionSpec, timer: Timer, copy_gbs: float, torch_ok: bool) -> list[dict]:
+def decode_label(batch_size: int, ctx: int) -> str:
+    return f"decode batch {batch_size} context {ctx}"
+
+
+def prefill_label(ctx: int, q_len: int) -> str:
+    return f"prefill {q_len} tokens" + (f" after a {ctx}-token prefix" if ctx else "")
+
+
+def prefill_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [(0, length) for length in args.prefill_len_list] + [(args.prefix_len, args.chunk_len)]
+
+
+def run_decode(args: argparse.Namespace, spec: AttentionSpec, timer: Timer, copy_gbs: float, torch_ok: bool, report: PartReport) -> None:
+    """Decode rows into ``report.results["decode"]``, each backend of each row a named check."""
+    import torch
+
     gen = torch.Generator().manual_seed(args.seed)
     elem = torch.empty((), dtype=spec.dtype).element_size()
-    rows = []
+    rows = report.results["decode"]
     for batch_size in args.decode_batch_list:
         for ctx in args.decode_context_list:
+            label = decode_label(batch_size, ctx)
             kv_bytes = batch_size * (ctx + 1) * spec.num_kv_heads * spec.head_size * 2 * elem
             if kv_bytes > args.max_kv_gib * GIB:
-                print(f"  skip decode b={batch_size} ctx={ctx}: cache {kv_bytes / GIB:.1f} GiB > --max-kv-gib")
+                print(f"  skip {label}: cache {kv_bytes / GIB:.1f} GiB > --max-kv-gib")
                 continue
-            step = make_step(spec, [(ctx, 1)] * batch_size, gen, timer.device)
-            ref_rows, ref = reference(spec, step)
             row: dict[str, Any] = {"batch": batch_size, "context": ctx, "kv_bytes": kv_bytes}
+            rows.append(row)
+            with report.check(f"{label}: inputs and float32 reference"):
+                step = make_step(spec, [(ctx, 1)] * batch_size, gen, timer.device)
+                ref_rows, ref = reference(spec, step)
             names = ["triton", "triton-nosplit"]
             if torch_ok and kv_bytes <= args.torch_max_kv_gib * GIB:
                 names.append("torch")
             for name in names:
-                ms, out, plan = time_backend(name, spec, step, timer)
-                row[name] = _decode_entry(ms, kv_bytes, copy_gbs, rel_err(out[ref_rows], ref))
-                if name == "triton":
-                    row["num_splits"] = plan.num_splits
+                with report.check(f"{label}: {name}", catch=True):
+                    ms, out, plan = time_backend(name, spec, step, timer)
+                    row[name] = _decode_entry(ms, kv_bytes, copy_gbs, rel_err(out[ref_rows], ref))
+                    if name == "triton":
+                        row["num_splits"] = plan.num_splits
             if timer.device.type == "cuda":
-                ms, out = time_graph(spec, step, timer)
-                row["triton-graph"] = _decode_entry(ms, kv_bytes, copy_gbs, rel_err(out[ref_rows], ref))
-            rows.append(row)
+                with report.check(f"{label}: triton-graph", catch=True):
+                    ms, out = time_graph(spec, step, timer)
+                    row["triton-graph"] = _decode_entry(ms, kv_bytes, copy_gbs, rel_err(out[ref_rows], ref))
             del step
             _print_decode(row)
-    return rows
 
 
 def _decode_entry(ms: float, kv_bytes: int, copy_gbs: float, err: float) -> dict[str, float]:
@@ -302,6 +338,9 @@ def causal_pairs(reqs: list[tuple[int, int]]) -> int:
 
 def sdpa(spec: AttentionSpec, step: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
     """SDPA on contiguous per-request tensors (equal lengths: one batched call); returns (fn, output-as-rows)."""
+    import torch
+    import torch.nn.functional as F
+
     reqs = step["reqs"]
     n, (ctx, q_len) = len(reqs), reqs[0]
     q = step["query"].view(n, q_len, spec.num_heads, spec.head_size).transpose(1, 2).contiguous()
@@ -325,29 +364,35 @@ def sdpa(spec: AttentionSpec, step: dict[str, Any]) -> tuple[Callable[[], Any], 
     return fn, lambda: out["o"].transpose(1, 2).reshape(n * q_len, spec.num_heads, spec.head_size)
 
 
-def run_prefill(args: argparse.Namespace, spec: AttentionSpec, timer: Timer, torch_ok: bool) -> list[dict]:
+def run_prefill(args: argparse.Namespace, spec: AttentionSpec, timer: Timer, torch_ok: bool, report: PartReport) -> None:
+    """Prefill rows into ``report.results["prefill"]``, each peer of each row a named check."""
+    import torch
+
     gen = torch.Generator().manual_seed(args.seed + 1)
-    shapes = [(0, length) for length in args.prefill_len_list] + [(args.prefix_len, args.chunk_len)]
-    rows = []
-    for ctx, q_len in shapes:
+    rows = report.results["prefill"]
+    for ctx, q_len in prefill_shapes(args):
+        label = prefill_label(ctx, q_len)
         reqs = [(ctx, q_len)] * args.prefill_requests
-        step = make_step(spec, reqs, gen, timer.device)
-        ref_rows, ref = reference(spec, step, max_reqs=1)
         flops = 4 * spec.head_size * spec.num_heads * causal_pairs(reqs)
         row: dict[str, Any] = {"requests": len(reqs), "prefix": ctx, "query_len": q_len, "flops": flops}
-        ms, out, _ = time_backend("triton", spec, step, timer)
-        row["triton"] = _prefill_entry(ms, flops, rel_err(out[ref_rows], ref))
-        fn, sdpa_out = sdpa(spec, step)
-        ms = timer(fn)
-        row["sdpa"] = _prefill_entry(ms, flops, rel_err(sdpa_out()[ref_rows], ref))
+        rows.append(row)
+        with report.check(f"{label}: inputs and float32 reference"):
+            step = make_step(spec, reqs, gen, timer.device)
+            ref_rows, ref = reference(spec, step, max_reqs=1)
+        with report.check(f"{label}: triton", catch=True):
+            ms, out, _ = time_backend("triton", spec, step, timer)
+            row["triton"] = _prefill_entry(ms, flops, rel_err(out[ref_rows], ref))
+        with report.check(f"{label}: sdpa", catch=True):
+            fn, sdpa_out = sdpa(spec, step)
+            ms = timer(fn)
+            row["sdpa"] = _prefill_entry(ms, flops, rel_err(sdpa_out()[ref_rows], ref))
         kv_bytes = sum(c + q for c, q in reqs) * spec.num_kv_heads * spec.head_size * 2 * spec.dtype.itemsize
         if torch_ok and kv_bytes <= args.torch_max_kv_gib * GIB and q_len <= 2048:
-            ms, out, _ = time_backend("torch", spec, step, timer)
-            row["torch"] = _prefill_entry(ms, flops, rel_err(out[ref_rows], ref))
-        rows.append(row)
+            with report.check(f"{label}: torch", catch=True):
+                ms, out, _ = time_backend("torch", spec, step, timer)
+                row["torch"] = _prefill_entry(ms, flops, rel_err(out[ref_rows], ref))
         del step
         _print_prefill(row)
-    return rows
 
 
 def _prefill_entry(ms: float, flops: int, err: float) -> dict[str, float]:
@@ -367,12 +412,11 @@ def _print_decode(row: dict) -> None:
 
 
 def _print_prefill(row: dict) -> None:
-    t, s = row["triton"], row["sdpa"]
-    torch_cell = f"{row['torch']['tflop_per_s']:8.1f}" if "torch" in row else f"{'-':>8}"
-    print(
-        f"  {row['requests']:>4} {row['prefix']:>7} {row['query_len']:>7} {t['tflop_per_s']:8.1f} {s['tflop_per_s']:8.1f} "
-        f"{t['tflop_per_s'] / s['tflop_per_s']:7.2f} {torch_cell}"
-    )
+    def cell(name: str) -> str:
+        return f"{row[name]['tflop_per_s']:8.1f}" if name in row else f"{'-':>8}"
+
+    ratio = f"{row['triton']['tflop_per_s'] / row['sdpa']['tflop_per_s']:7.2f}" if "triton" in row and "sdpa" in row else f"{'-':>7}"
+    print(f"  {row['requests']:>4} {row['prefix']:>7} {row['query_len']:>7} {cell('triton')} {cell('sdpa')} {ratio} {cell('torch')}")
 
 
 def max_error(results: dict) -> float:
@@ -383,13 +427,27 @@ def max_error(results: dict) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    out_path = args.out / "bench_attention.json" if args.out.is_dir() or args.out.suffix != ".json" else args.out
+    report = PartReport(out_path, "bench-attention", dry_run=args.dry_run)
+    results = report.results
+    results.update(decode=[], prefill=[])
+    if args.dry_run:
+        return report.rehearse(
+            [decode_label(b, c) for b in args.decode_batch_list for c in args.decode_context_list]
+            + [prefill_label(c, q) for c, q in prefill_shapes(args)]
+        )
     if args.smoke:
         import os
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from corerun.protocols.attention import AttentionSpec
+
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU, or pass --smoke to exercise the script on CPU", file=sys.stderr)
+        report.finish(False)
         return 2
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
@@ -403,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timer = Timer(device, args.warmup, args.iters)
     torch_missing = torch_backend_available()
-    results: dict[str, Any] = {
+    results.update({
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "smoke": args.smoke,
         "mode": mode(),
@@ -412,28 +470,26 @@ def main(argv: list[str] | None = None) -> int:
         "spec": {"num_heads": args.heads, "num_kv_heads": args.kv_heads, "head_size": args.head_size,
                  "dtype": args.dtype, "block_size": args.block_size},
         "torch_backend": "available" if torch_missing is None else f"unavailable ({torch_missing})",
-    }
-    copy_gbs = copy_bandwidth(device, timer, args.smoke)
-    results["copy_bandwidth_gb_per_s"] = copy_gbs
+    })
+    with report.check("device copy bandwidth"):
+        copy_gbs = copy_bandwidth(device, timer, args.smoke)
+        results["copy_bandwidth_gb_per_s"] = copy_gbs
     print(f"{results['device']} | triton {triton.__version__} ({mode()}) | torch {torch.__version__} | {args.dtype}")
     print(f"heads {args.heads}/{args.kv_heads}, head size {args.head_size}, block size {args.block_size}")
-    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)\n")
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)\n", flush=True)
 
     print("decode: K/V bytes read per second, and as a fraction of the copy bandwidth")
-    print(f"  {'batch':>5} {'context':>7} {'splits':>6} " + " ".join(f"{n:>19}" for n in DECODE_PEERS))
-    results["decode"] = run_decode(args, spec, timer, copy_gbs, torch_missing is None)
+    print(f"  {'batch':>5} {'context':>7} {'splits':>6} " + " ".join(f"{n:>19}" for n in DECODE_PEERS), flush=True)
+    run_decode(args, spec, timer, copy_gbs, torch_missing is None, report)
 
     print("\nprefill: attention TFLOP/s (causal pairs only)")
-    print(f"  {'reqs':>4} {'prefix':>7} {'q_len':>7} {'triton':>8} {'sdpa':>8} {'tri/sdpa':>7} {'torch':>8}")
-    results["prefill"] = run_prefill(args, spec, timer, torch_missing is None)
+    print(f"  {'reqs':>4} {'prefix':>7} {'q_len':>7} {'triton':>8} {'sdpa':>8} {'tri/sdpa':>7} {'torch':>8}", flush=True)
+    run_prefill(args, spec, timer, torch_missing is None, report)
 
     worst = max_error(results)
     results["max_rel_err"] = worst
-    out_path = args.out / "bench_attention.json" if args.out.is_dir() else args.out
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2))
-    print(f"\nworst rel_err vs float32 reference: {worst:.2e} (limit {args.max_error:g}); JSON: {out_path}")
-    return 0 if worst <= args.max_error else 1
+    print(f"\nworst rel_err vs float32 reference: {worst:.2e} (limit {args.max_error:g}); JSON: {out_path}", flush=True)
+    return report.finish(worst <= args.max_error and all(c.get("ok") is not False for c in report.doc["checks"]))
 
 
 if __name__ == "__main__":

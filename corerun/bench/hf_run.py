@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -25,6 +25,20 @@ from corerun.errors import CorerunError
 
 BATCHING = ("batched", "per-prompt")
 WARMUP_TOKENS = 8
+
+
+def hf_with_dtype(load: Callable[..., Any], *args: Any, dtype: torch.dtype, **kwargs: Any) -> Any:
+    """``load(*args, dtype=dtype, **kwargs)`` (a transformers ``from_pretrained`` / ``from_config``).
+
+    transformers before 4.56 names the keyword ``torch_dtype`` and hands an unknown ``dtype`` on to the
+    model's constructor, which raises ``TypeError``; then the call is made again with ``torch_dtype``.
+    """
+    try:
+        return load(*args, dtype=dtype, **kwargs)
+    except TypeError as exc:
+        if "dtype" not in str(exc):
+            raise
+        return load(*args, torch_dtype=dtype, **kwargs)
 
 
 def run_hf(
@@ -51,7 +65,7 @@ def run_hf(
     meter = PeakMemoryMeter(device)
     meter.start()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    model = hf_with_dtype(AutoModelForCausalLM.from_pretrained, str(model_dir), dtype=dtype).to(device).eval()
     load_s = time.perf_counter() - t0
     vocab = model.config.vocab_size
     pad = _pad_token_id(model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 from corerun.config import Config
 from corerun.engine.scheduler import ScheduledBatch, Scheduler, SchedulingError
 from corerun.engine.sequence import Sequence, SequenceStatus
-from corerun.errors import RequestError, StepError, UnsupportedError
+from corerun.errors import EngineClosedError, RequestError, StepError, UnsupportedError
 from corerun.model_runner import ModelRunner, StepResult
 from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
@@ -53,6 +54,10 @@ class LLMEngine:
             chunked_prefill=sc.chunked_prefill,
         )
         self.requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []  # aborted since the last take_aborted()
+        # step/abort/add/release from several threads: one at a time (LLM goes through EngineLoop instead)
+        self.lock = threading.RLock()
+        self.closed = False  # after shutdown(): no more requests or steps
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -60,10 +65,20 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; raises RequestError (nothing queued) when it cannot be served."""
-        seq = self.make_sequence(prompt, params, request_id)
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        with self.lock:
+            seq = self.make_sequence(prompt, params, request_id)
+            self.queue_sequence(seq)
         return seq.request_id
+
+    def queue_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by :meth:`make_sequence` (its request id must still be free)."""
+        with self.lock:
+            if self.closed:
+                raise EngineClosedError("the engine was shut down; make a new one")
+            if seq.request_id in self.requests:
+                raise RequestError(f"request_id {seq.request_id!r} is already in use")
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Sequence:
         """Validate one request and build its Sequence (not queued). Raises RequestError naming what is wrong."""
@@ -187,9 +202,17 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed at once. Unknown or finished ids are ignored."""
-        seq = self.requests.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self._finish(seq, "abort", time.perf_counter())
+        with self.lock:
+            seq = self.requests.get(request_id)
+            if seq is not None and not seq.is_finished:
+                self._finish(seq, "abort", time.perf_counter())
+                self._aborted.append(seq)
+
+    def take_aborted(self) -> list[Sequence]:
+        """The sequences :meth:`abort` ended since the last call (a step never returns them)."""
+        with self.lock:
+            out, self._aborted = self._aborted, []
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -201,6 +224,12 @@ class LLMEngine:
         A plugin raising inside the step ends the requests it was working on (finish_reason
         ``"error"``, ``error`` naming the plugin) and frees their blocks; the others go on.
         """
+        with self.lock:
+            if self.closed:
+                raise EngineClosedError("the engine was shut down; make a new one")
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         try:
             sched = self.scheduler.schedule()
         except SchedulingError as exc:
@@ -348,15 +377,26 @@ class LLMEngine:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (the engine keeps no history of its own)."""
-        seq = self.requests.get(request_id)
-        if seq is not None and seq.is_finished:
-            del self.requests[request_id]
+        with self.lock:
+            seq = self.requests.get(request_id)
+            if seq is not None and seq.is_finished:
+                del self.requests[request_id]
 
     def shutdown(self) -> None:
-        """Release what the runner holds outside this process (tensor-parallel workers). Safe to call twice."""
-        close = getattr(self.runner, "shutdown", None)
-        if close is not None:
-            close()
+        """Release the KV cache and the graphs at once, and what the runner holds outside this process
+        (tensor-parallel workers); the engine refuses work afterwards. Safe to call twice."""
+        with self.lock:
+            self.closed = True
+            for rid in list(self.requests):
+                self.abort(rid)
+            self._aborted = []
+            close = getattr(self.runner, "shutdown", None)
+            if close is not None:
+                close()
+            if hasattr(self.runner, "kv_caches"):
+                self.runner.kv_caches = []
+            if hasattr(self.runner, "graph"):
+                self.runner.graph = None
 
 
 def _validation_details(exc: ValidationError) -> str:

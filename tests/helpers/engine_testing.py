@@ -17,7 +17,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
     """Hugging Face transformers' greedy continuations of exactly ``max_tokens`` tokens (EOS ignored), float32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from corerun.bench.hf_run import hf_with_dtype
+
+    model = hf_with_dtype(AutoModelForCausalLM.from_pretrained, str(model_dir), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []

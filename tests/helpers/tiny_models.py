@@ -62,9 +62,11 @@ def make_tiny_model(
     """
     from transformers import AutoModelForCausalLM
 
+    from corerun.bench.hf_run import hf_with_dtype
+
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = hf_with_dtype(AutoModelForCausalLM.from_config, config, dtype=torch.float32)
     randomize_(model, seed)
     model = model.to(dtype)
     folder = _fresh_folder(Path(tmp_dir), f"tiny-{arch}")
@@ -103,7 +105,9 @@ def hf_model(model_dir: str | Path) -> torch.nn.Module:
     """The folder loaded by Hugging Face transformers, float32, eager attention."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    from corerun.bench.hf_run import hf_with_dtype
+
+    return hf_with_dtype(AutoModelForCausalLM.from_pretrained, str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_logits(model: torch.nn.Module | str | Path, token_ids: Sequence[int]) -> torch.Tensor:
