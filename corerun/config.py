@@ -121,6 +121,14 @@ class Config(_Strict):
     skip_tokenizer_init: bool = False
     allow_pickle_weights: bool = False  # load pytorch_model.bin through torch.load (unsafe); safetensors otherwise
     max_logprobs: int = Field(20, ge=0)
+    threads: int | Literal["auto"] = "auto"  # torch's intra-op CPU threads; auto: the physical cores (corerun.threads)
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"threads must be >= 1 or 'auto' (the physical cores), got {v}")
+        return v
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:

@@ -30,6 +30,7 @@ from corerun.registry import Registry, announce, get_registry
 from corerun.sampler_utils import to_device
 from corerun.sampling_params import SamplingParams
 from corerun.step_inputs import StepInputs
+from corerun.threads import apply_threads
 
 logger = logging.getLogger("corerun.runner")
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.registry = registry or get_registry()
         self.registry.check_names(config)  # a wrong or duplicated name fails now, not after the model loads
         self.device = resolve_device(config.device)
+        self.threads = apply_threads(config.threads, tp.world_size if tp is not None else 1)  # torch's intra-op pool
         # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
         torch.manual_seed(config.seed)
         self.model_dir = Path(config.model) if config.model else self._default_model_dir()

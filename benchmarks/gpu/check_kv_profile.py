@@ -161,11 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     model = "(dry run: no model)"
     if not args.dry_run:
         with report.check("write the random model"):
-            import torch
-
             from benchmarks.gpu.random_llama import random_llama
 
-            model = str(random_llama(args.hidden, args.layers, args.max_model_len, "corerun-kvprof-", dtype=torch.bfloat16))
+            model = str(random_llama(args.hidden, args.layers, args.max_model_len, "corerun-kvprof-", dtype="bfloat16"))
     for backend in args.backend_list:  # one process each: every engine starts on a clean device
         def name_the_step(backend: str = backend) -> None:  # killed: say where the engine process was
             doc = engine_doc(args, backend) or {}

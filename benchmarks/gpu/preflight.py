@@ -241,7 +241,8 @@ def cuda_facts() -> tuple[str | None, dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--wheels", type=Path, default=WHEELS)
+    p.add_argument("--wheels", type=Path, default=Path(os.environ.get("CORERUN_GPU_WHEELS") or WHEELS),
+                   help="the carried wheels (default benchmarks/gpu/wheels, or $CORERUN_GPU_WHEELS)")
     p.add_argument("--dry-run", action="store_true", help="no CUDA device needed (the checks of what can be installed still run)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,8 @@ from typing import Any
 
 
 def random_llama(hidden: int, layers: int, max_len: int, prefix: str, **overrides: Any) -> Path:
-    """Write the model into a new folder and return it (``overrides``: more config keys or ``dtype``)."""
-    from tests.helpers.tiny_models import make_tiny_model
-
+    """Write the model into a new folder and return it (``overrides``: more config keys or ``dtype``,
+    a ``torch.dtype`` or its name: ``"bfloat16"``)."""
     scratch = os.environ.get("CORERUN_GPU_SCRATCH")
     if scratch:
         key = "-".join(f"{k}={v}" for k, v in sorted(overrides.items())).replace("torch.", "").replace("/", "_")
@@ -26,6 +25,12 @@ def random_llama(hidden: int, layers: int, max_len: int, prefix: str, **override
         parent.mkdir(parents=True, exist_ok=True)
     else:
         parent, done = Path(tempfile.mkdtemp(prefix=prefix)), None
+    import torch
+
+    from tests.helpers.tiny_models import make_tiny_model
+
+    if isinstance(overrides.get("dtype"), str):
+        overrides["dtype"] = getattr(torch, overrides["dtype"])
     heads = hidden // 64
     folder = make_tiny_model(
         parent, arch="llama", hidden_size=hidden, intermediate_size=hidden * 3,

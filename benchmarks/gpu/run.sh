@@ -20,16 +20,18 @@
 #   bench-graphs          45   CUDA-graph replay == eager for every bucket (torch, triton); step times
 #   conformance-graph     35   graph:cuda conformance, with torch and with triton attention
 #   conformance-triton    70   attention:triton conformance on CUDA (compiled kernels), + num_splits=4
-#   kv-profile            65   step-memory profile vs capture and serving; each engine its own process
+#   kv-profile            65   step-memory profile vs capture and serving: torch, then triton, each
+#                              engine in its own process (28 s each) on a clean device
 #   conformance-rest      30   attention:torch, sampler:full, sampler:basic, attention:flash if installed
 #   bench-attention       30   decode bandwidth, prefill TFLOP/s against SDPA
-#   bench-e2e             80   corerun bench: triton+cuda (vs transformers), triton+eager, torch+cuda,
-#                              torch+eager, 20 s each
+#   bench-e2e             80   corerun bench: triton+cuda (vs transformers: 25 s), then triton+eager,
+#                              torch+cuda, torch+eager (17 s each), each in its own process
 #                        ---
 #                        410
 #
 # Compiles are shared: one TRITON_CACHE_DIR for the whole run, and the graph, KV-profile and e2e parts
-# use the same head shape (64-dim heads, 4 query heads per KV head) and the same random model folder.
+# use the same head shape (64-dim heads, 4 query heads per KV head); the KV-profile and e2e parts use
+# one random model folder, written once ($CORERUN_GPU_SCRATCH).
 # Every part writes its JSON under $OUT (default ./gpu-results) before and after each check, so a part
 # cut short keeps what it measured and names the check it was in; summary.txt has one line per part.
 # Exit status: 0 when every part passed, 1 when one failed or timed out, 3 when preflight stopped it.
@@ -87,7 +89,7 @@ part() {  # part NAME LIMIT_S RESULTS_JSON COMMAND... : one part under its time 
     local detail=""
     [ -n "$json" ] && detail="; $("$PY" benchmarks/gpu/part_report.py summary "$json" 2>&1)"
     say "   $verdict in $((SECONDS - start)) s$detail (log: $name.log)"
-    tail -n 12 "$OUT/$name.log"
+    tail -n 8 "$OUT/$name.log"
 }
 
 install_checkout() {  # the carried wheels preflight found missing here, then corerun and the plugins, editable
@@ -130,7 +132,8 @@ part conformance-rest 30 "$OUT/conformance-rest.json" \
     "$PY" benchmarks/gpu/conformance_part.py --group rest --out "$OUT/conformance-rest.json" $DRYARG
 part bench-attention 30 "$OUT/bench_attention.json" "$PY" benchmarks/gpu/bench_attention.py --out "$OUT" $DRYARG \
     --iters 20 --decode-batches 1,32,128 --decode-contexts 1024,8192 --prefill-lens 512,2048
-part bench-e2e 80 "$OUT/bench_e2e.json" "$PY" benchmarks/gpu/bench_e2e.py --out "$OUT" --timeout 18 $DRYARG
+part bench-e2e 80 "$OUT/bench_e2e.json" "$PY" benchmarks/gpu/bench_e2e.py --out "$OUT" --timeout 17 --hf-extra 8 $DRYARG
 
 say "== done in $SECONDS s; $([ $failed = 0 ] && echo 'every part passed' || echo 'some part failed or timed out'); results in $OUT"
+echo; echo "== summary (also $summary)"; cat "$summary"  # last, so a tool that keeps only the output's tail keeps it
 exit $failed

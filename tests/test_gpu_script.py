@@ -1,0 +1,231 @@
+"""``benchmarks/gpu/run.sh`` rehearsed on CPU: its control flow, its prerequisite checks, the results
+files its parts write as they go, and the time plan written at its top.
+
+The script runs on a lent GPU for a few minutes at a time; these tests keep it from rotting unseen.
+``--dry-run`` runs every part with the real command lines (argument parsing, engine settings,
+``corerun bench`` options) but no CUDA work; ``CORERUN_GPU_DRY_HANG`` makes one rehearsed check hang
+so the time limits and the naming of a hung check are exercised for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_SH = ROOT / "benchmarks" / "gpu" / "run.sh"
+PREFLIGHT = ROOT / "benchmarks" / "gpu" / "preflight.py"
+PLAN = ["bench-graphs", "conformance-graph", "conformance-triton", "kv-profile", "conformance-rest", "bench-attention", "bench-e2e"]
+JSON = {
+    "bench-graphs": "bench_graphs.json", "conformance-graph": "conformance-graph.json",
+    "conformance-triton": "conformance-triton.json", "kv-profile": "kv_profile.json",
+    "conformance-rest": "conformance-rest.json", "bench-attention": "bench_attention.json", "bench-e2e": "bench_e2e.json",
+}
+
+
+def run_script(out: Path, *args: str, wheels: Path | None = None, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("CORERUN_GPU_", "PART_LIMIT"))}
+    environ.update(OUT=str(out), PYTHON=sys.executable, CORERUN_GPU_SCRATCH=str(out / "scratch"), **env)
+    environ["CORERUN_GPU_WHEELS"] = str(wheels or out / "no-wheels")
+    return subprocess.run(["bash", str(RUN_SH), *args], capture_output=True, text=True, env=environ, timeout=timeout)
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_dry_run_rehearses_every_part_in_plan_order(tmp_path: Path) -> None:
+    proc = run_script(tmp_path, "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("preflight ok"), summary
+    started = re.findall(r"^== ([\w-]+) \(limit", summary, re.M)
+    assert started == ["install", *PLAN]
+    assert summary.count("   ok in ") == len(PLAN) + 1, summary
+    for part in PLAN:
+        doc = load(tmp_path / JSON[part])
+        assert doc["dry_run"] is True and doc["status"] == "passed", (part, doc)
+        assert doc["running"] is None and doc["checks"], part
+        assert all(c["ok"] is True for c in doc["checks"]), part
+    # the real command lines were checked: every corerun bench configuration parsed, the KV-profile settings loaded
+    e2e = load(tmp_path / "bench_e2e.json")
+    assert [c["name"] for c in e2e["checks"]] == ["triton+cuda (+hf)", "triton+eager", "torch+cuda", "torch+eager"]
+    graphs = [c["name"] for c in load(tmp_path / "bench_graphs.json")["checks"]]
+    assert "torch: capture" in graphs and "triton: capture" in graphs
+    # each engine of the KV profile in a process of its own
+    parent = load(tmp_path / "kv_profile.json")
+    engines = {b: load(tmp_path / f"kv_profile.{b}.json") for b in ("torch", "triton")}
+    pids = {parent["pid"], engines["torch"]["pid"], engines["triton"]["pid"]}
+    assert len(pids) == 3
+    assert all(e["checks"][0]["name"].endswith("engine settings are valid") and e["checks"][0]["ok"] for e in engines.values())
+    # nothing installed, but what would be is shown
+    install_log = (tmp_path / "install.log").read_text()
+    assert "would run:" in install_log and "--no-build-isolation -e ." in install_log
+
+
+def test_time_plan_at_the_top_matches_the_parts_and_fits_the_budget() -> None:
+    text = RUN_SH.read_text()
+    header = text[: text.index("set -u")]
+    table = dict(re.findall(r"^#   ([a-z][\w-]+) +(\d+) ", header, re.M))
+    calls = dict(re.findall(r"^\s*part ([\w-]+) (\d+) ", text, re.M))
+    limits = {k: int(v) for k, v in table.items()}
+    assert {k: int(v) for k, v in calls.items()} == {k: v for k, v in limits.items() if k != "preflight"}
+    assert list(calls) == ["install", *PLAN]
+    total = sum(limits.values())
+    budget = int(re.search(r"BUDGET_S:-(\d+)", text).group(1))
+    stated = int(re.search(r"^#\s+---\n#\s+(\d+)\s*$", header, re.M).group(1))
+    assert stated == total
+    assert total <= 0.95 * budget and budget <= 480, (total, budget)  # margin inside an 8-minute run
+    assert f"sum to {total} s" in header
+
+
+def test_missing_packages_stop_the_script_with_one_line(tmp_path: Path) -> None:
+    proc = run_script(tmp_path, "--dry-run", CORERUN_GPU_PRETEND="pydantic=,rich=12.0,setuptools=70.3.0")
+    assert proc.returncode == 3
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    line = lines[0]
+    assert line.startswith("run.sh: cannot start:")
+    assert "pydantic>=2.5" in line and "rich>=13 (have 12.0)" in line
+    assert "setuptools 70.3.0 is older than 77" in line
+    assert "carry" in line and "fetch_wheels.sh" in line and str(tmp_path / "no-wheels") in line
+    assert not (tmp_path / "install.log").exists() and not (tmp_path / "bench_graphs.json").exists()
+
+
+def _fake_wheel(folder: Path, name: str) -> Path:
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_bytes(b"")
+    return path
+
+
+def test_carried_wheels_satisfy_the_check_and_only_missing_ones_are_installed(tmp_path: Path) -> None:
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    wheels = tmp_path / "wheels"
+    wanted = {
+        _fake_wheel(wheels, "pydantic-2.14.4-py3-none-any.whl"),
+        _fake_wheel(wheels, f"pydantic_core-2.50.5-{here}-{here}-manylinux_2_17_{platform.machine()}.manylinux2014_{platform.machine()}.whl"),
+        _fake_wheel(wheels, "rich-15.0.0-py3-none-any.whl"),
+        _fake_wheel(wheels, "setuptools-80.9.0-py3-none-any.whl"),
+    }
+    _fake_wheel(wheels, "tqdm-4.70.1-py3-none-any.whl")  # installed here already: not reinstalled over the image's
+    proc = run_script(tmp_path, "--dry-run", "--only", "install", wheels=wheels,
+                      CORERUN_GPU_PRETEND="pydantic=,pydantic-core=,rich=,setuptools=70.3.0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = {Path(p) for p in (tmp_path / "install-wheels.txt").read_text().split()}
+    assert listed == wanted
+    pip_line = next(line for line in (tmp_path / "install.log").read_text().splitlines()
+                    if "pip install --no-index --no-deps" in line and "--no-build-isolation" not in line)
+    assert all(str(w) in pip_line for w in wanted) and "tqdm" not in pip_line
+
+
+def test_wheel_for_another_python_is_refused(tmp_path: Path) -> None:
+    other = f"cp{sys.version_info.major}{sys.version_info.minor + 1}"
+    wheels = tmp_path / "wheels"
+    _fake_wheel(wheels, f"pydantic_core-2.50.5-{other}-{other}-manylinux_2_17_{platform.machine()}.whl")
+    env = {**os.environ, "CORERUN_GPU_PRETEND": "pydantic-core="}
+    proc = subprocess.run([sys.executable, str(PREFLIGHT), "--out", str(tmp_path), "--dry-run", "--wheels", str(wheels)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 3
+    assert f"is for {other}, this is Python" in proc.stdout
+    assert not load(tmp_path / "preflight.json")["ok"]
+
+
+def test_a_hung_check_is_named_and_later_parts_still_run(tmp_path: Path) -> None:
+    proc = run_script(tmp_path, "--dry-run", "--only", "bench-graphs,bench-e2e",
+                      CORERUN_GPU_DRY_HANG="triton: capture", PART_LIMIT_S="3")
+    assert proc.returncode == 1
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "TIMED OUT after 3 s" in summary and "stopped in: triton: capture" in summary
+    doc = load(tmp_path / "bench_graphs.json")
+    assert doc["status"] == "killed" and doc["killed_in"] == "triton: capture"
+    done = {c["name"]: c["ok"] for c in doc["checks"]}
+    assert done["torch: capture"] is True and done["triton: build the model"] is True  # measured before the hang: kept
+    assert done["triton: capture"] is False and "triton: time batch 1" not in done
+    assert load(tmp_path / "bench_e2e.json")["status"] == "passed"  # the next part ran
+
+
+def test_kv_profile_engine_past_its_timeout_names_its_step_and_the_other_engine_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "CORERUN_GPU_DRY_HANG": "torch: build the engine"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_kv_profile.py"), "--out", str(tmp_path), "--dry-run", "--engine-timeout", "2"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert proc.returncode == 1
+    rows = load(tmp_path / "kv_profile.json")["results"]
+    assert rows["torch"]["error"] == "timed out after 2 s in: torch: build the engine (profile, KV cache, graph capture)"
+    assert "error" not in rows["triton"]
+    assert load(tmp_path / "kv_profile.triton.json")["status"] == "passed"
+
+
+def test_part_report_names_the_running_check_before_its_body_runs(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.part_report import PartReport, summary_line
+
+    path = tmp_path / "r.json"
+    report = PartReport(path, "demo")
+    with report.check("first") as entry:
+        on_disk = load(path)
+        assert on_disk["running"] == "first" and on_disk["checks"][-1] == {"name": "first", "ok": None}
+        entry["ok"] = False
+    with report.check("second", catch=True):
+        raise ValueError("bad value 7")
+    assert report.finish() == 1
+    doc = load(path)
+    assert doc["status"] == "failed" and doc["running"] is None
+    assert doc["checks"][1]["error"] == "ValueError: bad value 7"
+    assert summary_line(path) == "failed: 0/2 checks passed; failed: first, second"
+
+
+def test_conformance_groups_enumerate_their_cuda_cases() -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.conformance_part import GROUPS, cases
+
+    for group, suites in GROUPS.items():
+        for suite in suites:
+            _, target, selected = cases(suite, "cuda")
+            if suite.optional:
+                continue
+            assert selected, (group, suite.label)
+            assert all(c.device == "cuda" for c in selected)
+    split = next(s for s in GROUPS["triton"] if s.options)
+    checks = {c.check for c in cases(split, "cuda")[2]}
+    assert checks == {"decode", "mixed"}
+
+
+def test_every_build_system_requires_setuptools_77() -> None:
+    files = [ROOT / "pyproject.toml", *sorted((ROOT / "plugins").glob("*/pyproject.toml"))]
+    assert len(files) >= 5
+    for f in files:
+        table = re.search(r"^\[build-system\]\n(.*?)(?=^\[)", f.read_text(), re.S | re.M).group(1)
+        assert re.search(r'"setuptools>=(\d+)', table).group(1) == "77", f
+
+
+def test_hf_dtype_keyword_falls_back_to_torch_dtype_on_older_transformers() -> None:
+    torch = pytest.importorskip("torch")
+    from corerun.bench.hf_run import hf_with_dtype
+
+    calls = []
+
+    def old_loader(path: str, **kwargs):  # transformers < 4.56 hands dtype= on to the model's constructor
+        calls.append(kwargs)
+        if "dtype" in kwargs:
+            raise TypeError("LlamaForCausalLM.__init__() got an unexpected keyword argument 'dtype'")
+        return ("model", path, kwargs)
+
+    assert hf_with_dtype(old_loader, "folder", dtype=torch.float16, attn_implementation="eager") == (
+        "model", "folder", {"torch_dtype": torch.float16, "attn_implementation": "eager"})
+    assert calls[0] == {"dtype": torch.float16, "attn_implementation": "eager"}
+
+    def broken(path: str, **kwargs):
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+    with pytest.raises(TypeError, match="unsupported operand"):
+        hf_with_dtype(broken, "folder", dtype=torch.float16)
