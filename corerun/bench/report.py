@@ -1,13 +1,11 @@
 """The benchmark's results as one JSON document and as a rich table.
 
 JSON keys (``corerun bench --json``): ``corerun_version``, ``machine`` (platform, python, torch,
-cpu_count, torch_threads, gpu), ``workload`` (num_seqs, input_len, output_len, seed, prompt_tokens, output_tokens,
-temperature, warmup), ``corerun`` (elapsed_s, load_s, prompt_tokens, output_tokens,
-output_tokens_per_s, total_tokens_per_s, ttft_ms and tpot_ms as {median, p90, p99}, peak_memory
-{bytes, kind, reset}, backends, model), ``hf`` (the same keys, ttft/tpot null, plus batching,
-batch_size, generated_tokens, attn_implementation, same_outputs_as_corerun; null without
-``--compare hf``) and ``ratio`` (corerun / hf for output_tokens_per_s and total_tokens_per_s; null
-without a comparison).
+cpu_count, physical_cores, torch_threads, loadavg, gpu), ``workload`` (num_seqs, input_len,
+output_len, seed, prompt_tokens, output_tokens, temperature, warmup) and ``corerun`` (elapsed_s,
+load_s, prompt_tokens, output_tokens, output_tokens_per_s, total_tokens_per_s, ttft_ms and tpot_ms
+as {median, p90, p99}, peak_memory {bytes, kind, reset}, backends, model).  With ``--compare`` the
+document is :func:`corerun.bench.compare.build_compare_report`'s instead.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import torch
 from corerun._version import __version__
 from corerun.bench.result import RunResult
 from corerun.bench.workload import Workload
+from corerun.threads import physical_cores
 
 
 def same_outputs(a: list[list[int]], b: list[list[int]]) -> int:
@@ -28,22 +27,17 @@ def same_outputs(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(1 for x, y in zip(a, b) if x == y)
 
 
-def build_report(workload: Workload, core: RunResult, hf: RunResult | None, *, temperature: float, warmup: bool) -> dict[str, Any]:
-    doc: dict[str, Any] = {
+def base_report(workload: Workload, *, temperature: float, warmup: bool) -> dict[str, Any]:
+    """What every report starts with: the version, the machine (threads, load) and the workload."""
+    return {
         "corerun_version": __version__,
         "machine": machine_info(),
         "workload": {**workload.describe(), "temperature": temperature, "warmup": warmup},
-        "corerun": core.to_dict(),
-        "hf": None,
-        "ratio": None,
     }
-    if hf is not None:
-        doc["hf"] = {**hf.to_dict(), "same_outputs_as_corerun": same_outputs(core.output_token_ids, hf.output_token_ids)}
-        doc["ratio"] = {
-            "output_tokens_per_s": core.output_tokens_per_s / hf.output_tokens_per_s,
-            "total_tokens_per_s": core.total_tokens_per_s / hf.total_tokens_per_s,
-        }
-    return doc
+
+
+def build_report(workload: Workload, core: RunResult, *, temperature: float, warmup: bool) -> dict[str, Any]:
+    return {**base_report(workload, temperature=temperature, warmup=warmup), "corerun": core.to_dict()}
 
 
 def machine_info() -> dict[str, Any]:
@@ -52,18 +46,20 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "physical_cores": physical_cores(),
         "torch_threads": torch.get_num_threads(),
+        "loadavg": list(os.getloadavg()),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
 def render(doc: dict[str, Any], console: Any = None) -> None:
-    """Print ``doc`` as a rich table (corerun, HF when compared, and their ratio)."""
+    """Print ``doc`` (corerun alone) as a rich table."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    core, hf = doc["corerun"], doc["hf"]
+    core = doc["corerun"]
     w = doc["workload"]
     table = Table(
         title=(
@@ -74,19 +70,12 @@ def render(doc: dict[str, Any], console: Any = None) -> None:
     )
     table.add_column("metric")
     table.add_column("corerun", justify="right")
-    if hf is not None:
-        table.add_column(f"HF generate ({hf['batching']}, batch {hf['batch_size']})", justify="right")
-        table.add_column("corerun / HF", justify="right")
 
-    def row(label: str, key: str, fmt: str, ratio: bool = False) -> None:
-        cells = [label, _fmt(_get(core, key), fmt)]
-        if hf is not None:
-            a, b = _get(core, key), _get(hf, key)
-            cells += [_fmt(b, fmt), f"{a / b:.2f}x" if ratio and a and b else ""]
-        table.add_row(*cells)
+    def row(label: str, key: str, fmt: str) -> None:
+        table.add_row(label, _fmt(_get(core, key), fmt))
 
-    row("output tokens/s", "output_tokens_per_s", ".1f", ratio=True)
-    row("total tokens/s", "total_tokens_per_s", ".1f", ratio=True)
+    row("output tokens/s", "output_tokens_per_s", ".1f")
+    row("total tokens/s", "total_tokens_per_s", ".1f")
     row("elapsed (s)", "elapsed_s", ".2f")
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")):
         for q in ("median", "p90", "p99"):
@@ -100,11 +89,9 @@ def render(doc: dict[str, Any], console: Any = None) -> None:
         f"corerun backends: attention={b['attention']} kv_cache={b['kv_cache']} graph={b['graph']} "
         f"sampler={b['sampler']} on {b['device']}/{b['dtype']}; model {core['model']}"
     )
-    if hf is not None:
-        console.print(
-            f"HF: attn_implementation={hf['attn_implementation']}, {hf['generated_tokens']} tokens generated for "
-            f"{hf['output_tokens']} asked; same output tokens as corerun for {hf['same_outputs_as_corerun']} of {w['num_seqs']} requests"
-        )
+    m = doc["machine"]
+    console.print(f"threads: {m['torch_threads']} (physical cores {m['physical_cores']}); load average "
+                  f"{', '.join(f'{x:.2f}' for x in m['loadavg'])} (1, 5, 15 min)")
     if not core["peak_memory"]["reset"]:
         console.print("note: the peak RSS could not be reset; it covers the whole process up to this point")
 

@@ -2,6 +2,10 @@
 
     corerun bench                                   # CPU: 16 seqs, input 32:128, output 16:64
     corerun bench --num-seqs 256 --input-len 100:1024 --output-len 100:1024 --compare hf --json
+    corerun bench --num-seqs 32 --input-len 32:256 --output-len 32:256 --compare hf,llama.cpp,vllm --rounds 2
+
+Without ``--compare`` corerun runs in this process.  With it, corerun and every peer run in fresh
+processes of their own, interleaved (corerun.bench.compare); peers come from benchmarks/peers/setup.sh.
 """
 
 from __future__ import annotations
@@ -47,21 +51,30 @@ class _BenchCommand(click.Command):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload (lengths and token ids).")
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 means greedy.")
 @click.option("--warmup/--no-warmup", default=True, show_default=True, help="One short request before the measured run.")
-@click.option("--compare", type=click.Choice(["hf"]), default=None, help="Also run Hugging Face transformers' generate and print the ratio.")
+@click.option("--compare", metavar="PEERS", default=None,
+              help="Also run these peers, comma-separated: hf (transformers), llama.cpp, vllm; each engine in its own process.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --compare: interleaved rounds (corerun, peers, corerun, peers, ...); each engine's fastest is reported.")
+@click.option("--peer-python", "peer_pythons", multiple=True, metavar="NAME=PATH",
+              help="With --compare: the interpreter of a peer's virtualenv [benchmarks/peers/.venvs/NAME/bin/python].")
+@click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="With --compare llama.cpp: the GGUF file of the model in the run's dtype [the default model's, from benchmarks/peers/setup.sh].")
 @click.option("--hf-batching", type=click.Choice(["batched", "per-prompt"]), default="batched", show_default=True,
               help="HF: left-padded batches (as vLLM's benchmark_throughput), or one generate per request.")
 @click.option("--hf-batch-size", type=click.IntRange(min=1), default=None, help="HF: requests per batch [all of them].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads for torch (torch.set_num_threads), both engines [torch's default]. On a busy machine 1 is steadier.")
+              help="CPU threads of every engine (corerun's `threads` setting) [the config's threads: the physical cores]. On a busy machine 1 is steadier.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of a table.")
 def bench(
     config_path, sets, model, attention, sampler, device, dtype,
-    num_seqs, input_len, output_len, seed, temperature, warmup, compare, hf_batching, hf_batch_size, threads, as_json,
+    num_seqs, input_len, output_len, seed, temperature, warmup, compare, rounds, peer_pythons, gguf_path,
+    hf_batching, hf_batch_size, threads, as_json,
 ) -> None:
     """Throughput and latency of corerun on N random-token requests (ignore_eos, exact output lengths).
 
     Reports output and total tokens/s, time to first token and time per output token (median, p90,
-    p99), peak memory, and the backends that ran.
+    p99), peak memory, the backends that ran and the thread count; with --compare, the same for each
+    peer, the ratios, and the load average before each run.
     """
     import torch
 
@@ -71,13 +84,30 @@ def bench(
         ranges = [parse_range(r) if r is not None else None for r in (input_len, output_len)]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--input-len / --output-len") from None
-    cfg_args = dict(model=model, attention=attention, sampler=sampler, device=device, dtype=dtype)
-    hf_args = dict(batching=hf_batching, batch_size=hf_batch_size) if compare == "hf" else None
+    cfg_args = dict(model=model, attention=attention, sampler=sampler, device=device, dtype=dtype, threads=threads)
+    hf_args = dict(batching=hf_batching, batch_size=hf_batch_size)
+    if compare:
+        from corerun.bench.compare import parse_compare, parse_peer_pythons
+
+        try:
+            peers, pythons = parse_compare(compare), parse_peer_pythons(peer_pythons)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--compare / --peer-python") from None
+        try:
+            doc = _run_compare(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, hf_args,
+                               peers, pythons, rounds, gguf_path, quiet=as_json)
+        except (CorerunError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+        if as_json:
+            click.echo(json.dumps(doc, indent=2))
+        else:
+            from corerun.bench.compare import render_compare
+
+            render_compare(doc)
+        return
     saved_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     try:
-        doc = _run(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, hf_args)
+        doc = _run(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup)
     except CorerunError as exc:
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:
@@ -92,36 +122,97 @@ def bench(
         render(doc)
 
 
-def _run(
-    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
-    ranges: list[Any], seed: int, temperature: float, warmup: bool, hf_args: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """Load corerun, run the workload (then transformers' when ``hf_args``); the report document."""
-    from corerun.bench.corerun_run import load_corerun, run_corerun
-    from corerun.bench.report import build_report
+def _workload_for(cfg: Any, num_seqs: int | None, ranges: list[Any], seed: int, vocab_size: int, max_model_len: int, device_type: str) -> Any:
     from corerun.bench.workload import make_workload
-    from corerun.model_runner import resolve_device
 
-    cfg = build_config(config_path, sets, **cfg_args)
-    dev = resolve_device(cfg.device)
-    d_seqs, d_in, d_out = DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
-    input_len, output_len = ranges[0] or d_in, ranges[1] or d_out
-    llm, meter, load_s = load_corerun(cfg)
-    runner = llm.engine.runner
-    workload = make_workload(num_seqs or d_seqs, input_len, output_len, seed, runner.vocab_size)
+    d_seqs, d_in, d_out = DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+    workload = make_workload(num_seqs or d_seqs, ranges[0] or d_in, ranges[1] or d_out, seed, vocab_size)
     longest = workload.input_len.hi + workload.output_len.hi
-    if longest > runner.max_model_len:
+    if longest > max_model_len:
         raise click.BadParameter(
             f"input {workload.input_len} + output {workload.output_len} can reach {longest} tokens, but this model's "
-            f"max_model_len is {runner.max_model_len}; shorten the ranges",
+            f"max_model_len is {max_model_len}; shorten the ranges",
             param_hint="--input-len / --output-len",
         )
-    core = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup)
-    hf = None
-    if hf_args is not None:
-        from corerun.bench.hf_run import run_hf
+    return workload
 
-        model_dir, hf_dtype = runner.model_dir, runner.dtype
-        del llm, runner  # frees corerun's KV cache before transformers loads (on a GPU it holds most memory)
-        hf = run_hf(model_dir, workload, dtype=hf_dtype, device=dev, temperature=temperature, warmup=warmup, **hf_args)
-    return build_report(workload, core, hf, temperature=temperature, warmup=warmup)
+
+def _run(
+    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool,
+) -> dict[str, Any]:
+    """Load corerun in this process and run the workload; the report document."""
+    from corerun.bench.corerun_run import load_corerun, run_corerun
+    from corerun.bench.report import build_report
+
+    cfg = build_config(config_path, sets, **cfg_args)
+    llm, meter, load_s = load_corerun(cfg)
+    runner = llm.engine.runner
+    workload = _workload_for(cfg, num_seqs, ranges, seed, runner.vocab_size, runner.max_model_len, runner.device.type)
+    core = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup)
+    return build_report(workload, core, temperature=temperature, warmup=warmup)
+
+
+def _run_compare(
+    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, hf_args: dict[str, Any],
+    peers: list[str], pythons: dict[str, Any], rounds: int, gguf_path: str | None, quiet: bool,
+) -> dict[str, Any]:
+    """corerun and ``peers`` in fresh processes, ``rounds`` interleaved rounds; the comparison document."""
+    import os
+    from pathlib import Path
+
+    from corerun.bench.compare import PeerError, build_compare_report, build_request, compare, find_gguf, find_python
+    from corerun.bench.report import base_report
+    from corerun.model_runner import resolve_device, resolve_dtype
+    from corerun.models.config import ModelConfig
+    from corerun.threads import resolve_threads
+
+    cfg = build_config(config_path, sets, **cfg_args)
+    if resolve_device(cfg.device).type != "cpu":
+        raise click.BadParameter("the peers run on CPU (vLLM's CPU build, llama.cpp): use --device cpu", param_hint="--compare")
+    if cfg.model:
+        model_dir = Path(cfg.model)
+    else:
+        from corerun.models.default import default_model_dir
+
+        model_dir = default_model_dir()
+    mc = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    max_len = mc.max_model_len if cfg.scheduler.max_model_len == "auto" else cfg.scheduler.max_model_len
+    workload = _workload_for(cfg, num_seqs, ranges, seed, mc.vocab_size, max_len, "cpu")
+    dtype = str(resolve_dtype(cfg.dtype, resolve_device("cpu"), mc.torch_dtype)).removeprefix("torch.")
+    threads = resolve_threads(cfg.threads)
+    common = dict(model_dir=str(model_dir), dtype=dtype, threads=threads, temperature=temperature, warmup=warmup,
+                  max_model_len=min(max_len, workload.input_len.hi + workload.output_len.hi + 16), vocab_size=mc.vocab_size)
+    gguf = find_gguf(dtype, Path(gguf_path) if gguf_path else None) if not cfg.model or gguf_path else None
+    options = {
+        "corerun": {"config_path": config_path, "sets": list(sets), "overrides": {k: v for k, v in cfg_args.items() if v is not None and k not in ("dtype", "threads")}},
+        "hf": hf_args,
+        "llama.cpp": {},
+        "vllm": {},
+    }
+    engines, skipped, pyths = ["corerun"], {}, {}
+    for name in ["corerun", *peers]:
+        try:
+            pyths[name] = find_python(name, pythons)
+            if name == "llama.cpp" and gguf is None:
+                raise PeerError(f"llama.cpp needs the model as GGUF in {dtype}: pass --gguf PATH (setup.sh makes the default model's)")
+        except PeerError as exc:
+            skipped[name] = str(exc)
+            continue
+        if name != "corerun":
+            engines.append(name)
+    requests = {name: build_request(name, workload, gguf=gguf if name == "llama.cpp" else None, options=options[name], **common) for name in engines}
+
+    def progress(name: str, r: int, run: Any, error: str | None) -> None:
+        if quiet:
+            return
+        what = f"{run.output_tokens_per_s:.1f} output tok/s" if run else f"failed: {error.splitlines()[0]}"  # type: ignore[union-attr]
+        click.echo(f"round {r + 1}/{rounds} {name}: {what} (load {os.getloadavg()[0]:.2f})", err=True)
+
+    results = compare(engines, requests, pyths, workload, rounds=rounds, on_run=progress)
+    base = base_report(workload, temperature=temperature, warmup=warmup)
+    doc = build_compare_report(results, base)
+    doc["skipped"] = {**skipped, **doc["skipped"]}
+    doc.update(dtype=dtype, threads=threads, rounds=rounds, loadavg_after=list(os.getloadavg()))
+    return doc

@@ -8,10 +8,17 @@ parameter, or into one shard of a merged parameter (``qkv_proj`` takes ``"q"``, 
 Linear layers are small classes of their own so that a later tensor-parallel split can subclass
 them (shard the output features of ``MergedLinear`` per shard, the input features of ``o_proj``
 and ``down_proj``) without touching the model code.
+
+On CPU, float32 and bfloat16 weights of the linear layers and the LM head are multiplied through a
+copy prepacked once for oneDNN (:class:`PackedWeight`): oneDNN's blocked layout saves the reorder
+a plain ``F.linear`` repeats on every call (docs/benchmarks.md has the measurements).  The parameter
+itself stays an ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack
+is redone when the parameter's storage or version changes.  ``CORERUN_CPU_PREPACK=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Hashable, Mapping
 
 import torch
@@ -43,6 +50,45 @@ def _parameter(*shape: int) -> nn.Parameter:
     return param
 
 
+def _prepack_wanted() -> bool:
+    return os.environ.get("CORERUN_CPU_PREPACK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """A CPU float32 weight (or bfloat16, where oneDNN has a bfloat16 path) that oneDNN can prepack."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.requires_grad or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedWeight:
+    """A weight reordered once into oneDNN's blocked layout, for ``y = x @ weight.T (+ bias)`` on CPU.
+
+    ``linear(x, weight, bias)`` uses the pack when it was made from this very ``weight`` (same storage,
+    same version: a weight changed in place is packed again; inference tensors keep no version, so
+    one of those is packed once per storage) and plain ``F.linear`` otherwise: other
+    devices and dtypes, autograd, or ``CORERUN_CPU_PREPACK=0``.
+    """
+
+    __slots__ = ("key", "packed")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int, torch.dtype] | None = None
+        self.packed: torch.Tensor | None = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != weight.dtype or (torch.is_grad_enabled() and x.requires_grad) or not _packable(weight):
+            return F.linear(x, weight, bias)
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
+        if key != self.key:
+            if not _prepack_wanted():
+                return F.linear(x, weight, bias)
+            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), key
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
     """``y = x @ weight.T + bias``; ``weight`` ``[out_features, in_features]``."""
 
@@ -51,10 +97,11 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = _parameter(out_features, in_features)
         self.bias = _parameter(out_features) if bias else None
+        self.packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in_features]`` -> ``[T, out_features]``."""
-        return F.linear(x, self.weight, self.bias)
+        return self.packed.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -125,6 +172,7 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = _parameter(vocab_size, hidden_size)
+        self.packed = PackedWeight()
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share ``embedding.weight`` (one parameter, loaded once under either name)."""
@@ -132,7 +180,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``."""
-        return F.linear(hidden, self.weight).float()
+        return self.packed.linear(hidden, self.weight, None).float()
 
 
 class SiluAndMul(nn.Module):

@@ -67,7 +67,7 @@ class RowParallelLinear(Linear):
         default_weight_loader(param, loaded_weight.narrow(1, self.in_start, self.in_features), shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.packed.linear(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -120,7 +120,7 @@ class ParallelLMHead(LMHead):
         self.weight.weight_loader = _load_vocab_rows(self)  # type: ignore[attr-defined]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.gather_last_dim(self.packed.linear(hidden, self.weight, None))
         return None if logits is None else logits[:, : self.shard.vocab_size].float()
 
 

@@ -1,0 +1,45 @@
+"""Benchmark worker: corerun itself (``LLM.generate``), in a fresh process of corerun's interpreter.
+
+``options``: ``config_path``, ``sets`` and ``overrides`` exactly as ``corerun bench`` got them; the
+request's ``dtype`` and ``threads`` are applied on top.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import peer_protocol
+
+
+def run(req: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from corerun._version import __version__
+    from corerun.bench.corerun_run import load_corerun, run_corerun
+    from corerun.bench.workload import LengthRange, Workload
+    from corerun.cli.options import build_config
+
+    opts = req["options"]
+    overrides = dict(opts.get("overrides") or {}, dtype=req["dtype"], threads=req["threads"])
+    cfg = build_config(opts.get("config_path"), tuple(opts.get("sets") or ()), **overrides)
+    lens = [len(p) for p in req["prompts"]]
+    workload = Workload(req["prompts"], req["output_lens"], 0, LengthRange(min(lens), max(lens)),
+                        LengthRange(min(req["output_lens"]), max(req["output_lens"])))
+    llm, meter, load_s = load_corerun(cfg)
+    res = run_corerun(llm, workload, meter, load_s, temperature=req["temperature"], warmup=req["warmup_prompt"] is not None)
+    return {
+        "engine": "corerun",
+        "version": __version__,
+        "elapsed_s": res.elapsed_s,
+        "load_s": load_s,
+        "output_token_ids": res.output_token_ids,
+        "ttft_s": res.ttft_s,
+        "tpot_s": res.tpot_s,
+        "threads": torch.get_num_threads(),
+        "peak_rss_bytes": res.peak_memory.bytes,
+        "details": {"backends": res.details["backends"], "model": res.details["model"]},
+    }
+
+
+if __name__ == "__main__":
+    peer_protocol.main(run)

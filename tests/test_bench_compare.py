@@ -1,0 +1,193 @@
+"""``corerun bench --compare``: the orchestration and reporting around peer processes, with fake peers.
+
+The fake worker below stands in for vLLM / llama.cpp / transformers: a tiny script that speaks the
+worker protocol (request file in, result file out) with elapsed times and outputs the test chooses,
+so the ratios, the order of the interleaved runs and the error handling are checked against values
+worked out here, without any real engine and without timing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from corerun.bench.compare import (
+    PeerError, build_compare_report, build_request, compare, find_python, parse_compare, parse_peer_pythons,
+    render_compare, result_from_json,
+)
+from corerun.bench.report import base_report
+from corerun.bench.workload import make_workload
+
+FAKE_WORKER = r'''
+import json
+import sys
+sys.path.insert(0, {protocol_dir!r})
+import peer_protocol
+
+
+def run(req):
+    fake = req["options"]
+    with open(fake["order_log"], "a") as f:
+        f.write(req["engine"] + "\n")
+    # an engine's n-th run takes fake["elapsed"][n] (a worker keeps no state: its runs so far are in the log)
+    with open(fake["order_log"]) as f:
+        nth = f.read().split().count(req["engine"]) - 1
+    if fake.get("fail"):
+        sys.stderr.write("peer exploded: " + fake["fail"] + "\n")
+        raise SystemExit(3)
+    outs = [[fake["token"]] * n for n in req["output_lens"]]
+    if fake.get("short"):
+        outs[0] = outs[0][:-1]
+    elapsed = fake["elapsed"][nth] if isinstance(fake["elapsed"], list) else fake["elapsed"]
+    result = {{
+        "engine": req["engine"], "version": "9.9", "elapsed_s": elapsed, "load_s": 0.5, "output_token_ids": outs,
+        "ttft_s": fake.get("ttft", []), "tpot_s": fake.get("tpot", []), "threads": req["threads"], "peak_rss_bytes": 1, "details": {{"kind": "fake"}},
+    }}
+    if fake.get("drop"):
+        del result[fake["drop"]]
+    return result
+
+
+if __name__ == "__main__":  # written directly, so that the parent's checks of a bad result are the ones tested
+    result = run(peer_protocol.read_request(sys.argv[1]))
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+'''
+
+
+@pytest.fixture
+def fake(tmp_path: Path):
+    protocol_dir = Path(__file__).resolve().parents[1] / "corerun" / "bench" / "peers"
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(FAKE_WORKER.format(protocol_dir=str(protocol_dir)))
+    return worker, tmp_path / "order.log"
+
+
+WORKLOAD = make_workload(4, "5:9", "2:6", seed=3, vocab_size=100)
+
+
+def _requests(engines, log: Path, **per_engine):
+    out = {}
+    for name in engines:
+        opts = {"order_log": str(log), "token": 1, "elapsed": 1.0, **per_engine.get(name, {})}
+        out[name] = build_request(name, WORKLOAD, model_dir="m", dtype="float32", threads=1, temperature=0.0, warmup=True,
+                                  max_model_len=64, vocab_size=100, gguf=None, options=opts)
+    return out
+
+
+def _compare(engines, fake, rounds=1, **per_engine):
+    worker, log = fake
+    requests = _requests(engines, log, **per_engine)
+    pythons = {name: Path(sys.executable) for name in engines}
+    results = compare(engines, requests, pythons, WORKLOAD, rounds=rounds, workers={n: worker for n in engines})
+    return results, log
+
+
+def test_rounds_interleave_every_engine_in_order(fake):
+    _, log = _compare(["corerun", "hf", "vllm"], fake, rounds=3)
+    assert log.read_text().split() == ["corerun", "hf", "vllm"] * 3
+
+
+def test_report_ratios_best_round_and_same_outputs(fake):
+    n_out = WORKLOAD.num_output_tokens
+    results, _ = _compare(
+        ["corerun", "vllm", "llama.cpp"], fake, rounds=2,
+        corerun={"elapsed": [2.0, 1.6], "ttft": [0.1, 0.3], "tpot": [0.02, 0.04, 0.06]},
+        vllm={"elapsed": [0.8, 0.9], "token": 2, "ttft": [0.05], "tpot": [0.01]},
+        **{"llama.cpp": {"elapsed": [4.0, 3.2]}},
+    )
+    doc = build_compare_report(results, base_report(WORKLOAD, temperature=0.0, warmup=True))
+    core, vllm, llama = (doc["engines"][n] for n in ("corerun", "vllm", "llama.cpp"))
+    # the fastest round of each engine is its summary
+    assert core["elapsed_s"] == 1.6 and vllm["elapsed_s"] == 0.8 and llama["elapsed_s"] == 3.2
+    assert [r["output_tokens_per_s"] for r in core["rounds"]] == pytest.approx([n_out / 2.0, n_out / 1.6])
+    assert core["ms_per_output_token"] == pytest.approx(1600 / n_out)
+    assert doc["ratio"]["vllm"]["output_tokens_per_s"] == pytest.approx(0.8 / 1.6)
+    assert doc["ratio"]["llama.cpp"]["output_tokens_per_s"] == pytest.approx(3.2 / 1.6)
+    assert doc["ratio"]["llama.cpp"]["ms_per_output_token"] == pytest.approx(1.6 / 3.2)
+    assert doc["ratio"]["vllm"]["ttft_median"] == pytest.approx(0.2 / 0.05)  # median of 0.1, 0.3
+    assert doc["ratio"]["vllm"]["tpot_median"] == pytest.approx(0.04 / 0.01)
+    assert doc["ratio"]["llama.cpp"]["tpot_median"] is None  # llama.cpp's fake timed no request
+    # vllm's fake answers token 2 everywhere, corerun's and llama.cpp's token 1
+    assert vllm["same_outputs_as_corerun"] == 0 and llama["same_outputs_as_corerun"] == WORKLOAD.num_seqs
+    assert vllm["version"] == "9.9" and vllm["threads"] == 1 and doc["skipped"] == {}
+    assert all(len(r["loadavg_before"]) == 3 for r in core["rounds"])
+
+
+def test_a_failing_peer_is_skipped_with_its_error(fake):
+    results, log = _compare(["corerun", "vllm", "hf"], fake, rounds=2, vllm={"fail": "no AVX-512 here"})
+    assert log.read_text().split() == ["corerun", "vllm", "hf", "corerun", "hf"]  # not tried again
+    doc = build_compare_report(results, base_report(WORKLOAD, temperature=0.0, warmup=True))
+    assert set(doc["engines"]) == {"corerun", "hf"}
+    assert "exit status 3" in doc["skipped"]["vllm"] and "no AVX-512 here" in doc["skipped"]["vllm"]
+
+
+def test_corerun_failing_is_an_error(fake):
+    with pytest.raises(PeerError, match="corerun failed"):
+        _compare(["corerun", "hf"], fake, corerun={"fail": "boom"})
+
+
+@pytest.mark.parametrize("bad, message", [({"short": True}, "exactly the requested output lengths"),
+                                          ({"drop": "elapsed_s"}, "result without elapsed_s"),
+                                          ({"elapsed": 0.0}, "elapsed_s=0.0")])
+def test_unusable_peer_results_are_rejected(fake, bad, message):
+    results, _ = _compare(["corerun", "vllm"], fake, vllm=bad)
+    assert results["vllm"].runs == [] and message in results["vllm"].skipped
+
+
+def test_result_from_json_keeps_the_workload_counts():
+    doc = {"engine": "x", "version": "1", "elapsed_s": 2.0, "load_s": 1.0, "threads": 4, "peak_rss_bytes": 123,
+           "output_token_ids": [[5] * n for n in WORKLOAD.output_lens], "ttft_s": [0.5], "tpot_s": [0.25], "details": {"a": 1}}
+    r = result_from_json("x", doc, WORKLOAD)
+    assert r.output_tokens_per_s == pytest.approx(WORKLOAD.num_output_tokens / 2.0)
+    assert r.prompt_tokens == WORKLOAD.num_prompt_tokens and r.details == {"a": 1, "version": "1", "threads": 4}
+    assert r.to_dict()["ttft_ms"]["median"] == pytest.approx(500.0)
+
+
+def test_render_compare_prints_ratios_and_skips(fake):
+    from rich.console import Console
+
+    results, _ = _compare(["corerun", "hf"], fake, corerun={"elapsed": 2.0}, hf={"elapsed": 4.0})
+    doc = build_compare_report(results, base_report(WORKLOAD, temperature=0.0, warmup=True))
+    doc.update(dtype="float32", threads=1, rounds=1, loadavg_after=[0.5, 0.25, 0.125], skipped={"vllm": "vllm is not installed"})
+    console = Console(record=True, width=200)
+    render_compare(doc, console)
+    text = console.export_text()
+    assert "2.00x" in text and "vllm skipped: vllm is not installed" in text and "0.50, 0.25, 0.12" in text
+
+
+@pytest.mark.parametrize("text, expected", [("hf", ["hf"]), ("vllm, llama.cpp,hf", ["vllm", "llama.cpp", "hf"]),
+                                            ("llamacpp,transformers,hf", ["llama.cpp", "hf"]), ("", [])])
+def test_parse_compare(text, expected):
+    assert parse_compare(text) == expected
+
+
+def test_parse_compare_and_peer_python_reject():
+    with pytest.raises(ValueError, match="'tgi'"):
+        parse_compare("hf,tgi")
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        parse_peer_pythons(["vllm"])
+    assert parse_peer_pythons(["llamacpp=/x/python"]) == {"llama.cpp": Path("/x/python")}
+
+
+def test_find_python(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert find_python("hf", {}) == Path(sys.executable)
+    with pytest.raises(PeerError, match="--peer-python nosuch"):
+        find_python("nosuch", {})
+    python = tmp_path / "benchmarks" / "peers" / ".venvs" / "vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    assert find_python("vllm", {}) == python
+    with pytest.raises(PeerError, match="no such file"):
+        find_python("vllm", {"vllm": tmp_path / "missing"})
+
+
+def test_request_carries_the_workload():
+    req = build_request("vllm", WORKLOAD, model_dir="m", dtype="bfloat16", threads=2, temperature=0.0, warmup=False,
+                        max_model_len=64, vocab_size=100, gguf=Path("/g.gguf"), options={})
+    assert req["prompts"] == WORKLOAD.prompts and req["output_lens"] == WORKLOAD.output_lens
+    assert req["warmup_prompt"] is None and req["gguf"] == "/g.gguf" and json.loads(json.dumps(req)) == req

@@ -1,0 +1,130 @@
+"""CPU speed settings that must not change results: oneDNN-prepacked linear weights, and ``threads``.
+
+The prepacked path is checked against a float64 matmul of the same numbers (and against itself
+after the weight changes in place); the physical-core count against hand-written ``/proc/cpuinfo``
+texts whose answer is known; ``threads`` against torch's pool after an engine starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corerun.config import load_config
+from corerun.errors import ConfigError
+from corerun.models.layers import Linear, LMHead, PackedWeight
+from corerun.threads import physical_cores, resolve_threads
+from tests.helpers.tiny_models import make_tiny_model
+
+needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).norm() / ref.norm())
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_prepacked_float32_linear_matches_float64(rows):
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(96, 200, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(200, 96, generator=g))
+        layer.bias.copy_(torch.randn(200, generator=g))
+    x = torch.randn(rows, 96, generator=g)
+    with torch.inference_mode():
+        y = layer(x)
+    assert layer.packed.packed is not None  # the packed path ran
+    ref = x.double() @ layer.weight.double().T + layer.bias.double()
+    assert y.shape == (rows, 200) and y.dtype == torch.float32 and torch.isfinite(y).all()
+    assert _rel(y, ref) < 1e-6
+
+
+@needs_mkldnn
+def test_prepacked_bfloat16_linear_matches_float64():
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 path")
+    g = torch.Generator().manual_seed(1)
+    head = LMHead(300, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 64, generator=g))
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        y = head(x)
+    assert head.packed.packed is not None and y.dtype == torch.float32
+    ref = x.double() @ head.weight.double().T  # bfloat16 inputs, exact products, float32 accumulation
+    assert _rel(y, ref) < 4e-3
+
+
+@needs_mkldnn
+def test_a_weight_changed_in_place_is_packed_again():
+    layer = Linear(32, 16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 32))
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        layer(x)
+    first = layer.packed.packed
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+    with torch.inference_mode():
+        y = layer(x)
+    assert layer.packed.packed is not first
+    assert _rel(y, x.double() @ layer.weight.double().T) < 1e-6
+
+
+def test_prepacking_off_and_autograd_use_plain_linear(monkeypatch):
+    monkeypatch.setenv("CORERUN_CPU_PREPACK", "0")
+    layer = Linear(8, 4)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(4, 8))
+    x = torch.randn(2, 8)
+    assert _rel(layer(x), x.double() @ layer.weight.double().T) < 1e-6 and layer.packed.packed is None
+    monkeypatch.delenv("CORERUN_CPU_PREPACK")
+    xg = torch.randn(2, 8, requires_grad=True)
+    layer(xg).sum().backward()  # the packed op has no backward: autograd takes F.linear
+    assert layer.packed.packed is None and torch.allclose(xg.grad, layer.weight.sum(0).expand(2, 8))
+    assert PackedWeight().linear(x.double(), layer.weight.double(), None).dtype == torch.float64  # float64: F.linear
+
+
+def _cpuinfo(entries):
+    return "\n\n".join(f"processor\t: {p}\nphysical id\t: {s}\ncore id\t\t: {c}\nflags\t\t: avx2" for p, s, c in entries) + "\n"
+
+
+def test_physical_cores_from_cpuinfo():
+    # 2 sockets x 2 cores x 2 hyper-threads: processors 0-7, siblings (0, 4), (1, 5), (2, 6), (3, 7)
+    entries = [(p, p % 4 // 2, p % 2) for p in range(8)]
+    text = _cpuinfo(entries)
+    assert physical_cores(text, allowed=set(range(8))) == 4
+    assert physical_cores(text, allowed={0, 4}) == 1  # two hyper-threads of one core
+    assert physical_cores(text, allowed={0, 1, 2}) == 3
+    assert physical_cores("processor\t: 0\n\nprocessor\t: 1\n", allowed={0, 1}) == 2  # no core ids: the CPUs
+
+
+def test_resolve_threads():
+    cores = physical_cores()
+    assert resolve_threads("auto") == cores and resolve_threads(3) == 3
+    assert resolve_threads("auto", world_size=cores * 2) == 1
+    for bad in (0, -1, True, "4"):
+        with pytest.raises(ValueError, match="threads must be"):
+            resolve_threads(bad)
+
+
+def test_threads_config_key():
+    assert load_config().threads == "auto"
+    assert load_config(sets=["threads=3"]).threads == 3
+    with pytest.raises(ConfigError, match="threads must be >= 1 or 'auto'"):
+        load_config(sets=["threads=0"])
+
+
+def test_engine_applies_threads(tmp_path):
+    from corerun.llm import LLM
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(model=str(make_tiny_model(tmp_path)), device="cpu", dtype="float32", attention="torch", threads=1,
+                  kv_cache={"num_blocks": 8})
+        assert torch.get_num_threads() == 1 and llm.engine.runner.threads == 1
+    finally:
+        torch.set_num_threads(saved)
