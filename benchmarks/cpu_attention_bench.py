@@ -1,0 +1,122 @@
+"""Paged attention on CPU: the ``torch`` reference backend (gather + einsum) against ``cpu`` (the
+C++ kernel of corerun-attention-cpu reading the cache in place), on the same batch, in one run.
+
+Shapes are the default model's (SmolLM2-135M: 9 query / 3 KV heads of size 64, block size 16,
+float32 unless ``--dtype``).  Each case times one layer's ``forward`` (K/V write + attention), the
+median of ``--reps`` calls after warm-up, at one and at two torch threads, and prints the ratio
+torch / cpu measured side by side; it also prints the largest difference between the two outputs.
+
+    .venv/bin/python benchmarks/cpu_attention_bench.py            # all cases, 1 and 2 threads
+    .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from corerun.attention.torch_backend import TorchAttentionBackend
+from corerun.protocols.attention import DTYPE_NAMES, AttentionBatch, AttentionSpec
+from corerun_attention_cpu.backend import CpuAttentionBackend
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16
+
+
+def cases(gen: torch.Generator) -> dict[str, list[tuple[int, int]]]:
+    """name -> [(cached context, new tokens)] per request, decodes first."""
+    def around(n: int, rows: int) -> list[int]:
+        return torch.randint(n - n // 4, n + n // 4 + 1, (rows,), generator=gen).tolist()
+
+    return {
+        "decode 32 rows x ~500 keys": [(c, 1) for c in around(500, 32)],
+        "decode 128 rows x ~768 keys": [(c, 1) for c in around(768, 128)],
+        "decode 1 row x 1000 keys": [(1000, 1)],
+        "prefill 1 x 512 new": [(0, 512)],
+        "prefill 4 x 128 new after 256 cached": [(256, 128)] * 4,
+        "mixed 31 decodes ~300 keys + 256-token chunk": [(c, 1) for c in around(300, 31)] + [(128, 256)],
+    }
+
+
+def build(requests: list[tuple[int, int]], dtype: torch.dtype, gen: torch.Generator):
+    bs = BLOCK
+    seq = [c + q for c, q in requests]
+    nblocks = [(s + bs - 1) // bs for s in seq]
+    total = sum(nblocks) + 4
+    perm = torch.randperm(total, generator=gen)
+    width = max(nblocks)
+    tables = torch.zeros(len(requests), width, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(nblocks):
+        tables[i, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    qlens = [q for _, q in requests]
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    slots = []
+    for i, (c, q) in enumerate(requests):
+        for pos in range(c, c + q):
+            slots.append(int(tables[i, pos // bs]) * bs + pos % bs)
+    num_tokens = sum(qlens)
+    batch = AttentionBatch(
+        query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32),
+        context_lens=torch.tensor([c for c, _ in requests], dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), num_reqs=len(requests), num_tokens=num_tokens,
+        max_query_len=max(qlens), max_seq_len=max(seq), num_decodes=sum(1 for q in qlens if q == 1 and qlens[0] == 1),
+        query_start_loc_cpu=qsl, seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+    )
+    # decodes must come first: count the leading query_len == 1 requests
+    nd = 0
+    while nd < len(qlens) and qlens[nd] == 1:
+        nd += 1
+    batch.num_decodes = nd
+    q = torch.randn(num_tokens, HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    kv = torch.randn(2, total, bs, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    return batch, q, k, v, kv
+
+
+def timed(fn, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("-k", default="", help="only cases whose name contains this")
+    args = ap.parse_args()
+    dtype = DTYPE_NAMES[args.dtype]
+    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, dtype, BLOCK, torch.device("cpu"))
+    ref, cpu = TorchAttentionBackend(spec), CpuAttentionBackend(spec)
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {args.dtype}, {HEADS}/{KV_HEADS} heads x {HEAD_SIZE}, block {BLOCK}; "
+          f"one layer's forward (K/V write + attention), median of {args.reps}")
+    print(f"{'case':48} {'threads':>7} {'torch ms':>10} {'cpu ms':>9} {'torch/cpu':>9} {'max |diff|':>10}")
+    for name, requests in cases(gen).items():
+        if args.k not in name:
+            continue
+        batch, q, k, v, kv = build(requests, dtype, gen)
+        kv_torch = torch.cat([kv, torch.zeros_like(kv[:, :1])], dim=1)  # the torch backend's extra write-off block
+        md_ref, md_cpu = ref.plan(batch), cpu.plan(batch)
+        out_ref, out_cpu = torch.empty_like(q), torch.empty_like(q)
+        for n in args.threads:
+            torch.set_num_threads(n)
+            t_ref = timed(lambda: ref.forward(q, k, v, kv_torch, md_ref, out=out_ref), args.reps)
+            t_cpu = timed(lambda: cpu.forward(q, k, v, kv, md_cpu, out=out_cpu), args.reps)
+            diff = (out_ref.double() - out_cpu.double()).abs().max().item()
+            print(f"{name:48} {n:>7} {t_ref:>10.3f} {t_cpu:>9.3f} {t_ref / t_cpu:>8.1f}x {diff:>10.2e}")
+
+
+if __name__ == "__main__":
+    main()

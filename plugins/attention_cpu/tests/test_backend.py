@@ -1,0 +1,174 @@
+"""The ``cpu`` backend against an independent float64 reference on batches larger than the
+conformance suite's (long prefills cut into several tiles, hundreds of keys, odd group sizes and
+head sizes), its refusals, and its thread-count independence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corerun.errors import UnsupportedError
+from corerun_attention_cpu import kernels
+from corerun_attention_cpu.backend import CpuAttentionBackend
+from cpu_attn_cases import TOLERANCE, make_spec, make_step, reference, relative_errors
+
+CASES = {
+    # name: (spec keywords, requests (cached context, new tokens) with decodes first)
+    "default-model-mixed": (dict(), [(300, 1), (0, 1), (47, 1), (16, 150), (0, 70), (5, 3)]),
+    "long-prefill-mha": (dict(num_heads=4, num_kv_heads=4, head_size=32, block_size=8), [(0, 200), (13, 97)]),
+    "gqa7-hd40-bs128": (dict(num_heads=14, num_kv_heads=2, head_size=40, block_size=128), [(130, 1), (255, 1), (120, 33)]),
+    "mqa-hd256-bs32": (dict(num_heads=8, num_kv_heads=1, head_size=256, block_size=32), [(63, 1), (64, 1), (31, 40)]),
+    "decodes-only": (dict(head_size=80), [(c, 1) for c in (1, 15, 16, 17, 400, 33, 0)]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_float64_reference(case, dtype):
+    kw, requests = CASES[case]
+    spec = make_spec(dtype=dtype, **kw)
+    backend = CpuAttentionBackend(spec)
+    step = make_step(backend, spec, requests, seed=len(case))
+    out = torch.full_like(step.query, float("nan"))
+    result = backend.forward(step.query, step.key, step.value, step.cache, backend.plan(step.batch), out=out)
+    assert result is out
+    k, v = backend.kv_cache_view(step.cache)
+    slots = step.batch.slot_mapping
+    bs = spec.block_size
+    assert torch.equal(k[slots // bs, slots % bs], step.key) and torch.equal(v[slots // bs, slots % bs], step.value)
+    assert torch.isfinite(out).all(), "rows left unwritten (NaN poison survived)"
+    rms, mx = relative_errors(out, reference(backend, spec, step))
+    tol_rms, tol_max = TOLERANCE[dtype]
+    assert rms <= tol_rms and mx <= tol_max, (rms, mx)
+
+
+def test_same_bits_on_one_and_two_threads():
+    """Each (request, KV head, tile) is computed by one thread in a fixed order: the thread count cannot change a bit."""
+    spec = make_spec(dtype=torch.bfloat16)
+    backend = CpuAttentionBackend(spec)
+    step = make_step(backend, spec, [(200, 1), (31, 1), (0, 90), (40, 20)], seed=3)
+    md = backend.plan(step.batch)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(backend.forward(step.query, step.key, step.value, step.cache, md))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_strided_query_and_returned_out():
+    """A query that is a view into a fused QKV tensor, no ``out``: the result is a new tensor of the query's shape."""
+    spec = make_spec(num_heads=4, num_kv_heads=2, head_size=32)
+    backend = CpuAttentionBackend(spec)
+    step = make_step(backend, spec, [(20, 1), (0, 9)], seed=5)
+    fused = torch.randn(step.query.shape[0], 8, 32)
+    fused[:, :4] = step.query
+    query = fused[:, :4]
+    assert not query.is_contiguous()
+    out = backend.forward(query, step.key, step.value, step.cache, backend.plan(step.batch))
+    assert out.shape == step.query.shape
+    rms, mx = relative_errors(out, reference(backend, spec, step))
+    assert rms < 2e-6 and mx < 2e-5
+
+
+def test_block_id_outside_the_cache_is_refused_by_name():
+    spec = make_spec()
+    backend = CpuAttentionBackend(spec)
+    step = make_step(backend, spec, [(40, 1), (3, 5)], seed=1)
+    num_blocks = step.cache.shape[1]
+    step.batch.block_tables[1, 0] = num_blocks + 7
+    with pytest.raises(ValueError, match=rf"block_tables\[1, 0\] = {num_blocks + 7} is not a block of this cache \(valid: 0 .. {num_blocks - 1}\)"):
+        backend.forward(step.query, step.key, step.value, step.cache, backend.plan(step.batch))
+
+
+def test_table_too_narrow_and_short_sequence_are_refused():
+    spec = make_spec(block_size=8)
+    backend = CpuAttentionBackend(spec)
+    step = make_step(backend, spec, [(40, 1)], seed=2)
+    narrow = backend.plan(step.batch)
+    narrow.block_tables = narrow.block_tables[:, :2].contiguous()
+    with pytest.raises(ValueError, match=r"request 0 needs 6 blocks of 8 tokens, but block_tables has 2 columns"):
+        backend.forward(step.query, step.key, step.value, step.cache, narrow)
+    short = backend.plan(step.batch)
+    short.query_start_loc = torch.tensor([0, 1], dtype=torch.int32)
+    short.seq_lens = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 0 is shorter than request 0's 1 query tokens"):
+        backend.forward(step.query, step.key, step.value, step.cache, short)
+
+
+def test_slot_outside_the_cache_writes_nothing():
+    spec = make_spec(num_heads=2, num_kv_heads=2, head_size=32, block_size=4)
+    backend = CpuAttentionBackend(spec)
+    cache = backend.allocate_kv_cache(3)
+    before = cache.clone()
+    key = torch.randn(3, 2, 32)
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] = 12 is outside the cache \(valid: -1 for none, or 0 .. 11"):
+        backend.write_kv(key, key, cache, torch.tensor([0, -1, 12]))
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        (dict(dtype=torch.float64), "dtype float64 not in"),
+        (dict(head_size=320), "head size 320 above the maximum 256"),
+        (dict(num_heads=9, num_kv_heads=2), "num_heads 9 is not a multiple of num_kv_heads 2"),
+    ],
+)
+def test_undeclared_specs_are_refused(kw, reason):
+    with pytest.raises(UnsupportedError, match=reason):
+        CpuAttentionBackend(make_spec(**kw))
+
+
+def test_device_other_than_cpu_is_refused():
+    spec = make_spec()
+    cuda = type(spec)(**{**spec.__dict__, "device": torch.device("cuda")})
+    with pytest.raises(UnsupportedError, match="device cuda not in"):
+        CpuAttentionBackend(cuda)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty build cache and a forgotten library; the real one is loaded again afterwards."""
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path))
+    kernels.reset()
+    yield tmp_path
+    kernels.reset()
+
+
+def test_without_a_compiler_the_probe_says_why_and_the_factory_refuses(monkeypatch, fresh_build):
+    from corerun_attention_cpu.probe import probe
+
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    reasons = probe()
+    assert reasons == ["$CXX='no-such-compiler-here' is not an executable on PATH"]
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(fresh_build))  # no c++, g++ or clang++ anywhere
+    kernels.reset()
+    with pytest.raises(UnsupportedError, match=r"no C\+\+ compiler found"):
+        CpuAttentionBackend(make_spec())
+
+
+def test_a_failing_compiler_is_reported_with_its_output(monkeypatch, fresh_build):
+    fake = fresh_build / "fake-cxx"
+    fake.write_text("#!/bin/sh\necho 'fake-cxx: error: cannot compile today' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    _, reasons = kernels.load()
+    assert len(reasons) == 2  # with OpenMP, then without
+    assert all("exit status 3: fake-cxx: error: cannot compile today" in r for r in reasons)
+    assert not list(fresh_build.rglob("*.so")), "a failed build left a file behind"
+
+
+def test_build_is_cached_by_key(fresh_build):
+    lib, reasons = kernels.load()
+    assert lib is not None and not reasons
+    built = list(fresh_build.rglob(kernels.LIB_NAME))
+    assert len(built) == 1 and built[0].parent.parent == fresh_build / "attention_cpu"
+    mtime = built[0].stat().st_mtime_ns
+    kernels.reset()
+    assert kernels.load()[0] is not None
+    assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
