@@ -84,6 +84,11 @@ def test_time_plan_at_the_top_matches_the_parts_and_fits_the_budget() -> None:
     assert stated == total
     assert total <= 0.95 * budget and budget <= 480, (total, budget)  # margin inside an 8-minute run
     assert f"sum to {total} s" in header
+    # docs/development.md states the same limits, part by part
+    docs = (ROOT / "docs" / "development.md").read_text()
+    documented = {k: int(v) for k, v in re.findall(r"^\| ([a-z][\w-]+) \| (\d+) s \|", docs, re.M)}
+    assert documented == limits
+    assert re.search(rf"no part\s+starts after {budget} s; the limits sum to {total} s", docs)
 
 
 def test_missing_packages_stop_the_script_with_one_line(tmp_path: Path) -> None:
