@@ -6,16 +6,21 @@ from __future__ import annotations
 import pytest
 
 from corerun.conformance import run
-from tests.broken_impls.attention import DropsLastBlock, IgnoresCausalMask, NaiveAttentionBackend, WritesSlotPlusOne
+from tests.broken_impls.attention import (
+    DropsLastBlock, IgnoresCausalMask, IgnoresPrefix, NaiveAttentionBackend, ScaleOffBy0p2Percent, WritesSlotPlusOne,
+)
 from tests.broken_impls.graph import PaddingRunner, WritesPaddingKV
 from tests.broken_impls.kv_cache import HitsWholePrompt, InsertsBeforeTail, LeaksOnFree
-from tests.broken_impls.sampler import IgnoresTopP, PenaltySampler, StaleHistory, TemperatureOff, TopPSampler
+from tests.broken_impls.sampler import (
+    IgnoresTemperatureWithTopK, IgnoresTopP, NeverSamplesLastId, PenaltySampler, StaleHistory, TemperatureOff, TopKSampler,
+    TopPSampler,
+)
 
 # One float32 configuration of every attention check plus the refusal checks keeps this file fast;
 # the broken behaviours do not depend on the dtype.
 ATTENTION_KEYWORD = "fp32 or unsupported"
 SAMPLER_KEYWORD = "distribution or undeclared or declared or greedy"
-HISTORY_KEYWORD = "seq_id_history or greedy or penalt"  # the step-by-step check and every penalty case
+HISTORY_KEYWORD = "seq_id_history or greedy or (penalt and not pair)"  # the step-by-step check and every single-penalty case
 
 
 def _failed(results: list) -> dict[str, list]:
@@ -40,8 +45,10 @@ def test_correct_attention_backend_passes() -> None:
         (DropsLastBlock, {"decode", "prefill", "mixed", "block_boundaries"}, ("decode", "relative error")),
         (IgnoresCausalMask, {"prefill", "prefill_cached_prefix", "decode", "mixed"}, ("prefill", "relative error")),
         (WritesSlotPlusOne, {"kv_write", "decode", "prefill"}, ("kv_write", "slots no token names were written")),
+        (IgnoresPrefix, {"prefill_cached_prefix", "decode", "mixed"}, ("prefill_cached_prefix", "relative error")),
+        (ScaleOffBy0p2Percent, {"prefill", "prefill_cached_prefix", "decode", "mixed"}, ("decode", "relative error")),
     ],
-    ids=["drops-last-block", "ignores-causal-mask", "writes-slot-plus-one"],
+    ids=["drops-last-block", "ignores-causal-mask", "writes-slot-plus-one", "ignores-prefix", "scale-off-by-0.2%"],
 )
 def test_broken_attention_backend_rejected(impl: type, must_fail: set[str], named: tuple[str, str]) -> None:
     results = run("attention", factory=impl, keyword=f"fp32 and ({' or '.join(sorted(must_fail | {'unsupported'}))})")
@@ -72,6 +79,34 @@ def test_sampler_with_wrong_temperature_rejected() -> None:
     assert {"default", "temperature0.7", "temperature1.6"} <= set(cases), sorted(cases)
     assert "chi-square" in cases["temperature0.7"] and "p = " in cases["temperature0.7"]
     assert "greedy" not in failed  # temperature 0 never divides
+
+
+def test_temperature_with_top_k_is_checked_as_a_pair() -> None:
+    """A sampler declaring only temperature and top-k: no single-parameter case combines them, the pair case does."""
+    assert not _failed(run("sampler", factory=TopKSampler, keyword="distribution"))
+    results = run("sampler", factory=IgnoresTemperatureWithTopK, keyword="distribution")
+    failed = {r.case: r.reason for r in results if r.failed}
+    assert set(failed) == {"pair-temperature+top_k"}, sorted(failed)
+    assert "chi-square" in failed["pair-temperature+top_k"]
+    assert {"default", "temperature0.7", "top_k5"} <= {r.case for r in results if r.outcome == "passed"}
+
+
+def test_every_pair_of_declared_parameters_is_drawn() -> None:
+    from corerun.conformance.sampler_cases import PAIR_VALUES, pair_cases
+
+    declared = frozenset(PAIR_VALUES) | {"seed", "logprobs"}
+    names = {c.name for c in pair_cases(declared)}
+    n = len(PAIR_VALUES)
+    assert len(names) == n * (n - 1) // 2
+    assert {"pair-temperature+top_k", "pair-temperature+top_p", "pair-temperature+min_p", "pair-top_k+repetition_penalty"} <= names
+    assert {c.name for c in pair_cases(frozenset({"temperature", "top_p"}))} == {"pair-temperature+top_p"}
+
+
+def test_sampler_that_never_draws_the_last_id_rejected() -> None:
+    failed = _failed(run("sampler", factory=NeverSamplesLastId, keyword="distribution"))
+    cases = {r.case: r.reason for r in failed.get("distribution", [])}
+    assert {"default", "temperature0.7", "top_p0.8"} <= set(cases), sorted(cases)
+    assert "chi-square" in cases["default"]
 
 
 def test_sampler_with_penalties_passes_step_by_step() -> None:

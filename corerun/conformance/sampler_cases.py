@@ -31,6 +31,7 @@ class DistCase:
     prompt: tuple[int, ...] = ()
     output: tuple[int, ...] = ()
     eos: frozenset[int] = field(default_factory=frozenset)
+    draws: int = NUM_DRAWS
 
     def sampling_params(self) -> Any:
         from corerun.sampling_params import SamplingParams
@@ -72,6 +73,43 @@ DIST_CASES: list[DistCase] = [
         PROMPT, OUTPUT, frozenset({3}),
     ),
 ]
+
+# One value per distribution-shaping parameter for the pair cases: each far from its no-op value, so
+# a sampler that drops one parameter of a pair moves the distribution well past the chi-square bound.
+PAIR_VALUES: dict[str, dict[str, Any]] = {
+    "temperature": {"temperature": 0.45},
+    "top_k": {"top_k": 6},
+    "top_p": {"top_p": 0.8},
+    "min_p": {"min_p": 0.08},
+    "repetition_penalty": {"repetition_penalty": 1.5},
+    "frequency_penalty": {"frequency_penalty": 0.7},
+    "presence_penalty": {"presence_penalty": 0.9},
+    "logit_bias": {"logit_bias": {2: 2.5, 5: -1.5, 11: 1.5}},
+    "min_tokens": {"min_tokens": 8, "stop_token_ids": (7,)},
+}
+
+
+def pair_cases(declared: frozenset[str]) -> list[DistCase]:
+    """Every pair of declared distribution-shaping parameters, on the prompt/output history (EOS 3),
+    so a sampler wrong on any combination (temperature ignored when top-k is set, ...) fails."""
+    names = [n for n in PAIR_VALUES if n in declared]
+    cases = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            params = {**PAIR_VALUES[a], **PAIR_VALUES[b]}
+            cases.append(DistCase(f"pair-{a}+{b}", params, PROMPT, OUTPUT, frozenset({3}), draws=NUM_DRAWS // 2))
+    return cases
+
+
+def seeded_cases(declared: frozenset[str]) -> list[DistCase]:
+    """Seeded rows alone (at temperature 0.7 when declared) and with each declared distribution-shaping parameter."""
+    base = DistCase("temperature0.7", {"temperature": 0.7}, draws=NUM_DRAWS // 2)
+    cases = [base if "temperature" in declared else DistCase("default", {}, draws=NUM_DRAWS // 2)]
+    for name in PAIR_VALUES:
+        if name in declared and name != "temperature":  # the base case covers seed with temperature
+            cases.append(DistCase(name, dict(PAIR_VALUES[name]), PROMPT, OUTPUT, frozenset({3}), draws=NUM_DRAWS // 4))
+    return cases
+
 
 # Preferred groups of a mixed batch (the first three a sampler declares).
 MIXED_PREFERENCE = ("default", "top_p0.8", "temperature0.7", "top_k5", "penalties", "logit_bias", "min_p0.1")

@@ -20,7 +20,8 @@ import torch
 from corerun.capabilities import ENGINE_PARAMS
 from corerun.conformance.reference.sampling import boundary_margins, processed_logits
 from corerun.conformance.sampler_cases import (
-    MIXED_PREFERENCE, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable, base_logits,
+    MIXED_PREFERENCE, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable, base_logits, pair_cases,
+    seeded_cases,
 )
 from corerun.conformance.sampler_compare import fit_problems, logprob_problems
 from corerun.conformance.sampler_steps import EOS, STEPS, history_steps
@@ -60,7 +61,11 @@ class SamplerSuite(ConformanceSuite):
     def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
         declared = self.declared(target)
         if check == "distribution":
-            return [(c.name, c) for c in applicable(declared)]
+            return [(c.name, c) for c in applicable(declared) + pair_cases(declared)]
+        if check == "seeded_distribution":
+            if "seed" not in declared:
+                return f"{target.name} does not declare seed"
+            return [(f"seed+{c.name}", c) for c in seeded_cases(declared)]
         if check == "mixed_batch":
             names = [n for n in MIXED_PREFERENCE if n in {c.name for c in applicable(declared)}][:3]
             cases = [c for c in applicable(declared) if c.name in names]
@@ -69,7 +74,7 @@ class SamplerSuite(ConformanceSuite):
             if "temperature" not in declared:
                 return f"{target.name} does not declare temperature, so it has no greedy mode (temperature 0)"
             return [(name, dt) for name, dt in GREEDY_DTYPES.items()]
-        if check in ("logprobs", "prompt_logprobs", "seeds", "seeded_distribution"):
+        if check in ("logprobs", "prompt_logprobs", "seeds"):
             need = {"logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}.get(check, "seed")
             if need not in declared:
                 return f"{target.name} does not declare {need}"
@@ -118,7 +123,7 @@ class SamplerSuite(ConformanceSuite):
         """Draws follow exactly the distribution the parameters define (chi-square, p > 1e-4); excluded tokens never appear."""
         self.start(case)
         sampler = self._sampler(case, VOCAB)
-        problems = fit_problems(case.config, self._draw(case, sampler, case.config, NUM_DRAWS))
+        problems = fit_problems(case.config, self._draw(case, sampler, case.config, case.config.draws))
         if problems:
             _fail(case, "sampling distribution", problems)
 
@@ -145,9 +150,8 @@ class SamplerSuite(ConformanceSuite):
     def test_seeded_distribution(self, case: Case) -> None:
         """Seeded rows (one seed each) still draw from the right distribution."""
         self.start(case)
-        declared = self.declared(case.target)
-        dist = DistCase("seeded-temperature0.7", {"temperature": 0.7}) if "temperature" in declared else DistCase("seeded", {})
-        n = NUM_DRAWS // 2
+        dist: DistCase = case.config
+        n = dist.draws
         problems = fit_problems(dist, self._draw(case, self._sampler(case, VOCAB), dist, n, seeds=True))
         if problems:
             _fail(case, "seeded sampling distribution", problems)

@@ -1,4 +1,4 @@
-"""A small correct paged attention backend and three broken variants of it."""
+"""A small correct paged attention backend and broken variants of it."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ class NaiveAttentionBackend(DenseKVCache):
     def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         return key_pos[None, :] <= query_pos[:, None]
 
+    def _scale(self) -> float:
+        return self.spec.softmax_scale
+
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionBatch, out: torch.Tensor | None = None,
@@ -65,7 +68,7 @@ class NaiveAttentionBackend(DenseKVCache):
         starts = metadata.query_start_loc.tolist()
         seq_lens = metadata.seq_lens.tolist()
         group = s.num_heads // s.num_kv_heads
-        scale = s.softmax_scale
+        scale = self._scale()
         for i in range(metadata.num_reqs):
             a, b = starts[i], starts[i + 1]
             ctx = seq_lens[i] - (b - a)
@@ -97,6 +100,25 @@ class IgnoresCausalMask(NaiveAttentionBackend):
 
     def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         return torch.ones(len(query_pos), len(key_pos), dtype=torch.bool, device=query_pos.device)
+
+
+class IgnoresPrefix(NaiveAttentionBackend):
+    """Broken: attends only to the tokens of this step, never to what the cache held before it (a
+    cached prefix, an earlier chunk, the tokens decoded so far); a prompt with nothing cached is right."""
+
+    name = "ignores-prefix"
+
+    def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        return super()._mask(query_pos, key_pos) & (key_pos[None, :] >= query_pos[0])
+
+
+class ScaleOffBy0p2Percent(NaiveAttentionBackend):
+    """Broken: softmax scale 0.2% too large (``1.002 / sqrt(head_size)``)."""
+
+    name = "scale-off-by-0.2%"
+
+    def _scale(self) -> float:
+        return self.spec.softmax_scale * 1.002
 
 
 class WritesSlotPlusOne(NaiveAttentionBackend):

@@ -1,4 +1,4 @@
-"""A small correct temperature / top-k / top-p sampler and two broken variants of it."""
+"""Small correct samplers (temperature / top-k / top-p, penalties) and broken variants of them."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class TopPSampler:
         if missing:
             raise UnsupportedError(f"sampler '{self.name}'", [f"{name} is not supported" for name in missing])
 
+    def _temperatures(self, params: list[SamplingParams]) -> list[float]:
+        return [p.temperature for p in params]
+
     def _top_p(self, x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         ascending, order = x.sort(dim=-1)
         mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
@@ -38,7 +41,7 @@ class TopPSampler:
         params = metadata.params
         x = logits.float()
         greedy_tokens = x.argmax(dim=-1)
-        temps = torch.tensor([p.temperature for p in params], device=x.device) * self.temperature_factor
+        temps = torch.tensor(self._temperatures(params), device=x.device) * self.temperature_factor
         x = x / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
         ks = torch.tensor([p.top_k if 0 < p.top_k < x.shape[1] else x.shape[1] for p in params], device=x.device)
         kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
@@ -62,6 +65,34 @@ class IgnoresTopP(TopPSampler):
 
     def _top_p(self, x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class TopKSampler(TopPSampler):
+    """Correct: temperature and top-k only (declares no top-p or min-p, so no single-parameter case of
+    the suite combines temperature with top-k)."""
+
+    name = "top-k-sampler"
+    capabilities = SamplerCapabilities(params=frozenset({"temperature", "top_k"}))
+
+
+class IgnoresTemperatureWithTopK(TopKSampler):
+    """Broken: drops the temperature of any random row that also sets ``top_k``."""
+
+    name = "ignores-temperature-with-top-k"
+
+    def _temperatures(self, params: list[SamplingParams]) -> list[float]:
+        return [1.0 if p.top_k > 0 and p.temperature > 0 else p.temperature for p in params]
+
+
+class NeverSamplesLastId(TopPSampler):
+    """Broken: an off-by-one on the vocabulary: the last token id can never be drawn (or chosen greedily)."""
+
+    name = "never-samples-last-id"
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.clone()
+        logits[:, -1] = float("-inf")
+        return super().sample(logits, metadata)
 
 
 class TemperatureOff(TopPSampler):
