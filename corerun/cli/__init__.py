@@ -15,12 +15,14 @@ SUBCOMMANDS = {
     "plugins": "corerun.cli.plugins:plugins",
     "conformance": "corerun.cli.conformance:conformance",
     "bench": "corerun.cli.bench:bench",
+    "new": "corerun.cli.new:new",
 }
 HELP = {
     "generate": "Generate completions for PROMPTs (the built-in default model unless --model/--config name one).",
     "plugins": "List installed plugins: distribution, version, what each provides, available or why not.",
     "conformance": "Run the conformance suite against an installed implementation (KIND:NAME).",
     "bench": "Offline throughput / latency benchmark on a standard workload.",
+    "new": "Write a ready pip distribution for a new plugin: corerun new attention|sampler|kv_cache|graph NAME.",
 }
 
 

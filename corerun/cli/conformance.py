@@ -112,15 +112,12 @@ def _certify(target: Any, results: list[Any], device: str, partial: str | None) 
     if partial:
         return None, f"not certified: {partial}; run the whole suite (`corerun conformance {target.label}`) to certify it."
     counts = summarize(results)
-    if counts["xfailed"] or counts["skipped"]:
-        return None, (
-            f"not certified: {counts['xfailed']} expected failures and {counts['skipped']} skipped checks; "
-            f"`auto` only chooses what passed every check."
-        )
+    if counts["xfailed"]:
+        return None, f"not certified: {counts['xfailed']} expected failures; `auto` only chooses what passed every check."
     path = trust.record_certificate(reg, device, counts)
     return str(path), (
         f"certified {target.label} from {reg.distribution} {reg.version} for corerun {trust.__version__} on "
-        f"{device} ({path}): `auto` may now choose it."
+        f"{device} ({path})" + (": `attention: auto` may now choose it." if reg.kind == "attention" else ".")
     )
 
 

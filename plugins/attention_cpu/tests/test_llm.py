@@ -10,7 +10,7 @@ from corerun import LLM, SamplingParams
 
 
 def test_tiny_model_greedy_equals_torch_backend(tmp_path):
-    from tests.helpers.tiny_models import make_tiny_model
+    from corerun.testing.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path, arch="llama")
     shared = list(range(30, 52))
@@ -30,7 +30,7 @@ def test_default_model_greedy_equals_transformers():
     from transformers import AutoTokenizer
 
     from corerun.models import default_model_dir
-    from tests.helpers.engine_testing import hf_greedy
+    from corerun.testing import hf_greedy
 
     folder = default_model_dir(progress=False)
     tok = AutoTokenizer.from_pretrained(str(folder))

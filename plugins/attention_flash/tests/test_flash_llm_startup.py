@@ -6,7 +6,7 @@ from corerun import LLM, PluginUnavailableError
 
 
 def test_llm_with_flash_fails_at_startup_with_every_reason(tmp_path):
-    from tests.helpers.tiny_models import make_tiny_model
+    from corerun.testing.tiny_models import make_tiny_model
 
     import torch
 

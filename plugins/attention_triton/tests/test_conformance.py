@@ -40,7 +40,7 @@ class TestTritonSplitKVInsideCapturedGraphs(TestTritonInsideCapturedGraphs):
 
 def test_llm_greedy_equals_torch_backend(tmp_path):
     from corerun import LLM, SamplingParams
-    from tests.helpers.tiny_models import make_tiny_model
+    from corerun.testing.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path, arch="llama")
     prompts = [[7], list(range(3, 19)), list(range(40, 57)), [9, 8, 7, 6, 5] * 4]
