@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Sampling fields the engine itself handles; every sampler "honours" them.
-ENGINE_PARAMS = frozenset({"n", "max_tokens", "ignore_eos", "stop_token_ids"})
+ENGINE_PARAMS = frozenset({"n", "max_tokens", "ignore_eos", "stop_token_ids", "stop", "include_stop_str_in_output"})
 
 
 def _fmt(values: frozenset) -> str:

@@ -104,6 +104,17 @@ class DistributedConfig(_Strict):
         return v
 
 
+class ServerConfig(_Strict):
+    """``corerun serve`` (corerun.server): the OpenAI-compatible HTTP server on top of the engine."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = None  # the name clients ask for; None: the model folder's name
+    max_waiting_requests: int = Field(256, ge=0)  # more requests waiting than this: 503 at once
+    max_request_bytes: int = Field(8 * 2**20, ge=1)  # a larger body: 413
+    shutdown_timeout_s: float = Field(30.0, ge=0.0)  # on SIGTERM/SIGINT, in-flight requests then get aborted
+
+
 class Config(_Strict):
     """Every knob of an engine. ``Config()`` is a working configuration (the built-in default model)."""
 
@@ -122,6 +133,7 @@ class Config(_Strict):
     allow_pickle_weights: bool = False  # load pytorch_model.bin through torch.load (unsafe); safetensors otherwise
     max_logprobs: int = Field(20, ge=0)
     threads: int | Literal["auto"] = "auto"  # torch's intra-op CPU threads; auto: the physical cores (corerun.threads)
+    server: ServerConfig = ServerConfig()
 
     @field_validator("threads")
     @classmethod

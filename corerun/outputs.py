@@ -23,7 +23,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
-    stop_reason: int | None = None  # the stop token id, when a stop_token_ids entry ended it
+    stop_reason: int | str | None = None  # the stop token id (stop_token_ids) or stop string (stop) that ended it
     logprobs: SampleLogprobs | None = None
     error: str | None = None  # set when finish_reason == "error"
 

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by them overflows.
 SAMPLING_EPS = 1e-5
+# Upper bound on ``n`` (samples of one request); each is a sequence of its own in the scheduler.
+MAX_N = 128
 
 
 class SamplingParams(BaseModel):
@@ -23,7 +25,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)  # samples per prompt (the engine forks them from one prefill)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -36,6 +38,8 @@ class SamplingParams(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one (corerun.engine.stop_strings)
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
@@ -59,6 +63,19 @@ class SamplingParams(BaseModel):
         if bad:  # pydantic would read True as token 1
             raise ValueError(f"{info.field_name} must hold integer token ids, got {bad[0]!r}")
         return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None:
+            return ()
+        if isinstance(v, str):  # one stop string, as OpenAI's API allows
+            v = (v,)
+        if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+            raise ValueError(f"stop must be a string or a list of strings, got {v!r}")
+        if any(not s for s in v):
+            raise ValueError(f"stop strings must be non-empty, got {list(v)!r}")
+        return tuple(v)
 
     @field_validator("temperature")
     @classmethod

@@ -98,7 +98,7 @@ BAD_PARAMS = [
     ({"logprobs": 21}, "logprobs", "between 0 and 20"),
     ({"prompt_logprobs": -1}, "prompt_logprobs", "between 0 and 20"),
     ({"seed": 2**64}, "seed", "64-bit"),
-    ({"n": 2}, "n", "less than or equal to 1"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
     ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
     ({"logit_bias": {3: nan}}, "logit_bias", "finite, or -inf"),
     ({"logit_bias": {3: inf}}, "logit_bias", "finite, or -inf"),

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "plugins": "corerun.cli.plugins:plugins",
     "conformance": "corerun.cli.conformance:conformance",
     "bench": "corerun.cli.bench:bench",
+    "serve": "corerun.cli.serve:serve",
     "new": "corerun.cli.new:new",
 }
 HELP = {
@@ -22,6 +23,7 @@ HELP = {
     "plugins": "List installed plugins: distribution, version, what each provides, available or why not.",
     "conformance": "Run the conformance suite against an installed implementation (KIND:NAME).",
     "bench": "Offline throughput / latency benchmark on a standard workload.",
+    "serve": "Serve the model over HTTP with OpenAI's API (completions, chat, models, health, metrics).",
     "new": "Write a ready pip distribution for a new plugin: corerun new attention|sampler|kv_cache|graph NAME.",
 }
 

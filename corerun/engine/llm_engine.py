@@ -18,7 +18,10 @@ from typing import Any, Sequence as Seq
 from pydantic import ValidationError
 
 from corerun.config import Config
+from corerun.engine import parallel_sampling
+from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.scheduler import ScheduledBatch, Scheduler, SchedulingError
+from corerun.engine.stop_strings import final_text, find_stop, running_text
 from corerun.engine.sequence import Sequence, SequenceStatus
 from corerun.errors import EngineClosedError, RequestError, StepError, UnsupportedError
 from corerun.model_runner import ModelRunner, StepResult
@@ -54,6 +57,7 @@ class LLMEngine:
             chunked_prefill=sc.chunked_prefill,
         )
         self.requests: dict[str, Sequence] = {}
+        self._group_of: dict[int, SequenceGroup] = {}  # seq_id -> its request's samples, for n > 1
         self._aborted: list[Sequence] = []  # aborted since the last take_aborted()
         # step/abort/add/release from several threads: one at a time (LLM goes through EngineLoop instead)
         self.lock = threading.RLock()
@@ -102,6 +106,9 @@ class LLMEngine:
             params.check_vocab(runner.vocab_size)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"stop={list(params.stop)!r}: stop strings need a tokenizer, and this engine has none; "
+                               "use stop_token_ids instead")
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(params, field)
             if k is not None and k > self.config.max_logprobs:
@@ -123,10 +130,14 @@ class LLMEngine:
             while request_id in self.requests:  # a caller chose this id for another request
                 seq_id = next(self._seq_ids)
                 request_id = str(seq_id)
-        return Sequence(
+        seq = Sequence(
             seq_id=seq_id, request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
             arrival_time=time.perf_counter(),
         )
+        if params.n > 1:  # the other samples are forked once this one's prompt is computed
+            group = parallel_sampling.fork(seq, lambda: next(self._seq_ids))
+            self._group_of.update((s.seq_id, group) for s in group.seqs)
+        return seq
 
     def _check_fits(self, n: int, params: SamplingParams) -> None:
         """Refuse a request that could never be scheduled, however long it waited.
@@ -207,6 +218,13 @@ class LLMEngine:
             if seq is not None and not seq.is_finished:
                 self._finish(seq, "abort", time.perf_counter())
                 self._aborted.append(seq)
+            group = self._group_of.get(seq.seq_id) if seq is not None else None
+            if group is not None and not group.is_finished:  # n > 1: the other samples too
+                for s in group.seqs[1:]:
+                    if not s.is_finished:
+                        self._finish(s, "abort", time.perf_counter())
+                if seq not in self._aborted:
+                    self._aborted.append(seq)
 
     def take_aborted(self) -> list[Sequence]:
         """The sequences :meth:`abort` ended since the last call (a step never returns them)."""
@@ -227,7 +245,8 @@ class LLMEngine:
         with self.lock:
             if self.closed:
                 raise EngineClosedError("the engine was shut down; make a new one")
-            return self._step()
+            touched = self._step()
+            return parallel_sampling.as_requests(touched, self._group_of) if self._group_of else touched
 
     def _step(self) -> list[Sequence]:
         try:
@@ -273,6 +292,9 @@ class LLMEngine:
                 "KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
                 self.runner.kv_manager_name, seq.request_id, type(exc).__name__, exc,
             )
+        group = self._group_of.get(seq.seq_id)
+        if group is not None and group.pending and seq is group.head:  # n > 1: forks not yet queued
+            parallel_sampling.finish_pending(group, reason, seq.error, now)
 
     def _fail(self, seqs: list[Sequence], message: str) -> list[Sequence]:
         logger.error("step failed, %d request(s) end with an error: %s", len(seqs), message)
@@ -304,6 +326,9 @@ class LLMEngine:
             except Exception as exc:
                 failed[seq.seq_id] = (f"KV-cache manager '{self.runner.kv_manager_name}' failed caching the blocks "
                                       f"of request {seq.request_id!r}: {type(exc).__name__}: {exc}")
+            group = self._group_of.get(seq.seq_id)
+            if group is not None and group.pending and seq.seq_id not in failed:  # n > 1: fork after the prefill
+                self.scheduler.waiting.extendleft(reversed(group.ready_forks()))
         for i, lps in prompt_lps.items():
             seq = sched.seqs[i]
             if seq.prompt_logprobs is None:
@@ -321,6 +346,8 @@ class LLMEngine:
             if seq.logprobs is not None and lp_rows is not None:
                 seq.logprobs.append(lp_rows[j])
             reason = self._stop_reason(seq, token)
+            if reason is None and seq.params.stop:
+                reason = self._stop_string(seq)
             if reason is not None:
                 self._finish(seq, reason, now)
             touched.append(seq)
@@ -340,10 +367,35 @@ class LLMEngine:
             return "length"
         return None
 
+    def _stop_string(self, seq: Sequence) -> str | None:
+        """``"stop"`` when the text new this step completes one of the request's stop strings (corerun.engine.stop_strings)."""
+        start = len(seq.text)
+        text = self._detokenize(seq, seq.output_view())
+        if seq.num_output_tokens < seq.params.min_tokens:
+            return None
+        hit = find_stop(text, seq.params.stop, start)
+        if hit is None:
+            return None
+        seq.stop_reason = hit[1]  # type: ignore[assignment]  # the string, as vLLM reports it
+        return "stop"
+
     # -------------------------------------------------------------- output
-    def output(self, seq: Sequence) -> RequestOutput:
+    def output(self, seq: Sequence | SequenceGroup) -> RequestOutput:
+        """The request's output so far; for ``n > 1`` (a sequence of the request, or its group) every sample's."""
+        group = seq if isinstance(seq, SequenceGroup) else self._group_of.get(seq.seq_id)
+        if group is not None:
+            return parallel_sampling.group_output(group, self._output_one)
+        return self._output_one(seq)
+
+    def _output_one(self, seq: Sequence) -> RequestOutput:
         ids = seq.output_token_ids
         text = self._detokenize(seq, ids) if self.tokenizer is not None else ""
+        p = seq.params
+        if p.stop and text and not seq.is_finished:
+            text = running_text(text, p.stop, p.include_stop_str_in_output)
+        elif p.stop and text and isinstance(seq.stop_reason, str):  # ended by a stop string: cut there
+            start = len(self.tokenizer.decode(ids[:-1], skip_special_tokens=True))
+            text = final_text(text, seq.stop_reason, start, p.include_stop_str_in_output)
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(ids), finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=seq.logprobs, error=seq.error,
@@ -379,7 +431,12 @@ class LLMEngine:
         """Forget a finished request (the engine keeps no history of its own)."""
         with self.lock:
             seq = self.requests.get(request_id)
-            if seq is not None and seq.is_finished:
+            group = self._group_of.get(seq.seq_id) if seq is not None else None
+            if group is not None and group.is_finished:  # n > 1: once every sample is done
+                for s in group.seqs:
+                    self._group_of.pop(s.seq_id, None)
+                del self.requests[request_id]
+            elif group is None and seq is not None and seq.is_finished:
                 del self.requests[request_id]
 
     def shutdown(self) -> None:

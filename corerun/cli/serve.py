@@ -1,0 +1,39 @@
+"""``corerun serve``: the OpenAI-compatible HTTP server (corerun.server)."""
+
+from __future__ import annotations
+
+import click
+
+from corerun.cli.options import build_config, engine_options
+from corerun.errors import CorerunError
+
+
+@click.command()
+@engine_options
+@click.option("--host", default=None, help="Address to listen on (server.host; default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (server.port; default 8000).")
+@click.option("--served-model-name", default=None, help="The model name clients ask for (server.served_model_name).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True, help="uvicorn's log level (info logs each request).")
+def serve(config_path, sets, model, attention, sampler, device, dtype, host, port, served_model_name, log_level) -> None:
+    """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics. SIGTERM or Ctrl-C stops it gracefully."""
+    from corerun.server.run import check_installed
+
+    try:
+        check_installed()
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+    server = {k: v for k, v in (("host", host), ("port", port), ("served_model_name", served_model_name)) if v is not None}
+    try:
+        cfg = build_config(config_path, sets, model=model, attention=attention, sampler=sampler, device=device,
+                           dtype=dtype, server=server or None)
+        from corerun.llm import LLM
+        from corerun.server.app import model_name
+        from corerun.server.run import serve as run
+
+        llm = LLM(config=cfg)
+        click.echo(f"corerun: serving {model_name(llm)} on http://{cfg.server.host}:{cfg.server.port}/v1", err=True)
+        run(llm, log_level=log_level)
+    except CorerunError as exc:
+        raise click.ClickException(str(exc)) from None

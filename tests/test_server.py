@@ -1,0 +1,321 @@
+"""``corerun serve``: the real server (uvicorn on a free port) driven by the official ``openai`` client.
+
+References: greedy and seeded outputs against ``LLM.generate`` on the same engine; logprobs against
+Hugging Face transformers' float32 logits; stop strings against the text of the unstopped output.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from corerun import LLM, SamplingParams  # noqa: E402
+from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
+from tests.helpers.serving import ENGINE, http, metric, running_server, tiny_chat_model, wait_idle  # noqa: E402
+from tests.helpers.tiny_models import hf_logits  # noqa: E402
+
+PROMPTS = ["hello there", "the cat sat on the mat", "a"]
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tiny_chat_model(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def llm(folder: Any) -> Iterator[LLM]:
+    llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 128, "block_size": 4},
+              scheduler={"max_model_len": MAX_MODEL_LEN}, server={"max_request_bytes": 20_000})
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(llm: LLM) -> Iterator[str]:
+    with running_server(llm) as u:
+        yield u
+
+
+@pytest.fixture
+def client(url: str) -> Any:
+    return openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+
+
+def _reference(llm: LLM, prompt: Any, **params: Any) -> Any:
+    return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]
+
+
+def test_models_and_health(client: Any, url: str) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny-llama"]
+    assert http(url + "/health") == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_greedy_equals_llm_generate(llm: LLM, client: Any, stream: bool) -> None:
+    for prompt in PROMPTS:
+        ref = _reference(llm, prompt, temperature=0, max_tokens=12, ignore_eos=True).outputs[0]
+        kw = dict(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert reasons[-1] == "length" and not any(reasons[:-1])
+            usage = chunks[-1].usage
+            assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+        else:
+            r = client.completions.create(**kw)
+            text, usage = r.choices[0].text, r.usage
+            assert r.choices[0].finish_reason == "length"
+        assert text == ref.text
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(llm.get_tokenizer().encode(prompt)), 12)
+
+
+def test_completion_token_id_prompts_batch(llm: LLM, client: Any) -> None:
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    r = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=6, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(2 * len(ids)))
+    for i, p in enumerate(ids):
+        ref = _reference(llm, p, temperature=0, max_tokens=6, ignore_eos=True).outputs[0].text
+        assert [r.choices[2 * i + j].text for j in range(2)] == [ref, ref]
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 2 * 6 * len(ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_uses_the_template_and_equals_llm_generate(llm: LLM, client: Any, stream: bool) -> None:
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": "the cat"}]
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    assert ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")  # the template's own generation prompt
+    ref = _reference(llm, ids, temperature=0, max_tokens=10, ignore_eos=True).outputs[0]
+    kw = dict(model="tiny-llama", messages=messages, max_completion_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+        text = r.choices[0].message.content
+        assert r.usage.prompt_tokens == len(ids)
+    assert text == ref.text
+
+
+def test_n3_seeded_matches_llm_generate_and_repeats(llm: LLM, client: Any) -> None:
+    kw = dict(model="tiny-llama", prompt="the cat sat", max_tokens=8, temperature=1.0, seed=1234, n=3,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len(set(texts)) == 3  # three samples, not one copied
+    ref = _reference(llm, "the cat sat", temperature=1.0, seed=1234, n=3, max_tokens=8, ignore_eos=True)
+    assert texts == [c.text for c in ref.outputs]
+    streamed = ["", "", ""]
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    wait_idle(llm)
+
+
+def test_seed_reproduces_over_http_and_offline(llm: LLM, client: Any) -> None:
+    kw = dict(temperature=0.9, top_p=0.95, seed=7, max_tokens=10)
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hello"}],
+                                       extra_body={"ignore_eos": True, "top_k": 20}, **kw)
+    tok = llm.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                             add_generation_prompt=True), add_special_tokens=False)
+    assert r.choices[0].message.content == _reference(llm, ids, ignore_eos=True, top_k=20, **kw).outputs[0].text
+
+
+def _boundary_stop(llm: LLM, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """The greedy text, and a 2-3 character string of it that straddles a token boundary (found once only)."""
+    out = _reference(llm, prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True).outputs[0]
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode([t]) for t in out.token_ids]
+    assert "".join(pieces) == out.text
+    pos = 0
+    for i, piece in enumerate(pieces[:-1]):
+        pos += len(piece)
+        for left, right in ((1, 1), (1, 2), (2, 1)):
+            s = out.text[pos - left : pos + right]
+            if i >= 2 and len(s) == left + right and out.text.count(s) == 1 and pos - left >= 0:
+                return out.text, s
+    pytest.skip("no unique string across a token boundary in this output")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_token_boundary(llm: LLM, client: Any, stream: bool, include: bool) -> None:
+    full, stop = _boundary_stop(llm, "the cat sat on the mat", 24)
+    expect = full[: full.index(stop) + (len(stop) if include else 0)]
+    kw = dict(model="tiny-llama", prompt="the cat sat on the mat", max_tokens=24, temperature=0,
+              stop=["zzzz", stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        seen = ""
+        for c in chunks:  # no chunk ever showed part of a removed stop string
+            seen += c.choices[0].text
+            assert expect.startswith(seen)
+    else:
+        r = client.completions.create(**kw)
+        text = r.choices[0].text
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].model_extra.get("stop_reason") == stop
+    assert text == expect
+    # the engine itself: the same through LLM.generate
+    ref = _reference(llm, "the cat sat on the mat", temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                     include_stop_str_in_output=include).outputs[0]
+    assert (ref.text, ref.finish_reason, ref.stop_reason) == (expect, "stop", stop)
+
+
+def test_logprobs_match_transformers(llm: LLM, client: Any, folder: Any) -> None:
+    tok = llm.get_tokenizer()
+    prompt = "the cat sat"
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    ids = tok.encode(prompt)
+    out_ids = [tok.convert_tokens_to_ids(t) for t in lp.tokens]
+    logits = hf_logits(folder, ids + out_ids).double()
+    ref = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
+    for j, t in enumerate(out_ids):
+        assert t == int(ref[j].argmax())  # greedy
+        assert abs(lp.token_logprobs[j] - ref[j, t].item()) < 1e-4
+        top = torch.topk(ref[j], 3)
+        assert [tok.convert_tokens_to_ids(k) for k in lp.top_logprobs[j]] == top.indices.tolist()
+        assert max(abs(v - w) for v, w in zip(lp.top_logprobs[j].values(), top.values.tolist())) < 1e-4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    # chat: logprobs + top_logprobs, streamed, same numbers per token
+    c = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, stream=True,
+                                       extra_body={"ignore_eos": True})
+    content = [x for ch in c for x in (ch.choices[0].logprobs.content if ch.choices[0].logprobs else [])]
+    assert len(content) == 5
+    for x in content:
+        assert len(x.top_logprobs) == 2 and x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob
+        assert x.logprob == pytest.approx(x.top_logprobs[0].logprob)  # greedy: the chosen one ranks first
+
+
+BAD = [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_token": 5}, "max_token"),  # a typo is refused, not ignored
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"999": 1}}, "logit_bias"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ({"seed": "x"}, "seed"),
+    ({"prompt": "%" * (MAX_MODEL_LEN + 5)}, "prompt"),  # one token per character
+    ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ({"echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD, ids=[p for _, p in BAD])
+def test_bad_completion_field_gives_400_naming_it(llm: LLM, url: str, fields: dict, param: str) -> None:
+    status, body = http(url + "/v1/completions", {"model": "tiny-llama", "prompt": "hi", **fields})
+    assert status == 400, body
+    assert body["error"]["param"] == param and param in body["error"]["message"], body
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+CHAT_BAD = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), CHAT_BAD, ids=[p for _, p in CHAT_BAD])
+def test_bad_chat_field_gives_400_naming_it(url: str, fields: dict, param: str) -> None:
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], **fields}
+    status, answer = http(url + "/v1/chat/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and param in answer["error"]["message"], answer
+
+
+def test_other_refusals_and_the_engine_serves_on(llm: LLM, client: Any, url: str) -> None:
+    status, body = http(url + "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert status == 404 and body["error"]["param"] == "model" and "tiny-llama" in body["error"]["message"]
+    status, body = http(url + "/v1/completions", raw=b"{not json")
+    assert status == 400 and "JSON" in body["error"]["message"]
+    status, body = http(url + "/v1/completions", {"model": "tiny-llama", "prompt": "x" * 30_000})
+    assert status == 413 and "max_request_bytes" in body["error"]["message"]
+    status, body = http(url + "/v1/completions", raw=b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny-llama", prompt="hi", temperature=-2)
+    assert err.value.status_code == 400 and "temperature" in str(err.value)
+    r = client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    wait_idle(llm)
+    metrics = http(url + "/metrics")[1]
+    assert metric(metrics, "corerun:requests_rejected_total", reason="invalid") >= 5
+
+
+def test_disconnect_mid_stream_aborts_and_frees(llm: LLM, url: str) -> None:
+    before = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    with client.completions.with_streaming_response.create(
+        model="tiny-llama", prompt="hello", max_tokens=MAX_MODEL_LEN - 8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    ) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+    wait_idle(llm)  # aborted: its blocks are back
+    after = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
+    assert after == before + 1
+
+
+def test_overload_gives_503_at_once(folder: Any) -> None:
+    llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 64, "block_size": 4},
+              scheduler={"max_num_seqs": 1, "max_model_len": MAX_MODEL_LEN}, server={"max_waiting_requests": 1})
+    try:
+        with running_server(llm) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+            kw = dict(model="tiny-llama", prompt="hello", max_tokens=100, temperature=0, stream=True,
+                      extra_body={"ignore_eos": True})
+            running = client.completions.create(**kw)
+            next(iter(running))  # it has a token: it runs, and holds the only seat
+            waiting = client.completions.create(**kw)  # accepted (headers sent): it waits
+            with pytest.raises(openai.APIStatusError) as err:
+                client.completions.create(**kw)
+            assert err.value.status_code == 503 and "max_waiting_requests=1" in str(err.value)
+            running.close()
+            assert sum(1 for ch in waiting if ch.choices) >= 1  # the waiting one is then served, whole
+            metrics = http(url + "/metrics")[1]
+            assert metric(metrics, "corerun:requests_rejected_total", reason="overloaded") == 1
+            wait_idle(llm)
+    finally:
+        llm.shutdown()
