@@ -30,14 +30,18 @@ rewritten before and after every measurement: a run cut short keeps its rows and
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # imported where used: a --dry-run never loads torch
+    import torch
+
+    from corerun.protocols.attention import AttentionSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "plugins" / "attention_triton"):  # runs from a checkout without pip installs

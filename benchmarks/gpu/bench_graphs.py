@@ -28,13 +28,18 @@ price of one graph per bucket, correct and expected, not a regression; the JSON 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # imported where used: a --dry-run never loads torch
+    import torch
+
+    from corerun.protocols.attention import AttentionSpec
+    from corerun.protocols.graph import ModelInputs
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -156,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.engine:
-        return run_engine(args)
+        rc = run_engine(args)
+        sys.stdout.flush()
+        os._exit(rc)  # its results are written: no engine thread or device teardown may hold the exit
     report = PartReport(args.out / "kv_profile.json", "kv-profile", dry_run=args.dry_run)
     model = "(dry run: no model)"
     if not args.dry_run:

@@ -226,8 +226,11 @@ def _rel(path: Path) -> str:
 
 def cuda_facts() -> tuple[str | None, dict]:
     """(problem or None, facts) of the CUDA device, importing torch."""
-    import torch
-    import triton
+    try:
+        import torch
+        import triton
+    except Exception as exc:  # a broken CUDA build fails here, not in every part
+        return f"importing torch and triton failed: {type(exc).__name__}: {exc}", {}
 
     facts = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "triton": triton.__version__}
     if not torch.cuda.is_available():
