@@ -125,6 +125,21 @@ inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+// Ask for the next block's K/V rows of one head while this block is computed: the blocks of a
+// sequence are scattered over the cache, so the hardware prefetcher cannot guess them.
+template <typename T>
+inline void prefetch_block(const T* kc, const T* vc, int64_t off, int64_t nkeys, int64_t kv_st, int64_t D) {
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+    for (int64_t j = 0; j < nkeys; ++j) {
+        const char* kr = reinterpret_cast<const char*>(kc + off + j * kv_st);
+        const char* vr = reinterpret_cast<const char*>(vc + off + j * kv_st);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+            __builtin_prefetch(kr + byte);
+            __builtin_prefetch(vr + byte);
+        }
+    }
+}
+
 struct Args {
     const void* q;
     int64_t q_st, q_sh;
@@ -143,15 +158,87 @@ struct Args {
 
 struct Item {
     int32_t req, first, count;  // request, first query token of the tile (relative), tokens in the tile
+    int32_t h0, nh;             // KV heads h0 .. h0 + nh - 1 (all of them for a decode, one for a prefill tile)
 };
 
-template <int DT>
-void attend_item(const Args& a, const Item& it, int64_t h, float* buf) {
+// One query row against one block's first n keys: scores, online-softmax update, V accumulation.
+template <int HD>
+inline void row_block(const float* qr, const float* krows, const float* vrows, int64_t kstride, int64_t n,
+                      int64_t D_, float* s, float& mrow, float& lrow, float* ar) {
+    const int64_t D = HD > 0 ? HD : D_;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float* k0 = krows + j * kstride;
+        const float* k1 = k0 + kstride;
+        const float* k2 = k1 + kstride;
+        const float* k3 = k2 + kstride;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < D; ++d) {
+            s0 += qr[d] * k0[d];
+            s1 += qr[d] * k1[d];
+            s2 += qr[d] * k2[d];
+            s3 += qr[d] * k3[d];
+        }
+        s[j] = s0;
+        s[j + 1] = s1;
+        s[j + 2] = s2;
+        s[j + 3] = s3;
+    }
+    for (; j < n; ++j) {
+        const float* k0 = krows + j * kstride;
+        float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+        for (int64_t d = 0; d < D; ++d) s0 += qr[d] * k0[d];
+        s[j] = s0;
+    }
+    float bmax = s[0];
+    for (int64_t jj = 1; jj < n; ++jj) bmax = s[jj] > bmax ? s[jj] : bmax;
+    const float mold = mrow;
+    const float mnew = bmax > mold ? bmax : mold;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t jj = 0; jj < n; ++jj) {
+        const float p = exp_nonpos(s[jj] - mnew);
+        s[jj] = p;
+        sum += p;
+    }
+    if (mnew != mold) {
+        const float alpha = exp_nonpos(mold - mnew);
+        lrow *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+    }
+    lrow += sum;
+    mrow = mnew;
+    j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float* v0 = vrows + j * kstride;
+        const float* v1 = v0 + kstride;
+        const float* v2 = v1 + kstride;
+        const float* v3 = v2 + kstride;
+        const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+    }
+    for (; j < n; ++j) {
+        const float* v0 = vrows + j * kstride;
+        const float p0 = s[j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += p0 * v0[d];
+    }
+}
+
+// HD > 0: the head size as a compile-time constant (the common sizes get fully unrolled inner loops);
+// HD == 0: any head size, read from the arguments.  Rows are m = (token * nh + head) * G + g.
+template <int DT, int HD>
+void attend_item(const Args& a, const Item& it, float* buf) {
     using E = Elem<DT>;
     using T = typename E::T;
-    const int64_t D = a.head_size, BS = a.block_size;
+    const int64_t D = HD > 0 ? HD : a.head_size, BS = a.block_size;
     const int64_t G = a.num_heads / a.num_kv_heads;
-    const int64_t M = it.count * G;
+    const int64_t nh = it.nh, h0 = it.h0;
+    const int64_t M = it.count * nh * G;
     const int64_t q0 = a.qsl[it.req];
     const int64_t qlen = a.qsl[it.req + 1] - q0;
     const int64_t ctx = a.seq_lens[it.req] - qlen;
@@ -168,11 +255,13 @@ void attend_item(const Args& a, const Item& it, int64_t h, float* buf) {
 
     const T* qbase = static_cast<const T*>(a.q);
     for (int64_t ti = 0; ti < it.count; ++ti) {
-        for (int64_t g = 0; g < G; ++g) {
-            const T* src = qbase + (q0 + it.first + ti) * a.q_st + (h * G + g) * a.q_sh;
-            float* dst = qf + (ti * G + g) * D;
+        for (int64_t hh = 0; hh < nh; ++hh) {
+            for (int64_t g = 0; g < G; ++g) {
+                const T* src = qbase + (q0 + it.first + ti) * a.q_st + ((h0 + hh) * G + g) * a.q_sh;
+                float* dst = qf + ((ti * nh + hh) * G + g) * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) dst[d] = E::load(src[d]) * a.scale;
+                for (int64_t d = 0; d < D; ++d) dst[d] = E::load(src[d]) * a.scale;
+            }
         }
     }
     for (int64_t i = 0; i < M * D; ++i) acc[i] = 0.0f;
@@ -187,104 +276,53 @@ void attend_item(const Args& a, const Item& it, int64_t h, float* buf) {
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = b * BS;
         const int64_t nkeys = max_hz - start < BS ? max_hz - start : BS;
-        const int64_t off = static_cast<int64_t>(table[b]) * a.kv_sb + h * a.kv_sh;
-        const float* krows;
-        const float* vrows;
-        int64_t kstride;
-        if constexpr (DT == F32) {
-            krows = kc + off;
-            vrows = vc + off;
-            kstride = a.kv_st;
-        } else {
-            for (int64_t j = 0; j < nkeys; ++j) {
-                const T* ks = kc + off + j * a.kv_st;
-                const T* vs = vc + off + j * a.kv_st;
-                float* kd = kf + j * D;
-                float* vd = vf + j * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) {
-                    kd[d] = E::load(ks[d]);
-                    vd[d] = E::load(vs[d]);
-                }
-            }
-            krows = kf;
-            vrows = vf;
-            kstride = D;
+        if (b + 1 < nblocks) {
+            const int64_t next_keys = max_hz - start - BS < BS ? max_hz - start - BS : BS;
+            for (int64_t hh = 0; hh < nh; ++hh)
+                prefetch_block<T>(kc, vc, static_cast<int64_t>(table[b + 1]) * a.kv_sb + (h0 + hh) * a.kv_sh,
+                                  next_keys, a.kv_st, D);
         }
-        for (int64_t m = 0; m < M; ++m) {
-            const int64_t hz = ctx + it.first + m / G + 1;  // this row's keys: positions < hz
-            const int64_t n = hz - start < nkeys ? hz - start : nkeys;
-            if (n <= 0) continue;
-            const float* qr = qf + m * D;
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) {
-                const float* k0 = krows + j * kstride;
-                const float* k1 = k0 + kstride;
-                const float* k2 = k1 + kstride;
-                const float* k3 = k2 + kstride;
-                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-                for (int64_t d = 0; d < D; ++d) {
-                    s0 += qr[d] * k0[d];
-                    s1 += qr[d] * k1[d];
-                    s2 += qr[d] * k2[d];
-                    s3 += qr[d] * k3[d];
+        for (int64_t hh = 0; hh < nh; ++hh) {
+            const int64_t off = static_cast<int64_t>(table[b]) * a.kv_sb + (h0 + hh) * a.kv_sh;
+            const float* krows;
+            const float* vrows;
+            int64_t kstride;
+            if constexpr (DT == F32) {
+                krows = kc + off;
+                vrows = vc + off;
+                kstride = a.kv_st;
+            } else {
+                for (int64_t j = 0; j < nkeys; ++j) {
+                    const T* ks = kc + off + j * a.kv_st;
+                    const T* vs = vc + off + j * a.kv_st;
+                    float* kd = kf + j * D;
+                    float* vd = vf + j * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) {
+                        kd[d] = E::load(ks[d]);
+                        vd[d] = E::load(vs[d]);
+                    }
                 }
-                s[j] = s0;
-                s[j + 1] = s1;
-                s[j + 2] = s2;
-                s[j + 3] = s3;
+                krows = kf;
+                vrows = vf;
+                kstride = D;
             }
-            for (; j < n; ++j) {
-                const float* k0 = krows + j * kstride;
-                float s0 = 0.0f;
-#pragma omp simd reduction(+ : s0)
-                for (int64_t d = 0; d < D; ++d) s0 += qr[d] * k0[d];
-                s[j] = s0;
-            }
-            float bmax = s[0];
-            for (int64_t jj = 1; jj < n; ++jj) bmax = s[jj] > bmax ? s[jj] : bmax;
-            const float mold = mrow[m];
-            const float mnew = bmax > mold ? bmax : mold;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t jj = 0; jj < n; ++jj) {
-                const float p = exp_nonpos(s[jj] - mnew);
-                s[jj] = p;
-                sum += p;
-            }
-            float* ar = acc + m * D;
-            if (mnew != mold) {
-                const float alpha = exp_nonpos(mold - mnew);
-                lrow[m] *= alpha;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-            }
-            lrow[m] += sum;
-            mrow[m] = mnew;
-            j = 0;
-            for (; j + 4 <= n; j += 4) {
-                const float* v0 = vrows + j * kstride;
-                const float* v1 = v0 + kstride;
-                const float* v2 = v1 + kstride;
-                const float* v3 = v2 + kstride;
-                const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) ar[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-            }
-            for (; j < n; ++j) {
-                const float* v0 = vrows + j * kstride;
-                const float p0 = s[j];
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) ar[d] += p0 * v0[d];
+            for (int64_t ti = 0; ti < it.count; ++ti) {
+                const int64_t hz = ctx + it.first + ti + 1;  // this token's keys: positions < hz
+                const int64_t n = hz - start < nkeys ? hz - start : nkeys;
+                if (n <= 0) continue;
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t m = (ti * nh + hh) * G + g;
+                    row_block<HD>(qf + m * D, krows, vrows, kstride, n, D, s, mrow[m], lrow[m], acc + m * D);
+                }
             }
         }
     }
 
     T* obase = static_cast<T*>(a.out);
     for (int64_t m = 0; m < M; ++m) {
-        const int64_t ti = m / G, g = m % G;
-        T* dst = obase + (q0 + it.first + ti) * a.o_st + (h * G + g) * a.o_sh;
+        const int64_t ti = m / (nh * G), hq = h0 * G + m % (nh * G);
+        T* dst = obase + (q0 + it.first + ti) * a.o_st + hq * a.o_sh;
         const float inv = 1.0f / lrow[m];
         const float* ar = acc + m * D;
 #pragma omp simd
@@ -292,20 +330,32 @@ void attend_item(const Args& a, const Item& it, int64_t h, float* buf) {
     }
 }
 
-template <int DT>
+template <int DT, int HD>
 void attend_all(const Args& a, const Item* items, int64_t num_items, int num_threads) {
-    const int64_t hkv = a.num_kv_heads;
-    const int64_t total = num_items * hkv;
-    const int64_t G = a.num_heads / a.num_kv_heads;
-    const int64_t rows = TILE_ROWS > G ? TILE_ROWS : G;
+    const int64_t rows = TILE_ROWS > a.num_heads ? TILE_ROWS : a.num_heads;
     const size_t floats = static_cast<size_t>(2 * rows * a.head_size + 2 * rows + 2 * a.block_size * a.head_size + a.block_size + 16);
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && total > 1)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         float* buf = static_cast<float*>(std::aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < total; ++w) attend_item<DT>(a, items[w / hkv], w % hkv, buf);
+        for (int64_t w = 0; w < num_items; ++w) attend_item<DT, HD>(a, items[w], buf);
         std::free(buf);
     }
+}
+
+template <int DT>
+void dispatch_head(int64_t head_size, const Args& a, const Item* items, int64_t n, int threads) {
+    switch (head_size) {
+        case 64: attend_all<DT, 64>(a, items, n, threads); break;
+        case 128: attend_all<DT, 128>(a, items, n, threads); break;
+        default: attend_all<DT, 0>(a, items, n, threads); break;
+    }
+}
+
+void dispatch(int dtype, int64_t head_size, const Args& a, const Item* items, int64_t n, int threads) {
+    if (dtype == F32) dispatch_head<F32>(head_size, a, items, n, threads);
+    else if (dtype == BF16) dispatch_head<BF16>(head_size, a, items, n, threads);
+    else dispatch_head<F16>(head_size, a, items, n, threads);
 }
 
 }  // namespace
@@ -330,7 +380,7 @@ int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, 
     }
     const int64_t G = num_heads / num_kv_heads;
     const int64_t tile = TILE_ROWS / G > 1 ? TILE_ROWS / G : 1;
-    int64_t num_items = 0;
+    int64_t num_decodes = 0, num_tiles = 0;
     for (int64_t r = 0; r < num_reqs; ++r) {
         const int64_t s0 = qsl[r], s1 = qsl[r + 1], qlen = s1 - s0, sl = seq_lens[r];
         if (s0 < 0 || s1 < s0 || s1 > num_tokens) {
@@ -354,8 +404,13 @@ int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, 
                 return 4;
             }
         }
-        num_items += (qlen + tile - 1) / tile;
+        if (qlen == 1) ++num_decodes;
+        else num_tiles += (qlen + tile - 1) / tile;
     }
+    // A decode reads all its KV heads in one item (each block is then one contiguous read), unless there
+    // are too few decodes to keep the threads busy; a prefill tile takes one KV head.
+    const bool whole_decodes = num_decodes >= 4 * static_cast<int64_t>(num_threads > 1 ? num_threads : 1);
+    const int64_t num_items = num_tiles * num_kv_heads + (whole_decodes ? num_decodes : num_decodes * num_kv_heads);
     if (num_items == 0) return 0;
     Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * num_items));
     if (!items) {
@@ -368,21 +423,25 @@ int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, 
         const int64_t qlen = qsl[r + 1] - qsl[r];
         if (qlen <= 1) continue;
         for (int64_t t = ((qlen - 1) / tile) * tile; t >= 0; t -= tile)
-            items[n++] = Item{static_cast<int32_t>(r), static_cast<int32_t>(t), static_cast<int32_t>(qlen - t < tile ? qlen - t : tile)};
+            for (int64_t h = 0; h < num_kv_heads; ++h)
+                items[n++] = Item{static_cast<int32_t>(r), static_cast<int32_t>(t),
+                                  static_cast<int32_t>(qlen - t < tile ? qlen - t : tile), static_cast<int32_t>(h), 1};
     }
-    for (int64_t r = 0; r < num_reqs; ++r)
-        if (qsl[r + 1] - qsl[r] == 1) items[n++] = Item{static_cast<int32_t>(r), 0, 1};
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        if (qsl[r + 1] - qsl[r] != 1) continue;
+        if (whole_decodes)
+            items[n++] = Item{static_cast<int32_t>(r), 0, 1, 0, static_cast<int32_t>(num_kv_heads)};
+        else
+            for (int64_t h = 0; h < num_kv_heads; ++h) items[n++] = Item{static_cast<int32_t>(r), 0, 1, static_cast<int32_t>(h), 1};
+    }
     Args a{q, q_st, q_sh, k, v, kv_sb, kv_st, kv_sh, out, o_st, o_sh, qsl, seq_lens, bt, bt_stride,
            num_heads, num_kv_heads, head_size, block_size, scale};
-    switch (dtype) {
-        case F32: attend_all<F32>(a, items, num_items, num_threads); break;
-        case BF16: attend_all<BF16>(a, items, num_items, num_threads); break;
-        case F16: attend_all<F16>(a, items, num_items, num_threads); break;
-        default:
-            err[0] = 5; err[1] = -1; err[2] = dtype;
-            std::free(items);
-            return 5;
+    if (dtype != F32 && dtype != BF16 && dtype != F16) {
+        err[0] = 5; err[1] = -1; err[2] = dtype;
+        std::free(items);
+        return 5;
     }
+    dispatch(dtype, head_size, a, items, num_items, num_threads);
     std::free(items);
     return 0;
 }
