@@ -34,7 +34,8 @@
 # one random model folder, written once ($CORERUN_GPU_SCRATCH).
 # Every part writes its JSON under $OUT (default ./gpu-results) before and after each check, so a part
 # cut short keeps what it measured and names the check it was in; summary.txt has one line per part.
-# Exit status: 0 when every part passed, 1 when one failed or timed out, 3 when preflight stopped it.
+# Exit status: 0 when every part passed, 1 when one failed or timed out, 3 when preflight stopped it,
+# 4 when the install failed (nothing after it could run).
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -118,6 +119,10 @@ if [ -z "$ONLY" ] || [[ ",$ONLY," == *",preflight,"* ]] || [[ ",$ONLY," == *",in
     fi
     [ -f "$OUT/machine.txt" ] && cat "$OUT/machine.txt"
     part install 40 "" bash -c install_checkout
+    if [ $failed != 0 ]; then  # every later part would only fail to import corerun
+        say "run.sh: stopped: the install failed (install.log above); nothing after it can run"
+        exit 4
+    fi
 fi
 
 # ---------------------------------------------------------------- the parts, most important first
