@@ -44,7 +44,7 @@ def test_default_model_greedy_equals_transformers():
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_available_and_ranked_above_torch_on_cpu():
+def test_auto_picks_it_on_cpu():
     from corerun.protocols.attention import AttentionSpec
     from corerun.registry import get_registry
 
@@ -54,3 +54,4 @@ def test_available_and_ranked_above_torch_on_cpu():
     assert cpu.unavailable_reasons() == [] and cpu.capabilities.check(spec) == []
     assert cpu.priority_on("cpu") > ref.priority_on("cpu")
     assert cpu.priority_on("cuda") < ref.priority_on("cuda")
+    assert reg.select_attention("auto", spec).name == "cpu"
