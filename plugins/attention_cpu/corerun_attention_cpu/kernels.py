@@ -83,9 +83,12 @@ def _build_key(compiler: str, version: str, flags: tuple[str, ...]) -> str:
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     """Compile the source to ``target`` (atomically); ``None`` on success, else the compiler's complaint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot write to the build folder {target.parent} ({exc}); set CORERUN_CACHE_DIR to a writable folder"
     try:
         proc = subprocess.run(
             [compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,

@@ -172,3 +172,11 @@ def test_build_is_cached_by_key(fresh_build):
     kernels.reset()
     assert kernels.load()[0] is not None
     assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
+
+
+def test_an_unwritable_build_folder_is_a_reason(monkeypatch, fresh_build):
+    blocker = fresh_build / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(blocker))
+    _, reasons = kernels.load()
+    assert reasons and all("cannot write to the build folder" in r and "CORERUN_CACHE_DIR" in r for r in reasons)
