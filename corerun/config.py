@@ -7,18 +7,35 @@ and on the command line (``--set kv_cache.block_size=32``).
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from corerun.errors import ConfigError
 
 
+# YAML (config files, --set values, plugin options) is read with limits: aliases (``*a``) can nest so
+# that a few hundred bytes expand to gigabytes, and a deep nesting can exhaust the parser's stack.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000  # scalars + containers after alias expansion
+MAX_CONFIG_DEPTH = 32
+MAX_INT = 2**63 - 1  # an integer knob above this overflows the int64 it ends up in
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """``block_size: true`` is a mistake, not 1: refuse a boolean where a number is expected."""
+        if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got the boolean {v!r}")
+        return v
 
 
 class Choice(_Strict):
@@ -46,11 +63,11 @@ class Choice(_Strict):
 
 class KVCacheConfig(_Strict):
     manager: Choice = Choice(name="paged")
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, le=2**16)
     num_blocks: int | Literal["auto"] = "auto"
     memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     prefix_caching: bool = True
-    cpu_memory_gb: float = Field(2.0, gt=0.0)  # the KV budget on CPU when num_blocks is auto
+    cpu_memory_gb: float = Field(2.0, gt=0.0, le=2.0**40)  # the KV budget on CPU when num_blocks is auto
 
     @field_validator("block_size")
     @classmethod
@@ -64,6 +81,8 @@ class KVCacheConfig(_Strict):
     def _blocks(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v < 1:
             raise ValueError(f"num_blocks must be >= 1 or 'auto', got {v}")
+        if isinstance(v, int) and v > 2**31 - 1:  # block ids are int32 in the block tables
+            raise ValueError(f"num_blocks must be at most {2**31 - 1} (block ids are int32) or 'auto', got {v}")
         return v
 
 
@@ -83,6 +102,8 @@ class SchedulerConfig(_Strict):
     def _len(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v < 1:
             raise ValueError(f"max_model_len must be >= 1 or 'auto', got {v}")
+        if isinstance(v, int) and v > 2**31 - 1:  # positions are int32
+            raise ValueError(f"max_model_len must be at most {2**31 - 1} (positions are int32) or 'auto', got {v}")
         return v
 
 
@@ -128,7 +149,7 @@ class Config(_Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     tensor_parallel_size: int = Field(1, ge=1)
     distributed: DistributedConfig = DistributedConfig()
-    seed: int = 0
+    seed: int = Field(0, ge=-(2**63), le=2**64 - 1)  # what torch.manual_seed accepts
     skip_tokenizer_init: bool = False
     allow_pickle_weights: bool = False  # load pytorch_model.bin through torch.load (unsafe); safetensors otherwise
     max_logprobs: int = Field(20, ge=0)
@@ -141,6 +162,78 @@ class Config(_Strict):
         if isinstance(v, int) and v < 1:
             raise ValueError(f"threads must be >= 1 or 'auto' (the physical cores), got {v}")
         return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("model is empty: give a model folder, or leave it out (null) for the built-in default model")
+        return v
+
+    @model_validator(mode="after")
+    def _int_limits(self) -> "Config":
+        """Integers beyond int64 (``max_num_batched_tokens: 1e30`` as an int) overflow where they are used."""
+        for path, value in _walk_ints(self):
+            if abs(value) > MAX_INT and path != "seed":
+                raise ValueError(f"{path} is {value}, beyond the largest supported value {MAX_INT}")
+        return self
+
+
+def _walk_ints(model: BaseModel, prefix: str = "") -> Any:
+    for name in type(model).model_fields:
+        v = getattr(model, name)
+        if isinstance(v, BaseModel):
+            yield from _walk_ints(v, f"{prefix}{name}.")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            yield f"{prefix}{name}", v
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` (a string as it is) cut to ``limit`` characters."""
+    r = value if isinstance(value, str) else repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
+
+def check_limits(data: Any, source: str) -> None:
+    """Refuse a loaded YAML value that expands (aliases) past ``MAX_CONFIG_VALUES`` values or nests
+    deeper than ``MAX_CONFIG_DEPTH``: a short ConfigError, never a huge message or an exhausted memory."""
+    budget = MAX_CONFIG_VALUES
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        v, depth = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise ConfigError(
+                f"{source}: more than {MAX_CONFIG_VALUES} values once aliases (*name) are expanded; "
+                "a configuration this large is a mistake or an alias bomb"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{source}: nested more than {MAX_CONFIG_DEPTH} levels deep")
+        if isinstance(v, Mapping):
+            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
+        elif isinstance(v, (list, tuple, set)):
+            stack.extend((x, depth + 1) for x in v)
+
+
+def safe_yaml(text: str | bytes, source: str) -> Any:
+    """``yaml.safe_load`` with the limits above; bytes must be UTF-8. Raises ConfigError naming ``source``."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source} is {len(text)} bytes; a configuration is at most {MAX_CONFIG_BYTES} bytes")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{source} is not UTF-8 text (byte {exc.start} is 0x{text[exc.start]:02x}); save it as UTF-8"
+            ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {_short(str(exc), 600)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested more than {MAX_CONFIG_DEPTH} levels deep") from None
+    check_limits(data, source)
+    return data
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
@@ -158,7 +251,8 @@ def _format_errors(exc: ValidationError, source: str) -> str:
             by_loc.setdefault(_field_path(e["loc"]), ([], e.get("input")))[0].append(e["msg"].removeprefix("Value error, "))
     for loc, (msgs, value) in by_loc.items():
         text = "; or ".join(msgs)
-        lines.append(f"  {loc}: {text}" + ("" if f"got {value!r}" in text else f" (got {value!r})"))
+        got = "" if "got " in text or not loc else f" (got {_short(repr(value))})"
+        lines.append(f"  {loc or 'configuration'}: {_short(text, 600)}{got}")
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
 
 
@@ -203,10 +297,7 @@ def parse_set(items: Sequence[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set expects KEY=VALUE (e.g. kv_cache.block_size=32), got {item!r}")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {exc}") from None
+        value = safe_yaml(raw, f"--set {_short(item)}: the value") if raw.strip() else ""
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -230,16 +321,17 @@ def load_config(
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {source} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {source} is not valid YAML: {exc}") from None
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {source} is {size} bytes; a configuration is at most {MAX_CONFIG_BYTES} bytes")
+        loaded = safe_yaml(p.read_bytes(), f"config file {source}")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {source} must hold a mapping of keys, got {type(loaded).__name__}")
         data = loaded
     if overrides:
+        check_limits(overrides, "keyword overrides")
         data = deep_merge(data, {k: v for k, v in overrides.items() if v is not None})
         source += " + keyword overrides" if path else " + keyword overrides"
     if sets:

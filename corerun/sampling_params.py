@@ -11,6 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by them overflows.
 SAMPLING_EPS = 1e-5
+# Samplers compute in float32: a finite Python float past these bounds would reach them as inf or 0
+# (a bias of -1e300 is -inf, a ban that dodges the "not every token" rule; a repetition penalty of
+# 1e-300 is 0, a division by zero). Within them, logits stay finite through every stage.
+MAX_LOGIT_BIAS = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+MAX_TEMPERATURE = 1e6
 # Upper bound on ``n`` (samples of one request); each is a sequence of its own in the scheduler.
 MAX_N = 128
 
@@ -82,6 +88,8 @@ class SamplingParams(BaseModel):
     def _temperature(cls, v: float) -> float:
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {v}")
+        if v > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g} (sampling computes in float32), got {v}")
         return v
 
     @field_validator("top_p")
@@ -117,6 +125,11 @@ class SamplingParams(BaseModel):
     def _repetition(cls, v: float) -> float:
         if not (math.isfinite(v) and v > 0.0):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {v}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= v <= hi:
+            raise ValueError(
+                f"repetition_penalty must be in [{lo:g}, {hi:g}] (sampling computes in float32; 1 disables it), got {v}"
+            )
         return v
 
     @field_validator("seed")
@@ -165,6 +178,11 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok}")
             if math.isnan(bias) or bias == math.inf:
                 raise ValueError(f"logit_bias values must be finite, or -inf to ban a token, got {bias} for token {tok}")
+            if bias != -math.inf and abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be within +-{MAX_LOGIT_BIAS:g} (sampling computes in float32), or -inf "
+                    f"to ban a token, got {bias} for token {tok}"
+                )
         return v
 
     @model_validator(mode="after")

@@ -31,7 +31,12 @@ def generate(
     if not prompts:
         if sys.stdin is None or sys.stdin.isatty():
             raise click.UsageError("give at least one PROMPT (or pipe prompts, one per line, on stdin)")
-        prompts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+        try:
+            prompts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+        except UnicodeDecodeError as exc:
+            raise click.ClickException(f"stdin is not UTF-8 text (byte {exc.start} of a line is 0x{exc.object[exc.start]:02x})") from None
+        if not prompts:
+            raise click.UsageError("stdin held no prompt (only empty lines); give PROMPTs, or pipe one per line")
     try:
         cfg = build_config(config_path, sets, model=model, attention=attention, sampler=sampler, device=device, dtype=dtype)
         params = SamplingParams(
@@ -66,6 +71,17 @@ def generate(
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:  # pydantic validation of the sampling flags
         raise click.ClickException(str(exc)) from None
+    except (click.ClickException, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # not a corerun error: one line unless -v asks for the traceback
+        if _verbose():
+            raise
+        raise click.ClickException(f"{type(exc).__name__}: {exc} (run with corerun -v generate ... for the traceback)") from None
+
+
+def _verbose() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.find_root().params.get("verbose"))
 
 
 def _raise_if_failed(out) -> None:

@@ -113,6 +113,8 @@ class LLMEngine:
             k = getattr(params, field)
             if k is not None and k > self.config.max_logprobs:
                 raise RequestError(f"{field}={k} is above this engine's max_logprobs={self.config.max_logprobs}")
+            if k is not None and k > runner.vocab_size:
+                raise RequestError(f"{field}={k} is above the model's vocabulary size {runner.vocab_size}")
         try:
             runner.sampler.check(params)
         except (UnsupportedError, ValueError) as exc:
@@ -173,17 +175,18 @@ class LLMEngine:
             )
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt is empty; give at least one token")
-            if self.tokenizer is None:
+        """``(text or None, token ids)``; every id checked against the model's vocabulary, however it was produced."""
+        text = None
+        if isinstance(prompt, dict):  # vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+            unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+            if unknown or not prompt:
                 raise RequestError(
-                    "prompt is text, but this engine has no tokenizer (model folder without tokenizer files, "
-                    "or skip_tokenizer_init); pass token ids instead"
+                    f"a prompt given as a dict takes 'prompt' (text) or 'prompt_token_ids' (token ids), "
+                    f"got keys {sorted(map(str, prompt))}"
                 )
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+        if isinstance(prompt, str):
+            text, prompt = prompt, self._encode(prompt)
         if isinstance(prompt, (bytes, bytearray)):
             raise RequestError("prompt is bytes; give a string or a list of token ids")
         if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:  # numpy array / torch tensor
@@ -207,9 +210,34 @@ class LLMEngine:
                     f"prompt token {i} is {t!r} ({type(t).__name__}); token ids must be integers in [0, {vocab})"
                 ) from None
             if not 0 <= t < vocab:
+                if text is not None:  # a tokenizer that does not match the model: refuse here, not in the step
+                    raise RequestError(
+                        f"the tokenizer turned the prompt into token {t} (position {i}), outside the model's "
+                        f"vocabulary [0, {vocab}): the tokenizer files do not match the model's vocab_size"
+                    )
                 raise RequestError(f"prompt token {i} is {t}, outside the vocabulary: token ids must be in [0, {vocab})")
             ids[i] = t
-        return None, ids
+        return text, ids
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise RequestError("prompt is empty; give at least one token")
+        if self.tokenizer is None:
+            raise RequestError(
+                "prompt is text, but this engine has no tokenizer (model folder without tokenizer files, "
+                "or skip_tokenizer_init); pass token ids instead"
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(
+                f"prompt is not valid Unicode text: character {exc.start} is a lone surrogate "
+                f"({text[exc.start]!r}); give UTF-8 encodable text"
+            ) from None
+        try:
+            return list(self.tokenizer.encode(text))
+        except Exception as exc:
+            raise RequestError(f"the tokenizer failed on the prompt: {type(exc).__name__}: {exc}") from None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed at once. Unknown or finished ids are ignored."""
@@ -501,4 +529,14 @@ def _load_tokenizer(model_dir: Path) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # corrupt tokenizer.json, a bad tokenizer_config.json, ...
+        from corerun.models.errors import ModelLoadError
+
+        present = [f for f in files if (model_dir / f).exists()]
+        raise ModelLoadError(
+            f"cannot load the tokenizer in {model_dir} ({', '.join(present)}): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300] if str(exc) else ''}; fix or remove these files, or set "
+            "skip_tokenizer_init: true and pass token ids"
+        ) from None

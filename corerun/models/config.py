@@ -90,13 +90,27 @@ class ModelConfig:
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         """Parse a ``config.json`` dict; ``source`` names the file in error messages."""
 
+        if not isinstance(cfg, Mapping):
+            raise ModelLoadError(f"{source} must hold a JSON object of settings, got a {type(cfg).__name__}")
+
         def need(key: str) -> Any:
             if cfg.get(key) is None:
-                raise ModelLoadError(f"{source}: required key {key!r} is missing (present keys: {', '.join(sorted(cfg))})")
-            return cfg[key]
+                raise ModelLoadError(f"{source}: required key {key!r} is missing (present keys: {', '.join(sorted(map(str, cfg)))})")
+            return _size(cfg, key, source)
 
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        try:
+            return cls._from_dict(cfg, source, need)
+        except ModelLoadError:
+            raise
+        except (TypeError, ValueError, ArithmeticError, AttributeError) as exc:  # a value of the wrong kind
+            raise ModelLoadError(f"{source}: a value has the wrong type or range: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: Mapping[str, Any], source: str, need: Any) -> "ModelConfig":
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
         head_dim = cfg.get("head_dim")
+        if head_dim is not None:
+            head_dim = _size(cfg, "head_dim", source)
         if head_dim is None:
             if hidden % heads:
                 raise ModelLoadError(
@@ -105,12 +119,12 @@ class ModelConfig:
                 )
             head_dim = hidden // heads
         kv_heads = cfg.get("num_key_value_heads")
-        kv_heads = heads if kv_heads is None else int(kv_heads)
+        kv_heads = heads if kv_heads is None else _size(cfg, "num_key_value_heads", source)
         if kv_heads < 1 or heads % kv_heads:
             raise ModelLoadError(
                 f"{source}: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}"
             )
-        max_pos = int(cfg.get("max_position_embeddings") or 2048)
+        max_pos = _size(cfg, "max_position_embeddings", source) if cfg.get("max_position_embeddings") else 2048
         archs = cfg.get("architectures") or ()
         if isinstance(archs, str):
             archs = (archs,)
@@ -132,8 +146,8 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             sliding_window=_sliding_window(cfg),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_token_ids(cfg.get("eos_token_id")),
+            bos_token_id=_token_ids(cfg.get("bos_token_id"), f"{source}: bos_token_id")[0] if cfg.get("bos_token_id") is not None else None,
+            eos_token_ids=_token_ids(cfg.get("eos_token_id"), f"{source}: eos_token_id"),
             torch_dtype=parse_dtype(cfg.get("dtype", cfg.get("torch_dtype")), source),
             raw=dict(cfg),
         )
@@ -153,7 +167,8 @@ class ModelConfig:
         config = cls.from_dict(_read_json(path), str(path))
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
-            extra = _token_ids(_read_json(gen_path).get("eos_token_id"))
+            gen = _read_json(gen_path)
+            extra = _token_ids(gen.get("eos_token_id") if isinstance(gen, Mapping) else None, f"{gen_path}: eos_token_id")
             eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
             config = replace(config, eos_token_ids=eos)
         return config
@@ -210,16 +225,35 @@ def _sliding_window(cfg: Mapping[str, Any]) -> int | None:
     return int(window)
 
 
-def _token_ids(value: Any) -> tuple[int, ...]:
+MAX_SIZE = 2**31 - 1  # sizes (layers, heads, widths, vocabulary, positions) are int32 somewhere
+
+
+def _size(cfg: Mapping[str, Any], key: str, source: str) -> int:
+    """``cfg[key]`` as a size: an integer in [1, MAX_SIZE] (``4096.0`` is allowed), else a ModelLoadError naming it."""
+    v = cfg[key]
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
+        raise ModelLoadError(f"{source}: {key} must be a whole number in [1, {MAX_SIZE}], got {v!r}")
+    return v
+
+
+def _token_ids(value: Any, what: str = "token id") -> tuple[int, ...]:
+    """An id or a list of ids (``eos_token_id: 2`` / ``[2, 7]``); anything else is a ModelLoadError naming ``what``."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise ModelLoadError(f"{what} must be a token id (an integer >= 0) or a list of them, got {value!r}")
+    return tuple(values)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON (UTF-8): {str(exc)[:300]}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object of settings, got a {type(data).__name__}")
+    return data

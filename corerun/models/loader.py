@@ -6,6 +6,12 @@ Rules:
   ``model.safetensors``, else from every ``*.safetensors`` file in the folder;
 - a folder with only pickle weights (``pytorch_model*.bin``) is refused unless ``allow_pickle``
   (unpickling a file can run code); with it they load through ``torch.load(weights_only=True)``;
+  the rule holds for every file, whichever index names it: ``model.safetensors.index.json`` may name
+  only ``.safetensors`` files;
+- every weight file must be inside the model folder once symlinks are resolved (no ``../``, no
+  absolute paths, no links out), except links into a Hugging Face hub cache's own ``blobs/``;
+- before anything is allocated, the model ``config.json`` describes must fit in the weight files
+  (a config claiming a million layers is refused, not allocated until memory runs out);
 - every parameter must be filled (every shard of a merged one), every checkpoint tensor must land
   somewhere (rotary ``inv_freq`` / ``cos_cached`` / ``sin_cached`` buffers are ignored), and every
   shape must match: the error lists all problems at once, with both shapes for each mismatch.
@@ -56,6 +62,7 @@ def load_model(
     config = ModelConfig.from_model_dir(model_dir)
     model_cls = get_model_class(config)
     files = find_weight_files(model_dir, allow_pickle=allow_pickle)
+    check_size_against_weights(config, files, model_dir)
     if callable(dtype):
         dtype = dtype(config.torch_dtype)
     dtype = parse_dtype(dtype, "dtype argument") or config.torch_dtype or torch.float32
@@ -63,7 +70,7 @@ def load_model(
         raise UnsupportedModelError(f"{model_cls.__name__} does not support tensor parallelism; use tensor_parallel_size: 1")
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config) if tp is None else model_cls(config, tp=tp)
-    load_weights(model, iterate_weights(files), source=str(model_dir))
+    load_weights(model, iterate_weights(files, allow_pickle=allow_pickle), source=str(model_dir))
     return model.eval(), config
 
 
@@ -71,12 +78,12 @@ def find_weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]
     """The weight files to read, by the rules in this module's docstring."""
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
-        return _files_from_index(index)
+        return _files_from_index(index, suffix=".safetensors")
     if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
+        return [_inside(model_dir, "model.safetensors", model_dir.name)]
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
-        return files
+        return [_inside(model_dir, f.name, model_dir.name) for f in files]
     pickles = sorted(model_dir.glob("pytorch_model*.bin"))
     if pickles:
         if not allow_pickle:
@@ -87,7 +94,9 @@ def find_weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]
                 "if you trust the file"
             )
         pickle_index = model_dir / PICKLE_INDEX
-        return _files_from_index(pickle_index) if pickle_index.is_file() else pickles
+        if pickle_index.is_file():
+            return _files_from_index(pickle_index, suffix=None)
+        return [_inside(model_dir, p.name, model_dir.name) for p in pickles]
     hint = ""
     if any(model_dir.glob("*.gguf")):
         hint = "; GGUF files are read by transformers (from_pretrained(folder, gguf_file=...)), then save_pretrained"
@@ -97,27 +106,63 @@ def find_weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]
     )
 
 
-def _files_from_index(index: Path) -> list[Path]:
+def _files_from_index(index: Path, suffix: str | None) -> list[Path]:
+    """The shards ``index`` names, each checked: a file name (``suffix`` when given) inside the folder."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{index} is not a valid weight index (needs a 'weight_map' object): {exc}") from exc
-    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{index} is not a valid weight index (needs a 'weight_map' object of file names): {exc}") from None
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise ModelLoadError(f"{index}: weight_map values must be shard file names, got {bad[0]!r}")
+    if suffix is not None:
+        wrong = [n for n in names if not n.endswith(suffix)]
+        if wrong:
+            raise ModelLoadError(
+                f"{index} names {wrong[0]!r}, which is not a {suffix} file; this index may name only {suffix} shards "
+                "(pickle weights load only with allow_pickle_weights: true, from their own pytorch_model.bin.index.json)"
+            )
+    files = [_inside(index.parent, name, index.name) for name in names]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise ModelLoadError(f"{index.name} in {index.parent} names shards that are missing: {', '.join(missing)}")
     return files
 
 
-def iterate_weights(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor in ``files``, on CPU in the stored dtype, one file open at a time."""
-    from safetensors import safe_open
+def _inside(folder: Path, name: str, named_by: str) -> Path:
+    """``folder / name``, refused (naming ``named_by``) unless it resolves, symlinks followed, inside ``folder``.
 
+    A link into a Hugging Face hub cache's ``blobs/`` (``models--x/snapshots/<rev>/f -> ../../blobs/<sha>``)
+    is inside the same cached repository and allowed.
+    """
+    root = folder.resolve()
+    path = folder / name
+    target = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    if Path(name).is_absolute() or not any(target.is_relative_to(a) for a in allowed):
+        raise ModelLoadError(
+            f"{named_by} names weight file {name!r}, which resolves to {target}, outside the model folder {root}; "
+            "weights load only from inside the model folder"
+        )
+    return path
+
+
+def iterate_weights(files: Iterable[Path], allow_pickle: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor in ``files``, on CPU in the stored dtype, one file open at a time.
+
+    A file that is not ``.safetensors`` is unpickled only with ``allow_pickle``.
+    """
     for path in files:
         if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            yield from _safetensors(path)
+        elif not allow_pickle:
+            raise ModelLoadError(
+                f"{path}: not a safetensors file, and pickle weights are not allowed (unpickling can run code); "
+                "convert it to safetensors, or set allow_pickle_weights: true if you trust it"
+            )
         else:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
@@ -128,6 +173,45 @@ def iterate_weights(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]
                 ) from None
             yield from state.items()
             del state
+
+
+def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            for name in names:
+                yield name, f.get_tensor(name)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # truncated or corrupt: safetensors' own errors name no file
+        raise ModelLoadError(
+            f"{path}: cannot read it as safetensors ({type(exc).__name__}: {str(exc)[:200]}); the file is "
+            "truncated or corrupt, download it again"
+        ) from None
+
+
+def check_size_against_weights(config: ModelConfig, files: list[Path], model_dir: Path) -> None:
+    """Refuse a ``config.json`` whose model cannot be in these weight files (before allocating it).
+
+    A lower bound of the parameter count (embeddings, attention and MLP projections), at 1 byte each
+    (no format corerun loads is smaller), must fit in the files' total size. (Pickle weights are
+    checked by their loader: a pickle's size says little before it is read.)
+    """
+    if any(f.suffix != ".safetensors" for f in files):
+        return
+    h, L = config.hidden_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = h * (2 * q + 2 * kv) + 3 * h * config.intermediate_size
+    params = config.vocab_size * h + L * per_layer
+    size = sum(f.stat().st_size for f in files)
+    if params > size:
+        raise ModelLoadError(
+            f"{model_dir / 'config.json'} describes a model of at least {params:,} parameters ({L:,} layers, "
+            f"hidden_size {h:,}, vocab_size {config.vocab_size:,}), but the weight files hold only {size:,} bytes: "
+            "config.json does not describe these weights"
+        )
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
