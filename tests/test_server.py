@@ -6,6 +6,7 @@ Hugging Face transformers' float32 logits; stop strings against the text of the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Iterator
 
@@ -319,3 +320,22 @@ def test_overload_gives_503_at_once(folder: Any) -> None:
             wait_idle(llm)
     finally:
         llm.shutdown()
+
+
+def test_online_bench_against_the_server(llm: LLM, url: str) -> None:
+    from corerun.server.bench_client import report, run
+
+    wait_idle(llm)
+    before = http(url + "/metrics")[1]
+    s = asyncio.run(run(url, num_prompts=12, input_len=(6, 6), output_len=(5, 5), request_rate=float("inf"),
+                        max_concurrency=4, seed=3, temperature=0.0, vocab=256))
+    assert (s["completed"], s["failed"], s["model"]) == (12, 0, "tiny-llama")
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (72, 60)
+    after = http(url + "/metrics")[1]
+    assert metric(after, "vllm:prompt_tokens_total") - metric(before, "vllm:prompt_tokens_total") == 72
+    assert metric(after, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total") == 60
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        d = s[key]
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"]
+    assert s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
+    assert "TTFT" in report(s) and s["output_throughput"] > 0

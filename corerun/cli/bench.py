@@ -65,10 +65,13 @@ class _BenchCommand(click.Command):
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads of every engine (corerun's `threads` setting) [the config's threads: the physical cores]. On a busy machine 1 is steadier.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of a table.")
+@click.option("--url", default=None, help="Online mode: benchmark this running server (corerun serve or any OpenAI-compatible one) instead (corerun.server.bench_client).")
+@click.option("--request-rate", type=float, default=float("inf"), help="Online mode: requests per second, Poisson arrivals [inf: all at once].")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Online mode: requests in flight at most [no limit].")
 def bench(
     config_path, sets, model, attention, sampler, device, dtype,
     num_seqs, input_len, output_len, seed, temperature, warmup, compare, rounds, peer_pythons, gguf_path,
-    hf_batching, hf_batch_size, threads, as_json,
+    hf_batching, hf_batch_size, threads, as_json, url=None, request_rate=float("inf"), max_concurrency=None,
 ) -> None:
     """Throughput and latency of corerun on N random-token requests (ignore_eos, exact output lengths).
 
@@ -84,6 +87,10 @@ def bench(
         ranges = [parse_range(r) if r is not None else None for r in (input_len, output_len)]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--input-len / --output-len") from None
+    if url is not None:  # online mode: a running server (corerun.server.bench_client)
+        from corerun.server.bench_client import run_cli
+
+        return run_cli(url, num_seqs, ranges, request_rate, max_concurrency, seed, temperature, as_json)
     cfg_args = dict(model=model, attention=attention, sampler=sampler, device=device, dtype=dtype, threads=threads)
     hf_args = dict(batching=hf_batching, batch_size=hf_batch_size)
     if compare:
