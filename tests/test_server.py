@@ -339,3 +339,47 @@ def test_online_bench_against_the_server(llm: LLM, url: str) -> None:
         assert 0 < d["p50"] <= d["p90"] <= d["p99"]
     assert s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
     assert "TTFT" in report(s) and s["output_throughput"] > 0
+
+
+def test_non_streamed_request_aborted_when_the_client_leaves(llm: LLM, url: str) -> None:
+    wait_idle(llm)
+    before = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
+    impatient = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):  # the client gives up long before 5000 tokens
+        impatient.completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=MAX_MODEL_LEN - 3, n=40,
+                                     temperature=1.0, extra_body={"ignore_eos": True})
+    wait_idle(llm)
+    after = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
+    assert after - before == 40  # every sample of it
+
+
+def test_engine_fault_is_a_500_for_that_request_only(folder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import corerun.registry as registry_module
+    from corerun.registry import Registry
+    from tests.helpers import faulty_plugins
+
+    reg = Registry.from_environment()
+    reg.register_module(faulty_plugins, plugin="faulty", distribution=faulty_plugins.DISTRIBUTION, version="0")
+    monkeypatch.setattr(registry_module, "_default", reg)
+    llm = LLM(str(folder), **{**ENGINE, "sampler": {"name": "faulty_sampler", "options": {"fail_at": 3, "times": 2}}},
+              kv_cache={"num_blocks": 64, "block_size": 4}, scheduler={"max_model_len": MAX_MODEL_LEN})
+    try:
+        with running_server(llm) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+            kw = dict(model="tiny-llama", prompt="hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+            # sampling calls 1, 2: two tokens streamed; call 3 fails: an error event, then [DONE]
+            with client.completions.with_streaming_response.create(stream=True, **kw) as resp:
+                data = [x.removeprefix("data: ") for x in resp.iter_lines() if x]
+            assert resp.status_code == 200 and data[-1] == "[DONE]"
+            err = json.loads(data[-2])["error"]
+            assert "faulty_sampler" in err["message"] and "injected" in err["message"] and err["code"] == "engine_error"
+            assert [json.loads(x)["choices"][0]["finish_reason"] for x in data[:-2]] == [None, None]
+            # call 4 fails: a non-streamed request gets 500 (the server's fault, not the request's)
+            body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            status, answer = http(url + "/v1/completions", body)
+            assert status == 500 and "faulty_sampler" in answer["error"]["message"]
+            r = client.completions.create(**kw)  # the engine serves on
+            assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+            wait_idle(llm)
+    finally:
+        llm.shutdown()

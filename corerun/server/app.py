@@ -289,7 +289,7 @@ def build_app(llm: Any) -> FastAPI:
         req = P.parse_body(P.CompletionRequest, await read_json(request, state.cfg.max_request_bytes))
         state.check_model(req)
         P.unsupported(req)
-        prompts = state.completion_prompts(req)
+        prompts = await asyncio.to_thread(state.completion_prompts, req)  # a long prompt must not stall the others
         params = P.sampling_params(req, default_max_tokens=16, max_logprobs=state.max_logprobs)
         state.check_length(prompts, req.max_tokens, "prompt")
         return await _serve(request, state, req, prompts, params, chat=False)
@@ -299,7 +299,7 @@ def build_app(llm: Any) -> FastAPI:
         req = P.parse_body(P.ChatCompletionRequest, await read_json(request, state.cfg.max_request_bytes))
         state.check_model(req)
         P.unsupported(req)
-        prompt = state.chat_prompt(req)
+        prompt = await asyncio.to_thread(state.chat_prompt, req)
         state.check_length([prompt], None, "messages")
         default = state.max_model_len - len(prompt)  # OpenAI's chat default: as long as the context allows
         params = P.sampling_params(req, default_max_tokens=default, max_logprobs=state.max_logprobs)
