@@ -83,6 +83,9 @@ class LLMEngine:
                 raise RequestError(f"request_id {seq.request_id!r} is already in use")
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
+            if seq.params.n > 1:  # the other samples are forked once this one's prompt is computed
+                group = parallel_sampling.fork(seq, lambda: next(self._seq_ids))
+                self._group_of.update((s.seq_id, group) for s in group.seqs)
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Sequence:
         """Validate one request and build its Sequence (not queued). Raises RequestError naming what is wrong."""
@@ -132,14 +135,10 @@ class LLMEngine:
             while request_id in self.requests:  # a caller chose this id for another request
                 seq_id = next(self._seq_ids)
                 request_id = str(seq_id)
-        seq = Sequence(
+        return Sequence(
             seq_id=seq_id, request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
             arrival_time=time.perf_counter(),
         )
-        if params.n > 1:  # the other samples are forked once this one's prompt is computed
-            group = parallel_sampling.fork(seq, lambda: next(self._seq_ids))
-            self._group_of.update((s.seq_id, group) for s in group.seqs)
-        return seq
 
     def _check_fits(self, n: int, params: SamplingParams) -> None:
         """Refuse a request that could never be scheduled, however long it waited.
