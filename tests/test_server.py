@@ -301,11 +301,12 @@ def test_disconnect_mid_stream_aborts_and_frees(llm: LLM, url: str) -> None:
 
 def test_overload_gives_503_at_once(folder: Any) -> None:
     llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 64, "block_size": 4},
-              scheduler={"max_num_seqs": 1, "max_model_len": MAX_MODEL_LEN}, server={"max_waiting_requests": 1})
+              scheduler={"max_num_seqs": 1, "max_model_len": 256}, server={"max_waiting_requests": 1})
     try:
         with running_server(llm) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
-            kw = dict(model="tiny-llama", prompt="hello", max_tokens=100, temperature=0, stream=True,
+            # 240 tokens, one step each: the first request outlasts the next two requests' round trips
+            kw = dict(model="tiny-llama", prompt="hello", max_tokens=240, temperature=0, stream=True,
                       extra_body={"ignore_eos": True})
             running = client.completions.create(**kw)
             next(iter(running))  # it has a token: it runs, and holds the only seat

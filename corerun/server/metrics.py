@@ -48,7 +48,10 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(labels, value)
             yield g
-        stats = eng.kv.stats()
+        try:  # read while the engine thread steps: plain counters, but a plugin's stats() may still race
+            stats = eng.kv.stats()
+        except Exception:  # noqa: BLE001 (a scrape must not fail; the next one reads them again)
+            return
         usage = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
         g = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block in use.", labels=["model_name"])
         g.add_metric(labels, usage)
