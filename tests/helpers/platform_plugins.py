@@ -1,6 +1,6 @@
 """Throw-away plugin distributions a stranger might install beside corerun (see test_plugin_platform.py).
 
-- ``narrow``: a correct backend on corerun.sdk (float32, head size 16, block size 16, CPU, priority 5),
+- ``narrow``: a correct backend on corerun.sdk (float32, head size 16, block size 16, no GQA, CPU, priority 5),
   small enough that its whole conformance run takes seconds: certified, ``auto`` may choose it;
 - ``nocausal``: attention with no causal mask, priority 1 on every device (the silent takeover);
 - ``evil``: registers the built-in ``torch`` attention name and the first-party ``full`` sampler name,
@@ -52,7 +52,7 @@ def _attention(name: str, capabilities: str, priority: str, backend: str) -> Plu
 
 NARROW = _attention(
     "narrow",
-    'dtypes=frozenset({"float32"}), head_sizes=frozenset({16}), block_sizes=frozenset({16}), devices=frozenset({"cpu"})',
+    'dtypes=frozenset({"float32"}), head_sizes=frozenset({16}), block_sizes=frozenset({16}), devices=frozenset({"cpu"}), gqa=False',
     "5",
     _SDK_BACKEND,
 )
