@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 
 from corerun.bench.compare import (
-    PeerError, build_compare_report, build_request, compare, find_python, parse_compare, parse_peer_pythons,
-    render_compare, result_from_json,
+    BASELINE, PeerError, build_compare_report, build_request, compare, find_python, parse_compare, parse_env,
+    parse_peer_pythons, render_compare, result_from_json,
 )
 from corerun.bench.report import base_report
 from corerun.bench.workload import make_workload
 
 FAKE_WORKER = r'''
 import json
+import os
 import sys
 sys.path.insert(0, {protocol_dir!r})
 import peer_protocol
@@ -44,7 +45,7 @@ def run(req):
     elapsed = fake["elapsed"][nth] if isinstance(fake["elapsed"], list) else fake["elapsed"]
     result = {{
         "engine": req["engine"], "version": "9.9", "elapsed_s": elapsed, "load_s": 0.5, "output_token_ids": outs,
-        "ttft_s": fake.get("ttft", []), "tpot_s": fake.get("tpot", []), "threads": req["threads"], "peak_rss_bytes": 1, "details": {{"kind": "fake"}},
+        "ttft_s": fake.get("ttft", []), "tpot_s": fake.get("tpot", []), "threads": req["threads"], "peak_rss_bytes": 1, "details": {{"kind": "fake", "mark": os.environ.get("FAKE_MARK")}},
     }}
     if fake.get("drop"):
         del result[fake["drop"]]
@@ -73,8 +74,9 @@ def _requests(engines, log: Path, **per_engine):
     out = {}
     for name in engines:
         opts = {"order_log": str(log), "token": 1, "elapsed": 1.0, **per_engine.get(name, {})}
+        env = {"FAKE_MARK": f"set for {name}"} if name == BASELINE else None
         out[name] = build_request(name, WORKLOAD, model_dir="m", dtype="float32", threads=1, temperature=0.0, warmup=True,
-                                  max_model_len=64, vocab_size=100, gguf=None, options=opts)
+                                  max_model_len=64, vocab_size=100, gguf=None, options=opts, env=env)
     return out
 
 
@@ -191,3 +193,15 @@ def test_request_carries_the_workload():
                         max_model_len=64, vocab_size=100, gguf=Path("/g.gguf"), options={})
     assert req["prompts"] == WORKLOAD.prompts and req["output_lens"] == WORKLOAD.output_lens
     assert req["warmup_prompt"] is None and req["gguf"] == "/g.gguf" and json.loads(json.dumps(req)) == req
+
+
+def test_baseline_runs_with_its_environment(fake, monkeypatch):
+    monkeypatch.delenv("FAKE_MARK", raising=False)
+    results, log = _compare(["corerun", BASELINE], fake, rounds=2)
+    assert log.read_text().split() == ["corerun", BASELINE] * 2
+    assert [r.details["mark"] for r in results[BASELINE].runs] == [f"set for {BASELINE}"] * 2
+    assert [r.details["mark"] for r in results["corerun"].runs] == [None, None]
+    assert parse_env(["CORERUN_CPU_PREPACK=0", "A_B="]) == {"CORERUN_CPU_PREPACK": "0", "A_B": ""}
+    for bad in ("NOVALUE", "=1", "A-B=1"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            parse_env([bad])

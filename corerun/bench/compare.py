@@ -30,8 +30,10 @@ from corerun.bench.workload import Workload, warmup_prompt
 from corerun.errors import CorerunError
 
 PEERS = ("hf", "llama.cpp", "vllm")
+BASELINE = "corerun-baseline"  # corerun again, with --baseline-env's environment (a before/after in one run)
 WORKERS = {
     "corerun": "corerun_worker.py",
+    BASELINE: "corerun_worker.py",
     "hf": "hf_worker.py",
     "llama.cpp": "llamacpp_worker.py",
     "vllm": "vllm_worker.py",
@@ -80,13 +82,24 @@ def search_roots() -> list[Path]:
     return list(dict.fromkeys(roots))
 
 
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    """``["CORERUN_CPU_PREPACK=0", ...]`` -> {name: value} (``--baseline-env``)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not name.strip().replace("_", "").isalnum():
+            raise ValueError(f"--baseline-env takes NAME=VALUE (e.g. CORERUN_CPU_PREPACK=0), got {item!r}")
+        out[name.strip()] = value
+    return out
+
+
 def find_python(name: str, given: dict[str, Path]) -> Path:
     """The interpreter that runs peer ``name`` (raises :class:`PeerError` saying how to install it)."""
     if name in given:
         if not given[name].exists():
             raise PeerError(f"--peer-python {name}={given[name]}: no such file")
         return given[name]
-    if name in ("corerun", "hf"):
+    if name in ("corerun", BASELINE, "hf"):
         return Path(sys.executable)
     for root in search_roots():
         python = root / VENVS / name / "bin" / "python"
@@ -165,7 +178,7 @@ def run_worker(
     req_path, out_path, log_path = (workdir / f"{stem}.{ext}" for ext in ("request.json", "result.json", "log"))
     req_path.write_text(json.dumps(request), encoding="utf-8")
     out_path.unlink(missing_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(request["threads"]), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **request.get("env", {}), OMP_NUM_THREADS=str(request["threads"]), PYTHONUNBUFFERED="1")
     with open(log_path, "w", encoding="utf-8") as log:
         try:
             proc = subprocess.run([str(python), str(worker), str(req_path), str(out_path)], stdout=log, stderr=subprocess.STDOUT,
@@ -184,7 +197,7 @@ def run_worker(
 
 def build_request(
     name: str, workload: Workload, *, model_dir: str, dtype: str, threads: int, temperature: float, warmup: bool,
-    max_model_len: int, vocab_size: int, gguf: Path | None, options: dict[str, Any],
+    max_model_len: int, vocab_size: int, gguf: Path | None, options: dict[str, Any], env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     return {
         "engine": name,
@@ -199,6 +212,7 @@ def build_request(
         "temperature": temperature,
         "max_model_len": max_model_len,
         "options": options,
+        "env": dict(env or {}),
     }
 
 

@@ -57,6 +57,8 @@ class _BenchCommand(click.Command):
               help="With --compare: interleaved rounds (corerun, peers, corerun, peers, ...); each engine's fastest is reported.")
 @click.option("--peer-python", "peer_pythons", multiple=True, metavar="NAME=PATH",
               help="With --compare: the interpreter of a peer's virtualenv [benchmarks/peers/.venvs/NAME/bin/python].")
+@click.option("--baseline-env", "baseline_env", multiple=True, metavar="NAME=VALUE",
+              help="With --compare: also run corerun with this environment variable set (corerun-baseline), e.g. CORERUN_CPU_PREPACK=0 for a before/after.")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False, exists=True), default=None,
               help="With --compare llama.cpp: the GGUF file of the model in the run's dtype [the default model's, from benchmarks/peers/setup.sh].")
 @click.option("--hf-batching", type=click.Choice(["batched", "per-prompt"]), default="batched", show_default=True,
@@ -70,7 +72,7 @@ class _BenchCommand(click.Command):
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Online mode: requests in flight at most [no limit].")
 def bench(
     config_path, sets, model, attention, sampler, device, dtype,
-    num_seqs, input_len, output_len, seed, temperature, warmup, compare, rounds, peer_pythons, gguf_path,
+    num_seqs, input_len, output_len, seed, temperature, warmup, compare, rounds, peer_pythons, baseline_env, gguf_path,
     hf_batching, hf_batch_size, threads, as_json, url=None, request_rate=float("inf"), max_concurrency=None,
 ) -> None:
     """Throughput and latency of corerun on N random-token requests (ignore_eos, exact output lengths).
@@ -93,16 +95,16 @@ def bench(
         return run_cli(url, num_seqs, ranges, request_rate, max_concurrency, seed, temperature, as_json)
     cfg_args = dict(model=model, attention=attention, sampler=sampler, device=device, dtype=dtype, threads=threads)
     hf_args = dict(batching=hf_batching, batch_size=hf_batch_size)
-    if compare:
-        from corerun.bench.compare import parse_compare, parse_peer_pythons
+    if compare or baseline_env:
+        from corerun.bench.compare import parse_compare, parse_env, parse_peer_pythons
 
         try:
-            peers, pythons = parse_compare(compare), parse_peer_pythons(peer_pythons)
+            peers, pythons, env = parse_compare(compare), parse_peer_pythons(peer_pythons), parse_env(baseline_env)
         except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--compare / --peer-python") from None
+            raise click.BadParameter(str(exc), param_hint="--compare / --peer-python / --baseline-env") from None
         try:
             doc = _run_compare(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, hf_args,
-                               peers, pythons, rounds, gguf_path, quiet=as_json)
+                               peers, pythons, env, rounds, gguf_path, quiet=as_json)
         except (CorerunError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
         if as_json:
@@ -163,13 +165,13 @@ def _run(
 def _run_compare(
     config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
     ranges: list[Any], seed: int, temperature: float, warmup: bool, hf_args: dict[str, Any],
-    peers: list[str], pythons: dict[str, Any], rounds: int, gguf_path: str | None, quiet: bool,
+    peers: list[str], pythons: dict[str, Any], env: dict[str, str], rounds: int, gguf_path: str | None, quiet: bool,
 ) -> dict[str, Any]:
     """corerun and ``peers`` in fresh processes, ``rounds`` interleaved rounds; the comparison document."""
     import os
     from pathlib import Path
 
-    from corerun.bench.compare import PeerError, build_compare_report, build_request, compare, find_gguf, find_python
+    from corerun.bench.compare import BASELINE, PeerError, build_compare_report, build_request, compare, find_gguf, find_python
     from corerun.bench.report import base_report
     from corerun.model_runner import resolve_device, resolve_dtype
     from corerun.models.config import ModelConfig
@@ -198,8 +200,9 @@ def _run_compare(
         "llama.cpp": {},
         "vllm": {},
     }
+    options[BASELINE] = options["corerun"]
     engines, skipped, pyths = ["corerun"], {}, {}
-    for name in ["corerun", *peers]:
+    for name in ["corerun", *([BASELINE] if env else []), *peers]:
         try:
             pyths[name] = find_python(name, pythons)
             if name == "llama.cpp" and gguf is None:
@@ -209,7 +212,8 @@ def _run_compare(
             continue
         if name != "corerun":
             engines.append(name)
-    requests = {name: build_request(name, workload, gguf=gguf if name == "llama.cpp" else None, options=options[name], **common) for name in engines}
+    requests = {name: build_request(name, workload, gguf=gguf if name == "llama.cpp" else None, options=options[name],
+                                    env=env if name == BASELINE else None, **common) for name in engines}
 
     def progress(name: str, r: int, run: Any, error: str | None) -> None:
         if quiet:
