@@ -130,7 +130,7 @@ def _implementations(doc: dict[str, Any]) -> Any:
     from rich.text import Text
 
     columns = ("plugin", "distribution", "version", "kind", "name", "origin", "available")
-    table = _table("Installed implementations", columns, no_wrap=("version", "kind", "name"))
+    table = _table("Installed implementations", columns, no_wrap=("plugin", "distribution", "version", "kind", "name", "origin"))
     for i in doc["implementations"]:
         cells = [Text(i[c]) for c in columns[:4]]
         table.add_row(*cells, Text(i["name"], style="bold"), Text(i["origin"]), _available_cell(i))
