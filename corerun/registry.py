@@ -358,27 +358,35 @@ class Registry:
         a tie leaves the name to nobody, each refusal a load error naming both distributions."""
         kind, name = reg.kind, reg.name
         table, key = self.registrations[kind], (reg.kind, reg.name)
-        holder = table.get(name)
-        title = f"{KIND_TITLES[kind]} name '{name}'"
-        if key in self.duplicates:
-            self.duplicates[key].append(reg)
-        elif holder is None:
+        holders = self.duplicates.get(key) or ([table[name]] if name in table else [])
+        if not holders:
             table[name] = reg
             return
-        elif trust.RANK[holder.origin] != trust.RANK[reg.origin]:
-            keep, refuse = (holder, reg) if trust.RANK[holder.origin] > trust.RANK[reg.origin] else (reg, holder)
-            table[name] = keep
-            self.load_errors.append(LoadError(refuse.plugin, refuse.distribution, (
-                f"{title} belongs to {keep.distribution} ({keep.origin}); the one {refuse.distribution} "
-                f"(plugin '{refuse.plugin}') registers is ignored. {keep.distribution} keeps serving '{name}'; "
-                f"to use the other, {refuse.distribution} must register it under another name "
-                f"(or pip uninstall {refuse.distribution})"
-            )))
-            return
+        top = max(trust.RANK[h.origin] for h in holders)
+        if trust.RANK[reg.origin] < top:
+            self._refuse(reg, next(h for h in holders if trust.RANK[h.origin] == top))
+        elif trust.RANK[reg.origin] > top:
+            if key in self.duplicates:  # the tie it ends is no longer an error of its own
+                stale = self._duplicate_message(key)
+                self.load_errors = [e for e in self.load_errors if e.error != stale]
+                del self.duplicates[key]
+            table[name] = reg
+            for holder in holders:
+                self._refuse(holder, reg)
         else:
-            table.pop(name)
-            self.duplicates[key] = [holder, reg]
-        self.load_errors.append(LoadError(reg.plugin, reg.distribution, self._duplicate_message(key)))
+            if key not in self.duplicates:
+                table.pop(name)
+                self.duplicates[key] = list(holders)
+            self.duplicates[key].append(reg)
+            self.load_errors.append(LoadError(reg.plugin, reg.distribution, self._duplicate_message(key)))
+
+    def _refuse(self, refused: Registration, keeper: Registration) -> None:
+        self.load_errors.append(LoadError(refused.plugin, refused.distribution, (
+            f"{KIND_TITLES[refused.kind]} name '{refused.name}' belongs to {keeper.distribution} ({keeper.origin}); "
+            f"the one {refused.distribution} (plugin '{refused.plugin}') registers is ignored. {keeper.distribution} "
+            f"keeps serving '{refused.name}'; to use the other, {refused.distribution} must register it under "
+            f"another name (or pip uninstall {refused.distribution})"
+        )))
 
     def _duplicate_message(self, key: tuple[str, str]) -> str:
         regs = self.duplicates[key]

@@ -266,6 +266,18 @@ def test_first_party_name_cannot_be_taken_over_by_a_third_party() -> None:
     assert "belongs to corerun-sampler-full (first-party)" in reg.load_errors[0].error
 
 
+def test_a_first_party_arriving_after_a_tie_takes_its_name() -> None:
+    real = Recorder()
+    reg = Registry()
+    for i in (1, 2):
+        reg.register_module(Provides(sampler=[("full", Recorder(), {})]), plugin=f"t{i}", distribution=f"corerun-t{i}", version="1")
+    reg.register_module(Provides(sampler=[("full", real, {})]), plugin="sampler_full", distribution="corerun-sampler-full", version="0.1.0")
+    reg.register_module(Provides(sampler=[("full", Recorder(), {})]), plugin="t3", distribution="corerun-t3", version="1")
+    assert reg.get("sampler", "full").factory is real
+    assert [e.distribution for e in reg.load_errors] == ["corerun-t1", "corerun-t2", "corerun-t3"]
+    assert all("belongs to corerun-sampler-full (first-party)" in e.error for e in reg.load_errors)
+
+
 def test_duplicate_plugin_id_is_a_load_error() -> None:
     reg = builtins_only(
         (Provides(sampler=[("one", Recorder(), {})]), "same_id", "corerun-one"),
