@@ -133,11 +133,11 @@ async def _model_name(url: str) -> str:
 
 async def run(url: str, *, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
               request_rate: float, max_concurrency: int | None, seed: int, temperature: float, vocab: int,
-              model: str | None = None) -> dict[str, Any]:
+              model: str | None = None, work: list[tuple[list[int], int]] | None = None) -> dict[str, Any]:
+    """Run the benchmark; ``work`` (``(prompt token ids, output length)`` pairs) replaces the random workload."""
     rng = random.Random(seed)
     model = model or await _model_name(url)
-    work = [([rng.randrange(10, vocab) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
-            for _ in range(num_prompts)]
+    work = work if work is not None else make_work(num_prompts, input_len, output_len, vocab, rng)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def limited(prompt: list[int], out: int) -> RequestResult:
@@ -156,6 +156,13 @@ async def run(url: str, *, num_prompts: int, input_len: tuple[int, int], output_
     duration = time.perf_counter() - start
     return summarize(results, duration, model=model, url=url,
                      request_rate=request_rate if math.isfinite(request_rate) else "inf", max_concurrency=max_concurrency)
+
+
+def make_work(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+              rng: random.Random) -> list[tuple[list[int], int]]:
+    """Random token-id prompts (ids in [10, vocab)) with lengths drawn uniformly, and their output lengths."""
+    return [([rng.randrange(10, vocab) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+            for _ in range(num_prompts)]
 
 
 def _stats(values: list[float]) -> dict[str, float]:
