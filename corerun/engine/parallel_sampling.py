@@ -51,6 +51,11 @@ class SequenceGroup:
     def num_output_tokens(self) -> int:
         return sum(s.num_output_tokens for s in self.seqs)
 
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The head's generated tokens (what a front reporting one sample reads)."""
+        return self.head.output_token_ids
+
     def ready_forks(self) -> list[Sequence]:
         """The forks to queue now: all of them once the head has computed its prompt (or is decoding)."""
         head = self.head

@@ -1,0 +1,170 @@
+"""What every route needs: the LLM's engine loop and tokenizer, the served name, limits, metrics; turning
+a request's prompt into token ids, queueing it (or refusing it with 503), aborting it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from corerun.errors import EngineClosedError, RequestError
+from corerun.server import protocol as P
+from corerun.server.metrics import ServerMetrics
+
+logger = logging.getLogger("corerun.server")
+
+
+def model_name(llm: Any) -> str:
+    cfg = llm.config
+    if cfg.server.served_model_name:
+        return cfg.server.served_model_name
+    if cfg.model:
+        return Path(cfg.model).name
+    from corerun.models.default import MODEL_NAME
+
+    return MODEL_NAME
+
+
+class Serving:
+    """What every route needs: the LLM (engine loop, tokenizer), the served name, limits, metrics."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.loop = llm.engine_loop
+        self.tokenizer = llm.get_tokenizer()
+        self.name = model_name(llm)
+        self.cfg = llm.config.server
+        self.max_model_len = self.engine.runner.max_model_len
+        self.max_logprobs = llm.config.max_logprobs
+        self.metrics = ServerMetrics(self.engine, self.name)
+        self.admitting = 0  # requests between the queue check and the engine's waiting queue
+        self.closing = False
+        self._token_text: dict[int, str] = {}
+        self._tasks: set[asyncio.Task] = set()  # recording the ends of aborted requests
+
+    # ---------------------------------------------------------------- input
+    def check_model(self, req: P._Request) -> None:
+        if req.model is not None and req.model != self.name:
+            raise P.APIError(404, f"model {req.model!r} does not exist; this server serves {self.name!r}",
+                             param="model", code="model_not_found")
+
+    def encode(self, text: str, field: str, special: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise P.APIError(400, f"{field}: this model has no tokenizer, so text cannot be served; send token ids",
+                             param=field)
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.encode(p, "prompt")]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.encode(x, "prompt") for x in p]  # type: ignore[arg-type]
+        else:
+            prompts = [list(x) for x in p]  # type: ignore[arg-type]
+        if not prompts or any(not x for x in prompts):
+            raise P.APIError(400, "prompt: must not be empty", param="prompt")
+        return prompts
+
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise P.APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tok.apply_chat_template(
+                P.chat_text(req.messages), tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except P.APIError:
+            raise
+        except Exception as exc:  # a template raising on these messages (e.g. roles out of order)
+            raise P.APIError(400, f"messages: the chat template refused them: {type(exc).__name__}: {exc}",
+                             param="messages") from None
+        return self.encode(text, "messages", special=False)  # the template wrote the special tokens
+
+    def check_length(self, prompts: list[list[int]], params_max: int | None, field: str) -> None:
+        for ids in prompts:
+            if len(ids) >= self.max_model_len:
+                raise P.APIError(400, f"{field}: {len(ids)} tokens, but this model's context is {self.max_model_len} "
+                                 "tokens (at least one must be left to generate); shorten it",
+                                 param=field, code="context_length_exceeded")
+            if params_max is not None and len(ids) + params_max > self.max_model_len:
+                raise P.APIError(400, f"max_tokens: {params_max} + the prompt's {len(ids)} tokens exceed this "
+                                 f"model's context of {self.max_model_len} tokens; ask for at most "
+                                 f"{self.max_model_len - len(ids)}", param="max_tokens", code="context_length_exceeded")
+
+    # --------------------------------------------------------------- engine
+    async def submit(self, prompts: list[list[int]], params: Any, prefix: str) -> list[Any]:
+        """Queue one engine request per prompt (all or none); 503 when the waiting queue is full."""
+        if self.closing:
+            raise P.APIError(503, "the server is shutting down", code="shutting_down")
+        waiting = len(self.engine.scheduler.waiting) + self.admitting
+        if waiting + len(prompts) > self.cfg.max_waiting_requests:
+            self.metrics.reject("overloaded")
+            raise P.APIError(503, f"the server is overloaded: {waiting} requests are waiting (server."
+                             f"max_waiting_requests={self.cfg.max_waiting_requests}); retry later", code="overloaded")
+        streams: list[Any] = []
+        self.admitting += len(prompts)
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.loop.add_request_async(ids, params, request_id=f"{prefix}-{i}"))
+        except RequestError as exc:
+            self.abort(streams, record=False)
+            raise P.APIError(400, str(exc), param=_param_of(str(exc))) from None
+        except EngineClosedError:
+            self.abort(streams, record=False)
+            raise P.APIError(503, "the server is shutting down", code="shutting_down") from None
+        except BaseException:
+            self.abort(streams, record=False)
+            raise
+        finally:
+            self.admitting -= len(prompts)
+        return streams
+
+    def abort(self, streams: list[Any], record: bool = True) -> None:
+        """Abort the requests not finished yet; with ``record``, their final (``abort``) outputs still go to /metrics."""
+        left = [s for s in streams if not s.finished]
+        if not left:
+            return
+        try:
+            self.loop.abort([s.request_id for s in left], wait=False)
+        except Exception:  # the loop is gone (shutdown): nothing left to free
+            logger.debug("abort after shutdown", exc_info=True)
+            return
+        if record:
+            task = asyncio.ensure_future(self._record_ends(left))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _record_ends(self, streams: list[Any]) -> None:
+        for s in streams:
+            try:
+                while not s.finished:
+                    out = await s.get_async()
+                    if out.finished:
+                        self.metrics.finished(out)
+            except Exception:  # noqa: BLE001 (the loop failed or shut down: nothing to record)
+                return
+
+    def token_text(self, tid: int) -> str:
+        s = self._token_text.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else ""
+            if len(self._token_text) < 1 << 16:
+                self._token_text[tid] = s
+        return s
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(":", 1)[0].strip()
+    if head.startswith("prompt"):
+        return "prompt"
+    for name in ("logit_bias", "stop_token_ids", "stop", "logprobs", "max_tokens", "min_tokens", "temperature", "top_p",
+                 "top_k", "seed"):
+        if name in message:
+            return name
+    return None
