@@ -271,6 +271,10 @@ def test_other_refusals_and_the_engine_serves_on(llm: LLM, client: Any, url: str
     assert status == 400 and "JSON" in body["error"]["message"]
     status, body = http(url + "/v1/completions", {"model": "tiny-llama", "prompt": "x" * 30_000})
     assert status == 413 and "max_request_bytes" in body["error"]["message"]
+    status, body = http(url + "/v1/completions", raw=b'{"model": "tiny-llama", "prompt": "a\\ud800b"}')
+    assert status == 400 and body["error"]["param"] == "prompt" and "surrogate" in body["error"]["message"]
+    status, body = http(url + "/v1/chat/completions", raw=b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\udfff"}]}')
+    assert status == 400 and body["error"]["param"] == "messages"
     status, body = http(url + "/v1/completions", raw=b"[1, 2]")
     assert status == 400 and "JSON object" in body["error"]["message"]
     with pytest.raises(openai.BadRequestError) as err:

@@ -54,7 +54,15 @@ class Serving:
         if self.tokenizer is None:
             raise P.APIError(400, f"{field}: this model has no tokenizer, so text cannot be served; send token ids",
                              param=field)
-        return list(self.tokenizer.encode(text, add_special_tokens=special))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise P.APIError(400, f"{field}: not valid Unicode text (character {exc.start} is a lone surrogate)",
+                             param=field) from None
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=special))
+        except Exception as exc:  # the tokenizer refusing this text is the request's problem, not a 500
+            raise P.APIError(400, f"{field}: the tokenizer failed on it: {type(exc).__name__}: {exc}", param=field) from None
 
     def completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
         p = req.prompt
