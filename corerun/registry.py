@@ -93,6 +93,7 @@ class Registration:
     description: str = ""
     origin: str = trust.THIRD_PARTY  # built-in, first-party or third-party (corerun.trust)
     _reasons: list[str] | None = field(default=None, repr=False)
+    _import_reasons: list[str] | None = field(default=None, repr=False)
 
     def priority_on(self, device_type: str) -> int:
         """The priority ``auto`` uses on a device type."""
@@ -121,9 +122,8 @@ class Registration:
             return self.origin
         return "certified" if trust.certificate_problem(self, device_type) is None else "not certified"
 
-    def unavailable_reasons(self) -> list[str]:
-        """Every reason this implementation cannot run here (empty when it can): the probe's, else an
-        import of the factory's module that fails.  Computed once."""
+    def probe_reasons(self) -> list[str]:
+        """Every reason the probe gives for not running here (empty when it can). Runs the probe once."""
         if self._reasons is None:
             if self.probe is None:
                 self._reasons = []
@@ -132,12 +132,23 @@ class Registration:
                     self._reasons = list(resolve(self.probe)())
                 except Exception as exc:  # a probe that crashes makes its plugin unavailable, not the CLI
                     self._reasons = [f"availability probe raised {type(exc).__name__}: {exc}"]
-            if not self._reasons and isinstance(self.factory, str):
+        return self._reasons
+
+    def import_reasons(self) -> list[str]:
+        """``[]`` when the factory's module imports (tried once); else why not."""
+        if self._import_reasons is None:
+            self._import_reasons = []
+            if isinstance(self.factory, str):
                 try:
                     resolve(self.factory)
                 except Exception as exc:
-                    self._reasons = [f"import of {self.factory} failed: {type(exc).__name__}: {exc}"]
-        return self._reasons
+                    self._import_reasons = [f"import of {self.factory} failed: {type(exc).__name__}: {exc}"]
+        return self._import_reasons
+
+    def unavailable_reasons(self) -> list[str]:
+        """Every reason this implementation cannot run here (empty when it can): the probe's, else an
+        import of the factory's module that fails."""
+        return self.probe_reasons() or self.import_reasons()
 
     @property
     def available(self) -> bool:
@@ -175,7 +186,7 @@ class Registration:
             raise
         except Exception as exc:
             if isinstance(exc, ImportError):  # a kernel module imported lazily: unavailable from now on
-                self._reasons = [f"import failed while building it: {type(exc).__name__}: {exc}"]
+                self._import_reasons = [f"import failed while building it: {type(exc).__name__}: {exc}"]
             logger.info("building %s failed", self.title, exc_info=True)
             raise PluginLoadError(
                 f"{self.title} failed to load: {type(exc).__name__}: {exc} (corerun -v shows the traceback)",
@@ -461,7 +472,8 @@ class Registry:
     ) -> tuple[list[Registration], list[tuple[Registration, str]]]:
         """What ``auto`` considers on ``device_type``: the eligible implementations, best first (highest
         priority, then name), and every other one with why it was passed over (capability, availability,
-        trust).  ``check`` adds reasons (the attention capabilities against a spec)."""
+        trust).  ``check`` adds reasons (the attention capabilities against a spec).  Only the winner's
+        factory module is imported to check it imports (the next in line takes over when it does not)."""
         eligible: list[Registration] = []
         passed: list[tuple[Registration, str]] = []
         for reg in sorted(self.registrations[kind].values(), key=lambda r: r.name):
@@ -470,7 +482,7 @@ class Registry:
             devices = getattr(caps, "devices", None)
             if check is None and devices is not None and device_type not in devices:
                 reasons.append(f"device {device_type} not in {{{', '.join(sorted(devices))}}}")
-            reasons += reg.unavailable_reasons()
+            reasons += reg.probe_reasons()
             if reasons:
                 passed.append((reg, "; ".join(reasons)))
                 continue
@@ -480,6 +492,9 @@ class Registry:
             else:
                 eligible.append(reg)
         eligible.sort(key=lambda r: (-r.priority_on(device_type), r.name))
+        # the factory is imported for the winner only (importing every candidate's kernels costs seconds)
+        while eligible and eligible[0].import_reasons():
+            passed.append((eligible[0], "; ".join(eligible.pop(0).import_reasons())))
         for reg in eligible[1:]:
             passed.insert(0, (reg, f"lower priority ({reg.priority_on(device_type)} < {eligible[0].priority_on(device_type)})"))
         return eligible, passed
