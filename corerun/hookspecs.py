@@ -11,7 +11,7 @@ point in the group ``corerun`` (the entry-point name is the plugin's id).  ``reg
         probe=None,                # "module:attr" or callable () -> list[str]: reasons it cannot run here
         options=None,              # a pydantic model validating the user's `options:` for this name
         protocol_version=PROTOCOL_VERSION,
-        priority=0,                # `auto` prefers higher priorities among capable, available backends
+        priority=0,                # `auto` prefers higher priorities among capable, available, trusted ones
         description="",
     )
 
