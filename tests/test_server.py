@@ -388,3 +388,35 @@ def test_engine_fault_is_a_500_for_that_request_only(folder: Any, monkeypatch: p
             wait_idle(llm)
     finally:
         llm.shutdown()
+
+
+FIELDS = ["prompt", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "logit_bias", "ignore_eos",
+          "min_tokens", "stream", "stream_options", "logprobs", "echo", "user", "model"]
+CHAT_FIELDS = [f for f in FIELDS if f not in ("prompt", "logprobs", "echo")] + [
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs", "tools"]
+VALUES = [None, True, False, -1, 0, 1, 3, 2.5, -0.5, 10**30, float("inf"), "x", "", [], [1], [[1, 2]], ["a", ""],
+          {"a": 1}, {"3": 1.0}, {"include_usage": "yes"}, [{"role": "user"}], [{"role": "user", "content": 5}]]
+
+
+def test_random_bodies_never_get_a_500(llm: LLM, url: str) -> None:
+    """Whatever a client sends, the answer is 200 or a 4xx naming the problem; never the server's 500."""
+    import random
+
+    rng = random.Random(1)
+    statuses: dict[int, int] = {}
+    for i in range(120):
+        chat = i % 2 == 1
+        body: dict[str, Any] = ({"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]} if chat
+                                else {"model": "tiny-llama", "prompt": "hi"})
+        body["max_tokens"] = 2
+        for field in rng.sample(CHAT_FIELDS if chat else FIELDS, rng.randint(1, 3)):
+            body[field] = rng.choice(VALUES)
+        raw = json.dumps(body, allow_nan=True).encode()  # (inf travels as the non-standard Infinity)
+        status, answer = http(url + ("/v1/chat/completions" if chat else "/v1/completions"), raw=raw)
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status in (200, 400, 404), (body, status, answer)
+        if status != 200:
+            assert answer["error"]["message"], answer
+    assert statuses.get(400, 0) > 30 and statuses.get(200, 0) > 5, statuses
+    wait_idle(llm)
