@@ -318,6 +318,7 @@ def test_overload_gives_503_at_once(folder: Any) -> None:
             with pytest.raises(openai.APIStatusError) as err:
                 client.completions.create(**kw)
             assert err.value.status_code == 503 and "max_waiting_requests=1" in str(err.value)
+            assert err.value.response.headers["retry-after"] == "1"
             running.close()
             assert sum(1 for ch in waiting if ch.choices) >= 1  # the waiting one is then served, whole
             metrics = http(url + "/metrics")[1]

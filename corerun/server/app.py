@@ -26,7 +26,8 @@ from corerun.server.streaming import collect, full_response, stream
 
 
 def error_response(err: P.APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": "1"} if err.status == 503 else None  # clients (openai's among them) back off and retry
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 async def read_json(request: Request, limit: int) -> Any:
