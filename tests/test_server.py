@@ -421,3 +421,18 @@ def test_random_bodies_never_get_a_500(llm: LLM, url: str) -> None:
             assert answer["error"]["message"], answer
     assert statuses.get(400, 0) > 30 and statuses.get(200, 0) > 5, statuses
     wait_idle(llm)
+
+
+def test_sampling_fields_reach_the_engine(llm: LLM, client: Any) -> None:
+    tok = llm.get_tokenizer()
+    q = tok.convert_tokens_to_ids("Q")
+    r = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=4, temperature=1.0,
+                                  logit_bias={str(q): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == "QQQQ"
+    # EOS forced by the bias, held back by min_tokens for three tokens: the fourth ends it
+    r = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8, temperature=0,
+                                  logit_bias={str(tok.eos_token_id): 100}, extra_body={"min_tokens": 3})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 4)
+    r = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8, temperature=0,
+                                  logit_bias={str(q): 100}, extra_body={"stop_token_ids": [q]})
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"], r.usage.completion_tokens) == ("stop", q, 1)
