@@ -255,3 +255,20 @@ def test_teardown_frees_the_engine_at_once(model_dir, prompts, how: str) -> None
     finally:
         gc.enable()
     assert not [t for t in threading.enumerate() if t.name == "corerun-engine"]
+
+
+def test_a_failing_loop_fails_its_callers_and_recovers(model_dir, prompts, solo, monkeypatch) -> None:
+    """A bug in the loop (here: building outputs raises outside any plugin) reaches the callers as an
+    error instead of leaving them waiting; the next call starts a fresh loop."""
+    llm = make_llm(model_dir)
+    loop = llm.engine_loop
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("bug in the loop")
+
+    monkeypatch.setattr(loop, "_collect_outside_aborts", broken)
+    with pytest.raises(Exception, match="the engine loop failed: RuntimeError: bug in the loop"):
+        llm.generate(prompts[:3], GREEDY)
+    monkeypatch.undo()
+    assert tokens(llm.generate(prompts[:3], GREEDY)) == solo[:3]
+    assert_idle(llm)

@@ -202,12 +202,34 @@ class EngineLoop:
                 raise EngineClosedError("the engine was shut down; make a new LLM")
             self._commands.append((fn, fut))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="corerun-engine", daemon=True)
-                self._thread.start()
+                self._start_thread()
             self._cv.notify()
         return fut
 
+    def _start_thread(self) -> None:  # (with self._cv held)
+        self._thread = threading.Thread(target=self._run, name="corerun-engine", daemon=True)
+        self._thread.start()
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug in the loop itself: no caller may wait forever
+            logger.exception("the engine loop failed")
+            err = StepError(f"the engine loop failed: {type(exc).__name__}: {exc}")
+            for rid, route in list(self._routes.items()):
+                self._routes.pop(rid, None)
+                route.outputs.put(err)
+                try:
+                    self.engine.abort(rid)
+                    self.engine.release(rid)
+                except Exception:  # noqa: BLE001 (already failing; the routes got the error)
+                    pass
+            with self._cv:
+                self._thread = None
+                if self._commands:  # sent after the failure: a fresh thread serves them
+                    self._start_thread()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 commands, self._commands = self._commands, []
