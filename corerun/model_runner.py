@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from corerun.config import Config
+from corerun.engine.memory import check_kv_cache_fits
 from corerun.engine.scheduler import ScheduledBatch
 from corerun.errors import ConfigError, StepError
 from corerun.forward_context import AttentionContext
@@ -134,6 +135,7 @@ class ModelRunner:
             )
         else:
             self.num_blocks = config.kv_cache.num_blocks
+            check_kv_cache_fits(self.num_blocks, per_block, self.device)
         self.kv_caches = [self.attention.allocate_kv_cache(self.num_blocks) for _ in range(mc.num_layers)]
         self.kv_manager = self.registry.create(
             "kv_cache", config.kv_cache.manager.name, self.num_blocks, self.block_size,

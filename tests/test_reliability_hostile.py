@@ -299,3 +299,10 @@ def test_cli_empty_stdin_and_surrogates(model_dir: Path, tmp_path: Path) -> None
     assert r.exit_code == 1 and "lone surrogate" in r.output and "Traceback" not in r.output
     r = run_cli(base + ["--set", "kv_cache.block_size=true", "w5"])
     assert r.exit_code == 1 and "kv_cache.block_size: expected a number" in r.output
+
+
+def test_kv_cache_larger_than_memory_refused_before_allocating(model_dir: Path) -> None:
+    from corerun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv_cache.num_blocks=2147483647 needs [\d.]+ GiB of KV cache .* lower num_blocks"):
+        LLM(model=model_dir, **{**COMMON, "kv_cache": {"block_size": 16, "num_blocks": 2**31 - 1}})
