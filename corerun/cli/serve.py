@@ -29,7 +29,7 @@ def serve(config_path, sets, model, attention, sampler, device, dtype, host, por
         cfg = build_config(config_path, sets, model=model, attention=attention, sampler=sampler, device=device,
                            dtype=dtype, server=server or None)
         from corerun.llm import LLM
-        from corerun.server.app import model_name
+        from corerun.server.serving import model_name
         from corerun.server.run import serve as run
 
         llm = LLM(config=cfg)
