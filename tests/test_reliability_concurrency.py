@@ -146,8 +146,8 @@ def test_abort_from_another_thread_during_steps_is_an_abort(model_dir, prompts, 
     t.start()
     outs = {}
     for out in llm.stream([prompts[7], prompts[8]], [long, GREEDY]):
-        if not ids:
-            ids.append(out.request_id if out.prompt_token_ids == prompts[7] else "?")
+        if not ids and out.prompt_token_ids == prompts[7]:
+            ids.append(out.request_id)
         if out.prompt_token_ids == prompts[7] and len(out.outputs[0].token_ids) == 3:
             seen.set()
         outs[out.prompt_token_ids == prompts[7]] = out
@@ -180,6 +180,39 @@ def test_interrupted_generate_aborts_its_own_requests_only(model_dir, prompts, s
         signal.signal(signal.SIGALRM, previous)
     rest = list(other)  # the other caller's request is untouched
     assert rest[-1].outputs[0].finish_reason == "length" and rest[-1].outputs[0].token_ids == solo[9]
+    assert_idle(llm)
+
+
+def test_generate_interrupted_while_its_requests_are_admitted_leaves_none_running(model_dir, prompts) -> None:
+    """Ctrl-C while the loop is still admitting the batch (before generate knows the ids): the
+    requests are aborted once admitted, not left running unread."""
+    llm = make_llm(model_dir)
+    loop = llm.engine_loop
+    admit, entered, go = loop._admit, threading.Event(), threading.Event()
+
+    def slow_admit(*args: Any) -> Any:
+        entered.set()
+        go.wait()
+        return admit(*args)
+
+    loop._admit = slow_admit  # type: ignore[method-assign]
+    import signal
+
+    def interrupt(*_: Any) -> None:
+        go.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert entered.is_set()
+    del loop._admit
+    llm.generate(prompts[0], GREEDY)  # the abort was queued before this: it has been applied
     assert_idle(llm)
 
 

@@ -19,9 +19,11 @@ dropping the last reference to the engine frees it (KV cache, graphs) at once.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
@@ -33,6 +35,16 @@ from corerun.outputs import RequestOutput
 from corerun.sampling_params import SamplingParams
 
 logger = logging.getLogger("corerun.engine")
+
+_LIVE: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_loops() -> None:
+    """At interpreter exit, stop loops still running (a stream left unread): a daemon thread killed in
+    the middle of a step can abort the process on its way out."""
+    for loop in list(_LIVE):
+        loop.shutdown(timeout=10)
 
 
 class OutputQueue:
@@ -127,6 +139,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._routes: dict[str, _Route] = {}  # touched by the loop thread only
+        _LIVE.add(self)
 
     # ------------------------------------------------------------ callers
     def add_requests(
@@ -144,7 +157,7 @@ class EngineLoop:
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        return self._call(lambda: self._admit(prompts, params, ids, outputs, final_only, True))
+        return self._admitted(self._submit(lambda: self._admit(prompts, params, ids, outputs, final_only, True)))
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | dict | None = None, request_id: str | None = None,
@@ -152,7 +165,8 @@ class EngineLoop:
     ) -> RequestStream:
         """Queue one request; its outputs come through the returned stream. Raises ``RequestError`` when refused."""
         outputs = OutputQueue()
-        (rid,) = self._call(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False))
+        fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False))
+        (rid,) = self._admitted(fut)
         return RequestStream(rid, outputs, self)
 
     async def add_request_async(
@@ -162,7 +176,11 @@ class EngineLoop:
         """``add_request`` for asyncio callers: does not block the event loop; read with ``async for``."""
         outputs = OutputQueue.for_asyncio()
         fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False))
-        (rid,) = await asyncio.wrap_future(fut)
+        try:
+            (rid,) = await asyncio.shield(asyncio.wrap_future(fut))
+        except BaseException:  # cancelled while admitted: nobody will read these requests
+            fut.add_done_callback(self._abort_orphans)
+            raise
         return RequestStream(rid, outputs, self)
 
     def abort(self, request_ids: Seq[str], wait: bool = True) -> None:
@@ -192,8 +210,21 @@ class EngineLoop:
         return len(self._routes)
 
     # ------------------------------------------------------------ internals
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        return self._submit(fn).result()
+    def _admitted(self, fut: Future) -> list[str]:
+        """The ids an add command queued. A caller interrupted while waiting (Ctrl-C) will never read
+        them: they are aborted once admitted instead of running on unread."""
+        try:
+            return fut.result()
+        except BaseException:
+            fut.add_done_callback(self._abort_orphans)
+            raise
+
+    def _abort_orphans(self, fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            try:
+                self.abort(fut.result(), wait=False)
+            except Exception:  # noqa: BLE001 (closed meanwhile: shutdown aborted them)
+                pass
 
     def _submit(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
