@@ -117,7 +117,7 @@ def build_app(llm: Any) -> FastAPI:
 
 async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[int]], params: Any, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    streams = await state.submit(prompts, params, rid)
+    streams = await state.submit(prompts, params, rid, final_only=not req.stream)
     created = int(time.time())
     if req.stream:
         return StreamingResponse(stream(state, req, streams, prompts, rid, created, chat), media_type="text/event-stream")

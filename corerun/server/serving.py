@@ -106,8 +106,9 @@ class Serving:
                                  f"{self.max_model_len - len(ids)}", param="max_tokens", code="context_length_exceeded")
 
     # --------------------------------------------------------------- engine
-    async def submit(self, prompts: list[list[int]], params: Any, prefix: str) -> list[Any]:
-        """Queue one engine request per prompt (all or none); 503 when the waiting queue is full."""
+    async def submit(self, prompts: list[list[int]], params: Any, prefix: str, final_only: bool = False) -> list[Any]:
+        """Queue one engine request per prompt (all or none); 503 when the waiting queue is full. With
+        ``final_only`` (a non-streamed answer) the engine loop sends each request's last output only."""
         if self.closing:
             raise P.APIError(503, "the server is shutting down", code="shutting_down")
         waiting = len(self.engine.scheduler.waiting) + self.admitting
@@ -119,7 +120,8 @@ class Serving:
         self.admitting += len(prompts)
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.loop.add_request_async(ids, params, request_id=f"{prefix}-{i}"))
+                streams.append(await self.loop.add_request_async(ids, params, request_id=f"{prefix}-{i}",
+                                                                 final_only=final_only))
         except RequestError as exc:
             self.abort(streams, record=False)
             raise P.APIError(400, str(exc), param=_param_of(str(exc))) from None
