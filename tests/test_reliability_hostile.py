@@ -15,10 +15,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +299,5 @@ def test_cli_empty_stdin_and_surrogates(model_dir: Path, tmp_path: Path) -> None
 
 
 def test_kv_cache_larger_than_memory_refused_before_allocating(model_dir: Path) -> None:
-    from corerun.errors import ConfigError
-
     with pytest.raises(ConfigError, match=r"kv_cache.num_blocks=2147483647 needs [\d.]+ GiB of KV cache .* lower num_blocks"):
         LLM(model=model_dir, **{**COMMON, "kv_cache": {"block_size": 16, "num_blocks": 2**31 - 1}})
