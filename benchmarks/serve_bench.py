@@ -39,24 +39,29 @@ def self_compare(a: argparse.Namespace) -> int:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    offline, online = [], []
-    for r in range(a.rounds):  # interleaved, so that a change in the machine's load hits both alike
+    offline, streamed, online = [], [], []
+    for r in range(a.rounds):  # interleaved, so that a change in the machine's load hits all alike
         t = time.perf_counter()
         outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
         offline.append(time.perf_counter() - t)
         assert sum(len(o.outputs[0].token_ids) for o in outs) == out_tokens
+        t = time.perf_counter()
+        for _ in llm.stream([p for p, _ in work], params):  # every token's output, as a stream needs
+            pass
+        streamed.append(time.perf_counter() - t)
         s = asyncio.run(run(url, num_prompts=len(work), input_len=(0, 0), output_len=(0, 0),
                             request_rate=a.request_rate, max_concurrency=a.max_concurrency, seed=a.seed,
                             temperature=a.temperature, vocab=vocab, work=work))
         online.append(s)
-        print(f"round {r + 1}: offline {out_tokens / offline[-1]:.1f} tok/s, over HTTP {s['output_throughput']:.1f} tok/s")
+        print(f"round {r + 1}: LLM.generate {out_tokens / offline[-1]:.1f} tok/s, LLM.stream "
+              f"{out_tokens / streamed[-1]:.1f} tok/s, streamed over HTTP {s['output_throughput']:.1f} tok/s")
     server.should_exit = True
     thread.join(60)
     best = max(online, key=lambda x: x["output_throughput"])
     print(report(best))
-    off = out_tokens / min(offline)
-    print(f"best of {a.rounds}: offline LLM.generate {off:.1f} output tok/s, over HTTP {best['output_throughput']:.1f} "
-          f"tok/s; HTTP / offline = {best['output_throughput'] / off:.2f}x")
+    off, st, http = out_tokens / min(offline), out_tokens / min(streamed), best["output_throughput"]
+    print(f"best of {a.rounds}: LLM.generate {off:.1f} output tok/s, LLM.stream {st:.1f}, streamed over HTTP {http:.1f}; "
+          f"HTTP / generate = {http / off:.2f}x, HTTP / stream = {http / st:.2f}x")
     return 0 if all(x["failed"] == 0 for x in online) else 1
 
 
