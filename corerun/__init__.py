@@ -17,6 +17,7 @@ from corerun.capabilities import (
     AttentionCapabilities,
     GraphRunnerCapabilities,
     KVCacheCapabilities,
+    LogitsProcessorCapabilities,
     SamplerCapabilities,
 )
 from corerun.errors import (
@@ -36,6 +37,7 @@ _LAZY = {
     "RequestOutput": "corerun.outputs",
     "Logprob": "corerun.outputs",
     "SamplingParams": "corerun.sampling_params",
+    "StructuredOutputsParams": "corerun.sampling_params",
     "Config": "corerun.config",
     "load_config": "corerun.config",
     "get_registry": "corerun.registry",
@@ -46,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from corerun.llm import LLM
     from corerun.outputs import CompletionOutput, Logprob, RequestOutput
     from corerun.registry import get_registry
-    from corerun.sampling_params import SamplingParams
+    from corerun.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -64,6 +66,7 @@ __all__ = [
     "AttentionCapabilities",
     "GraphRunnerCapabilities",
     "KVCacheCapabilities",
+    "LogitsProcessorCapabilities",
     "SamplerCapabilities",
     "ConfigError",
     "CorerunError",

@@ -7,6 +7,8 @@ from typing import Any
 
 # Sampling fields the engine itself handles; every sampler "honours" them.
 ENGINE_PARAMS = frozenset({"n", "max_tokens", "ignore_eos", "stop_token_ids", "stop", "include_stop_str_in_output"})
+# Sampling fields served by logits processors (corerun.logits_processing), before the sampler sees the logits.
+PROCESSOR_PARAMS = frozenset({"structured_outputs"})
 
 
 def _fmt(values: frozenset) -> str:
@@ -75,13 +77,16 @@ class SamplerCapabilities:
     """The ``SamplingParams`` fields a sampler honours (beyond the engine's own ones)."""
 
     params: frozenset[str]
+    # logits with -inf entries (a logits processor's mask) are sampled correctly: a -inf token is never
+    # drawn, by any row (greedy, seeded, truncated); only such a sampler serves masked requests
+    logits_mask: bool = False
 
     def check(self, params: Any) -> list[str]:
         """Every field of ``params`` set away from its no-op value that this sampler does not honour."""
-        return sorted(params.non_default_fields() - self.params - ENGINE_PARAMS)
+        return sorted(params.non_default_fields() - self.params - ENGINE_PARAMS - PROCESSOR_PARAMS)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"params": sorted(self.params)}
+        return {"params": sorted(self.params), "logits_mask": self.logits_mask}
 
 
 @dataclass(frozen=True)
@@ -99,3 +104,25 @@ class GraphRunnerCapabilities:
 
     def to_dict(self) -> dict[str, Any]:
         return {"devices": sorted(self.devices), "captures": self.captures}
+
+
+@dataclass(frozen=True)
+class LogitsProcessorCapabilities:
+    """What a logits processor serves and costs.
+
+    - ``params``: the ``SamplingParams`` fields it serves; a request uses the processor when one of them
+      is set away from its default (``structured_outputs``).
+    - ``host_sync``: ``apply`` reads device values on the host (a sync per step); ``False`` promises it
+      only copies host data to the device.
+    - ``devices``: device types it runs on.
+    """
+
+    params: frozenset[str]
+    host_sync: bool = False
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+
+    def used_by(self, params: Any) -> bool:
+        return bool(self.params & params.non_default_fields())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"params": sorted(self.params), "host_sync": self.host_sync, "devices": sorted(self.devices)}

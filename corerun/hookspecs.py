@@ -65,11 +65,20 @@ def corerun_samplers(register: Register) -> None:
     """
 
 
+@hookspec
+def corerun_logits_processors(register: Register) -> None:
+    """Register logits processors: ``register(name, factory, capabilities=LogitsProcessorCapabilities(params=...), ...)``.
+
+    The factory is called as ``factory(vocab_size, device, *, tokenizer, eos_token_ids, **options)``.
+    """
+
+
 HOOKS: dict[str, str] = {
     "attention": "corerun_attention_backends",
     "kv_cache": "corerun_kv_cache_managers",
     "graph": "corerun_graph_runners",
     "sampler": "corerun_samplers",
+    "logits_processor": "corerun_logits_processors",
 }
 
 __all__ = ["hookspec", "hookimpl", "HOOKS", "Register"]

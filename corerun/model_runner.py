@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from corerun.engine.scheduler import ScheduledBatch
 from corerun.errors import ConfigError, StepError
 from corerun.forward_context import AttentionContext
 from corerun.kv_cache.profile import StepMemory
+from corerun.logits_processing import LogitsProcessors
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, announce, get_registry
@@ -60,6 +61,7 @@ class StepResult:
     rows: list[int]  # indices into ScheduledBatch.seqs that were sampled
     logprobs: LogprobsTensors | None
     prompt_logprobs: dict[int, tuple[int, LogprobsTensors]]  # row -> (first target position, tensors)
+    ended: dict[int, str] = field(default_factory=dict)  # row -> "stop" or an error: a logits processor ended it
 
 
 class ModelRunner:
@@ -119,6 +121,9 @@ class ModelRunner:
         )
         self.sampler_name = config.sampler.name
         self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
+        self.logits_processors = LogitsProcessors(  # between logits and sampler (corerun.logits_processing)
+            self.registry, self.vocab_size, self.device, self.sampler_name, self.sampler.capabilities
+        )
 
         # KV cache: blocks sized from the memory budget unless given
         per_block = self.attention.kv_cache_bytes_per_block() * mc.num_layers
@@ -306,12 +311,21 @@ class ModelRunner:
             seq_ids=[s.seq_id for s in seqs],
         )
         try:
+            masked = self.logits_processors.apply(logits, seqs)
+        except Exception as exc:
+            raise StepError(f"logits processor failed: {type(exc).__name__}: {exc}") from exc
+        try:
             out: SamplerOutput = self.sampler.sample(logits, meta)
             sampled = out.sampled_token_ids.tolist()  # the step's one host sync
         except Exception as exc:
             raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
         self._check_sampled(out.sampled_token_ids, sampled, len(seqs))
-        return StepResult(sampled, rows.tolist(), out.logprobs, prompt_lp)
+        try:
+            ended = self.logits_processors.accept(masked, sampled) if masked else {}
+        except Exception as exc:
+            raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
+        row_ids = rows.tolist()
+        return StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
 
     def _sampled_hidden(self, hidden: torch.Tensor, batch: AttentionBatch, logits_indices: np.ndarray) -> torch.Tensor:
         """The hidden rows to sample from, without a host sync or a per-step copy where it can:

@@ -52,7 +52,10 @@ class PluginLoadError(PluginError):
 ENTRY_POINT_GROUP = "corerun"
 ENV_ALLOW_LIST = "CORERUN_PLUGINS"
 KINDS = tuple(hookspecs.HOOKS)
-KIND_TITLES = {"attention": "attention backend", "kv_cache": "KV-cache manager", "graph": "graph runner", "sampler": "sampler"}
+KIND_TITLES = {
+    "attention": "attention backend", "kv_cache": "KV-cache manager", "graph": "graph runner", "sampler": "sampler",
+    "logits_processor": "logits processor",
+}
 BUILTIN_MODULE = "corerun.builtin_plugins"
 
 # Names this project publishes, so an unknown name can come with the pip command that provides it.
@@ -61,6 +64,7 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("attention", "triton"): "corerun-attention-triton",
     ("sampler", "basic"): "corerun-sampler-basic",
     ("sampler", "full"): "corerun-sampler-full",
+    ("logits_processor", "xgrammar"): "corerun-structured-output",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,6 +20,82 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 MAX_TEMPERATURE = 1e6
 # Upper bound on ``n`` (samples of one request); each is a sequence of its own in the scheduler.
 MAX_N = 128
+
+
+with warnings.catch_warnings():  # the field `json` (vLLM's name) shadows pydantic's deprecated BaseModel.json()
+    warnings.filterwarnings("ignore", message='Field name "json"', category=UserWarning)
+
+    class _StructuredOutputsBase(BaseModel):
+        json: dict[str, Any] | str | None = None
+
+
+class StructuredOutputsParams(_StructuredOutputsBase):
+    """Constrain the output to a language, vLLM's names; exactly one field is set.
+
+    - ``json``: a JSON schema (a dict, or a string holding one); the output is a JSON value it validates.
+    - ``json_object``: ``True``: any JSON object.
+    - ``regex``: the output matches this regular expression (whole output).
+    - ``choice``: the output is one of these strings.
+    - ``grammar``: an EBNF grammar (GBNF-like, rule ``root`` is the start).
+
+    Served by a logits processor (``corerun-structured-output``); see docs/structured-output.md.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    @field_validator("json", mode="before")
+    @classmethod
+    def _json(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            import json as _json
+
+            try:
+                parsed = _json.loads(v)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json must be a JSON schema, got a string that is not JSON: {exc}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(parsed).__name__}")
+        elif v is not None and not isinstance(v, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string), got {type(v).__name__}")
+        return v
+
+    @field_validator("choice", mode="before")
+    @classmethod
+    def _choice(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if isinstance(v, str) or not isinstance(v, (list, tuple)) or not all(isinstance(c, str) for c in v):
+            raise ValueError(f"structured_outputs.choice must be a list of strings, got {v!r}")
+        if not v or any(not c for c in v):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {list(v)!r}")
+        return tuple(v)
+
+    @field_validator("regex", "grammar")
+    @classmethod
+    def _text(cls, v: str | None, info: Any) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(f"structured_outputs.{info.field_name} must be a non-empty string")
+        return v
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputsParams":
+        set_ = [k for k in type(self).model_fields if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(set_) if set_ else 'none'}"
+            )
+        return self
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        return next(k for k in type(self).model_fields if getattr(self, k) not in (None, False))
 
 
 class SamplingParams(BaseModel):
@@ -49,6 +126,8 @@ class SamplingParams(BaseModel):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # the output follows a JSON schema, regex, choice or grammar (a logits processor masks the logits)
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",

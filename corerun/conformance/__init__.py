@@ -20,6 +20,7 @@ _LAZY = {
     "KVCacheManagerSuite": "corerun.conformance.kv_cache_suite",
     "GraphRunnerSuite": "corerun.conformance.graph_suite",
     "SamplerSuite": "corerun.conformance.sampler_suite",
+    "LogitsProcessorSuite": "corerun.conformance.logits_processor_suite",
     "ConformanceSuite": "corerun.conformance.suite",
     "Case": "corerun.conformance.suite",
     "Target": "corerun.conformance.target",
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from corerun.conformance.graph_suite import GraphRunnerSuite
     from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
     from corerun.conformance.runner import CheckResult, run
+    from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
     from corerun.conformance.sampler_suite import SamplerSuite
     from corerun.conformance.suite import Case, ConformanceSuite
     from corerun.conformance.target import Target

@@ -24,6 +24,7 @@ SUITES = {
     "kv_cache": "corerun.conformance.kv_cache_suite:KVCacheManagerSuite",
     "graph": "corerun.conformance.graph_suite:GraphRunnerSuite",
     "sampler": "corerun.conformance.sampler_suite:SamplerSuite",
+    "logits_processor": "corerun.conformance.logits_processor_suite:LogitsProcessorSuite",
 }
 FAILING = ("failed", "error", "xpassed")
 LOAD_FAILURE = "cannot build the implementation: "

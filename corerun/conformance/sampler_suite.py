@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from corerun.capabilities import ENGINE_PARAMS
+from corerun.capabilities import ENGINE_PARAMS, PROCESSOR_PARAMS
 from corerun.conformance.reference.sampling import boundary_margins, processed_logits
 from corerun.conformance.sampler_cases import (
     MIXED_PREFERENCE, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable, base_logits, pair_cases,
@@ -40,7 +40,7 @@ def _fail(case: Case, what: str, problems: list[str]) -> None:
 
 
 def _sampler_fields() -> list[str]:
-    return [f for f in SamplingParams.model_fields if f not in ENGINE_PARAMS]
+    return [f for f in SamplingParams.model_fields if f not in ENGINE_PARAMS | PROCESSOR_PARAMS]
 
 
 class SamplerSuite(ConformanceSuite):

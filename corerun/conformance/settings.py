@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 
-KINDS = ("attention", "kv_cache", "graph", "sampler")
-KIND_ALIASES = {"kv-cache": "kv_cache", "kvcache": "kv_cache", "kv": "kv_cache", "graph_runner": "graph", "graph-runner": "graph"}
+KINDS = ("attention", "kv_cache", "graph", "sampler", "logits_processor")
+KIND_ALIASES = {"kv-cache": "kv_cache", "kvcache": "kv_cache", "kv": "kv_cache", "graph_runner": "graph", "graph-runner": "graph",
+                "logits-processor": "logits_processor", "processor": "logits_processor"}
 
 # A suite class with ``implementation = FROM_OPTION`` checks the implementations --corerun-impl names.
 FROM_OPTION = "--corerun-impl"

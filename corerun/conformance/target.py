@@ -9,6 +9,7 @@ from corerun.capabilities import (
     AttentionCapabilities,
     GraphRunnerCapabilities,
     KVCacheCapabilities,
+    LogitsProcessorCapabilities,
     SamplerCapabilities,
 )
 
@@ -23,7 +24,9 @@ def default_capabilities(kind: str) -> Any:
         return GraphRunnerCapabilities()
     if kind == "sampler":
         return SamplerCapabilities(params=frozenset())
-    raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler")
+    if kind == "logits_processor":
+        return LogitsProcessorCapabilities(params=frozenset({"structured_outputs"}))
+    raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, logits_processor")
 
 
 @dataclass

@@ -7,6 +7,7 @@ every test is skipped with the reason.
 from corerun.conformance.attention_suite import AttentionBackendSuite
 from corerun.conformance.graph_suite import GraphRunnerSuite
 from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
+from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
 from corerun.conformance.sampler_suite import SamplerSuite
 from corerun.conformance.suite import FROM_OPTION
 
@@ -24,4 +25,8 @@ class TestGraphRunner(GraphRunnerSuite):
 
 
 class TestSampler(SamplerSuite):
+    implementation = FROM_OPTION
+
+
+class TestLogitsProcessor(LogitsProcessorSuite):
     implementation = FROM_OPTION

@@ -49,6 +49,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and not self.eos_token_ids:
             self.eos_token_ids = frozenset({self.tokenizer.eos_token_id})
+        procs = self.runner.logits_processors  # structured outputs and other logits processors need both
+        procs.tokenizer, procs.eos_token_ids = self.tokenizer, self.eos_token_ids
         sc = config.scheduler
         self.scheduler = Scheduler(
             self.kv,
@@ -127,6 +129,13 @@ class LLMEngine:
                 f"sampler '{runner.sampler_name}' failed checking the sampling parameters: {type(exc).__name__}: {exc}"
             ) from exc
         self._check_fits(n, params)
+        if runner.logits_processors.wanted(params):  # compiled here (cached), never inside a step
+            try:
+                runner.logits_processors.prepare(params)
+            except (UnsupportedError, ValueError) as exc:
+                raise RequestError(str(exc)) from None
+            except Exception as exc:  # a processor that cannot be built here (PluginLoadError, ...)
+                raise RequestError(f"structured output cannot be served: {type(exc).__name__}: {exc}") from exc
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         seq_id = next(self._seq_ids)
@@ -319,6 +328,7 @@ class LLMEngine:
                 "KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
                 self.runner.kv_manager_name, seq.request_id, type(exc).__name__, exc,
             )
+        self.runner.logits_processors.remove(seq.seq_id)
         group = self._group_of.get(seq.seq_id)
         if group is not None and group.pending and seq is group.head:  # n > 1: forks not yet queued
             parallel_sampling.finish_pending(group, reason, seq.error, now)
@@ -375,6 +385,10 @@ class LLMEngine:
             reason = self._stop_reason(seq, token)
             if reason is None and seq.params.stop:
                 reason = self._stop_string(seq)
+            if reason is None and row in result.ended:  # a logits processor's end (a grammar completed)
+                reason = result.ended[row]
+                if reason != "stop":
+                    seq.error, reason = reason, "error"
             if reason is not None:
                 self._finish(seq, reason, now)
             touched.append(seq)

@@ -1,4 +1,4 @@
-"""The four protocols corerun composes, and the data types that cross them.
+"""The protocols corerun composes, and the data types that cross them.
 
 ``PROTOCOL_VERSION`` is bumped on any incompatible change; every plugin declares the version it
 implements and the registry refuses a mismatch.
@@ -15,6 +15,7 @@ from corerun.protocols.attention import (
 )
 from corerun.protocols.graph import GraphLimits, GraphRunner, GraphStats, ModelInputs
 from corerun.protocols.kv_cache import KVCacheManager, KVCacheStats
+from corerun.protocols.logits_processor import LogitsProcessor, LogitsProcessorCapabilities
 from corerun.protocols.sampler import (
     LogprobsTensors,
     Sampler,
@@ -38,6 +39,8 @@ __all__ = [
     "ModelInputs",
     "KVCacheManager",
     "KVCacheStats",
+    "LogitsProcessor",
+    "LogitsProcessorCapabilities",
     "LogprobsTensors",
     "Sampler",
     "SamplerCapabilities",

@@ -1,0 +1,141 @@
+"""The runner's logits processors: chosen by the fields a request sets, applied between logits and sampler.
+
+A request that sets a field some logits processor serves (``structured_outputs``) gets, per field, the
+highest-priority registered processor that serves it and that ``auto`` may choose (built-in,
+first-party or certified, as for attention backends).  Processors are built on first use, once per
+engine.  Life of a request (its key is the ``seq_id``; each of ``n`` samples has its own):
+
+- admission (:meth:`LogitsProcessors.prepare`, from ``LLMEngine.make_sequence``): the processor
+  validates and compiles; a ``ValueError`` refuses that request alone;
+- its first sampling step: ``add_request`` makes its state; every step ``apply`` masks its row, and
+  ``accept`` advances the state by the sampled token (``"stop"`` ends the request);
+- finish or abort (``LLMEngine._finish``): ``remove_request``.  Preemption keeps the state: the
+  request's tokens are recomputed, not re-sampled, so the state is where it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from corerun.capabilities import PROCESSOR_PARAMS
+from corerun.registry import Registration, Registry
+
+# What each field needs installed, for the error when nothing serves it.
+PROVIDERS = {"structured_outputs": "corerun-structured-output (pip install corerun-structured-output)"}
+
+
+@dataclass
+class _Group:
+    """One processor's rows in one step."""
+
+    processor: Any
+    rows: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+
+
+class LogitsProcessors:
+    """Every logits processor one engine uses, and which request holds state in which."""
+
+    def __init__(self, registry: Registry, vocab_size: int, device: torch.device, sampler_name: str, sampler_caps: Any) -> None:
+        self.registry = registry
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler_name = sampler_name
+        self.sampler_mask = bool(getattr(sampler_caps, "logits_mask", False))
+        self.tokenizer: Any = None  # set by the engine once it has loaded its tokenizer
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self._built: dict[str, Any] = {}  # registration name -> processor
+        self._states: dict[int, list[Any]] = {}  # seq_id -> processors holding its state
+        self._lock = threading.Lock()  # admission may run on another thread than the steps
+
+    @staticmethod
+    def wanted(params: Any) -> bool:
+        """Whether ``params`` sets a field a logits processor serves (cheap: runs per row per step)."""
+        return any(getattr(params, f) is not None for f in PROCESSOR_PARAMS)
+
+    def choose(self, field_name: str) -> Registration:
+        """The processor ``auto`` picks for ``field_name``; ``ValueError`` naming what to install when none."""
+        dev = self.device.type
+        eligible, passed = self.registry.auto_ranking(
+            "logits_processor", dev, lambda r: [] if field_name in getattr(r.capabilities, "params", ()) else ["-"]
+        )
+        if eligible:
+            return eligible[0]
+        why = "; ".join(f"'{r.name}': {w}" for r, w in passed if w != "-")
+        raise ValueError(
+            f"{field_name} needs a logits processor that serves it, and none is usable here"
+            + (f" ({why})" if why else f"; install {PROVIDERS.get(field_name, 'one')}")
+        )
+
+    def for_params(self, params: Any) -> list[Any]:
+        """The processors ``params`` uses (built on first use)."""
+        fields = sorted(f for f in PROCESSOR_PARAMS if getattr(params, f) is not None)
+        if not fields:
+            return []
+        if not self.sampler_mask:
+            raise ValueError(
+                f"{', '.join(fields)} needs a sampler that takes masked logits, and sampler '{self.sampler_name}' "
+                "does not declare logits_mask=True in its capabilities; use sampler: full or basic"
+            )
+        out: list[Any] = []
+        with self._lock:
+            for f in fields:
+                reg = self.choose(f)
+                proc = self._built.get(reg.name)
+                if proc is None:
+                    proc = reg.create(
+                        self.vocab_size, self.device, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids
+                    )
+                    self._built[reg.name] = proc
+                if proc not in out:
+                    out.append(proc)
+        return out
+
+    def prepare(self, params: Any) -> None:
+        """Admission: every processor ``params`` uses validates and compiles it (``ValueError`` refuses it)."""
+        for proc in self.for_params(params):
+            proc.prepare(params)
+
+    def apply(self, logits: torch.Tensor, seqs: Sequence[Any]) -> list[_Group]:
+        """Mask the rows of ``seqs`` that use processors, in place; what :meth:`accept` needs afterwards."""
+        groups: dict[int, _Group] = {}
+        for row, seq in enumerate(seqs):
+            if not self.wanted(seq.params):
+                continue
+            procs = self._states.get(seq.seq_id)
+            if procs is None:
+                procs = self.for_params(seq.params)
+                for proc in procs:
+                    proc.add_request(seq.seq_id, seq.params, list(seq.output_view()))
+                self._states[seq.seq_id] = procs
+            for proc in procs:
+                g = groups.setdefault(id(proc), _Group(proc))
+                g.rows.append(row)
+                g.keys.append(seq.seq_id)
+        for g in groups.values():
+            g.processor.apply(logits, g.rows, g.keys)
+        return list(groups.values())
+
+    def accept(self, groups: list[_Group], sampled: Sequence[int]) -> dict[int, str]:
+        """Advance each state by its row's token; row -> ``"stop"`` or an error, for rows that must end."""
+        ended: dict[int, str] = {}
+        for g in groups:
+            results = g.processor.accept(g.keys, [sampled[r] for r in g.rows])
+            for row, res in zip(g.rows, results):
+                if res is not None and row not in ended:
+                    ended[row] = res if res == "stop" else f"logits processor '{g.processor.name}': {res}"
+        return ended
+
+    def remove(self, seq_id: int) -> None:
+        """The request ended (finished or aborted): its state goes."""
+        for proc in self._states.pop(seq_id, ()):
+            proc.remove_request(seq_id)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding state now (what leaks would grow)."""
+        return len(self._states)

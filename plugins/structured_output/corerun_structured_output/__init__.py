@@ -1,0 +1,1 @@
+"""corerun-structured-output: the ``xgrammar`` logits processor (``SamplingParams.structured_outputs``)."""
