@@ -1,0 +1,107 @@
+"""Structured output with the default model (SmolLM2-135M): every constrained output parses and
+validates (``jsonschema``) or matches (``re.fullmatch``), and constrained rows leave the greedy outputs
+of unconstrained rows in the same batch as they are alone.  One engine, three generate calls."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from corerun import LLM, RequestError, SamplingParams
+
+SCHEMAS = [
+    {  # nested objects, integer bounds, a bounded string
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                          "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+                        "required": ["city", "zip"], "additionalProperties": False},
+        },
+        "required": ["name", "address"], "additionalProperties": False,
+    },
+    {  # enums
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L", "XL"]}},
+        "required": ["color", "size"], "additionalProperties": False,
+    },
+    {  # an array of bounded integers, bounded length
+        "type": "object",
+        "properties": {"scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
+                                  "minItems": 1, "maxItems": 4}},
+        "required": ["scores"], "additionalProperties": False,
+    },
+    {  # numbers with bounds, a boolean
+        "type": "object",
+        "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 50},
+                       "rank": {"type": "integer", "minimum": 1, "maximum": 10}, "ok": {"type": "boolean"}},
+        "required": ["temperature", "rank", "ok"], "additionalProperties": False,
+    },
+    {  # an array of objects with an enum each
+        "type": "array",
+        "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                   "kind": {"enum": ["cat", "dog"]}},
+                  "required": ["id", "kind"], "additionalProperties": False},
+        "minItems": 1, "maxItems": 3,
+    },
+]
+PER_SCHEMA = 10
+PROMPTS = ["A person and their address as JSON:", "A T-shirt as JSON:", "Test scores as JSON:", "Weather as JSON:",
+           "Pets as JSON:"]
+UNCONSTRAINED = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(device="cpu", dtype="float32", attention="torch", kv_cache={"num_blocks": 1024, "block_size": 16},
+             scheduler={"max_num_seqs": 64}) as engine:
+        yield engine
+
+
+def test_json_schemas_validate_and_unconstrained_greedy_unchanged(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    alone = [o.outputs[0].token_ids for o in llm.generate(UNCONSTRAINED, greedy, use_tqdm=False)]
+    prompts, params = list(UNCONSTRAINED), [greedy, greedy]
+    for i, schema in enumerate(SCHEMAS):
+        for seed in range(PER_SCHEMA):
+            prompts.append(PROMPTS[i])
+            params.append(SamplingParams(temperature=0.7, seed=seed, max_tokens=160, structured_outputs={"json": schema}))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs[:2]] == [list(t) for t in alone]
+    bad = []
+    for k, out in enumerate(outs[2:]):
+        schema, c = SCHEMAS[k // PER_SCHEMA], out.outputs[0]
+        try:
+            jsonschema.validate(json.loads(c.text), schema)
+        except (ValueError, jsonschema.ValidationError) as exc:
+            bad.append((k, c.finish_reason, c.text, str(exc)[:120]))
+        if c.finish_reason != "stop":
+            bad.append((k, c.finish_reason, c.text, "did not end with stop"))
+    assert not bad, bad
+
+
+def test_choice_and_regex_always_match(llm):
+    choices = ["yes", "no", "maybe later", 'a "quoted" one']
+    regex = r"[A-Z]{2}-\d{3}(-[a-z]{1,4})?"  # bounded: the grammar ends, so every request ends with stop
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, structured_outputs={"choice": choices}) for s in range(8)]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=24, structured_outputs={"regex": regex}) for s in range(8)]
+    params += [SamplingParams(temperature=1.0, seed=s, n=3, max_tokens=24, structured_outputs={"regex": r"(ab|cd)+e"}) for s in range(2)]
+    outs = llm.generate(["Answer:"] * 8 + ["Licence plate:"] * 8 + ["Word:"] * 2, params, use_tqdm=False)
+    texts = [[c.text for c in o.outputs] for o in outs]
+    assert all(t[0] in choices for t in texts[:8]), texts[:8]
+    assert all(re.fullmatch(regex, t[0]) for t in texts[8:16]), texts[8:16]
+    assert all(len(t) == 3 and all(re.fullmatch(r"(ab|cd)+e", x) for x in t) for t in texts[16:]), texts[16:]
+    assert [c.finish_reason for o in outs for c in o.outputs] == ["stop"] * 22, texts
+    assert llm.engine.runner.logits_processors.num_requests == 0  # every state freed
+
+
+def test_bad_grammar_refused_alone_with_the_compilers_message(llm):
+    with pytest.raises(RequestError, match=r"structured_outputs.regex does not compile: .*Unclosed '\['"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"regex": "[a-"}), use_tqdm=False)
+    with pytest.raises(RequestError, match=r"structured_outputs.grammar does not compile: .*"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"grammar": "root ::= "}), use_tqdm=False)
+    out = llm.generate(["Answer:"], SamplingParams(max_tokens=4, structured_outputs={"choice": ["ok"]}), use_tqdm=False)
+    assert out[0].outputs[0].text == "ok"

@@ -1,0 +1,117 @@
+"""The fifth plugin kind: logits processors.  The hook and who is chosen, the runner-side manager
+(per-request state, rows, freeing, refusals), and the conformance suite accepting a correct processor
+and rejecting one that leaks state between requests and one that masks the wrong rows."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from corerun import LogitsProcessorCapabilities, SamplerCapabilities, hookimpl
+from corerun.conformance import run
+from corerun.logits_processing import LogitsProcessors
+from corerun.registry import Registry
+from corerun.sampling_params import SamplingParams
+from tests.broken_impls.logits_processor import END, LeaksBetweenRequests, MasksWrongRows, TrieChoice
+
+CHOICE = SamplingParams(structured_outputs={"choice": ["3 4 5", "3 6"]})
+
+
+class Toy:
+    @hookimpl
+    def corerun_logits_processors(self, register):
+        register("trie", TrieChoice, capabilities=TrieChoice.capabilities, priority=5)
+
+
+def _registry(origin: str) -> Registry:
+    reg = Registry()
+    reg.register_module(Toy(), plugin="toy", distribution="toy", version="1", origin=origin)
+    return reg
+
+
+def test_hook_corerun_logits_processors() -> None:
+    reg = Registry.from_environment(allow=None)
+    xgr = reg.get("logits_processor", "xgrammar")
+    assert xgr.origin == "first-party" and xgr.distribution == "corerun-structured-output"
+    assert xgr.capabilities.params == {"structured_outputs"} and not xgr.capabilities.host_sync
+    toy = _registry("third-party").get("logits_processor", "trie")
+    assert toy.capabilities is TrieChoice.capabilities and toy.priority == 5
+
+
+def _manager(origin: str = "built-in", mask: bool = True) -> LogitsProcessors:
+    return LogitsProcessors(_registry(origin), 16, torch.device("cpu"), "s", SamplerCapabilities(frozenset(), logits_mask=mask))
+
+
+def _seq(seq_id: int, params: SamplingParams, out: list[int] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(seq_id=seq_id, params=params, output_view=lambda: list(out or []))
+
+
+def test_manager_masks_only_its_rows_keeps_state_per_sample_and_frees() -> None:
+    m = _manager()
+    m.prepare(CHOICE)
+    plain = SamplingParams()
+    seqs = [_seq(1, plain), _seq(2, CHOICE), _seq(3, CHOICE)]  # 2 and 3: two samples of one request
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    raw = logits.clone()
+    groups = m.apply(logits, seqs)
+    assert torch.equal(logits[0], raw[0])
+    for r in (1, 2):
+        assert torch.isfinite(logits[r]).nonzero().flatten().tolist() == [3]
+    assert m.accept(groups, [9, 3, 3]) == {}
+    logits = torch.zeros(3, 16)
+    groups = m.apply(logits, seqs)
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [4, 6]
+    assert m.accept(groups, [9, 6, 4]) == {}  # the samples go separate ways
+    logits = torch.zeros(3, 16)
+    groups = m.apply(logits, seqs)
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [END]  # "3 6" complete
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [5]
+    assert m.accept(groups, [9, END, 5]) == {1: "stop"}
+    m.remove(2)
+    m.remove(3)
+    assert m.num_requests == 0
+
+
+def test_manager_replays_a_request_it_meets_late() -> None:
+    m = _manager()
+    logits = torch.zeros(1, 16)
+    m.apply(logits, [_seq(5, CHOICE, out=[3])])  # re-admitted with one token made
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4, 6]
+
+
+def test_manager_refusals_name_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="sampler 's' does not declare logits_mask=True"):
+        _manager(mask=False).prepare(CHOICE)
+    with pytest.raises(ValueError, match="structured_outputs needs a logits processor.*'trie': third-party, not certified"):
+        _manager(origin="third-party").prepare(CHOICE)
+    with pytest.raises(ValueError, match="trie_choice serves structured_outputs.choice only"):
+        _manager().prepare(SamplingParams(structured_outputs={"regex": "a+"}))
+    assert _manager().for_params(SamplingParams()) == []
+
+
+def _failed(results: list) -> dict[str, str]:
+    return {r.check: r.reason for r in results if r.failed}
+
+
+def test_conformance_accepts_a_correct_processor() -> None:
+    results = run("logits_processor", factory=TrieChoice)
+    assert [r.outcome for r in results] == ["passed"] * 4, [(r.check, r.reason) for r in results]
+
+
+def test_conformance_rejects_a_processor_that_leaks_state_between_requests() -> None:
+    failed = _failed(run("logits_processor", factory=LeaksBetweenRequests))
+    assert set(failed) == {"state_per_request", "remove"}, failed
+    assert "a second request with the same parameters, after the first advanced" in failed["state_per_request"]
+
+
+def test_conformance_rejects_a_processor_that_masks_the_wrong_rows() -> None:
+    failed = _failed(run("logits_processor", factory=MasksWrongRows))
+    assert set(failed) == {"rows_only"}, failed
+    assert "changed row 0, which no request of it holds" in failed["rows_only"]
+
+
+def test_conformance_passes_xgrammar() -> None:
+    results = run("logits_processor", "xgrammar")
+    assert [r.outcome for r in results] == ["passed"] * 4, [(r.check, r.reason) for r in results]
