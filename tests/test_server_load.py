@@ -107,6 +107,8 @@ def test_64_clients_x_8_streams_with_hang_ups(served: tuple[LLM, str]) -> None:
 
     assert delta("vllm:prompt_tokens_total") == sum(len(tok.encode(p)) for _, p, _, _ in plan)
     assert delta("vllm:request_success_total") == CLIENTS * REQUESTS
+    assert delta("vllm:e2e_request_latency_seconds_count") == CLIENTS * REQUESTS
+    assert complete <= delta("vllm:time_to_first_token_seconds_count") <= CLIENTS * REQUESTS
     assert delta("vllm:request_success_total", finished_reason="length") >= complete
     assert delta("vllm:request_success_total", finished_reason="abort") <= hung
     assert delta("vllm:generation_tokens_total") >= generated

@@ -85,7 +85,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(engine, model_name))
         # one label set: touch each so that a scrape shows zeros before the first request
-        for m in (self.prompt_tokens, self.generation_tokens):
+        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
             m.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
