@@ -80,13 +80,19 @@ class SamplerCapabilities:
     # logits with -inf entries (a logits processor's mask) are sampled correctly: a -inf token is never
     # drawn, by any row (greedy, seeded, truncated); only such a sampler serves masked requests
     logits_mask: bool = False
+    # ``sample`` can verify draft tokens (speculative decoding, corerun.spec_decode): each row's draw
+    # depends only on its logits, parameters and histories, a seeded row's on ``len(output_token_ids)``
+    # as its draw index, and rows are drawn independently, so one request may fill several rows
+    # whose histories differ by the drafts before them
+    draft_verification: bool = False
 
     def check(self, params: Any) -> list[str]:
         """Every field of ``params`` set away from its no-op value that this sampler does not honour."""
         return sorted(params.non_default_fields() - self.params - ENGINE_PARAMS - PROCESSOR_PARAMS)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"params": sorted(self.params), "logits_mask": self.logits_mask}
+        return {"params": sorted(self.params), "logits_mask": self.logits_mask,
+                "draft_verification": self.draft_verification}
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,23 @@ class SchedulerConfig(_Strict):
         return v
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding (corerun.spec_decode, docs/speculative-decoding.md); off unless ``method`` is set."""
+
+    method: Literal["ngram"] | None = None  # ngram: prompt lookup over the request's own tokens
+    num_tokens: int = Field(4, ge=1, le=64)  # draft tokens proposed per decode step (K)
+    prompt_lookup_min: int = Field(1, ge=1)  # shortest suffix n-gram looked up
+    prompt_lookup_max: int = Field(4, ge=1)  # longest suffix n-gram looked up (tried first)
+
+    @model_validator(mode="after")
+    def _lookup(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+
 class DistributedConfig(_Strict):
     """How tensor-parallel ranks find each other (used when ``tensor_parallel_size > 1``; see corerun.parallel)."""
 
@@ -146,6 +163,7 @@ class Config(_Strict):
     kv_cache: KVCacheConfig = KVCacheConfig()
     graph: GraphConfig = GraphConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     tensor_parallel_size: int = Field(1, ge=1)
     distributed: DistributedConfig = DistributedConfig()
     seed: int = Field(0, ge=-(2**63), le=2**64 - 1)  # what torch.manual_seed accepts

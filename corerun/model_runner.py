@@ -62,6 +62,9 @@ class StepResult:
     logprobs: LogprobsTensors | None
     prompt_logprobs: dict[int, tuple[int, LogprobsTensors]]  # row -> (first target position, tensors)
     ended: dict[int, str] = field(default_factory=dict)  # row -> "stop" or an error: a logits processor ended it
+    # speculative decoding: row -> the tokens it gets after sampled[j] (accepted drafts, then the token
+    # sampled after them); rows absent got one token
+    more: dict[int, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -284,13 +287,19 @@ class ModelRunner:
     # ----------------------------------------------------------------- step
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
         """Run one step. Raises StepError naming the component that failed."""
+        extended = [(s, len(s.token_ids)) for s in sched.seqs if s.seq_id in sched.drafts]
         try:
+            for s, _ in extended:  # the drafts are inputs of this step only
+                s.token_ids.extend(sched.drafts[s.seq_id])
             inputs, rows, logits_indices = self.prepare_inputs(sched)
         except Exception as exc:
             raise StepError(
                 f"preparing the step's inputs failed (block tables from KV-cache manager '{self.kv_manager_name}'): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            for s, n in extended:
+                del s.token_ids[n:]
         try:
             hidden = self.graph.run(inputs)
         except Exception as exc:
@@ -301,8 +310,10 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(sched, inputs, hidden)
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
-        logits = self.model.compute_logits(self._sampled_hidden(hidden, inputs.batch, logits_indices))
         seqs = [sched.seqs[i] for i in rows.tolist()]
+        if extended:
+            return self._execute_drafts(sched, seqs, rows, logits_indices, hidden, eos_token_ids, prompt_lp)
+        logits = self.model.compute_logits(self._sampled_hidden(hidden, inputs.batch, logits_indices))
         meta = SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
@@ -326,6 +337,51 @@ class ModelRunner:
             raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
         row_ids = rows.tolist()
         return StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
+
+    def _execute_drafts(
+        self, sched: ScheduledBatch, seqs: list[Any], rows: np.ndarray, logits_indices: np.ndarray,
+        hidden: torch.Tensor, eos_token_ids: frozenset[int], prompt_lp: dict[int, tuple[int, LogprobsTensors]],
+    ) -> StepResult:
+        """Sample a step whose decodes carry drafts: one logits row per verified position (corerun.spec_decode).
+
+        Rows of requests with drafts come ``1 + k`` per request, each with its own history; a logits
+        processor or logprobs request never has drafts (the engine proposes none for it), so its
+        single row is where it would be without speculation.
+        """
+        from corerun.spec_decode import accept_drafts, expand_metadata
+
+        drafts = [sched.drafts.get(s.seq_id, []) for s in seqs]
+        index = np.concatenate([np.arange(i - len(d), i + 1) for i, d in zip(logits_indices.tolist(), drafts)])
+        first = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1]  # each request's first row
+        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        meta = expand_metadata(seqs, drafts, eos_token_ids)
+        owner = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+        try:
+            masked = self.logits_processors.apply(logits, owner)
+        except Exception as exc:
+            raise StepError(f"logits processor failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            out: SamplerOutput = self.sampler.sample(logits, meta)
+            targets = out.sampled_token_ids.tolist()  # the step's one host sync
+        except Exception as exc:
+            raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
+        self._check_sampled(out.sampled_token_ids, targets, len(owner))
+        try:
+            ended = self.logits_processors.accept(masked, targets) if masked else {}
+        except Exception as exc:
+            raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
+        emitted = accept_drafts(targets, drafts)
+        logprobs = out.logprobs
+        if logprobs is not None:  # each request's first row (requests asking for logprobs have no drafts)
+            at = torch.from_numpy(first).to(logprobs.token_ids.device)
+            logprobs = LogprobsTensors(logprobs.token_ids[at], logprobs.logprobs[at], logprobs.ranks[at])
+        row_ids = rows.tolist()
+        row_of = {int(f): row_ids[j] for j, f in enumerate(first)}
+        return StepResult(
+            [e[0] for e in emitted], row_ids, logprobs, prompt_lp,
+            {row_of[r]: why for r, why in ended.items() if r in row_of},
+            {row_ids[j]: e[1:] for j, e in enumerate(emitted) if len(e) > 1},
+        )
 
     def _sampled_hidden(self, hidden: torch.Tensor, batch: AttentionBatch, logits_indices: np.ndarray) -> torch.Tensor:
         """The hidden rows to sample from, without a host sync or a per-step copy where it can:

@@ -23,12 +23,13 @@ from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.scheduler import ScheduledBatch, Scheduler, SchedulingError
 from corerun.engine.stop_strings import final_text, find_stop, running_text
 from corerun.engine.sequence import Sequence, SequenceStatus
-from corerun.errors import EngineClosedError, RequestError, StepError, UnsupportedError
+from corerun.errors import ConfigError, EngineClosedError, RequestError, StepError, UnsupportedError
 from corerun.model_runner import ModelRunner, StepResult
 from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
 from corerun.registry import Registry
 from corerun.sampling_params import SamplingParams
+from corerun.spec_decode import NgramProposer, SpecStats
 
 logger = logging.getLogger("corerun.engine")
 
@@ -52,11 +53,14 @@ class LLMEngine:
         procs = self.runner.logits_processors  # structured outputs and other logits processors need both
         procs.tokenizer, procs.eos_token_ids = self.tokenizer, self.eos_token_ids
         sc = config.scheduler
+        self.proposer = self._make_proposer(config)
+        self.spec_stats = SpecStats()  # speculative decoding's acceptance counts (zero when it is off)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens,
             chunked_prefill=sc.chunked_prefill,
+            propose=self._propose if self.proposer is not None else None,
         )
         self.requests: dict[str, Sequence] = {}
         self._group_of: dict[int, SequenceGroup] = {}  # seq_id -> its request's samples, for n > 1
@@ -67,6 +71,36 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+
+    def _make_proposer(self, config: Config) -> NgramProposer | None:
+        """The draft proposer of ``speculative`` (docs/speculative-decoding.md), or None when it is off."""
+        spec = config.speculative
+        if spec.method is None:
+            return None
+        if config.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"speculative.method: {spec.method!r} runs on one device only; use tensor_parallel_size: 1 "
+                "or leave speculative.method unset"
+            )
+        caps = self.runner.sampler.capabilities
+        if not getattr(caps, "draft_verification", False):
+            raise ConfigError(
+                f"speculative.method: {spec.method!r} needs a sampler that verifies draft tokens "
+                f"(SamplerCapabilities.draft_verification), and sampler '{self.runner.sampler_name}' does not "
+                "declare it; use sampler: full or basic, or leave speculative.method unset"
+            )
+        return NgramProposer(spec.num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _propose(self, seq: Sequence, at_most: int) -> list[int]:
+        """Draft tokens for a decode of ``seq`` (at most ``at_most``; never past max_tokens or max_model_len).
+
+        None for a request that asks for logprobs or uses a logits processor (one row per step each).
+        """
+        p = seq.params
+        if p.logprobs is not None or self.runner.logits_processors.wanted(p):
+            return []
+        room = min(p.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens) - 1
+        return self.proposer.propose(seq.token_ids, min(at_most, room)) if room > 0 else []  # type: ignore[union-attr]
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -356,10 +390,22 @@ class LLMEngine:
             return self._fail(sched.seqs, f"sampler '{self.runner.sampler_name}' returned malformed logprobs: "
                               f"{type(exc).__name__}: {exc}")
         failed: dict[int, str] = {}  # seq_id -> error
+        emitted = {}  # speculative decoding: seq_id -> every token of the row (the first, then accepted drafts...)
+        if sched.drafts:
+            emitted = {sched.seqs[r].seq_id: [t, *result.more.get(r, ())] for r, t in zip(result.rows, result.sampled)}
         for seq, n in zip(sched.seqs, sched.num_new):
+            kv_tokens = seq.token_ids
+            d = sched.drafts.get(seq.seq_id)
+            if d:  # K/V of rejected drafts stay in their slots, overwritten when those positions are computed
+                accepted = len(emitted.get(seq.seq_id, ())) - 1
+                n -= len(d) - max(accepted, 0)
+                kv_tokens = seq.token_ids + emitted[seq.seq_id][:accepted] if accepted > 0 else seq.token_ids
+                st = self.spec_stats
+                st.num_drafts, st.num_draft_tokens = st.num_drafts + 1, st.num_draft_tokens + len(d)
+                st.num_accepted_tokens += max(accepted, 0)
             seq.num_computed_tokens += n
             try:
-                self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                self.kv.cache_blocks(seq.seq_id, kv_tokens, seq.num_computed_tokens)
             except Exception as exc:
                 failed[seq.seq_id] = (f"KV-cache manager '{self.runner.kv_manager_name}' failed caching the blocks "
                                       f"of request {seq.request_id!r}: {type(exc).__name__}: {exc}")
@@ -375,6 +421,10 @@ class LLMEngine:
         for j, (row, token) in enumerate(zip(result.rows, result.sampled)):
             seq = sched.seqs[row]
             if seq.seq_id in failed:
+                continue
+            if row in result.more:  # accepted drafts: each token checked for a stop before the next
+                self._append_more(seq, token, result.more[row], now)
+                touched.append(seq)
                 continue
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
@@ -396,6 +446,20 @@ class LLMEngine:
             if seq.seq_id in failed:
                 touched += self._fail([seq], failed[seq.seq_id])
         return touched
+
+    def _append_more(self, seq: Sequence, first: int, more: list[int], now: float) -> None:
+        """Append a speculative row's tokens one by one until one ends the request (max_tokens, a stop)."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        for token in (first, *more):
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            reason = self._stop_reason(seq, token)
+            if reason is None and seq.params.stop:
+                reason = self._stop_string(seq)
+            if reason is not None:
+                self._finish(seq, reason, now)
+                return
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -12,7 +12,8 @@ it back for free).  No request is lost, and the oldest always makes progress.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from corerun.engine.sequence import Sequence, SequenceStatus
 from corerun.errors import StepError
@@ -37,13 +38,16 @@ class SchedulingError(StepError):
 class ScheduledBatch:
     """One step: ``seqs[i]`` computes ``num_new[i]`` tokens starting at ``seqs[i].num_computed_tokens``.
 
-    Decodes (one new token) come first, as ``AttentionBatch.num_decodes`` expects.
+    Decodes (one new token) come first, as ``AttentionBatch.num_decodes`` expects.  A decode that
+    carries draft tokens (speculative decoding) computes ``1 + len(drafts[seq_id])`` tokens: its last
+    token, then the drafts, which are not in ``seq.token_ids`` (the step verifies them).
     """
 
     seqs: list[Sequence]
     num_new: list[int]
     num_decodes: int
     preempted: list[Sequence]
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> draft tokens verified this step
 
     @property
     def num_tokens(self) -> int:
@@ -61,8 +65,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunked_prefill: bool = True,
+        propose: Callable[[Sequence, int], list[int]] | None = None,
     ) -> None:
         self.kv = kv_cache
+        # speculative decoding: propose(seq, at_most) -> draft tokens for a decode (corerun.spec_decode)
+        self.propose = propose
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -93,6 +100,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> num_new
         preempted: list[Sequence] = []
+        drafts: dict[int, list[int]] = {}
 
         # 1. running sequences, oldest first; preempt the youngest when blocks run out
         i = 0
@@ -101,6 +109,14 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.chunked_prefill and n < seq.num_tokens - seq.num_computed_tokens:
                 break  # whole prefills only: wait for a step with room
+            if n == 1 and self.propose is not None and budget > 1:
+                d = self.propose(seq, budget - 1)  # drafts only where their slots are free: never a preemption
+                if d and self._allocate(seq, seq.num_computed_tokens + 1 + len(d)):
+                    drafts[seq.seq_id] = d
+                    scheduled[seq.seq_id] = 1 + len(d)
+                    budget -= 1 + len(d)
+                    i += 1
+                    continue
             while not self._allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -138,7 +154,8 @@ class Scheduler:
         items = [(by_id[sid], n) for sid, n in scheduled.items()]
         items.sort(key=lambda it: it[1] != 1)  # decodes first (stable)
         num_decodes = sum(1 for _, n in items if n == 1)
-        return ScheduledBatch([s for s, _ in items], [n for _, n in items], num_decodes, preempted)
+        drafts = {sid: d for sid, d in drafts.items() if sid in by_id}  # (a drafting seq preempted later)
+        return ScheduledBatch([s for s, _ in items], [n for _, n in items], num_decodes, preempted, drafts)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         self._current = seq

@@ -3,7 +3,7 @@
 from corerun import SamplerCapabilities, hookimpl
 
 # The one declaration of what ``basic`` honours; ``BasicSampler.capabilities`` is this object.
-CAPABILITIES = SamplerCapabilities(params=frozenset({"temperature", "seed"}), logits_mask=True)
+CAPABILITIES = SamplerCapabilities(params=frozenset({"temperature", "seed"}), logits_mask=True, draft_verification=True)
 
 
 @hookimpl

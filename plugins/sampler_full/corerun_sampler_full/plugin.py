@@ -12,7 +12,7 @@ HONOURED = frozenset(
 )
 
 # The one declaration of what ``full`` honours; ``FullSampler.capabilities`` is this object.
-CAPABILITIES = SamplerCapabilities(params=HONOURED, logits_mask=True)
+CAPABILITIES = SamplerCapabilities(params=HONOURED, logits_mask=True, draft_verification=True)
 
 
 @hookimpl
