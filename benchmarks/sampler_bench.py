@@ -21,6 +21,13 @@ requests' ``seq_ids`` (its history cache warm) and by one given ``seq_ids=None``
 history goes from lists to the device every step).  It times the penalty stage alone
 (``apply_penalties``) and whole steps of greedy and of sampled (top-k 50, top-p 0.95) rows; greedy tokens and the penalised
 logits must agree between the two (checked).
+
+The grammar case (``--cases grammar``) measures what structured output adds to a step on the default
+model's 49,152-token vocabulary: a ``full`` sampler step of greedy rows alone, against the same step
+after the ``xgrammar`` logits processor masked every row (JSON schema; each row's matcher inside a
+string, where most tokens are allowed, or after a key, where few are).  It prints the bitmask fill
+(host), the mask itself, and the whole step with and without them; masked greedy tokens must be
+allowed by each row's grammar (checked).
 """
 
 from __future__ import annotations
@@ -176,6 +183,67 @@ def penalty_case(args: argparse.Namespace, device: torch.device) -> None:
         print(f"{row:>16} {cached_ms:>11.2f} {plain_ms:>13.2f} {plain_ms / cached_ms:>6.2f}x")
 
 
+def grammar_case(args: argparse.Namespace, device: torch.device) -> None:
+    """Per-step cost of masking a 49k vocabulary with xgrammar; see the module docstring."""
+    from corerun_structured_output.processor import XGrammarProcessor
+    from transformers import AutoTokenizer
+
+    from corerun.models.default import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir(progress=False)))
+    vocab = 49152
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = SamplingParams(temperature=0.0, structured_outputs={"json": schema})
+    prefixes = {"inside a string": '{"name": "Jo', "after a key": '{"name": "Jo", "age'}
+    sampler = FullSampler(vocab, device)
+    print(f"\ngrammar: xgrammar JSON-schema masks, vocab {vocab}, greedy full sampler, median ms per step")
+    print(f"{'state':>16} {'batch':>6} {'fill':>8} {'mask':>8} {'step':>8} {'plain':>8} {'overhead':>9}")
+    for state, prefix in prefixes.items():
+        ids = tok.encode(prefix)
+        for batch in args.grammar_batches:
+            proc = XGrammarProcessor(vocab, device, tokenizer=tok, eos_token_ids=frozenset({tok.eos_token_id}))
+            proc.prepare(params)
+            for key in range(batch):
+                proc.add_request(key, params, ids)
+            rows, keys = list(range(batch)), list(range(batch))
+            logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)) * 3).to(device)
+            md = SamplingMetadata([params] * batch, [[1]] * batch, [[]] * batch)
+            masked = logits.clone()
+            proc.apply(masked, rows, keys)
+            for key, token in zip(keys, sampler.sample(masked, md).sampled_token_ids.tolist()):
+                matcher = proc._matchers[key]
+                if not matcher.accept_token(token):
+                    raise SystemExit(f"{state}, batch {batch}: the masked greedy token {token} is not allowed")
+                matcher.rollback(1)
+            mask = proc._bitmask[:batch]
+            repeats = args.repeats or (20 if batch <= 16 else 10)
+
+            def fill() -> None:
+                for key in keys:
+                    proc._matchers[key].fill_next_token_bitmask(mask, key)
+
+            work = logits.clone()
+            t_fill = median_ms(fill, repeats, device)
+            t_mask = median_ms(lambda: xgr_apply(work, mask, rows), repeats, device)
+            t_step = median_ms(lambda: sampler.sample(_masked(proc, logits, rows, keys), md), repeats, device)
+            t_plain = median_ms(lambda: sampler.sample(logits.clone(), md), repeats, device)
+            print(f"{state:>16} {batch:>6} {t_fill:>8.2f} {t_mask:>8.2f} {t_step:>8.2f} {t_plain:>8.2f} "
+                  f"{t_step / t_plain:>8.2f}x")
+
+
+def xgr_apply(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, mask, indices=rows)
+
+
+def _masked(proc, logits: torch.Tensor, rows: list[int], keys: list[int]) -> torch.Tensor:
+    out = logits.clone()
+    proc.apply(out, rows, keys)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=152064)
@@ -183,7 +251,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=0, help="timed runs per batch (default: 20 / 5 / 3 by size)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    ap.add_argument("--cases", nargs="+", choices=["pipeline", "penalties"], default=["pipeline", "penalties"])
+    ap.add_argument("--cases", nargs="+", choices=["pipeline", "penalties", "grammar"], default=["pipeline", "penalties"])
+    ap.add_argument("--grammar-batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--penalty-batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--output-len", type=int, default=500)
@@ -198,6 +267,8 @@ def main() -> None:
           f"  device={device}  threads={torch.get_num_threads()}  vocab={args.vocab}")
     if "penalties" in args.cases:
         penalty_case(args, device)
+    if "grammar" in args.cases:
+        grammar_case(args, device)
     if "pipeline" not in args.cases:
         return
     print(f"\n{'batch':>6} {'full ms':>10} {'sort-based ms':>14} {'ratio':>7}")
