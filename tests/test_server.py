@@ -436,3 +436,28 @@ def test_sampling_fields_reach_the_engine(llm: LLM, client: Any) -> None:
     r = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8, temperature=0,
                                   logit_bias={str(q): 100}, extra_body={"stop_token_ids": [q]})
     assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"], r.usage.completion_tokens) == ("stop", q, 1)
+
+
+def test_structured_output_fields_reach_the_engine(client: Any, url: str) -> None:
+    """OpenAI's response_format and vLLM's structured_outputs / guided_* constrain the output; a spec
+    that does not compile, or two ways at once, is a 400 naming the field."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a", "n"], "additionalProperties": False}
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    value = json.loads(r.choices[0].message.content)
+    assert value["a"] in ("x", "yz") and 0 <= value["n"] <= 9 and set(value) == {"a", "n"}, value
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=20, temperature=1.0, seed=3, n=2,
+                                  extra_body={"guided_choice": ["yes", "no way"]})
+    assert [c.text in ("yes", "no way") for c in r.choices] == [True, True], r.choices
+    r = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=20, temperature=1.0,
+                                  extra_body={"structured_outputs": {"regex": "[ab]{3}c"}})
+    assert len(r.choices[0].text) == 4 and set(r.choices[0].text[:3]) <= {"a", "b"} and r.choices[0].text[3] == "c"
+    status, body = http(url + "/v1/completions", {"model": "tiny-llama", "prompt": "hi", "guided_regex": "[a-"})
+    assert status == 400 and "structured_outputs.regex does not compile" in body["error"]["message"], body
+    status, body = http(url + "/v1/completions", {"model": "tiny-llama", "prompt": "hi", "guided_regex": "a",
+                                                  "guided_choice": ["b"]})
+    assert status == 400 and body["error"]["param"] == "guided_regex", body

@@ -60,6 +60,12 @@ class _Request(BaseModel):
     min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured output (docs/structured-output.md): vLLM's field, and its older guided_* spellings
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted and ignored (OpenAI bookkeeping)
     user: str | None = None
     store: bool | None = None
@@ -143,7 +149,8 @@ def unsupported(req: _Request) -> None:
     else:
         assert isinstance(req, ChatCompletionRequest)
         checks += [("tools", bool(req.tools)), ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-                   ("response_format", bool(req.response_format) and req.response_format.get("type") != "text")]
+                   ("response_format", bool(req.response_format)
+                    and req.response_format.get("type") not in ("text", "json_object", "json_schema"))]
     for field, bad in checks:
         if bad:
             raise APIError(400, f"{field}: not supported by this server", param=field)
@@ -182,6 +189,9 @@ def sampling_params(req: _Request, *, default_max_tokens: int, max_logprobs: int
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         if req.logprobs:
             fields["logprobs"] = req.top_logprobs or 0
+    structured = _structured_outputs(req)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     k = fields.get("logprobs")
     if k is not None and k > max_logprobs:
         name = "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"
@@ -197,6 +207,28 @@ def sampling_params(req: _Request, *, default_max_tokens: int, max_logprobs: int
             err.param = "max_completion_tokens"
             err.message = "max_completion_tokens" + err.message.removeprefix("max_tokens")
         return _raise(err)
+
+
+def _structured_outputs(req: _Request) -> dict[str, Any] | None:
+    """``structured_outputs`` from whichever of its spellings the request uses (at most one)."""
+    given: dict[str, dict[str, Any]] = {}
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = req.structured_outputs
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given[name] = {key: getattr(req, name)}
+    fmt = getattr(req, "response_format", None) or {}
+    if fmt.get("type") == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema: must be a JSON schema (an object)",
+                           param="response_format")
+        given["response_format"] = {"json": schema}
+    if len(given) > 1:
+        raise APIError(400, f"{', '.join(given)}: set only one way of constraining the output", param=next(iter(given)))
+    return next(iter(given.values()), None)
 
 
 def _raise(err: APIError) -> Any:
