@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -21,6 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from corerun.server import protocol as P
+
+logger = logging.getLogger("corerun.server")
 from corerun.server.serving import Serving
 from corerun.server.streaming import collect, full_response, stream
 
@@ -72,6 +75,11 @@ def build_app(llm: Any) -> FastAPI:
         if exc.status in (400, 404, 413):
             state.metrics.reject("invalid")
         return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:  # the server's own fault: still an error object
+        logger.exception("request %s %s failed", request.method, request.url.path)
+        return error_response(P.APIError(500, f"the server failed: {type(exc).__name__}: {exc}", code="server_error"))
 
     @app.get("/health")
     async def health() -> Response:

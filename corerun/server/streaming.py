@@ -112,23 +112,29 @@ async def stream(state: Serving, req: Any, streams: list[Any], prompts: list[lis
             for i in range(len(prompts) * n):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
-        async for i, out in _merged(streams):
-            if out.finished:
-                finished += 1
-                state.metrics.finished(out)
-            err = _error_of([out]) if out.finished else None
-            if err is not None:
-                yield sse({"error": P.APIError(500, f"the engine failed this request: {err}", code="engine_error").body()["error"]})
-                break
-            parts = []
-            for c in out.outputs:
-                index = i * n + c.index
-                st = choices.setdefault(index, ChoiceState())
-                part = _delta(state, req, st, c, chat, text_offsets, index)
-                if part is not None:
-                    parts.append(part)
-            for part in parts:
-                yield chunk([part])
+        try:
+            async for i, out in _merged(streams):
+                if out.finished:
+                    finished += 1
+                    state.metrics.finished(out)
+                err = _error_of([out]) if out.finished else None
+                if err is not None:
+                    raise P.APIError(500, f"the engine failed this request: {err}", code="engine_error")
+                parts = []
+                for c in out.outputs:
+                    index = i * n + c.index
+                    st = choices.setdefault(index, ChoiceState())
+                    part = _delta(state, req, st, c, chat, text_offsets, index)
+                    if part is not None:
+                        parts.append(part)
+                for part in parts:
+                    yield chunk([part])
+        except Exception as exc:  # headers are sent: the error travels as an event, and the stream still ends well
+            e = exc if isinstance(exc, P.APIError) else P.APIError(500, f"the engine loop failed: {type(exc).__name__}: {exc}",
+                                                                   code="engine_error")
+            yield sse({"error": e.body()["error"]})
+            yield b"data: [DONE]\n\n"
+            return
         if include_usage:
             total = sum(st.tokens_sent for st in choices.values())
             yield chunk([], _usage(prompts, total))
