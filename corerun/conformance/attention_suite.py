@@ -196,6 +196,14 @@ class AttentionBackendSuite(ConformanceSuite):
         bs = case.config.block_size
         self._step(case, [(bs + 2, 1), (7, 1), (2 * bs - 1, 1), (0, bs + 1), (bs, 5), (5, 3)], "mixed prefill + decode batch")
 
+    def test_draft_verification(self, case: Case) -> None:
+        """Speculative decoding's verification rows: decodes, then rows of 1 + K query tokens (K = 1..4)
+        over a cached context, some crossing a block boundary inside the drafts."""
+        self.start(case)
+        bs = case.config.block_size
+        requests = [(bs + 2, 1), (6, 1), (2 * bs - 1, 4), (bs - 2, 5), (3 * bs + 1, 3), (bs, 2), (1, 4)]
+        self._step(case, requests, "verification rows (1 + K queries over a cached context)")
+
     def test_block_boundaries(self, case: Case) -> None:
         """Sequences ending exactly on a block boundary, one before and one past it."""
         self.start(case)
