@@ -175,3 +175,28 @@ def test_a_sampler_that_cannot_verify_drafts_is_refused(tiny, monkeypatch):
     monkeypatch.setattr(BasicSampler, "capabilities", SamplerCapabilities(params=frozenset({"temperature", "seed"})))
     with pytest.raises(ConfigError, match="draft_verification"):
         _llm(tiny[0], True, sampler="basic")
+
+
+def test_stop_strings_inside_accepted_runs(tmp_path):
+    from tests.helpers.tiny_tokenizer import add_tiny_tokenizer
+
+    model_dir = make_tiny_model(tmp_path, arch="llama", seed=5)
+    add_tiny_tokenizer(model_dir)
+    off, on = _llm(model_dir, False), _llm(model_dir, True)
+    g = torch.Generator().manual_seed(9)
+    base = torch.randint(3, 256, (5,), generator=g).tolist()
+    prompts = [base * 4, torch.randint(3, 256, (7,), generator=g).tolist() * 2]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    checked = 0
+    for prompt, ref in zip(prompts, off.generate(prompts, greedy)):
+        text = ref.outputs[0].text
+        if len(text) < 12:
+            continue
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+        want, got = off.generate([prompt], p)[0].outputs[0], on.generate([prompt], p)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert got.finish_reason == "stop" and stop not in got.text
+        checked += 1
+    assert checked and on.engine.spec_stats.num_accepted_tokens > 0
