@@ -105,3 +105,17 @@ def test_bad_grammar_refused_alone_with_the_compilers_message(llm):
         llm.generate(["x"], SamplingParams(structured_outputs={"grammar": "root ::= "}), use_tqdm=False)
     out = llm.generate(["Answer:"], SamplingParams(max_tokens=4, structured_outputs={"choice": ["ok"]}), use_tqdm=False)
     assert out[0].outputs[0].text == "ok"
+
+
+def test_preempted_requests_keep_their_grammar():
+    """A KV cache too small for the batch preempts (recomputes) requests mid-grammar: their outputs
+    still validate, and each sample's state survives it."""
+    schema = SCHEMAS[2]
+    with LLM(device="cpu", dtype="float32", attention="torch", kv_cache={"num_blocks": 14, "block_size": 8},
+             scheduler={"max_num_seqs": 8}) as small:
+        params = [SamplingParams(temperature=0.7, seed=s, max_tokens=48, structured_outputs={"json": schema}) for s in range(6)]
+        outs = small.generate([PROMPTS[2]] * 6, params, use_tqdm=False)
+        assert small.engine.scheduler.num_preemptions > 0
+        for out in outs:
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        assert small.engine.runner.logits_processors.num_requests == 0
