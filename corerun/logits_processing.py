@@ -6,7 +6,8 @@ first-party or certified, as for attention backends).  Processors are built on f
 engine.  Life of a request (its key is the ``seq_id``; each of ``n`` samples has its own):
 
 - admission (:meth:`LogitsProcessors.prepare`, from ``LLMEngine.make_sequence``): the processor
-  validates and compiles; a ``ValueError`` refuses that request alone;
+  validates and compiles; a ``ValueError`` refuses that request alone.  ``EngineLoop`` first calls
+  :meth:`LogitsProcessors.warm` on the caller's thread, so the compilation is not on the engine's;
 - its first sampling step: ``add_request`` makes its state; every step ``apply`` masks its row, and
   ``accept`` advances the state by the sampled token (``"stop"`` ends the request);
 - finish or abort (``LLMEngine._finish``): ``remove_request``.  Preemption keeps the state: the
@@ -99,6 +100,16 @@ class LogitsProcessors:
         """Admission: every processor ``params`` uses validates and compiles it (``ValueError`` refuses it)."""
         for proc in self.for_params(params):
             proc.prepare(params)
+
+    def warm(self, params_list: Sequence[Any]) -> None:
+        """Compile ahead, on the caller's thread, what admission will need (admission, on the engine's
+        thread between steps, then finds it cached).  Errors are left for admission to report."""
+        for params in params_list:
+            if params is not None and not isinstance(params, dict) and self.wanted(params):
+                try:
+                    self.prepare(params)
+                except Exception:  # refused at admission, with its message, in the request's own error
+                    pass
 
     def apply(self, logits: torch.Tensor, seqs: Sequence[Any]) -> list[_Group]:
         """Mask the rows of ``seqs`` that use processors, in place; what :meth:`accept` needs afterwards."""

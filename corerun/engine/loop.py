@@ -157,6 +157,7 @@ class EngineLoop:
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        self._warm(params)
         return self._admitted(self._submit(lambda: self._admit(prompts, params, ids, outputs, final_only, True)))
 
     def add_request(
@@ -165,6 +166,7 @@ class EngineLoop:
     ) -> RequestStream:
         """Queue one request; its outputs come through the returned stream. Raises ``RequestError`` when refused."""
         outputs = OutputQueue()
+        self._warm([params])
         fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False))
         (rid,) = self._admitted(fut)
         return RequestStream(rid, outputs, self)
@@ -175,6 +177,8 @@ class EngineLoop:
     ) -> RequestStream:
         """``add_request`` for asyncio callers: does not block the event loop; read with ``async for``."""
         outputs = OutputQueue.for_asyncio()
+        if self._wants_processors(params):  # (a grammar compiles on a worker thread, not the event loop)
+            await asyncio.to_thread(self._warm, [params])
         fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False))
         try:
             (rid,) = await asyncio.shield(asyncio.wrap_future(fut))
@@ -182,6 +186,16 @@ class EngineLoop:
             fut.add_done_callback(self._abort_orphans)
             raise
         return RequestStream(rid, outputs, self)
+
+    def _wants_processors(self, params: Any) -> bool:
+        procs = getattr(self.engine.runner, "logits_processors", None)
+        return procs is not None and params is not None and not isinstance(params, dict) and procs.wanted(params)
+
+    def _warm(self, params: Seq[Any]) -> None:
+        """Compile structured-output grammars on the caller's thread, so admission on the loop's
+        thread finds them cached instead of compiling between two steps (corerun.logits_processing)."""
+        if any(self._wants_processors(p) for p in params):
+            self.engine.runner.logits_processors.warm(params)
 
     def abort(self, request_ids: Seq[str], wait: bool = True) -> None:
         """End these requests as ``abort`` and free their blocks, wherever they are (waiting,

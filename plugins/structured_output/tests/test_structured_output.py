@@ -119,3 +119,21 @@ def test_preempted_requests_keep_their_grammar():
         for out in outs:
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
         assert small.engine.runner.logits_processors.num_requests == 0
+
+
+def test_grammars_compile_on_the_callers_thread_not_the_engines(llm, monkeypatch):
+    import threading
+
+    import xgrammar
+
+    threads = []
+    real = xgrammar.GrammarCompiler.compile_regex
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_regex", spy)
+    out = llm.generate(["Code:"], SamplingParams(max_tokens=8, structured_outputs={"regex": "z{2}[0-9]"}), use_tqdm=False)
+    assert re.fullmatch("z{2}[0-9]", out[0].outputs[0].text)
+    assert threads == [threading.current_thread()]  # once (then cached), never on the engine loop's thread
