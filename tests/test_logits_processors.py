@@ -115,3 +115,21 @@ def test_conformance_rejects_a_processor_that_masks_the_wrong_rows() -> None:
 def test_conformance_passes_xgrammar() -> None:
     results = run("logits_processor", "xgrammar")
     assert [r.outcome for r in results] == ["passed"] * 4, [(r.check, r.reason) for r in results]
+
+
+def test_corerun_new_logits_processor_passes_conformance_unedited(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from click.testing import CliRunner
+
+    from corerun.cli import cli
+
+    done = CliRunner().invoke(cli, ["new", "logits_processor", "foo", "--dir", str(tmp_path)])
+    assert done.exit_code == 0, done.output
+    root = tmp_path / "corerun-logits-processor-foo"
+    assert "corerun_logits_processors" in (root / "corerun_logits_processor_foo" / "plugin.py").read_text()
+    assert "LogitsProcessorSuite" in (root / "tests" / "test_conformance.py").read_text()
+    monkeypatch.syspath_prepend(str(root))
+    processor = importlib.import_module("corerun_logits_processor_foo.processor").Processor
+    results = run("logits_processor", factory=processor)
+    assert [r.outcome for r in results] == ["passed"] * 4, [(r.check, r.reason) for r in results]

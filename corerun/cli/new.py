@@ -8,12 +8,12 @@ import click
 
 
 @click.command("new")
-@click.argument("kind", type=click.Choice(["attention", "sampler", "kv_cache", "graph"]))
+@click.argument("kind", type=click.Choice(["attention", "sampler", "kv_cache", "graph", "logits_processor"]))
 @click.argument("name")
 @click.option("--dir", "parent", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
               help="Folder to write the distribution's folder into.")
 def new(kind: str, name: str, parent: Path) -> None:
-    """Write a plugin distribution for KIND (attention, sampler, kv_cache, graph) named NAME: entry point,
+    """Write a plugin distribution for KIND (attention, sampler, kv_cache, graph, logits_processor) named NAME: entry point,
     hook, capabilities, a working implementation that delegates to corerun's reference code, a tests/
     folder running the conformance suite, and a README.  Replace the part marked "the kernel"."""
     from corerun.scaffold import placeholders, scaffold

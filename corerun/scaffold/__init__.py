@@ -16,6 +16,7 @@ KINDS = {  # kind: (title, conformance suite, YAML that selects NAME)
     "sampler": ("sampler", "SamplerSuite", "sampler: {name}"),
     "kv_cache": ("KV-cache manager", "KVCacheManagerSuite", "kv_cache: {{manager: {name}}}"),
     "graph": ("graph runner", "GraphRunnerSuite", "graph: {{runner: {name}}}"),
+    "logits_processor": ("logits processor", "LogitsProcessorSuite", ""),  # chosen by the fields it serves
 }
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 
@@ -28,6 +29,9 @@ def placeholders(kind: str, name: str) -> dict[str, str]:
         "title": title,
         "suite": suite,
         "yaml": yaml.format(name=name),
+        "select": f"Select it with `{yaml.format(name=name)}` in the YAML config." if yaml else (
+            "Requests that set a field it serves (`structured_outputs`) use it once it is certified "
+            "(and has the highest priority among those serving that field)."),
         "plugin_id": f"{kind}_{name}",
         "package": f"corerun_{kind}_{name}",
         "distribution": f"corerun-{kind.replace('_', '-')}-{name.replace('_', '-')}",
