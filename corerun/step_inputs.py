@@ -196,6 +196,13 @@ class BlockRows:
             rows[i] = self._read(seqs[i], rows[i], ctx[i] + num_new[i], block_table)
         return rows  # type: ignore[return-value]
 
+    def truncate(self, seq_id: int, num_blocks: int) -> None:
+        """The manager dropped ``seq_id``'s blocks past ``num_blocks`` (``KVCacheManager.trim``): forget them
+        here, so a later step asks again for blocks there (the ones it keeps stay valid)."""
+        row = self._rows.get(seq_id)
+        if row is not None and row.num_blocks > num_blocks:
+            row.num_blocks = num_blocks
+
     def gather(self, rows: list[BlockRow], out: np.ndarray) -> None:
         """Write ``rows`` into ``out`` (int32 ``[len(rows), W]``, W at least every row's ``num_blocks``), zero-padded."""
         table, w = self.table, out.shape[1]

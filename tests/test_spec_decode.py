@@ -200,3 +200,34 @@ def test_stop_strings_inside_accepted_runs(tmp_path):
         assert got.finish_reason == "stop" and stop not in got.text
         checked += 1
     assert checked and on.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_paged_trim_frees_the_tail_but_never_a_registered_block():
+    from corerun.kv_cache.paged import PagedKVCacheManager
+
+    kv = PagedKVCacheManager(8, 4)
+    assert kv.allocate_slots(0, 13)  # 4 blocks
+    kv.cache_blocks(0, list(range(13)), 8)  # blocks 0, 1 registered
+    kv.trim(0, 9)
+    assert len(kv.block_table(0)) == 3 and kv.num_free_blocks == 5
+    kv.trim(0, 1)  # would keep 1 block, but 2 are registered
+    assert len(kv.block_table(0)) == 2 and kv.num_free_blocks == 6
+    kv.trim(7, 1)  # unknown id: nothing
+
+
+def test_rejected_draft_blocks_are_given_back_each_step(tiny):
+    model_dir, prompts, expected = tiny
+    llm = _llm(model_dir, True)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), request_id=str(i))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1:  # decoding: holds no more than its tokens need
+                held = len(engine.kv.block_table(seq.seq_id))
+                assert -(-seq.num_computed_tokens // BS) <= held <= -(-seq.num_tokens // BS)
+                checked += 1
+    assert checked and engine.spec_stats.num_draft_tokens > engine.spec_stats.num_accepted_tokens > 0
+    assert [engine.requests[str(i)].output_token_ids for i in range(len(prompts))] == expected

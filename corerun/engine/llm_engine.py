@@ -443,8 +443,14 @@ class LLMEngine:
                 self._finish(seq, reason, now)
             touched.append(seq)
         for seq in sched.seqs:
+            if seq.seq_id in sched.drafts and seq.seq_id not in failed and not seq.is_finished:
+                try:
+                    self._trim(seq)
+                except Exception as exc:
+                    failed[seq.seq_id] = (f"KV-cache manager '{self.runner.kv_manager_name}' failed trimming the "
+                                          f"blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}")
             if seq.seq_id in failed:
-                touched += self._fail([seq], failed[seq.seq_id])
+                touched += [s for s in self._fail([seq], failed[seq.seq_id]) if s not in touched]
         return touched
 
     def _append_more(self, seq: Sequence, first: int, more: list[int], now: float) -> None:
@@ -460,6 +466,14 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason, now)
                 return
+
+    def _trim(self, seq: Sequence) -> None:
+        """Give back the blocks ``seq`` took only for rejected drafts (managers with ``trim``; others keep them)."""
+        trim = getattr(self.kv, "trim", None)
+        if trim is None:
+            return
+        trim(seq.seq_id, seq.num_tokens)
+        self.runner.step_inputs.block_rows.truncate(seq.seq_id, -(-seq.num_tokens // self.runner.block_size))
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -224,6 +224,23 @@ class PagedKVCacheManager:
                 serial = next(self._serials)  # collision with another prefix: keep it, match nothing
             state.num_hashed_blocks, state.last_key, state.last_serial = i + 1, key, serial
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink ``seq_id``'s table to ``ceil(num_tokens / block_size)`` blocks, freeing the tail (the blocks
+        speculative decoding took only for draft tokens that were rejected).  Registered (hashed) blocks
+        are never dropped; a no-op for an unknown id or a table already that short."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        keep = max(-(-num_tokens // self.block_size), state.num_hashed_blocks)
+        while len(state.block_table) > keep:
+            block = state.block_table.pop()
+            self._ref_count[block] -= 1
+            if self._ref_count[block] == 0:
+                if self._tokens[block] is not None:  # registered (shared with another sequence's prefix)
+                    self._free_cached[block] = None
+                else:
+                    self._free_empty.appendleft(block)  # taken again first (the next draft step wants one)
+
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id``'s references, tail block first; a no-op for an unknown id.
 

@@ -55,7 +55,9 @@ class KVCacheManager(Protocol):
 
         Contract the runner relies on (it keeps each table across steps and asks again only when a
         sequence needs blocks its copy lacks, or was preempted since): while a sequence holds blocks,
-        its table only grows at the end; it changes otherwise only after ``free(seq_id)``.  Entries
+        its table only grows at the end; it changes otherwise only after ``free(seq_id)``, or shrinks at
+        the end by an optional ``trim(seq_id, num_tokens)`` (speculative decoding drops the blocks it
+        took only for rejected drafts; the engine then tells the runner's copy).  Entries
         handed out are never rewritten while the sequence holds them; after ``free`` and a new
         admission under the same ``seq_id`` (a preemption) the table is a new one, which the runner
         reads whole.
