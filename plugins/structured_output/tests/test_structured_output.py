@@ -105,6 +105,10 @@ def test_bad_grammar_refused_alone_with_the_compilers_message(llm):
         llm.generate(["x"], SamplingParams(structured_outputs={"grammar": "root ::= "}), use_tqdm=False)
     out = llm.generate(["Answer:"], SamplingParams(max_tokens=4, structured_outputs={"choice": ["ok"]}), use_tqdm=False)
     assert out[0].outputs[0].text == "ok"
+    # with ignore_eos the end-of-sequence token does not stop it, the finished grammar does
+    out = llm.generate(["Answer:"], SamplingParams(max_tokens=10, ignore_eos=True, structured_outputs={"choice": ["ok"]}),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.token_ids[-1]) == ("ok", "stop", llm.get_tokenizer().eos_token_id)
 
 
 def test_preempted_requests_keep_their_grammar():
