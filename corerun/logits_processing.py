@@ -16,6 +16,7 @@ engine.  Life of a request (its key is the ``seq_id``; each of ``n`` samples has
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -24,6 +25,8 @@ import torch
 
 from corerun.capabilities import PROCESSOR_PARAMS
 from corerun.registry import Registration, Registry
+
+logger = logging.getLogger("corerun.logits_processing")
 
 # What each field needs installed, for the error when nothing serves it.
 PROVIDERS = {"structured_outputs": "corerun-structured-output (pip install corerun-structured-output)"}
@@ -36,6 +39,23 @@ class _Group:
     processor: Any
     rows: list[int] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """What :meth:`LogitsProcessors.apply` hands :meth:`LogitsProcessors.accept`: the groups it masked,
+    and the rows whose processor raised (they end with that error; the others go on)."""
+
+    groups: list[_Group] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups or self.failed)
+
+
+def _error(proc: Any, what: str, exc: BaseException) -> str:
+    who = "logits processor" if proc is None else f"logits processor '{getattr(proc, 'name', type(proc).__name__)}'"
+    return f"{who} failed {what}: {type(exc).__name__}: {exc}"
 
 
 class LogitsProcessors:
@@ -111,32 +131,60 @@ class LogitsProcessors:
                 except Exception:  # refused at admission, with its message, in the request's own error
                     pass
 
-    def apply(self, logits: torch.Tensor, seqs: Sequence[Any]) -> list[_Group]:
-        """Mask the rows of ``seqs`` that use processors, in place; what :meth:`accept` needs afterwards."""
+    def apply(self, logits: torch.Tensor, seqs: Sequence[Any]) -> _Step:
+        """Mask the rows of ``seqs`` that use processors, in place; what :meth:`accept` needs afterwards.
+
+        A processor that raises ends only its own rows' requests (with the error): their logits are
+        reset to zeros so the sampler draws something harmless, which the engine then discards."""
+        step = _Step()
         groups: dict[int, _Group] = {}
         for row, seq in enumerate(seqs):
             if not self.wanted(seq.params):
                 continue
             procs = self._states.get(seq.seq_id)
             if procs is None:
-                procs = self.for_params(seq.params)
-                for proc in procs:
-                    proc.add_request(seq.seq_id, seq.params, list(seq.output_view()))
-                self._states[seq.seq_id] = procs
+                procs = []
+                try:
+                    for proc in self.for_params(seq.params):
+                        procs.append(proc)
+                        proc.add_request(seq.seq_id, seq.params, list(seq.output_view()))
+                except Exception as exc:
+                    step.failed[row] = _error(procs[-1] if procs else None, "starting the request", exc)
+                    logits[row] = 0.0
+                self._states[seq.seq_id] = procs  # (removed with the request, like any other)
+                if row in step.failed:
+                    continue
             for proc in procs:
                 g = groups.setdefault(id(proc), _Group(proc))
                 g.rows.append(row)
                 g.keys.append(seq.seq_id)
         for g in groups.values():
-            g.processor.apply(logits, g.rows, g.keys)
-        return list(groups.values())
+            try:
+                g.processor.apply(logits, g.rows, g.keys)
+            except Exception as exc:
+                message = _error(g.processor, "masking", exc)
+                step.failed.update((r, message) for r in g.rows)
+                logits[g.rows] = 0.0
+                continue
+            step.groups.append(g)
+        return step
 
-    def accept(self, groups: list[_Group], sampled: Sequence[int]) -> dict[int, str]:
+    def accept(self, step: _Step, sampled: Sequence[int]) -> dict[int, str]:
         """Advance each state by its row's token; row -> ``"stop"`` or an error, for rows that must end."""
-        ended: dict[int, str] = {}
-        for g in groups:
-            results = g.processor.accept(g.keys, [sampled[r] for r in g.rows])
-            for row, res in zip(g.rows, results):
+        ended = dict(step.failed)
+        for g in step.groups:
+            rows = [r for r in g.rows if r not in ended]
+            if not rows:
+                continue
+            keys = [k for r, k in zip(g.rows, g.keys) if r not in ended]
+            try:
+                results = list(g.processor.accept(keys, [sampled[r] for r in rows]))
+                if len(results) != len(rows):
+                    raise ValueError(f"accept returned {len(results)} results for {len(rows)} requests")
+            except Exception as exc:
+                ended.update((r, _error(g.processor, "taking the sampled tokens", exc)) for r in rows)
+                continue
+            for row, res in zip(rows, results):
                 if res is not None and row not in ended:
                     ended[row] = res if res == "stop" else f"logits processor '{g.processor.name}': {res}"
         return ended
@@ -144,7 +192,10 @@ class LogitsProcessors:
     def remove(self, seq_id: int) -> None:
         """The request ended (finished or aborted): its state goes."""
         for proc in self._states.pop(seq_id, ()):
-            proc.remove_request(seq_id)
+            try:
+                proc.remove_request(seq_id)
+            except Exception:  # the request is over either way
+                logger.exception("logits processor %r failed removing request %d", getattr(proc, "name", proc), seq_id)
 
     @property
     def num_requests(self) -> int:

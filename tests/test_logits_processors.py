@@ -133,3 +133,29 @@ def test_corerun_new_logits_processor_passes_conformance_unedited(tmp_path, monk
     processor = importlib.import_module("corerun_logits_processor_foo.processor").Processor
     results = run("logits_processor", factory=processor)
     assert [r.outcome for r in results] == ["passed"] * 4, [(r.check, r.reason) for r in results]
+
+
+class Faulty(TrieChoice):
+    name = "faulty"
+
+    def apply(self, logits: torch.Tensor, rows, keys) -> None:
+        logits[rows] = float("-inf")  # half done, then
+        raise RuntimeError("boom")
+
+
+def test_a_processor_that_raises_ends_only_its_own_requests() -> None:
+    class Provides:
+        @hookimpl
+        def corerun_logits_processors(self, register):
+            register("faulty", Faulty, capabilities=Faulty.capabilities)
+
+    reg = Registry()
+    reg.register_module(Provides(), plugin="f", distribution="f", version="1", origin="built-in")
+    m = LogitsProcessors(reg, 16, torch.device("cpu"), "s", SamplerCapabilities(frozenset(), logits_mask=True))
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    raw = logits.clone()
+    step = m.apply(logits, [_seq(1, SamplingParams()), _seq(2, CHOICE), _seq(3, SamplingParams())])
+    assert torch.equal(logits[[0, 2]], raw[[0, 2]]) and torch.equal(logits[1], torch.zeros(16))
+    assert m.accept(step, [5, 5, 5]) == {1: "logits processor 'faulty' failed masking: RuntimeError: boom"}
+    m.remove(2)
+    assert m.num_requests == 0
