@@ -18,7 +18,7 @@ from typing import Any
 
 import peer_protocol
 
-KV_TYPES = {"float32": "GGML_TYPE_F32", "bfloat16": "GGML_TYPE_BF16"}
+KV_TYPES = {"float32": ("GGML_TYPE_F32", 0), "bfloat16": ("GGML_TYPE_BF16", 30)}  # ggml.h's enum ggml_type
 
 
 def _clear_memory(L: Any, ctx: Any) -> None:
@@ -48,8 +48,8 @@ class Engine:
         cp.n_batch = self.n_batch
         cp.n_ubatch = self.n_batch
         cp.n_threads = cp.n_threads_batch = int(req["threads"])
-        kv = getattr(L, KV_TYPES[req["dtype"]])
-        cp.type_k = cp.type_v = kv
+        name, number = KV_TYPES[req["dtype"]]
+        cp.type_k = cp.type_v = getattr(L, name, number)  # some bindings lack the BF16 constant
         if hasattr(cp, "kv_unified"):
             cp.kv_unified = False
         self.ctx = L.llama_init_from_model(self.model, cp)
@@ -58,7 +58,7 @@ class Engine:
         self.load_s = time.perf_counter() - t0
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self.kv_type = KV_TYPES[req["dtype"]]
+        self.kv_type = name
 
     def argmax(self, row: int) -> int:
         ptr = self.L.llama_get_logits_ith(self.ctx, row)

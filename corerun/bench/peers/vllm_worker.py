@@ -3,8 +3,9 @@
 The model folder is corerun's (the same safetensors weights); prompts go in as token ids.  vLLM's
 CPU worker binds its OpenMP threads to cores: ``VLLM_CPU_OMP_THREADS_BIND`` is set to the first
 ``threads`` CPUs this process may use unless the environment already sets it, and the KV cache space
-(``VLLM_CPU_KVCACHE_SPACE``, GiB) to what the workload needs with room to spare.  TTFT and TPOT come
-from the request metrics when vLLM fills them in; otherwise only throughput is reported.
+(``VLLM_CPU_KVCACHE_SPACE``, GiB) to what the workload needs with room to spare.  TTFT (from the moment
+the request is queued) and TPOT come from the request's engine timestamps when vLLM fills them in;
+otherwise only throughput is reported.
 
 ``options``: ``llm_kwargs`` (extra keyword arguments for ``vllm.LLM``).
 """
@@ -32,16 +33,14 @@ def _kv_space_gib(req: dict[str, Any]) -> int:
 
 
 def _timings(outputs: list[Any], lens: list[int]) -> tuple[list[float], list[float]]:
+    """Per-request TTFT (queued -> first token) and TPOT from vLLM's engine-core timestamps (one monotonic clock)."""
     ttft, tpot = [], []
     for o, n in zip(outputs, lens):
         m = getattr(o, "metrics", None)
-        if m is None:
-            return [], []
-        first = getattr(m, "first_token_ts", None) or getattr(m, "first_token_time", None)
-        last = getattr(m, "last_token_ts", None) or getattr(m, "last_token_time", None)
-        begin = getattr(m, "scheduled_ts", None) or getattr(m, "arrival_time", None)
-        if not first or not begin:
-            return [], []
+        first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        begin = getattr(m, "queued_ts", 0.0) or getattr(m, "scheduled_ts", 0.0)
+        if not (first and begin):
+            return [], []  # this vLLM did not fill them in
         ttft.append(first - begin)
         if n >= 2 and last:
             tpot.append((last - first) / (n - 1))
