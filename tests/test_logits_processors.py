@@ -159,3 +159,15 @@ def test_a_processor_that_raises_ends_only_its_own_requests() -> None:
     assert m.accept(step, [5, 5, 5]) == {1: "logits processor 'faulty' failed masking: RuntimeError: boom"}
     m.remove(2)
     assert m.num_requests == 0
+
+
+def test_sampler_conformance_checks_the_logits_mask_it_declares() -> None:
+    from tests.broken_impls.sampler import ClampsMaskedLogits, MaskedTopPSampler
+
+    (ok,) = run("sampler", factory=MaskedTopPSampler, keyword="masked_logits")
+    assert ok.outcome == "passed", ok.reason
+    (bad,) = run("sampler", factory=ClampsMaskedLogits, keyword="masked_logits")
+    assert bad.outcome == "failed" and "declares logits_mask but drew -inf tokens" in bad.reason, bad.reason
+    for name in ("basic", "full"):
+        (r,) = run("sampler", name, keyword="masked_logits")
+        assert r.outcome == "passed", (name, r.reason)

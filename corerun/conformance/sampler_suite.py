@@ -90,6 +90,10 @@ class SamplerSuite(ConformanceSuite):
             return [(f, f) for f in missing]
         if check == "declared_accepted":
             return [("all", sorted(f for f in declared if f in PROBE_VALUES))]
+        if check == "masked_logits":
+            if not getattr(target.capabilities, "logits_mask", False):
+                return f"{target.name} does not declare logits_mask"
+            return [(f"vocab{VOCAB}", None)]
         return [(f"vocab{VOCAB}", None)]  # a check a subclass added
 
     # ------------------------------------------------------------------ helpers
@@ -349,3 +353,30 @@ class SamplerSuite(ConformanceSuite):
                 problems.append(f"all declared parameters together ({together}) raised {type(exc).__name__}: {exc}")
         if problems:
             _fail(case, "declared parameters", problems)
+
+    def test_masked_logits(self, case: Case) -> None:
+        """A sampler declaring ``logits_mask`` never draws a ``-inf`` token (a logits processor's mask),
+        in any row kind it declares (allowed logits sit near -20: a sampler clamping -inf to 0 shows)."""
+        self.start(case)
+        declared = self.declared(case.target)
+        kinds = [SamplingParams(temperature=1.0)]
+        optional = [("temperature", {"temperature": 0.0}), ("seed", {"temperature": 1.0, "seed": 5}),
+                    ("top_k", {"temperature": 1.0, "top_k": 3}), ("top_p", {"temperature": 1.0, "top_p": 0.5}),
+                    ("min_p", {"temperature": 1.0, "min_p": 0.2})]
+        kinds += [SamplingParams(**p) for field_name, p in optional if field_name in declared]
+        rows = 64 * len(kinds)
+        gen = torch.Generator().manual_seed(11)
+        logits = torch.randn(rows, VOCAB, generator=gen)
+        masked = torch.rand(rows, VOCAB, generator=gen) < 0.75
+        masked[torch.arange(rows), torch.randint(0, VOCAB, (rows,), generator=gen)] = False  # one token stays at least
+        masked[::7] = True
+        masked[torch.arange(0, rows, 7), 3] = False  # every 7th row: one token allowed
+        logits = torch.where(masked, torch.full_like(logits, float("-inf")), logits - 20.0)
+        params = [kinds[i % len(kinds)] for i in range(rows)]
+        md = SamplingMetadata(params, [[1, 2]] * rows, [[]] * rows)
+        tokens = self._sampler(case, VOCAB).sample(logits.to(case.device), md).sampled_token_ids.cpu()
+        drawn = masked[torch.arange(rows), tokens.long()]
+        if bool(drawn.any()):
+            bad = [f"row {r} ({params[r].non_default_fields() or 'defaults'}) drew token {int(tokens[r])}"
+                   for r in drawn.nonzero().flatten().tolist()[:5]]
+            _fail(case, f"declares logits_mask but drew -inf tokens in {int(drawn.sum())} of {rows} rows", bad)

@@ -151,3 +151,19 @@ class StaleHistory(PenaltySampler):
         for seq_id, prompt, output in zip(metadata.seq_ids, metadata.prompt_token_ids, metadata.output_token_ids):
             self._cache.setdefault(seq_id, (list(prompt), list(output)))
         return [self._cache[s][0] for s in metadata.seq_ids], [self._cache[s][1] for s in metadata.seq_ids]
+
+
+class MaskedTopPSampler(TopPSampler):
+    """Correct, and declares ``logits_mask``: a ``-inf`` logit has probability 0 in every step above."""
+
+    name = "masked-top-p-sampler"
+    capabilities = SamplerCapabilities(params=frozenset({"temperature", "top_k", "top_p"}), logits_mask=True)
+
+
+class ClampsMaskedLogits(MaskedTopPSampler):
+    """Declares ``logits_mask`` but turns ``-inf`` into 0 first (a "NaN-safe" cleanup): masked tokens come back."""
+
+    name = "clamps-masked-logits"
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        return super().sample(logits.nan_to_num(neginf=0.0), metadata)
