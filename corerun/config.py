@@ -111,7 +111,7 @@ class SpeculativeConfig(_Strict):
 
     method: Literal["ngram"] | None = None  # ngram: prompt lookup over the request's own tokens
     num_tokens: int = Field(4, ge=1, le=64)  # draft tokens proposed per decode step (K)
-    prompt_lookup_min: int = Field(1, ge=1)  # shortest suffix n-gram looked up
+    prompt_lookup_min: int = Field(2, ge=1)  # shortest suffix n-gram looked up (1: more drafts, more rejected)
     prompt_lookup_max: int = Field(4, ge=1)  # longest suffix n-gram looked up (tried first)
 
     @model_validator(mode="after")
