@@ -55,6 +55,7 @@ class LLMEngine:
         sc = config.scheduler
         self.proposer = self._make_proposer(config)
         self.spec_stats = SpecStats()  # speculative decoding's acceptance counts (zero when it is off)
+        self._draft_cap: dict[int, int] = {}  # seq_id -> drafts it may get next (below K after rejections)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=sc.max_num_seqs,
@@ -100,7 +101,8 @@ class LLMEngine:
         if p.logprobs is not None or self.runner.logits_processors.wanted(p):
             return []
         room = min(p.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens) - 1
-        return self.proposer.propose(seq.token_ids, min(at_most, room)) if room > 0 else []  # type: ignore[union-attr]
+        room = min(room, at_most, self._draft_cap.get(seq.seq_id, room))
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []  # type: ignore[union-attr]
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -363,6 +365,7 @@ class LLMEngine:
                 self.runner.kv_manager_name, seq.request_id, type(exc).__name__, exc,
             )
         self.runner.logits_processors.remove(seq.seq_id)
+        self._draft_cap.pop(seq.seq_id, None)
         group = self._group_of.get(seq.seq_id)
         if group is not None and group.pending and seq is group.head:  # n > 1: forks not yet queued
             parallel_sampling.finish_pending(group, reason, seq.error, now)
@@ -403,6 +406,11 @@ class LLMEngine:
                 st = self.spec_stats
                 st.num_drafts, st.num_draft_tokens = st.num_drafts + 1, st.num_draft_tokens + len(d)
                 st.num_accepted_tokens += max(accepted, 0)
+                # adaptive length: one past what was accepted after a rejection, doubling while all are
+                # accepted (text that does not repeat itself pays for one draft token a step, not K)
+                k = self.proposer.num_tokens  # type: ignore[union-attr]
+                grown = min(k, max(2 * len(d), self._draft_cap.get(seq.seq_id, k)))
+                self._draft_cap[seq.seq_id] = grown if accepted >= len(d) else max(accepted, 0) + 1
             seq.num_computed_tokens += n
             try:
                 self.kv.cache_blocks(seq.seq_id, kv_tokens, seq.num_computed_tokens)
