@@ -61,18 +61,16 @@ def build(requests: list[tuple[int, int]], dtype: torch.dtype, gen: torch.Genera
         for pos in range(c, c + q):
             slots.append(int(tables[i, pos // bs]) * bs + pos % bs)
     num_tokens = sum(qlens)
+    nd = 0  # decodes come first: the leading requests with one query token
+    while nd < len(qlens) and qlens[nd] == 1:
+        nd += 1
     batch = AttentionBatch(
         query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32),
         context_lens=torch.tensor([c for c, _ in requests], dtype=torch.int32), block_tables=tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64), num_reqs=len(requests), num_tokens=num_tokens,
-        max_query_len=max(qlens), max_seq_len=max(seq), num_decodes=sum(1 for q in qlens if q == 1 and qlens[0] == 1),
+        max_query_len=max(qlens), max_seq_len=max(seq), num_decodes=nd,
         query_start_loc_cpu=qsl, seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
     )
-    # decodes must come first: count the leading query_len == 1 requests
-    nd = 0
-    while nd < len(qlens) and qlens[nd] == 1:
-        nd += 1
-    batch.num_decodes = nd
     q = torch.randn(num_tokens, HEADS, HEAD_SIZE, generator=gen).to(dtype)
     k = torch.randn(num_tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
     v = torch.randn(num_tokens, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
