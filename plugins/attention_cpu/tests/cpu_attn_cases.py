@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
+from corerun_attention_cpu.kernels import find_compiler
+
+# Without any C++ compiler the backend is unavailable by design (the probe tests cover that); the
+# tests that run the kernel skip, with the reason.  A compiler that is present but fails is a failure.
+needs_compiler = pytest.mark.skipif(
+    find_compiler()[0] is None, reason="no C++ compiler here ($CXX, c++, g++, clang++): the cpu backend is unavailable"
+)
 
 # dtype -> (rms, max) relative error bounds against float64 (docs/conformance.md's tolerances)
 TOLERANCE = {torch.float32: (2e-6, 2e-5), torch.float16: (1.5e-3, 5e-3), torch.bfloat16: (4e-3, 1e-2)}

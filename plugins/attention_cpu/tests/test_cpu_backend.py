@@ -10,7 +10,7 @@ import torch
 from corerun.errors import UnsupportedError
 from corerun_attention_cpu import kernels
 from corerun_attention_cpu.backend import CpuAttentionBackend
-from cpu_attn_cases import TOLERANCE, make_spec, make_step, reference, relative_errors
+from cpu_attn_cases import TOLERANCE, make_spec, make_step, needs_compiler, reference, relative_errors
 
 CASES = {
     # name: (spec keywords, requests (cached context, new tokens) with decodes first)
@@ -22,6 +22,7 @@ CASES = {
 }
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_float64_reference(case, dtype):
@@ -42,6 +43,7 @@ def test_matches_float64_reference(case, dtype):
     assert rms <= tol_rms and mx <= tol_max, (rms, mx)
 
 
+@needs_compiler
 def test_same_bits_on_one_and_two_threads():
     """Each (request, KV head, tile) is computed by one thread in a fixed order: the thread count cannot change a bit."""
     spec = make_spec(dtype=torch.bfloat16)
@@ -59,6 +61,7 @@ def test_same_bits_on_one_and_two_threads():
     assert torch.equal(outs[0], outs[1])
 
 
+@needs_compiler
 def test_strided_query_and_returned_out():
     """A query that is a view into a fused QKV tensor, no ``out``: the result is a new tensor of the query's shape."""
     spec = make_spec(num_heads=4, num_kv_heads=2, head_size=32)
@@ -74,6 +77,7 @@ def test_strided_query_and_returned_out():
     assert rms < 2e-6 and mx < 2e-5
 
 
+@needs_compiler
 def test_block_id_outside_the_cache_is_refused_by_name():
     spec = make_spec()
     backend = CpuAttentionBackend(spec)
@@ -84,6 +88,7 @@ def test_block_id_outside_the_cache_is_refused_by_name():
         backend.forward(step.query, step.key, step.value, step.cache, backend.plan(step.batch))
 
 
+@needs_compiler
 def test_table_too_narrow_and_short_sequence_are_refused():
     spec = make_spec(block_size=8)
     backend = CpuAttentionBackend(spec)
@@ -99,6 +104,7 @@ def test_table_too_narrow_and_short_sequence_are_refused():
         backend.forward(step.query, step.key, step.value, step.cache, short)
 
 
+@needs_compiler
 def test_slot_outside_the_cache_writes_nothing():
     spec = make_spec(num_heads=2, num_kv_heads=2, head_size=32, block_size=4)
     backend = CpuAttentionBackend(spec)
@@ -163,6 +169,7 @@ def test_a_failing_compiler_is_reported_with_its_output(monkeypatch, fresh_build
     assert not list(fresh_build.rglob("*.so")), "a failed build left a file behind"
 
 
+@needs_compiler
 def test_build_is_cached_by_key(fresh_build):
     lib, reasons = kernels.load()
     assert lib is not None and not reasons
@@ -174,6 +181,7 @@ def test_build_is_cached_by_key(fresh_build):
     assert built[0].stat().st_mtime_ns == mtime  # loaded again, not rebuilt
 
 
+@needs_compiler
 def test_an_unwritable_build_folder_is_a_reason(monkeypatch, fresh_build):
     blocker = fresh_build / "not-a-folder"
     blocker.write_text("")

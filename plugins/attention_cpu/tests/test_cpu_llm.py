@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 
 from corerun import LLM, SamplingParams
+from cpu_attn_cases import needs_compiler
+
+pytestmark = needs_compiler
 
 
 def test_tiny_model_greedy_equals_torch_backend(tmp_path):
