@@ -1,9 +1,10 @@
-"""What the CPU can do natively, as far as corerun's choices depend on it (``dtype: auto`` on CPU).
+"""What the CPU can do natively, as ``corerun bench`` reports it (``machine.native_bfloat16``).
 
 ``native_bfloat16()``: the CPU has bfloat16 dot-product instructions (AVX512_BF16, or AMX's
 bfloat16 tiles) and torch's oneDNN uses them.  There bfloat16 weights are multiplied at about twice
-to three times the float32 rate with float32 accumulation; without them torch emulates bfloat16 and
-it is slower than float32.
+to three times the float32 rate with float32 accumulation (``dtype: bfloat16``); without them torch
+emulates bfloat16 and it is slower than float32.  ``dtype: auto`` still picks float32 on CPU: why is
+in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -128,3 +128,11 @@ def test_engine_applies_threads(tmp_path):
         assert torch.get_num_threads() == 1 and llm.engine.runner.threads == 1
     finally:
         torch.set_num_threads(saved)
+
+
+def test_cpu_flags():
+    from corerun.cpu_features import BF16_FLAGS, cpu_flags
+
+    text = _cpuinfo([(0, 0, 0)]).replace("flags\t\t: avx2", "flags\t\t: fpu avx2 avx512f avx512_bf16")
+    assert cpu_flags(text) == {"fpu", "avx2", "avx512f", "avx512_bf16"} and BF16_FLAGS & cpu_flags(text)
+    assert not BF16_FLAGS & cpu_flags(_cpuinfo([(0, 0, 0)])) and cpu_flags("processor : 0\n") == frozenset()

@@ -1,7 +1,7 @@
 """The benchmark's results as one JSON document and as a rich table.
 
 JSON keys (``corerun bench --json``): ``corerun_version``, ``machine`` (platform, python, torch,
-cpu_count, physical_cores, torch_threads, loadavg, gpu), ``workload`` (num_seqs, input_len,
+cpu_count, physical_cores, native_bfloat16, torch_threads, loadavg, gpu), ``workload`` (num_seqs, input_len,
 output_len, seed, prompt_tokens, output_tokens, temperature, warmup) and ``corerun`` (elapsed_s,
 load_s, prompt_tokens, output_tokens, output_tokens_per_s, total_tokens_per_s, ttft_ms and tpot_ms
 as {median, p90, p99}, peak_memory {bytes, kind, reset}, backends, model).  With ``--compare`` the
@@ -19,6 +19,7 @@ import torch
 from corerun._version import __version__
 from corerun.bench.result import RunResult
 from corerun.bench.workload import Workload
+from corerun.cpu_features import native_bfloat16
 from corerun.threads import physical_cores
 
 
@@ -47,6 +48,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "physical_cores": physical_cores(),
+        "native_bfloat16": native_bfloat16(),
         "torch_threads": torch.get_num_threads(),
         "loadavg": list(os.getloadavg()),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
