@@ -40,7 +40,7 @@ from datetime import date
 
 import torch
 
-from corerun.engine.sequence import TokenView
+from corerun.core.sequence import TokenView
 from corerun.protocols import SamplingMetadata
 from corerun.sampling_params import SamplingParams
 from corerun_sampler_full.history_cache import HistoryCache

@@ -18,7 +18,7 @@ Scenarios:
 - ``prefill``: ``N`` fresh prompts of ``--context-len`` tokens scheduled in one step (``--prefill-seqs``).
 
 Every step, both input builders run on the same ``ScheduledBatch``, in alternating order: corerun's
-``prepare_inputs`` (``corerun.step_inputs``: one persistent staging buffer filled from Python lists
+``prepare_inputs`` (``corerun.runner.step_inputs``: one persistent staging buffer filled from Python lists
 for small steps and with vectorised numpy for large ones, then one copy) and :func:`baseline_prepare`,
 written here the straightforward way (Python lists filled token by token, as nano-vllm's
 ``prepare_decode`` / ``prepare_prefill``, then ``torch.tensor``).  Their outputs are compared for
@@ -50,8 +50,8 @@ import torch  # noqa: E402
 
 from corerun.config import load_config  # noqa: E402
 from corerun.engine.llm_engine import LLMEngine  # noqa: E402
-from corerun.engine.scheduler import ScheduledBatch, Scheduler  # noqa: E402
-from corerun.engine.sequence import Sequence  # noqa: E402
+from corerun.core.scheduler import ScheduledBatch, Scheduler  # noqa: E402
+from corerun.core.sequence import Sequence  # noqa: E402
 from corerun.sampling_params import SamplingParams  # noqa: E402
 
 

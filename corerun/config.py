@@ -124,7 +124,7 @@ class SpeculativeConfig(_Strict):
 
 
 class DistributedConfig(_Strict):
-    """How tensor-parallel ranks find each other (used when ``tensor_parallel_size > 1``; see corerun.parallel)."""
+    """How tensor-parallel ranks find each other (used when ``tensor_parallel_size > 1``; see corerun.executor)."""
 
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     # None: one host, the engine starts ranks 1..N-1 itself on a free local port.  "env://" (torchrun:

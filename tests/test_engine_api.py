@@ -6,7 +6,7 @@ import pytest
 
 from corerun import LLM, Config, RequestError, SamplingParams
 from corerun.config import KVCacheConfig, SchedulerConfig
-from corerun.engine.sequence import TokenView
+from corerun.core.sequence import TokenView
 
 from tests.helpers.tiny_models import make_tiny_model
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from corerun.config import Config
-from corerun.kv_cache import profile
-from corerun.model_runner import ModelRunner
+from corerun.runner import profile
+from corerun.runner.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model
 
 MiB, GiB = 1 << 20, 1 << 30

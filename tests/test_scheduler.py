@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from corerun.engine.scheduler import Scheduler
-from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.core.scheduler import Scheduler
+from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.kv_cache.paged import PagedKVCacheManager
 from corerun.sampling_params import SamplingParams
 

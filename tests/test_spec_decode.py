@@ -13,7 +13,7 @@ import torch
 
 from corerun import LLM, SamplingParams
 from corerun.conformance.stats import chi_square_fit
-from corerun.engine.sequence import Sequence
+from corerun.core.sequence import Sequence
 from corerun.errors import ConfigError
 from corerun.spec_decode import NgramProposer, accept_drafts, expand_metadata
 from corerun.testing.reference import hf_greedy

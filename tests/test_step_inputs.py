@@ -1,4 +1,4 @@
-"""Step-input preparation (corerun.step_inputs, ModelRunner.prepare_inputs) against a per-token reference.
+"""Step-input preparation (corerun.runner.step_inputs, ModelRunner.prepare_inputs) against a per-token reference.
 
 The reference below is written independently, the straightforward way: Python loops over the
 scheduled sequences and their tokens.  Random batches cover decodes only, prefills only, prompt
@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 import torch
 
-from corerun.engine.scheduler import ScheduledBatch
-from corerun.engine.sequence import Sequence
+from corerun.core.scheduler import ScheduledBatch
+from corerun.core.sequence import Sequence
 from corerun.sampling_params import SamplingParams
-from corerun.step_inputs import ALIGN, StagingLayout, StepInputs, device_fields, host_fields
+from corerun.runner.step_inputs import ALIGN, StagingLayout, StepInputs, device_fields, host_fields
 
 BS = 16
 KINDS = ("decode", "prefill", "chunk", "mixed")
@@ -557,7 +557,7 @@ def test_a_sequence_scheduled_no_token_is_refused_by_name():
 def test_sampled_hidden_rows_gather_only_when_some_rows_are_not_sampled(tmp_path):
     """All rows sampled (a decode step): the hidden states as they are, no index copy; else exactly the rows asked."""
     from corerun.config import Config
-    from corerun.model_runner import ModelRunner
+    from corerun.runner.model_runner import ModelRunner
     from tests.helpers.tiny_models import make_tiny_model
 
     runner = ModelRunner(Config(model=str(make_tiny_model(tmp_path)), device="cpu", dtype="float32", attention="torch",

@@ -3,7 +3,7 @@
 Greedy output of 2 and 4 ranks equals Hugging Face transformers token for token (and the logprobs
 equal a single process's); a worker that is killed or fails ends the requests with an error naming
 its rank and leaves no process behind; a group launched torchrun-style (env://) works through
-``python -m corerun.parallel.worker``; workers die with their parent.
+``python -m corerun.executor.worker``; workers die with their parent.
 
 Most cases start workers from a forkserver (``distributed.start_method``), which imports torch
 once for all of them; the parent-death case uses the default, spawn.
@@ -178,7 +178,7 @@ def test_a_worker_error_reaches_the_user_with_its_rank(cases):
 
 
 def test_the_rank_that_failed_first_is_blamed():
-    from corerun.parallel.errors import CommunicationError, Failure, is_communication_failure, root_cause
+    from corerun.distributed.errors import CommunicationError, Failure, is_communication_failure, root_cause
 
     broken = [Failure(1, "all_reduce failed", primary=False, at=10.0), Failure(2, "all_reduce failed", primary=False, at=9.0)]
     assert root_cause(broken, settled=False) is None  # wait: the rank that caused it may still show
@@ -220,7 +220,7 @@ def _free_port() -> int:
 
 
 def test_ranks_launched_with_env_rendezvous(cases, tmp_path, monkeypatch):
-    """As under torchrun: this process is rank 0; rank 1 is ``python -m corerun.parallel.worker`` with RANK=1."""
+    """As under torchrun: this process is rank 0; rank 1 is ``python -m corerun.executor.worker`` with RANK=1."""
     case = cases["llama"]
     config = tmp_path / "tp.yaml"
     config.write_text(yaml.safe_dump({
@@ -229,7 +229,7 @@ def test_ranks_launched_with_env_rendezvous(cases, tmp_path, monkeypatch):
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     log = open(tmp_path / "rank1.log", "w")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "corerun.parallel.worker", "--config", str(config)],
+        [sys.executable, "-m", "corerun.executor.worker", "--config", str(config)],
         env={**os.environ, **env, "RANK": "1", "LOCAL_RANK": "1"}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )
     try:

@@ -18,8 +18,8 @@ from corerun.errors import ConfigError
 from corerun.models import load_model
 from corerun.models.config import ModelConfig
 from corerun.models.layers import WeightShapeError
-from corerun.parallel.layers import ParallelLMHead, VocabParallelEmbedding, attention_projections, mlp_projections
-from corerun.parallel.sharding import check_model, shard_heads, shard_vocab, valid_sizes
+from corerun.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, attention_projections, mlp_projections
+from corerun.distributed.sharding import check_model, shard_heads, shard_vocab, valid_sizes
 from tests.helpers.tiny_models import corerun_logits, hf_logits, make_tiny_model, max_rel_err
 
 TOL = 1e-5

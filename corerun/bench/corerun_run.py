@@ -19,7 +19,7 @@ WARMUP_TOKENS = 8
 def load_corerun(config: Any) -> tuple[Any, PeakMemoryMeter, float]:
     """Build ``LLM(config=config)``; returns it, a memory meter started before the load, and the load time (s)."""
     from corerun.llm import LLM
-    from corerun.model_runner import resolve_device
+    from corerun.runner.model_runner import resolve_device
 
     meter = PeakMemoryMeter(resolve_device(config.device))
     meter.start()

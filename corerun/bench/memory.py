@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corerun.kv_cache import profile
+from corerun.runner import profile
 
 
 @dataclass

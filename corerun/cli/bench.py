@@ -173,7 +173,7 @@ def _run_compare(
 
     from corerun.bench.compare import BASELINE, PeerError, build_compare_report, build_request, compare, find_gguf, find_python
     from corerun.bench.report import base_report
-    from corerun.model_runner import resolve_device, resolve_dtype
+    from corerun.runner.model_runner import resolve_device, resolve_dtype
     from corerun.models.config import ModelConfig
     from corerun.threads import resolve_threads
 

@@ -20,11 +20,11 @@ from pydantic import ValidationError
 from corerun.config import Config
 from corerun.engine import parallel_sampling
 from corerun.engine.parallel_sampling import SequenceGroup
-from corerun.engine.scheduler import ScheduledBatch, Scheduler, SchedulingError
+from corerun.core.scheduler import ScheduledBatch, Scheduler, SchedulingError
 from corerun.engine.stop_strings import final_text, find_stop, running_text
-from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import ConfigError, EngineClosedError, RequestError, StepError, UnsupportedError
-from corerun.model_runner import ModelRunner, StepResult
+from corerun.runner.model_runner import ModelRunner, StepResult
 from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
 from corerun.registry import Registry
@@ -39,8 +39,8 @@ Prompt = str | Seq[int]
 class LLMEngine:
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         self.config = config
-        if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (corerun.parallel)
-            from corerun.parallel.driver import TensorParallelRunner
+        if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (corerun.executor)
+            from corerun.executor.driver import TensorParallelRunner
 
             self.runner: ModelRunner = TensorParallelRunner(config, registry)
         else:

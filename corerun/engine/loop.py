@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
 
 from corerun.engine.llm_engine import LLMEngine, Prompt
-from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import EngineClosedError, RequestError, StepError
 from corerun.outputs import RequestOutput
 from corerun.sampling_params import SamplingParams

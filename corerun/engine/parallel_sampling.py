@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.outputs import RequestOutput
 
 

@@ -20,12 +20,12 @@ from corerun.models.config import ModelConfig
 from corerun.models.errors import UnsupportedModelError
 from corerun.models.layers import LMHead, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding
 from corerun.models.rotary import RotaryEmbedding
-from corerun.parallel.layers import ParallelLMHead, VocabParallelEmbedding, attention_projections, mlp_projections
-from corerun.parallel.sharding import shard_heads
+from corerun.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, attention_projections, mlp_projections
+from corerun.distributed.sharding import shard_heads
 from corerun.protocols.attention import AttentionSpec
 
 if TYPE_CHECKING:
-    from corerun.parallel.group import TensorParallelGroup
+    from corerun.distributed.group import TensorParallelGroup
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids, positions, ctx)`` returns the final-normed hidden states ``[T, hidden_size]``;
     ``compute_logits`` projects the rows the caller keeps (usually each request's last token).
 
-    ``tp``: this process's tensor-parallel group (:mod:`corerun.parallel`); the model then holds its
+    ``tp``: this process's tensor-parallel group (:mod:`corerun.distributed`); the model then holds its
     rank's heads, MLP features and vocabulary rows, and ``attention_spec`` gives the per-rank head counts.
     """
 

@@ -33,7 +33,7 @@ from corerun.models.layers import WeightShapeError
 from corerun.models.registry import get_model_class
 
 if TYPE_CHECKING:
-    from corerun.parallel.group import TensorParallelGroup
+    from corerun.distributed.group import TensorParallelGroup
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"

@@ -3,7 +3,7 @@
 Launched by hand (or by a tool other than torchrun) on another host::
 
     RANK=1 WORLD_SIZE=2 MASTER_ADDR=host0 MASTER_PORT=29500 \\
-        python -m corerun.parallel.worker --config tp.yaml
+        python -m corerun.executor.worker --config tp.yaml
 
 with ``distributed: {init_method: "env://"}`` in ``tp.yaml`` (the file rank 0 uses too).
 """
@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 
 from corerun.config import Config
-from corerun.parallel.errors import TensorParallelError
-from corerun.parallel.group import TensorParallelGroup
-from corerun.parallel.step import Command, LogitsHeader, Shutdown, StepHeader, unpack_step
+from corerun.distributed.errors import TensorParallelError
+from corerun.distributed.group import TensorParallelGroup
+from corerun.executor.step import Command, LogitsHeader, Shutdown, StepHeader, unpack_step
 
 logger = logging.getLogger("corerun.parallel")
 
@@ -43,7 +43,7 @@ def serve(config: Config, group: TensorParallelGroup, source: CommandSource) -> 
     A failure raises :class:`TensorParallelError` whose message names the stage and the error (the
     caller reports it to rank 0 through ``source.fail``); ``EOFError`` means rank 0 closed the channel.
     """
-    from corerun.model_runner import ModelRunner
+    from corerun.runner.model_runner import ModelRunner
 
     stage = "starting (building the model shard, attention backend and KV cache)"
     try:
@@ -80,11 +80,11 @@ def failure_message(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m corerun.parallel.worker --config tp.yaml [--set KEY=VALUE ...]``: serve one launched rank."""
+    """``python -m corerun.executor.worker --config tp.yaml [--set KEY=VALUE ...]``: serve one launched rank."""
     from corerun.config import load_config
-    from corerun.parallel.launched import serve_launched
+    from corerun.executor.launched import serve_launched
 
-    parser = argparse.ArgumentParser(prog="python -m corerun.parallel.worker", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m corerun.executor.worker", description=main.__doc__)
     parser.add_argument("--config", required=True, help="the YAML configuration rank 0 uses")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args(argv)

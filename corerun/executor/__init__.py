@@ -1,4 +1,4 @@
-"""Tensor parallelism: one model split across several processes (GPUs, or CPU processes for testing).
+"""Tensor-parallel execution: one model split across several processes (GPUs, or CPU processes for testing).
 
 Each rank holds a slice of every weight: its attention heads (KV heads split, or replicated when
 there are fewer KV heads than ranks), its slice of the MLP's intermediate features, and its range
@@ -6,19 +6,15 @@ of the vocabulary.  Rank 0 is the engine's own process: it schedules, prepares e
 and samples.  Ranks 1..N-1 are workers that build the same model shard and run the same step,
 driven by commands from rank 0 (pipes on one host, a broadcast over torch.distributed across hosts).
 
-Rooms:
+Rooms (the shard arithmetic, collectives and process groups are in ``corerun.distributed``, the
+parallel layers in ``corerun.models.parallel_layers``):
 
-- ``sharding``       which heads / features / vocabulary rows a rank holds (pure arithmetic, and the checks)
-- ``group``          the collectives the parallel layers call (torch.distributed; gloo on CPU, NCCL on CUDA)
-- ``layers``         column- and row-parallel linear layers, vocabulary-parallel embedding and LM head
-- ``process_group``  backend, device and process-group setup for a rank
 - ``step``           the commands rank 0 sends, and a step's inputs packed for the workers
 - ``local``          one host: rank 0 spawns the workers and talks to them over pipes
 - ``launched``       several hosts: ranks started by ``torchrun`` (or by hand), commands broadcast from rank 0
-- ``worker``         the worker loop, and ``python -m corerun.parallel.worker``
+- ``worker``         the worker loop, and ``python -m corerun.executor.worker``
 - ``driver``         ``TensorParallelRunner``: rank 0's ModelRunner, mirrored on the workers
-- ``errors``         ``TensorParallelError`` (start-up) and ``RankFailedError`` (a step), naming the rank
 
-Importing this package imports nothing heavy; the engine imports ``corerun.parallel.driver`` only
+Importing this package imports nothing heavy; the engine imports ``corerun.executor.driver`` only
 when ``tensor_parallel_size > 1``.
 """

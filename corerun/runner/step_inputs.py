@@ -37,8 +37,8 @@ from typing import Callable, NamedTuple, Protocol, Sequence as SequenceT
 import numpy as np
 import torch
 
-from corerun.engine.scheduler import ScheduledBatch
-from corerun.engine.sequence import Sequence
+from corerun.core.scheduler import ScheduledBatch
+from corerun.core.sequence import Sequence
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
 

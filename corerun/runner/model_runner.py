@@ -3,7 +3,7 @@
 Everything it composes comes from the registry by the names in the config; nothing here knows which
 backend, cache manager, graph runner or sampler it got.  Per step it prepares the inputs (token ids,
 positions, slot mapping, block tables, query/sequence lengths, logits indices) in one host staging
-buffer copied to the device once (:mod:`corerun.step_inputs`), runs the model through the graph
+buffer copied to the device once (:mod:`corerun.runner.step_inputs`), runs the model through the graph
 runner, computes logits for the rows that need them, and samples.
 """
 
@@ -20,18 +20,18 @@ import numpy as np
 import torch
 
 from corerun.config import Config
-from corerun.engine.memory import check_kv_cache_fits
-from corerun.engine.scheduler import ScheduledBatch
+from corerun.kv_cache.memory import check_kv_cache_fits
+from corerun.core.scheduler import ScheduledBatch
 from corerun.errors import ConfigError, StepError
 from corerun.forward_context import AttentionContext
-from corerun.kv_cache.profile import StepMemory
+from corerun.runner.profile import StepMemory
 from corerun.logits_processing import LogitsProcessors
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, announce, get_registry
 from corerun.sampler_utils import to_device
 from corerun.sampling_params import SamplingParams
-from corerun.step_inputs import StepInputs
+from corerun.runner.step_inputs import StepInputs
 from corerun.threads import apply_threads
 
 logger = logging.getLogger("corerun.runner")
@@ -68,7 +68,7 @@ class StepResult:
 
 
 class ModelRunner:
-    # tp: this process's tensor-parallel group (corerun.parallel); the model holds this rank's shard
+    # tp: this process's tensor-parallel group (corerun.executor); the model holds this rank's shard
     def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
         from corerun.graph import choose_graph_runner
         from corerun.kv_cache.sizing import num_blocks_for_budget
@@ -172,9 +172,9 @@ class ModelRunner:
     def _profile_step_memory(self, limits: GraphLimits) -> StepMemory:
         """Run the worst prefill, the widest eager decode, the widest sampling and (when graphs are
         captured) the largest captured decode once each on a one-block scratch cache, and measure their
-        peaks (see :mod:`corerun.kv_cache.profile`).  Every rank of a tensor-parallel group runs the
+        peaks (see :mod:`corerun.runner.profile`).  Every rank of a tensor-parallel group runs the
         same forwards in the same order; only the rank holding the logits samples."""
-        from corerun.kv_cache import profile
+        from corerun.runner import profile
 
         sc, bs, dev = self.config.scheduler, self.block_size, self.device
         prefill = profile.worst_prefill(sc.max_num_batched_tokens, self.max_model_len, sc.max_num_seqs, bs, dev)
@@ -277,7 +277,7 @@ class ModelRunner:
         )
 
     def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
-        """Flatten a scheduled batch (see :class:`corerun.step_inputs.StepInputs`).
+        """Flatten a scheduled batch (see :class:`corerun.runner.step_inputs.StepInputs`).
 
         Returns the model inputs, the sampled rows (int64 ``[S]``, indices into ``sched.seqs``) and
         their logits indices (int64 ``[S]``, rows of the step's hidden states).

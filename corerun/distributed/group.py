@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from corerun.parallel.errors import CommunicationError
+from corerun.distributed.errors import CommunicationError
 
 
 def _collective(name: str, op: Callable[[], Any]) -> Any:

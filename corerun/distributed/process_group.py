@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from corerun.config import Choice, Config
 from corerun.errors import ConfigError
-from corerun.parallel.errors import TensorParallelError
-from corerun.parallel.group import TensorParallelGroup
+from corerun.distributed.errors import TensorParallelError
+from corerun.distributed.group import TensorParallelGroup
 
 logger = logging.getLogger("corerun.parallel")
 

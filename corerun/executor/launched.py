@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from corerun.config import Config
 from corerun.errors import ConfigError
-from corerun.parallel.errors import CommunicationError, Failure, TensorParallelError, is_communication_failure, root_cause
-from corerun.parallel.group import TensorParallelGroup
-from corerun.parallel.step import Command, Shutdown
+from corerun.distributed.errors import CommunicationError, Failure, TensorParallelError, is_communication_failure, root_cause
+from corerun.distributed.group import TensorParallelGroup
+from corerun.executor.step import Command, Shutdown
 
 logger = logging.getLogger("corerun.parallel")
 
@@ -45,7 +45,7 @@ def join(config: Config, rank: int, local_rank: int, is_worker: bool) -> tuple[T
     """Rendezvous at ``distributed.init_method``; returns ``(group, store for reports, control group)``."""
     from torch.distributed.rendezvous import rendezvous
 
-    from corerun.parallel.process_group import backend_for, bind_device, init_group
+    from corerun.distributed.process_group import backend_for, bind_device, init_group
 
     world = config.tensor_parallel_size
     d = config.distributed
@@ -109,7 +109,7 @@ class LaunchedWorkers:
         return None
 
     def failure(self, grace_s: float) -> Failure | None:
-        """The rank to blame among those that reported (see :func:`~corerun.parallel.errors.root_cause`),
+        """The rank to blame among those that reported (see :func:`~corerun.distributed.errors.root_cause`),
         waiting up to ``grace_s`` for one that failed on its own.  A rank that died without a report
         cannot be seen from here."""
         deadline = time.monotonic() + grace_s
@@ -154,8 +154,8 @@ class BroadcastSource:
 
 def serve_launched(config: Config) -> None:
     """Serve as launched rank ``RANK`` (not 0) until rank 0 shuts the group down."""
-    from corerun.parallel.process_group import destroy_group, prepare_config
-    from corerun.parallel.worker import failure_message, serve
+    from corerun.distributed.process_group import destroy_group, prepare_config
+    from corerun.executor.worker import failure_message, serve
 
     if config.distributed.init_method is None:
         raise ConfigError(

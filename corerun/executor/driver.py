@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from corerun.config import Config
-from corerun.engine.scheduler import ScheduledBatch
-from corerun.model_runner import ModelRunner, StepResult
-from corerun.parallel.errors import Failure, RankFailedError, is_communication_failure
-from corerun.parallel.step import LogitsHeader, pack_step
+from corerun.core.scheduler import ScheduledBatch
+from corerun.runner.model_runner import ModelRunner, StepResult
+from corerun.distributed.errors import Failure, RankFailedError, is_communication_failure
+from corerun.executor.step import LogitsHeader, pack_step
 from corerun.protocols.graph import ModelInputs
 from corerun.registry import Registry
 
@@ -44,9 +44,9 @@ class TensorParallelRunner(ModelRunner):
     """
 
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
-        from corerun.parallel.launched import LaunchedWorkers, join, launched_rank, serve_launched
-        from corerun.parallel.local import LocalWorkers
-        from corerun.parallel.process_group import (
+        from corerun.executor.launched import LaunchedWorkers, join, launched_rank, serve_launched
+        from corerun.executor.local import LocalWorkers
+        from corerun.distributed.process_group import (
             backend_for, bind_device, ensure_not_initialized, init_group, prepare_config,
         )
 
@@ -90,7 +90,7 @@ class TensorParallelRunner(ModelRunner):
     @staticmethod
     def _check_model(config: Config) -> None:
         from corerun.models.config import ModelConfig
-        from corerun.parallel.sharding import check_model
+        from corerun.distributed.sharding import check_model
 
         model_dir = config.model if config.model else ModelRunner._default_model_dir()
         check_model(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
@@ -176,7 +176,7 @@ def _rank_failed(found: Failure) -> RankFailedError:
 
 
 def _release(workers: Any, graceful: bool, leave_group: bool) -> None:
-    from corerun.parallel.process_group import destroy_group
+    from corerun.distributed.process_group import destroy_group
 
     if workers is not None:
         workers.close(graceful)

@@ -27,8 +27,8 @@ from typing import Any
 import torch.distributed as dist
 
 from corerun.config import Config
-from corerun.parallel.errors import Failure, TensorParallelError, is_communication_failure, root_cause
-from corerun.parallel.step import Command, Shutdown
+from corerun.distributed.errors import Failure, TensorParallelError, is_communication_failure, root_cause
+from corerun.executor.step import Command, Shutdown
 
 logger = logging.getLogger("corerun.parallel")
 
@@ -58,7 +58,7 @@ class LocalWorkers:
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         ctx = mp.get_context(config.distributed.start_method)
         if config.distributed.start_method == "forkserver":
-            ctx.set_forkserver_preload(["corerun.parallel.local", "corerun.parallel.worker", "corerun.model_runner"])
+            ctx.set_forkserver_preload(["corerun.executor.local", "corerun.executor.worker", "corerun.runner.model_runner"])
         self.procs: list[Any] = []
         self.conns: list[Connection] = []  # commands out; ("started",), ("ready",), ("error", ...) back
         self.lifelines: list[Connection] = []  # never written; closing (or dying) tells the worker to exit
@@ -140,7 +140,7 @@ class LocalWorkers:
             conn.send_bytes(payload)
 
     def failure(self, grace_s: float) -> Failure | None:
-        """The worker to blame (see :func:`~corerun.parallel.errors.root_cause`), waiting up to ``grace_s``
+        """The worker to blame (see :func:`~corerun.distributed.errors.root_cause`), waiting up to ``grace_s``
         for a worker that failed on its own to show, when only broken collectives have been reported."""
         deadline = time.monotonic() + grace_s
         while True:
@@ -255,15 +255,15 @@ def _watch_lifeline(lifeline: Connection) -> None:
 def worker_main(
     rank: int, world_size: int, port: int, backend: str, config_data: dict[str, Any], conn: Connection, lifeline: Connection,
 ) -> None:
-    """A spawned worker: join the group through rank 0's store, then serve (see :func:`corerun.parallel.worker.serve`)."""
+    """A spawned worker: join the group through rank 0's store, then serve (see :func:`corerun.executor.worker.serve`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_lifeline(lifeline)
     source = PipeSource(conn)
     code = 0
     try:
         from corerun.config import Config
-        from corerun.parallel.process_group import bind_device, destroy_group, init_group
-        from corerun.parallel.worker import serve
+        from corerun.distributed.process_group import bind_device, destroy_group, init_group
+        from corerun.executor.worker import serve
 
         config = Config.model_validate(config_data)
         device = bind_device(config, rank, world_size, is_worker=True)
@@ -278,7 +278,7 @@ def worker_main(
     except EOFError:
         code = 0  # rank 0 closed the pipe: nothing left to do
     except BaseException as exc:
-        from corerun.parallel.worker import failure_message
+        from corerun.executor.worker import failure_message
 
         traceback.print_exc()
         source.fail(failure_message(exc), primary=not is_communication_failure(exc))

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from corerun.models.layers import Linear, LMHead, MergedLinear, VocabEmbedding, WeightShapeError, default_weight_loader
-from corerun.parallel.sharding import HeadShard, shard_range, shard_vocab
+from corerun.distributed.sharding import HeadShard, shard_range, shard_vocab
 
 if TYPE_CHECKING:
-    from corerun.parallel.group import TensorParallelGroup
+    from corerun.distributed.group import TensorParallelGroup
 
 
 class ColumnParallelMergedLinear(MergedLinear):
@@ -129,7 +129,7 @@ def attention_projections(
     hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, heads: HeadShard,
     qkv_bias: bool, o_bias: bool, tp: "TensorParallelGroup",
 ) -> tuple[ColumnParallelMergedLinear, RowParallelLinear]:
-    """``(qkv_proj, o_proj)`` for the rank holding ``heads`` (see :func:`~corerun.parallel.sharding.shard_heads`)."""
+    """``(qkv_proj, o_proj)`` for the rank holding ``heads`` (see :func:`~corerun.distributed.sharding.shard_heads`)."""
     d = head_dim
     kv = (heads.kv_start * d, heads.num_kv_heads * d, num_kv_heads * d)
     ranges = {"q": (heads.q_start * d, heads.num_heads * d, num_heads * d), "k": kv, "v": kv}

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from corerun.engine.sequence import Sequence, SequenceStatus
+from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import StepError
 from corerun.protocols.kv_cache import KVCacheManager
 

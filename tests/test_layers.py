@@ -1,0 +1,37 @@
+"""The layer contract: each layer of corerun imports only the layers below it.
+
+The contract lives in ``pyproject.toml`` (``[tool.importlinter]``); import-linter checks it on the
+package as it is, and, so that the check is known to bite, on a copy with one upward import added.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+
+
+def _lint(package_parent: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    return subprocess.run([*LINT, "--config", str(config), "--no-cache"], cwd=package_parent, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_layers_are_kept() -> None:
+    done = _lint(ROOT, ROOT / "pyproject.toml")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "corerun layers KEPT" in done.stdout
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "corerun", tmp_path / "corerun", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    seq = tmp_path / "corerun" / "core" / "sequence.py"
+    seq.write_text(seq.read_text() + "\nimport corerun.engine.llm_engine  # upward: core -> engine\n")
+    done = _lint(tmp_path, tmp_path / "pyproject.toml")
+    assert done.returncode != 0
+    assert "corerun.core.sequence -> corerun.engine.llm_engine" in done.stdout, done.stdout[-3000:]
