@@ -76,7 +76,7 @@ class LogitsProcessors:
     @staticmethod
     def wanted(params: Any) -> bool:
         """Whether ``params`` sets a field a logits processor serves (cheap: runs per row per step)."""
-        return any(getattr(params, f) is not None for f in PROCESSOR_PARAMS)
+        return any(getattr(params, f, None) is not None for f in PROCESSOR_PARAMS)
 
     def choose(self, field_name: str) -> Registration:
         """The processor ``auto`` picks for ``field_name``; ``ValueError`` naming what to install when none."""

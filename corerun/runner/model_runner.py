@@ -321,20 +321,7 @@ class ModelRunner:
             eos_token_ids=eos_token_ids,
             seq_ids=[s.seq_id for s in seqs],
         )
-        try:
-            masked = self.logits_processors.apply(logits, seqs)
-        except Exception as exc:
-            raise StepError(f"logits processor failed: {type(exc).__name__}: {exc}") from exc
-        try:
-            out: SamplerOutput = self.sampler.sample(logits, meta)
-            sampled = out.sampled_token_ids.tolist()  # the step's one host sync
-        except Exception as exc:
-            raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
-        self._check_sampled(out.sampled_token_ids, sampled, len(seqs))
-        try:
-            ended = self.logits_processors.accept(masked, sampled) if masked else {}
-        except Exception as exc:
-            raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
+        out, sampled, ended = self._sample(logits, meta, seqs)
         row_ids = rows.tolist()
         return StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
 
@@ -356,20 +343,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
         meta = expand_metadata(seqs, drafts, eos_token_ids)
         owner = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
-        try:
-            masked = self.logits_processors.apply(logits, owner)
-        except Exception as exc:
-            raise StepError(f"logits processor failed: {type(exc).__name__}: {exc}") from exc
-        try:
-            out: SamplerOutput = self.sampler.sample(logits, meta)
-            targets = out.sampled_token_ids.tolist()  # the step's one host sync
-        except Exception as exc:
-            raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
-        self._check_sampled(out.sampled_token_ids, targets, len(owner))
-        try:
-            ended = self.logits_processors.accept(masked, targets) if masked else {}
-        except Exception as exc:
-            raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
+        out, targets, ended = self._sample(logits, meta, owner)
         emitted = accept_drafts(targets, drafts)
         logprobs = out.logprobs
         if logprobs is not None:  # each request's first row (requests asking for logprobs have no drafts)
@@ -382,6 +356,26 @@ class ModelRunner:
             {row_of[r]: why for r, why in ended.items() if r in row_of},
             {row_ids[j]: e[1:] for j, e in enumerate(emitted) if len(e) > 1},
         )
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, owners: list[Any]) -> tuple[SamplerOutput, list[int], dict[int, str]]:
+        """The logits processors, the sampler and the step's one host sync, then the processors take
+        the sampled tokens. ``owners[i]`` is the sequence of logits row ``i``. Returns the sampler's
+        output, the sampled ids and the rows a processor ended (row -> reason)."""
+        try:
+            masked = self.logits_processors.apply(logits, owners)
+        except Exception as exc:
+            raise StepError(f"logits processor failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            out: SamplerOutput = self.sampler.sample(logits, meta)
+            sampled = out.sampled_token_ids.tolist()  # the step's one host sync
+        except Exception as exc:
+            raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
+        self._check_sampled(out.sampled_token_ids, sampled, len(owners))
+        try:
+            ended = self.logits_processors.accept(masked, sampled) if masked else {}
+        except Exception as exc:
+            raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
+        return out, sampled, ended
 
     def _sampled_hidden(self, hidden: torch.Tensor, batch: AttentionBatch, logits_indices: np.ndarray) -> torch.Tensor:
         """The hidden rows to sample from, without a host sync or a per-step copy where it can:
