@@ -461,3 +461,32 @@ def test_structured_output_fields_reach_the_engine(client: Any, url: str) -> Non
     status, body = http(url + "/v1/completions", {"model": "tiny-llama", "prompt": "hi", "guided_regex": "a",
                                                   "guided_choice": ["b"]})
     assert status == 400 and body["error"]["param"] == "guided_regex", body
+
+
+def test_speculation_counters_in_metrics(folder: Any, url: str) -> None:
+    """With n-gram speculation on, /metrics carries vLLM's spec_decode counters, equal to the engine's
+    own counts after the requests finish; without it (the module's server) the series are absent."""
+    assert "vllm:spec_decode_num_drafts_total" not in http(url + "/metrics")[1]
+    spec = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 128, "block_size": 4},
+               scheduler={"max_model_len": 256},
+               speculative={"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    try:
+        with running_server(spec) as spec_url:
+            repeated = list(range(3, 243))  # most ids the model may sample occur in the prompt: drafts follow them
+            status, body = http(spec_url + "/v1/completions", {"model": body_model(spec_url), "prompt": repeated,
+                                                                "max_tokens": 12, "temperature": 0})
+            assert status == 200, body
+            wait_idle(spec)
+            stats = spec.engine.spec_stats
+            text = http(spec_url + "/metrics")[1]
+            assert stats.num_draft_tokens > 0
+            assert metric(text, "vllm:spec_decode_num_drafts_total") == stats.num_drafts
+            assert metric(text, "vllm:spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+            assert metric(text, "vllm:spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
+            assert 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
+    finally:
+        spec.shutdown()
+
+
+def body_model(url: str) -> str:
+    return http(url + "/v1/models")[1]["data"][0]["id"]

@@ -7,6 +7,8 @@ latency histograms are recorded as each request finishes.  Each server has its o
     vllm:kv_cache_usage_perc                                   gauge, 0..1 (blocks in use / all blocks)
     vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   counters, in tokens
     vllm:num_preemptions_total                                 counter
+    vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+    vllm:spec_decode_num_accepted_tokens_total                 counters, with speculative decoding on
     vllm:prompt_tokens_total / vllm:generation_tokens_total    counters, finished requests
     vllm:request_success_total{finished_reason}                counter: stop, length, abort, error
     vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds,
@@ -60,6 +62,17 @@ class _EngineCollector(Collector):
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ("vllm:num_preemptions", "Preemptions (a sequence's blocks freed, to be recomputed).", sched.num_preemptions),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            yield c
+        spec = getattr(eng, "spec_stats", None)
+        if getattr(eng, "proposer", None) is None or spec is None:
+            return
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Decode rows that carried draft tokens.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(labels, value)
