@@ -45,5 +45,6 @@ def corerun_graph_runners(register: Register) -> None:
         "corerun.graph.cuda:CudaGraphRunner",
         capabilities=GraphRunnerCapabilities(devices=frozenset({"cuda"}), captures=True),
         probe="corerun.graph.cuda:probe",
+        priority=10,  # above eager wherever it fits (a CUDA device, a graph-safe attention backend)
         description="captures pure-decode steps in CUDA graphs by batch-size bucket, replays them",
     )

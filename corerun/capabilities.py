@@ -23,6 +23,27 @@ def _device_type(device: Any) -> str:
     return getattr(device, "type", None) or str(device).split(":")[0]
 
 
+def device_reasons(devices: frozenset[str] | None, device: Any) -> list[str]:
+    """``[]`` when ``device``'s type is in ``devices`` (``None``: any device); else why not."""
+    dev = _device_type(device)
+    return [] if devices is None or dev in devices else [f"device {dev} not in {_fmt(devices)}"]
+
+
+@dataclass(frozen=True)
+class Need:
+    """What an implementation must fit for ``auto`` to choose it (:meth:`corerun.registry.Registry.select`).
+
+    Each kind's capabilities read the fields that concern them: ``fits(need)`` lists why the
+    implementation cannot serve it at all (an explicitly named one is refused), ``suits(need)`` what
+    ``auto`` asks on top; capabilities with no ``fits`` are checked against their ``devices`` only.
+    """
+
+    device: Any  # a torch.device or a device type ("cuda:0", "cpu")
+    attention: Any = None  # graph runners: the chosen attention backend (or its capabilities)
+    tensor_parallel: bool = False  # graph runners: a step runs collectives across ranks
+    params: frozenset[str] = frozenset()  # logits processors: the SamplingParams fields to serve
+
+
 @dataclass(frozen=True)
 class AttentionCapabilities:
     """What an attention backend supports. ``None`` for a set means "any value".
@@ -59,6 +80,10 @@ class AttentionCapabilities:
                 f"grouped-query attention ({spec.num_heads} query / {spec.num_kv_heads} KV heads) not supported"
             )
         return reasons
+
+    def fits(self, need: Any) -> list[str]:
+        """``check`` against an AttentionSpec; against a bare :class:`Need` (no model yet), the device only."""
+        return self.check(need) if hasattr(need, "head_size") else device_reasons(self.devices, need.device)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,7 +131,24 @@ class KVCacheCapabilities:
 @dataclass(frozen=True)
 class GraphRunnerCapabilities:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
-    captures: bool = False  # replays captured graphs (vs. always eager)
+    # replays captured graphs (vs. always eager): its decode steps need an attention backend that
+    # declares cuda_graph_decode, and no tensor-parallel collectives inside a step
+    captures: bool = False
+
+    def fits(self, need: Need) -> list[str]:
+        return device_reasons(self.devices, need.device)
+
+    def suits(self, need: Need) -> list[str]:
+        """What ``auto`` also asks (a runner named explicitly still runs, replaying what it safely can)."""
+        reasons = []
+        if self.captures:
+            attention = getattr(need.attention, "capabilities", need.attention)
+            if not getattr(attention, "cuda_graph_decode", False):
+                reasons.append("captures graphs, and the attention backend does not declare its decode path "
+                               "CUDA-graph safe (cuda_graph_decode=False)")
+            if need.tensor_parallel:
+                reasons.append("captures graphs, and tensor-parallel steps run collectives, which are not captured")
+        return reasons
 
     def to_dict(self) -> dict[str, Any]:
         return {"devices": sorted(self.devices), "captures": self.captures}
@@ -129,6 +171,10 @@ class LogitsProcessorCapabilities:
 
     def used_by(self, params: Any) -> bool:
         return bool(self.params & params.non_default_fields())
+
+    def fits(self, need: Need) -> list[str]:
+        missing = need.params - self.params
+        return device_reasons(self.devices, need.device) + ([f"does not serve {_fmt(missing)}"] if missing else [])
 
     def to_dict(self) -> dict[str, Any]:
         return {"params": sorted(self.params), "host_sync": self.host_sync, "devices": sorted(self.devices)}

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from corerun.capabilities import PROCESSOR_PARAMS
+from corerun.capabilities import PROCESSOR_PARAMS, Need
 from corerun.registry import Registration, Registry
 
 logger = logging.getLogger("corerun.logits_processing")
@@ -80,13 +80,10 @@ class LogitsProcessors:
 
     def choose(self, field_name: str) -> Registration:
         """The processor ``auto`` picks for ``field_name``; ``ValueError`` naming what to install when none."""
-        dev = self.device.type
-        eligible, passed = self.registry.auto_ranking(
-            "logits_processor", dev, lambda r: [] if field_name in getattr(r.capabilities, "params", ()) else ["-"]
-        )
+        eligible, passed = self.registry.auto_ranking("logits_processor", Need(self.device, params=frozenset({field_name})))
         if eligible:
             return eligible[0]
-        why = "; ".join(f"'{r.name}': {w}" for r, w in passed if w != "-")
+        why = "; ".join(f"'{r.name}': {w}" for r, w in passed if field_name in getattr(r.capabilities, "params", ()))
         raise ValueError(
             f"{field_name} needs a logits processor that serves it, and none is usable here"
             + (f" ({why})" if why else f"; install {PROVIDERS.get(field_name, 'one')}")

@@ -471,65 +471,89 @@ class Registry:
                 self.get(kind, name)
 
     # ------------------------------------------------------------ selection
-    def auto_ranking(
-        self, kind: str, device_type: str, check: Callable[[Registration], list[str]] | None = None
-    ) -> tuple[list[Registration], list[tuple[Registration, str]]]:
-        """What ``auto`` considers on ``device_type``: the eligible implementations, best first (highest
-        priority, then name), and every other one with why it was passed over (capability, availability,
-        trust).  ``check`` adds reasons (the attention capabilities against a spec).  Only the winner's
-        factory module is imported to check it imports (the next in line takes over when it does not)."""
+    def auto_ranking(self, kind: str, need: Any) -> tuple[list[Registration], list[tuple[Registration, str]]]:
+        """What ``auto`` considers for ``need`` (a :class:`~corerun.capabilities.Need`, or the model's
+        AttentionSpec for attention): the eligible implementations, best first (highest priority on the
+        device type, then name), and every other one with why it was passed over (what its capabilities
+        say of ``need``, availability, trust).  Only the winner's factory module is imported to check it
+        imports (the next in line takes over when it does not)."""
+        dev = _device_type(need.device)
         eligible: list[Registration] = []
         passed: list[tuple[Registration, str]] = []
         for reg in sorted(self.registrations[kind].values(), key=lambda r: r.name):
-            caps = reg.capabilities
-            reasons = list(check(reg)) if check else []
-            devices = getattr(caps, "devices", None)
-            if check is None and devices is not None and device_type not in devices:
-                reasons.append(f"device {device_type} not in {{{', '.join(sorted(devices))}}}")
-            reasons += reg.probe_reasons()
-            if reasons:
-                passed.append((reg, "; ".join(reasons)))
-                continue
-            problem = reg.trust_problem(device_type)
-            if problem:
-                passed.append((reg, problem))
+            reasons = misfits(reg, need, auto=True) + reg.probe_reasons()
+            problem = None if reasons else reg.trust_problem(dev)
+            if reasons or problem:
+                passed.append((reg, problem or "; ".join(reasons)))
             else:
                 eligible.append(reg)
-        eligible.sort(key=lambda r: (-r.priority_on(device_type), r.name))
+        eligible.sort(key=lambda r: (-r.priority_on(dev), r.name))
         # the factory is imported for the winner only (importing every candidate's kernels costs seconds)
         while eligible and eligible[0].import_reasons():
             passed.append((eligible[0], "; ".join(eligible.pop(0).import_reasons())))
         for reg in eligible[1:]:
-            passed.insert(0, (reg, f"lower priority ({reg.priority_on(device_type)} < {eligible[0].priority_on(device_type)})"))
+            passed.insert(0, (reg, f"lower priority ({reg.priority_on(dev)} < {eligible[0].priority_on(dev)})"))
         return eligible, passed
 
-    def select_attention(self, name: str, spec: Any) -> Registration:
-        """The attention backend for ``spec``: ``name`` itself (used as asked, never replaced), or for
-        ``auto`` the highest-priority capable, available and trusted one (built-in, first-party or
-        certified).  Either way the choice is announced on ``corerun.selection``."""
-        dev = getattr(spec.device, "type", str(spec.device))
-
-        def capable(reg: Registration) -> list[str]:
-            return reg.capabilities.check(spec) if reg.capabilities else []
-
+    def select(self, kind: str, name: str, need: Any, announce_as: str | None = None) -> "Selection":
+        """The implementation of ``kind`` to build: ``name`` itself (used as asked, never replaced; one
+        that is unknown, unavailable or does not fit ``need`` raises with every reason), or for ``auto``
+        the highest-priority available one that fits ``need`` among those ``auto`` may choose (built-in,
+        first-party, certified).  The choice is announced on ``corerun.selection`` as ``announce_as``
+        (default: the kind)."""
+        dev = _device_type(need.device)
+        label = announce_as or kind
         if name != "auto":
-            reg = self.get("attention", name)
-            reasons = reg.unavailable_reasons() + capable(reg)
+            reg = self.get(kind, name)
+            reasons = reg.unavailable_reasons() + misfits(reg, need)
             if reasons:
-                raise PluginUnavailableError(KIND_TITLES["attention"], name, reasons)
-            announce("attention: '%s' as configured, from %s %s (%s on %s)", reg.name, reg.distribution, reg.version,
+                raise PluginUnavailableError(KIND_TITLES[kind], name, reasons)
+            announce("%s: '%s' as configured, from %s %s (%s on %s)", label, reg.name, reg.distribution, reg.version,
                      reg.trust_label(dev), dev)
-            return reg
-        eligible, passed = self.auto_ranking("attention", dev, capable)
+            return Selection(reg, "as configured", [])
+        eligible, passed = self.auto_ranking(kind, need)
         why_not = [f"{r.name}: {why}" for r, why in passed]
         if not eligible:
-            raise PluginUnavailableError(KIND_TITLES["attention"], "auto", why_not or ["no attention backend is installed"])
+            raise PluginUnavailableError(KIND_TITLES[kind], "auto", why_not or [f"no {KIND_TITLES[kind]} is installed"])
         best = eligible[0]
-        announce(
-            "attention: auto chose '%s' from %s %s (%s, priority %d on %s)%s", best.name, best.distribution, best.version,
-            best.trust_label(dev), best.priority_on(dev), dev, f"; passed over: {' | '.join(why_not)}" if why_not else "",
-        )
-        return best
+        reason = f"{best.trust_label(dev)}, priority {best.priority_on(dev)} on {dev}"
+        announce("%s: auto chose '%s' from %s %s (%s)%s", label, best.name, best.distribution, best.version, reason,
+                 f"; passed over: {' | '.join(why_not)}" if why_not else "")
+        return Selection(best, reason, passed)
+
+    def select_attention(self, name: str, spec: Any) -> Registration:
+        """The attention backend for the model's AttentionSpec (see :meth:`select`)."""
+        return self.select("attention", name, spec).registration
+
+
+@dataclass
+class Selection:
+    """What :meth:`Registry.select` chose, why, and every implementation ``auto`` passed over with why."""
+
+    registration: Registration
+    reason: str  # "as configured", or "<trust>, priority <p> on <device>"
+    passed_over: list[tuple[Registration, str]]
+
+    @property
+    def name(self) -> str:
+        return self.registration.name
+
+
+def _device_type(device: Any) -> str:
+    return getattr(device, "type", None) or str(device).split(":")[0]
+
+
+def misfits(reg: Registration, need: Any, auto: bool = False) -> list[str]:
+    """Why ``reg`` does not fit ``need``: its capabilities' ``fits(need)`` (and for ``auto`` their
+    ``suits(need)``), else its declared ``devices``."""
+    caps = reg.capabilities
+    fits = getattr(caps, "fits", None)
+    if fits is not None:
+        suits = getattr(caps, "suits", None) if auto else None
+        return list(fits(need)) + (list(suits(need)) if suits else [])
+    devices = getattr(caps, "devices", None)
+    dev = _device_type(need.device)
+    return [] if devices is None or dev in devices else [f"device {dev} not in {{{', '.join(sorted(devices))}}}"]
 
 
 _default: Registry | None = None

@@ -19,7 +19,6 @@ import torch
 
 from corerun.capabilities import AttentionCapabilities
 from corerun.errors import ConfigError
-from corerun.graph import choose_graph_runner
 from corerun.graph.buckets import bucket_for, capture_sizes
 from corerun.graph.capturer import EmulatedGraphCapturer, GraphCapturer
 from corerun.graph.cuda import CudaGraphRunner, probe
@@ -475,11 +474,19 @@ def test_cuda_runner_refuses_a_cpu_device_without_an_injected_capturer() -> None
         CudaGraphRunner(ToyModel(), PassThroughAttention(), limits(), capturer=object())
 
 
-def test_choose_graph_runner() -> None:
+def test_graph_runner_auto_goes_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``graph: {runner: auto}`` is ``Registry.select``: the built-in ``cuda`` runner (priority 10) on a
+    CUDA device with a graph-safe backend (a backend or its capabilities), ``eager`` otherwise, with why."""
+    from corerun.capabilities import Need
+    from corerun.registry import get_registry
+
+    reg = get_registry()
+    cuda = reg.get("graph", "cuda")
+    monkeypatch.setattr(cuda, "_reasons", [])  # as on a machine with a CUDA device
     safe, unsafe = AttentionCapabilities(cuda_graph_decode=True), AttentionCapabilities(cuda_graph_decode=False)
-    assert choose_graph_runner(torch.device("cuda", 0), safe)[0] == "cuda"
-    assert choose_graph_runner("cuda:1", PassThroughAttention())[0] == "cuda"  # a backend works too
-    name, reason = choose_graph_runner("cpu", safe)
-    assert name == "eager" and "device is cpu" in reason
-    name, reason = choose_graph_runner("cuda", unsafe, attention_name="flash")
-    assert name == "eager" and "attention backend 'flash'" in reason and "cuda_graph_decode" in reason
+    assert reg.select("graph", "auto", Need(torch.device("cuda", 0), attention=safe)).name == "cuda"
+    assert reg.select("graph", "auto", Need("cuda:1", attention=PassThroughAttention())).name == "cuda"
+    chosen = reg.select("graph", "auto", Need("cpu", attention=safe))
+    assert chosen.name == "eager" and dict((r.name, w) for r, w in chosen.passed_over)["cuda"] == "device cpu not in {cuda}"
+    chosen = reg.select("graph", "auto", Need("cuda", attention=unsafe))
+    assert chosen.name == "eager" and "cuda_graph_decode=False" in dict((r.name, w) for r, w in chosen.passed_over)["cuda"]

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from corerun._version import PROTOCOL_VERSION, __version__
+from corerun.capabilities import Need
 from corerun.registry import ENTRY_POINT_GROUP, ENV_ALLOW_LIST, Registry
 
 
@@ -66,35 +67,32 @@ AUTO_DEVICES = ("cpu", "cuda")
 
 
 def auto_choices(registry: Registry) -> list[dict[str, Any]]:
-    """Per kind with an ``auto`` and per device type: what ``auto`` would pick and why each other
-    implementation was passed over (attention is also narrowed by the model's spec at startup)."""
-    from corerun.graph import choose_graph_runner
-
+    """Per kind and per device type: what ``auto`` would pick (:meth:`Registry.select`'s ranking) and why
+    each other implementation was passed over.  At startup attention is also narrowed by the model's
+    spec, and the graph runner is ranked against the attention backend chosen here."""
     out: list[dict[str, Any]] = []
     for device in AUTO_DEVICES:
-        eligible, passed = registry.auto_ranking("attention", device)
-        best = eligible[0] if eligible else None
-        out.append({
-            "kind": "attention", "device": device, "choice": best.name if best else None,
-            "reason": (
-                f"{best.trust_label(device)}, highest priority ({best.priority_on(device)}) among the capable, "
-                f"available and trusted" if best else "nothing is capable, available and trusted"
-            ),
-            "passed_over": [{"name": r.name, "why": why} for r, why in passed],
-        })
-        name, why = choose_graph_runner(device, best.capabilities if best else None, best.name if best else None)
-        others = [r.name for r in registry.all() if r.kind == "graph" and r.name != name]
-        out.append({
-            "kind": "graph", "device": device, "choice": name, "reason": why,
-            "passed_over": [{"name": n, "why": f"the rule picks '{name}' here"} for n in others],
-        })
+        attention = None
+        for kind in ("attention", "graph", "sampler", "kv_cache"):
+            eligible, passed = registry.auto_ranking(kind, Need(device, attention=attention))
+            best = eligible[0] if eligible else None
+            if kind == "attention":
+                attention = best.capabilities if best else None
+            out.append({
+                "kind": kind, "device": device, "choice": best.name if best else None,
+                "reason": (
+                    f"{best.trust_label(device)}, highest priority ({best.priority_on(device)}) among the capable, "
+                    f"available and trusted" if best else "nothing is capable, available and trusted"
+                ),
+                "passed_over": [{"name": r.name, "why": why} for r, why in passed],
+            })
     return out
 
 
 def _auto(doc: dict[str, Any]) -> Any:
     from rich.text import Text
 
-    table = _table("What `auto` picks (attention: built-ins, first-party and certified plugins only)",
+    table = _table("What `auto` picks (built-ins, first-party and certified plugins only)",
                    ("kind", "device", "auto picks", "passed over"), no_wrap=("kind", "device"))
     for a in doc["auto"]:
         passed = "\n".join(f"{p['name']}: {p['why']}" for p in a["passed_over"]) or "-"

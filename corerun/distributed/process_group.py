@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from corerun.config import Choice, Config
+from corerun.config import Config
 from corerun.errors import ConfigError
 from corerun.distributed.errors import TensorParallelError
 from corerun.distributed.group import TensorParallelGroup
@@ -35,19 +35,6 @@ def backend_for(config: Config) -> str:
     if backend == "nccl" and kind != "cuda":
         raise ConfigError("distributed.backend: 'nccl' runs on CUDA devices only, but the device is cpu; use gloo (or auto)")
     return backend
-
-
-def prepare_config(config: Config) -> Config:
-    """The configuration every rank runs: ``graph.runner: auto`` becomes ``eager`` on CUDA.
-
-    (A CUDA graph would capture the collectives too; corerun captures them only when ``graph.runner: cuda``
-    is asked for explicitly.)
-    """
-    if config.graph.runner.name == "auto" and device_type(config) == "cuda":
-        config = config.model_copy(deep=True)
-        config.graph.runner = Choice(name="eager")
-        logger.info("graph.runner: auto chose 'eager' under tensor parallelism (collectives are not captured)")
-    return config
 
 
 def bind_device(config: Config, local_rank: int, world_size: int, is_worker: bool) -> torch.device:

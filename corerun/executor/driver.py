@@ -47,10 +47,9 @@ class TensorParallelRunner(ModelRunner):
         from corerun.executor.launched import LaunchedWorkers, join, launched_rank, serve_launched
         from corerun.executor.local import LocalWorkers
         from corerun.distributed.process_group import (
-            backend_for, bind_device, ensure_not_initialized, init_group, prepare_config,
+            backend_for, bind_device, ensure_not_initialized, init_group,
         )
 
-        config = prepare_config(config)
         n, dcfg = config.tensor_parallel_size, config.distributed
         if dcfg.init_method is not None:
             rank, local_rank = launched_rank(config)

@@ -154,14 +154,13 @@ class BroadcastSource:
 
 def serve_launched(config: Config) -> None:
     """Serve as launched rank ``RANK`` (not 0) until rank 0 shuts the group down."""
-    from corerun.distributed.process_group import destroy_group, prepare_config
+    from corerun.distributed.process_group import destroy_group
     from corerun.executor.worker import failure_message, serve
 
     if config.distributed.init_method is None:
         raise ConfigError(
             "a launched tensor-parallel worker needs distributed.init_method ('env://' under torchrun, or 'tcp://HOST:PORT')"
         )
-    config = prepare_config(config)
     rank, local_rank = launched_rank(config)
     if rank == 0:
         raise ConfigError("RANK=0 is the engine's own rank; start the engine there (LLM(...)), not a worker")

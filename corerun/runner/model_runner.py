@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from corerun.capabilities import Need
 from corerun.config import Config
 from corerun.kv_cache.memory import check_kv_cache_fits
 from corerun.core.scheduler import ScheduledBatch
@@ -28,7 +29,7 @@ from corerun.runner.profile import StepMemory
 from corerun.logits_processing import LogitsProcessors
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
-from corerun.registry import Registry, announce, get_registry
+from corerun.registry import Registry, get_registry
 from corerun.sampler_utils import to_device
 from corerun.sampling_params import SamplingParams
 from corerun.runner.step_inputs import StepInputs
@@ -70,7 +71,6 @@ class StepResult:
 class ModelRunner:
     # tp: this process's tensor-parallel group (corerun.executor); the model holds this rank's shard
     def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
-        from corerun.graph import choose_graph_runner
         from corerun.kv_cache.sizing import num_blocks_for_budget
         from corerun.models.loader import load_model
 
@@ -103,17 +103,15 @@ class ModelRunner:
 
         # attention backend: the user's choice, or the best capable one for `auto`
         spec = self.model.attention_spec(self.dtype, self.block_size, self.device)
-        self.attention_name = self.registry.select_attention(config.attention.name, spec).name
+        select = self.registry.select  # explicit names as asked; `auto` by priority among what fits (registry.py)
+        self.attention_name = select("attention", config.attention.name, spec).name
         self.attention = self.registry.create(
             "attention", self.attention_name, spec, options=config.attention.options
         )
 
         # graph runner and sampler are chosen first: the KV budget leaves room for what they need
-        graph_name = config.graph.runner.name
-        if graph_name == "auto":
-            graph_name, why = choose_graph_runner(self.device, self.attention.capabilities)
-            announce("graph.runner: auto chose '%s': %s", graph_name, why)
-        self.graph_name = graph_name
+        need = Need(self.device, attention=self.attention, tensor_parallel=tp is not None and tp.world_size > 1)
+        graph_name = self.graph_name = select("graph", config.graph.runner.name, need, "graph.runner").name
         limits = GraphLimits(
             max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),
             max_model_len=self.max_model_len,
@@ -122,7 +120,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.sampler_name = config.sampler.name
+        self.sampler_name = select("sampler", config.sampler.name, need).name
         self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
         self.logits_processors = LogitsProcessors(  # between logits and sampler (corerun.logits_processing)
             self.registry, self.vocab_size, self.device, self.sampler_name, self.sampler.capabilities
@@ -145,11 +143,11 @@ class ModelRunner:
             self.num_blocks = config.kv_cache.num_blocks
             check_kv_cache_fits(self.num_blocks, per_block, self.device)
         self.kv_caches = [self.attention.allocate_kv_cache(self.num_blocks) for _ in range(mc.num_layers)]
+        self.kv_manager_name = select("kv_cache", config.kv_cache.manager.name, need, "kv_cache.manager").name
         self.kv_manager = self.registry.create(
-            "kv_cache", config.kv_cache.manager.name, self.num_blocks, self.block_size,
+            "kv_cache", self.kv_manager_name, self.num_blocks, self.block_size,
             prefix_caching=config.kv_cache.prefix_caching, options=config.kv_cache.manager.options,
         )
-        self.kv_manager_name = config.kv_cache.manager.name
 
         # graph runner around the composed model
         self.graph = self.registry.create(
