@@ -20,13 +20,13 @@ from __future__ import annotations
 import functools
 import importlib.metadata as md
 import json
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
 from corerun._version import PROTOCOL_VERSION, __version__
+from corerun.cache import cache_dir
 
 BUILTIN, FIRST_PARTY, THIRD_PARTY = "built-in", "first-party", "third-party"
 RANK = {BUILTIN: 2, FIRST_PARTY: 1, THIRD_PARTY: 0}  # who keeps a name registered twice
@@ -58,15 +58,6 @@ def origin(plugin: str, distribution: str) -> str:
     if plugin == "corerun" and distribution == "corerun":
         return BUILTIN
     return FIRST_PARTY if normalize(distribution) in first_party_distributions() else THIRD_PARTY
-
-
-def cache_dir() -> Path:
-    """``$CORERUN_CACHE_DIR``, else ``$XDG_CACHE_HOME/corerun``, else ``~/.cache/corerun``."""
-    if os.environ.get("CORERUN_CACHE_DIR"):
-        return Path(os.environ["CORERUN_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "corerun"
-    return Path.home() / ".cache" / "corerun"
 
 
 def certificate_path(kind: str, name: str, distribution: str, device: str) -> Path:

