@@ -95,6 +95,9 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(8192, ge=1)
     max_model_len: int | Literal["auto"] = "auto"
     chunked_prefill: bool = True
+    # schedule step N+1 while step N runs (forward and sampling on a background thread); outputs are
+    # identical to synchronous scheduling (docs/usage.md, "Asynchronous scheduling")
+    async_scheduling: bool = False
 
     @field_validator("max_model_len")
     @classmethod

@@ -34,6 +34,19 @@ class SchedulingError(StepError):
         super().__init__(f"{type(cause).__name__}: {cause}")
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """What the step in flight does for one sequence (asynchronous scheduling): computes ``computed``
+    tokens, appends ``appended`` (0 or 1) sampled tokens; ``last``: the appended token ends the request."""
+
+    computed: int = 0
+    appended: int = 0
+    last: bool = False
+
+
+_NOTHING_IN_FLIGHT = InFlight()
+
+
 @dataclass
 class ScheduledBatch:
     """One step: ``seqs[i]`` computes ``num_new[i]`` tokens starting at ``seqs[i].num_computed_tokens``.
@@ -77,6 +90,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self._current: Sequence | None = None  # the sequence the KV-cache manager is working on
+        # asynchronous scheduling: seq_id -> what the step still running does for it, not yet in the
+        # sequence (see :meth:`set_in_flight`)
+        self.in_flight: dict[int, InFlight] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -106,8 +122,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.chunked_prefill and n < seq.num_tokens - seq.num_computed_tokens:
+            ahead = self.in_flight.get(seq.seq_id, _NOTHING_IN_FLIGHT)
+            if ahead.last:  # its token in flight is its last (max_tokens, max_model_len): nothing to schedule
+                i += 1
+                continue
+            computed = seq.num_computed_tokens + ahead.computed
+            n = min(seq.num_tokens + ahead.appended - computed, budget)
+            if not self.chunked_prefill and n < seq.num_tokens + ahead.appended - computed:
                 break  # whole prefills only: wait for a step with room
             if n == 1 and self.propose is not None and budget > 1:
                 d = self.propose(seq, budget - 1)  # drafts only where their slots are free: never a preemption
@@ -117,7 +138,7 @@ class Scheduler:
                     budget -= 1 + len(d)
                     i += 1
                     continue
-            while not self._allocate(seq, seq.num_computed_tokens + n):
+            while not self._allocate(seq, computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -156,6 +177,14 @@ class Scheduler:
         num_decodes = sum(1 for _, n in items if n == 1)
         drafts = {sid: d for sid, d in drafts.items() if sid in by_id}  # (a drafting seq preempted later)
         return ScheduledBatch([s for s, _ in items], [n for _, n in items], num_decodes, preempted, drafts)
+
+    def set_in_flight(self, batch: ScheduledBatch, appends: list[bool], last: list[bool]) -> None:
+        """Asynchronous scheduling: ``batch`` runs while the next one is scheduled.  Each of its
+        sequences will have computed its ``num_new`` tokens, and one token more when ``appends[i]``
+        (a placeholder until the step's result comes); ``last[i]``: that token is certainly its last."""
+        self.in_flight = {
+            s.seq_id: InFlight(n, int(a), z) for s, n, a, z in zip(batch.seqs, batch.num_new, appends, last)
+        }
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         self._current = seq

@@ -12,6 +12,8 @@ import logging
 import operator
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
@@ -24,7 +26,7 @@ from corerun.core.scheduler import ScheduledBatch, Scheduler, SchedulingError
 from corerun.engine.stop_strings import final_text, find_stop, running_text
 from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import ConfigError, EngineClosedError, RequestError, StepError, UnsupportedError
-from corerun.runner.model_runner import ModelRunner, StepResult
+from corerun.runner.model_runner import ModelRunner, PreparedStep, StepResult
 from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
 from corerun.registry import Registry
@@ -36,9 +38,19 @@ logger = logging.getLogger("corerun.engine")
 Prompt = str | Seq[int]
 
 
+@dataclass
+class _StepInFlight:
+    """Asynchronous scheduling: the step running on the step thread while the next one is scheduled."""
+
+    sched: ScheduledBatch
+    future: Future
+    preemptions: list[int]  # each sequence's num_preemptions at launch (a change: preempted meanwhile)
+
+
 class LLMEngine:
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         self.config = config
+        self.async_scheduling = _check_async_scheduling(config)
         if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (corerun.executor)
             from corerun.executor.driver import TensorParallelRunner
 
@@ -72,6 +84,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # asynchronous scheduling (docs/usage.md): the step in flight, and the outputs of one collected
+        # outside step() (an abort waits for it) that the next step() returns
+        self._in_flight: _StepInFlight | None = None
+        self._collected: list[Sequence] = []
+        self._step_thread: ThreadPoolExecutor | None = None
+        if self.async_scheduling:
+            self._step_thread = ThreadPoolExecutor(1, "corerun-step", initializer=_init_step_thread,
+                                                   initargs=(self.runner.device, self.runner.threads))
 
     def _make_proposer(self, config: Config) -> NgramProposer | None:
         """The draft proposer of ``speculative`` (docs/speculative-decoding.md), or None when it is off."""
@@ -287,6 +307,8 @@ class LLMEngine:
         """Cancel a request; its blocks are freed at once. Unknown or finished ids are ignored."""
         with self.lock:
             seq = self.requests.get(request_id)
+            if seq is not None and self._in_flight is not None:  # its step ends first: it reads the blocks
+                self._collected += self._collect()
             if seq is not None and not seq.is_finished:
                 self._finish(seq, "abort", time.perf_counter())
                 self._aborted.append(seq)
@@ -305,7 +327,7 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._collected)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[Sequence]:
@@ -321,11 +343,12 @@ class LLMEngine:
             return parallel_sampling.as_requests(touched, self._group_of) if self._group_of else touched
 
     def _step(self) -> list[Sequence]:
+        if self.async_scheduling:
+            return self._step_async()
         try:
             sched = self.scheduler.schedule()
         except SchedulingError as exc:
-            culprits = [exc.seq] if exc.seq is not None else list(self.scheduler.running) + list(self.scheduler.waiting)[:1]
-            return self._fail(culprits, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: {exc}")
+            return self._scheduling_failed(exc)
         if not sched:
             return self._unschedulable(sched)
         self.num_steps += 1
@@ -337,6 +360,76 @@ class LLMEngine:
             logger.exception("step failed outside any plugin")
             return self._fail(sched.seqs, f"step failed: {type(exc).__name__}: {exc}")
         return self._update(sched, result)
+
+    def _scheduling_failed(self, exc: SchedulingError) -> list[Sequence]:
+        sc = self.scheduler
+        culprits = [exc.seq] if exc.seq is not None else list(sc.running) + list(sc.waiting)[:1]
+        culprits = [s for s in culprits if not s.is_finished]
+        return self._fail(culprits, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: {exc}")
+
+    # ------------------------------------------------- asynchronous scheduling
+    def _step_async(self) -> list[Sequence]:
+        """Schedule step N+1 while step N runs on the step thread; then take N's tokens, drop from N+1
+        the requests N ended (their slots freed, nothing of theirs run or emitted) and launch N+1.
+
+        The scheduler counts each sampled row of N as one more token (a placeholder) and skips a request
+        whose token in flight is certainly its last; N+1's inputs are prepared after N's tokens are in,
+        so they hold the real ids.  Returns what N touched (what a synchronous step N returns).
+        """
+        touched, self._collected = [s for s in self._collected if s.finish_reason != "abort"], []
+        had_in_flight = self._in_flight is not None
+        try:
+            sched = self.scheduler.schedule()
+        except SchedulingError as exc:
+            touched += self._collect()
+            return touched + self._scheduling_failed(exc)
+        touched += self._collect()
+        if not sched:
+            return touched if had_in_flight else touched + self._unschedulable(sched)
+        keep = [i for i, s in enumerate(sched.seqs) if not s.is_finished]
+        if len(keep) < len(sched.seqs):  # ended by step N: never run, never emitted (blocks freed by _finish)
+            sched = replace(
+                sched, seqs=[sched.seqs[i] for i in keep], num_new=[sched.num_new[i] for i in keep],
+                num_decodes=sum(1 for i in keep if i < sched.num_decodes),
+            )
+            if not sched:
+                return touched
+        return touched + self._launch(sched)
+
+    def _launch(self, sched: ScheduledBatch) -> list[Sequence]:
+        """Prepare ``sched`` here and run it on the step thread; the requests it fails (nothing launched)."""
+        self.num_steps += 1
+        try:
+            prepared = self.runner.prepare_step(sched, self.eos_token_ids)
+        except StepError as exc:
+            return self._fail(sched.seqs, str(exc))
+        except Exception as exc:
+            logger.exception("preparing a step failed outside any plugin")
+            return self._fail(sched.seqs, f"step failed: {type(exc).__name__}: {exc}")
+        appends = [s.num_computed_tokens + n >= s.num_tokens for s, n in zip(sched.seqs, sched.num_new)]
+        longest = self.runner.max_model_len
+        last = [a and (s.num_output_tokens + 1 >= s.params.max_tokens or s.num_tokens + 1 >= longest)
+                for s, a in zip(sched.seqs, appends)]
+        self.scheduler.set_in_flight(sched, appends, last)
+        future = self._step_thread.submit(_run_step, self.runner, prepared)  # type: ignore[union-attr]
+        self._in_flight = _StepInFlight(sched, future, [s.num_preemptions for s in sched.seqs])
+        return []
+
+    def _collect(self) -> list[Sequence]:
+        """Wait for the step in flight (if any) and apply its tokens, as a synchronous step would."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        self.scheduler.in_flight = {}
+        try:
+            result = step.future.result()
+        except StepError as exc:
+            return self._fail([s for s in step.sched.seqs if not s.is_finished], str(exc))
+        except Exception as exc:  # a bug outside the plugins: still end only this step's requests
+            logger.exception("step failed outside any plugin")
+            return self._fail([s for s in step.sched.seqs if not s.is_finished], f"step failed: {type(exc).__name__}: {exc}")
+        moved = {s.seq_id for s, p in zip(step.sched.seqs, step.preemptions) if s.num_preemptions != p}
+        return self._update(step.sched, result, moved)
 
     def _unschedulable(self, sched: ScheduledBatch) -> list[Sequence]:
         """Nothing was scheduled. With nothing running and nothing preempted, the head of the queue
@@ -378,7 +471,9 @@ class LLMEngine:
             self._finish(seq, "error", now)
         return seqs
 
-    def _update(self, sched: ScheduledBatch, result: StepResult) -> list[Sequence]:
+    def _update(self, sched: ScheduledBatch, result: StepResult, moved: frozenset[int] | set[int] = frozenset()) -> list[Sequence]:
+        """Apply a step's result. ``moved``: sequences preempted while the step ran (asynchronous
+        scheduling): they take their token, but their K/V were given up and are recomputed."""
         now = time.perf_counter()
         # everything that can fail on malformed sampler output first, before any sequence changes
         try:
@@ -397,6 +492,8 @@ class LLMEngine:
         if sched.drafts:
             emitted = {sched.seqs[r].seq_id: [t, *result.more.get(r, ())] for r, t in zip(result.rows, result.sampled)}
         for seq, n in zip(sched.seqs, sched.num_new):
+            if seq.seq_id in moved:
+                continue
             kv_tokens = seq.token_ids
             d = sched.drafts.get(seq.seq_id)
             if d:  # K/V of rejected drafts stay in their slots, overwritten when those positions are computed
@@ -571,6 +668,10 @@ class LLMEngine:
         (tensor-parallel workers); the engine refuses work afterwards. Safe to call twice."""
         with self.lock:
             self.closed = True
+            self._collect()
+            self._collected = []
+            if self._step_thread is not None:
+                self._step_thread.shutdown(wait=True)
             for rid in list(self.requests):
                 self.abort(rid)
             self._aborted = []
@@ -581,6 +682,39 @@ class LLMEngine:
                 self.runner.kv_caches = []
             if hasattr(self.runner, "graph"):
                 self.runner.graph = None
+
+
+def _check_async_scheduling(config: Config) -> bool:
+    """``scheduler.async_scheduling``, refused where the step's token count is not known ahead."""
+    if not config.scheduler.async_scheduling:
+        return False
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"scheduler.async_scheduling: true runs on one device only (tensor_parallel_size is "
+            f"{config.tensor_parallel_size}); use tensor_parallel_size: 1 or async_scheduling: false"
+        )
+    if config.speculative.method is not None:
+        raise ConfigError(
+            f"scheduler.async_scheduling: true cannot be combined with speculative.method: "
+            f"{config.speculative.method!r} (a step's number of accepted tokens is not known ahead); "
+            "leave speculative.method unset or use async_scheduling: false"
+        )
+    return True
+
+
+def _init_step_thread(device: Any, threads: int) -> None:
+    """The step thread runs with the engine's device and intra-op thread count."""
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _run_step(runner: ModelRunner, prepared: PreparedStep) -> StepResult:
+    """On the step thread: the forward, then sampling (torch releases the GIL inside its kernels)."""
+    return runner.sample_tokens(runner.execute_model(prepared))
 
 
 def _validation_details(exc: ValidationError) -> str:
@@ -626,8 +760,15 @@ def _load_tokenizer(model_dir: Path) -> Any:
     if not any((model_dir / f).exists() for f in files):
         logger.info("no tokenizer files in %s: prompts must be token ids, outputs carry no text", model_dir)
         return None
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        from corerun.models.errors import ModelLoadError
 
+        raise ModelLoadError(
+            f"the tokenizer in {model_dir} needs transformers, which cannot be imported ({exc}): "
+            "pip install 'corerun[hf]', or set skip_tokenizer_init: true and pass token ids"
+        ) from None
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # corrupt tokenizer.json, a bad tokenizer_config.json, ...

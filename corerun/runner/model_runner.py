@@ -68,6 +68,30 @@ class StepResult:
     more: dict[int, list[int]] = field(default_factory=dict)
 
 
+@dataclass
+class PreparedStep:
+    """One step's host side (:meth:`ModelRunner.prepare_step`): what its forward and sampling read."""
+
+    sched: ScheduledBatch
+    inputs: ModelInputs
+    rows: np.ndarray  # sampled rows, indices into sched.seqs
+    logits_indices: np.ndarray  # their rows of the step's hidden states
+    seqs: list[Any]  # the sampled rows' sequences
+    meta: SamplingMetadata | None  # their sampling metadata (None with drafts: built per verified position)
+    eos_token_ids: frozenset[int]
+    has_drafts: bool
+    prompt_plan: list[tuple[int, int, int, int, Any]]  # requests owed prompt logprobs this step
+
+
+@dataclass
+class ExecuteModelState:
+    """A step between :meth:`ModelRunner.execute_model` (the forward) and :meth:`ModelRunner.sample_tokens`."""
+
+    step: PreparedStep
+    hidden: torch.Tensor
+    prompt_logprobs: dict[int, tuple[int, LogprobsTensors]]
+
+
 class ModelRunner:
     # tp: this process's tensor-parallel group (corerun.executor); the model holds this rank's shard
     def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
@@ -251,6 +275,15 @@ class ModelRunner:
     def _model_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
         return self.model(input_ids, positions, AttentionContext(self.attention, metadata, self.kv_caches))
 
+    # the two seams tensor-parallel rank 0 (corerun.executor.driver) extends to bring its workers along
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The step's hidden states ``[num_tokens, hidden_size]``."""
+        return self.graph.run(inputs)
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab_size]`` of the hidden rows ``[N, hidden_size]``."""
+        return self.model.compute_logits(hidden)
+
     def describe(self) -> dict[str, str]:
         return {
             "attention": self.attention_name,
@@ -284,7 +317,17 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- step
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
-        """Run one step. Raises StepError naming the component that failed."""
+        """Run one step: :meth:`prepare_step`, :meth:`execute_model`, :meth:`sample_tokens` in a row.
+        Raises StepError naming the component that failed."""
+        return self.sample_tokens(self.execute_model(self.prepare_step(sched, eos_token_ids)))
+
+    def prepare_step(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> PreparedStep:
+        """The step's host work: inputs copied to the device, the sampled rows and their metadata.
+
+        Reads the sequences, the scheduler's and the KV-cache manager's state, so it runs on the thread
+        that schedules; what follows (:meth:`execute_model`, :meth:`sample_tokens`) reads only what it
+        returns and may run on another thread while the next step is scheduled.
+        """
         extended = [(s, len(s.token_ids)) for s in sched.seqs if s.seq_id in sched.drafts]
         try:
             for s, _ in extended:  # the drafts are inputs of this step only
@@ -298,28 +341,42 @@ class ModelRunner:
         finally:
             for s, n in extended:
                 del s.token_ids[n:]
+        seqs = [sched.seqs[i] for i in rows.tolist()]
+        meta = None
+        if seqs and not extended:
+            meta = SamplingMetadata(
+                params=[s.params for s in seqs],
+                prompt_token_ids=[s.prompt_token_ids for s in seqs],
+                output_token_ids=[s.output_view() for s in seqs],
+                eos_token_ids=eos_token_ids,
+                seq_ids=[s.seq_id for s in seqs],
+            )
+        return PreparedStep(
+            sched, inputs, rows, logits_indices, seqs, meta, eos_token_ids, bool(extended),
+            self._prompt_logprob_plan(sched, inputs),
+        )
+
+    def execute_model(self, step: PreparedStep) -> ExecuteModelState:
+        """The forward (launched on the device; on CPU it runs here) and the prompt logprobs it owes."""
         try:
-            hidden = self.graph.run(inputs)
+            hidden = self._forward(step.inputs)
         except Exception as exc:
             raise StepError(
                 f"model forward failed (attention backend '{self.attention_name}', graph runner '{self.graph_name}'): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        prompt_lp = self._prompt_logprobs(sched, inputs, hidden)
+        return ExecuteModelState(step, hidden, self._prompt_logprobs(step.prompt_plan, hidden))
+
+    def sample_tokens(self, state: ExecuteModelState) -> StepResult:
+        """Logits of the sampled rows, the logits processors, the sampler and the step's one host sync."""
+        step, hidden, prompt_lp = state.step, state.hidden, state.prompt_logprobs
+        rows, logits_indices, seqs = step.rows, step.logits_indices, step.seqs
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
-        seqs = [sched.seqs[i] for i in rows.tolist()]
-        if extended:
-            return self._execute_drafts(sched, seqs, rows, logits_indices, hidden, eos_token_ids, prompt_lp)
-        logits = self.model.compute_logits(self._sampled_hidden(hidden, inputs.batch, logits_indices))
-        meta = SamplingMetadata(
-            params=[s.params for s in seqs],
-            prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_view() for s in seqs],
-            eos_token_ids=eos_token_ids,
-            seq_ids=[s.seq_id for s in seqs],
-        )
-        out, sampled, ended = self._sample(logits, meta, seqs)
+        if step.has_drafts:
+            return self._execute_drafts(step.sched, seqs, rows, logits_indices, hidden, step.eos_token_ids, prompt_lp)
+        logits = self._compute_logits(self._sampled_hidden(hidden, step.inputs.batch, logits_indices))
+        out, sampled, ended = self._sample(logits, step.meta, seqs)  # type: ignore[arg-type]
         row_ids = rows.tolist()
         return StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
 
@@ -338,7 +395,7 @@ class ModelRunner:
         drafts = [sched.drafts.get(s.seq_id, []) for s in seqs]
         index = np.concatenate([np.arange(i - len(d), i + 1) for i, d in zip(logits_indices.tolist(), drafts)])
         first = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1]  # each request's first row
-        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        logits = self._compute_logits(hidden[torch.from_numpy(index).to(self.device)])
         meta = expand_metadata(seqs, drafts, eos_token_ids)
         owner = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
         out, targets, ended = self._sample(logits, meta, owner)
@@ -410,12 +467,13 @@ class ModelRunner:
                 f"[{batch_size}] in [0, {self.vocab_size})"
             )
 
-    def _prompt_logprobs(self, sched: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor) -> dict[int, tuple[int, LogprobsTensors]]:
-        """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
-        result: dict[int, tuple[int, LogprobsTensors]] = {}
+    def _prompt_logprob_plan(self, sched: ScheduledBatch, inputs: ModelInputs) -> list[tuple[int, int, int, int, Any]]:
+        """``(row, first target position, first hidden row, last hidden row, sequence)`` per request whose
+        prompt logprobs this step computes (read now: the sequence may be preempted while the step runs)."""
+        plan: list[tuple[int, int, int, int, Any]] = []
         wanted = [i for i, seq in enumerate(sched.seqs) if seq.wants_prompt_logprobs]
         if not wanted:  # the usual step: no host work beyond this scan
-            return result
+            return plan
         qsl = inputs.batch.query_start_loc_cpu.tolist()  # type: ignore[union-attr]
         for i in wanted:
             seq = sched.seqs[i]
@@ -423,11 +481,17 @@ class ModelRunner:
             # hidden at position p predicts prompt token p + 1
             first = max(start, len(seq.prompt_logprobs or []) - 1)
             last = min(start + sched.num_new[i], seq.num_prompt_tokens - 1)
-            if last <= first:
-                continue
-            rows = torch.arange(qsl[i] + first - start, qsl[i] + last - start, device=self.device)
-            targets = to_device(seq.prompt_token_ids[first + 1 : last + 1], torch.int64, self.device)
-            logits = self.model.compute_logits(hidden[rows])
+            if last > first:
+                plan.append((i, first, qsl[i] + first - start, qsl[i] + last - start, seq))
+        return plan
+
+    def _prompt_logprobs(self, plan: list[tuple[int, int, int, int, Any]], hidden: torch.Tensor) -> dict[int, tuple[int, LogprobsTensors]]:
+        """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
+        result: dict[int, tuple[int, LogprobsTensors]] = {}
+        for i, first, lo, hi, seq in plan:
+            rows = torch.arange(lo, hi, device=self.device)
+            targets = to_device(seq.prompt_token_ids[first + 1 : first + 1 + hi - lo], torch.int64, self.device)
+            logits = self._compute_logits(hidden[rows])
             try:
                 lp = self.sampler.prompt_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
             except Exception as exc:
