@@ -11,6 +11,7 @@ once for all of them; the parent-death case uses the default, spawn.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -19,10 +20,12 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 
 from corerun import LLM, SamplingParams
@@ -195,6 +198,37 @@ def test_the_rank_that_failed_first_is_blamed():
     except RuntimeError as wrapped:
         assert is_communication_failure(wrapped)
     assert not is_communication_failure(ValueError("bad"))
+
+
+# ---------------------------------------------------------------------- teardown
+@pytest.mark.parametrize("how", ["del", "shutdown"])
+def test_teardown_frees_the_kv_cache_and_graph_runner_at_once_and_stops_the_workers(cases, how):
+    """Reference counting alone frees rank 0's KV cache, graph runner and runner (no cycle through the
+    seams or the graph runner), stops the workers and leaves the process group, so a new group can start."""
+    llm = _tp_llm(cases["llama"], 2)
+    outs = llm.generate(cases["llama"].prompts[:2], _params(2), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == cases["llama"].hf[:2]
+    runner = llm.engine.runner
+    pids = runner.worker_pids
+    memory = [weakref.ref(runner.graph)] + [weakref.ref(t) for t in runner.kv_caches]
+    assert len(memory) == 1 + runner.model_config.num_layers
+    owners = [weakref.ref(runner), weakref.ref(llm.engine)]
+    del runner, outs
+    gc.disable()  # freed by reference counting alone, not by a later collection
+    try:
+        if how == "shutdown":
+            llm.shutdown()
+            alive = [type(r()).__name__ for r in memory if r() is not None]
+            assert not alive, f"still alive after shutdown(): {alive}"
+            assert not dist.is_initialized()
+        del llm
+        alive = [type(r()).__name__ for r in memory + owners if r() is not None]
+        assert not alive, f"still alive after {how}: {alive}"
+    finally:
+        gc.enable()
+    assert not dist.is_initialized()
+    assert _wait_gone(pids, timeout=10.0), f"workers {pids} outlived the engine"
+    assert not _tp_children()
 
 
 # ---------------------------------------------------------------------- startup

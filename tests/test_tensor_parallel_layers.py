@@ -58,6 +58,9 @@ class Member:
         parts = self._exchange(x)
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
+    def min_int(self, value: int) -> int:
+        return int(torch.cat(self._exchange(torch.tensor([value]))).min())
+
 
 class Follower(nn.Module):
     """A rank other than 0 seen by ``corerun_logits``: its logits are empty (rank 0 has them)."""
@@ -236,3 +239,45 @@ def test_sharded_model_matches_hf(tmp_path, arch, overrides, n):
     logits = _run_ranks(rank_logits, n)
     assert max_rel_err(logits[0], ref) < TOL
     assert all(m.calls == members[0].calls > 0 for m in members)  # the ranks met at every collective
+
+
+# ------------------------------------------------------------------ KV cache size
+def test_ranks_agree_on_the_smallest_block_count_before_any_allocates(tmp_path, monkeypatch):
+    """Ranks that would size their KV caches differently (here: rank 1's budget is smaller) allocate the
+    smallest count, each exactly once, and each makes its KV-cache manager once, with that count."""
+    from corerun.attention.torch_backend import TorchAttentionBackend
+    from corerun.config import load_config
+    from corerun.kv_cache.paged import PagedKVCacheManager
+    from corerun.runner.model_runner import ModelRunner
+
+    folder = make_tiny_model(tmp_path, "llama")
+    allocated: list[int] = []
+    managed: list[int] = []
+    real_allocate, real_manager = TorchAttentionBackend.allocate_kv_cache, PagedKVCacheManager.__init__
+
+    def allocate(self, num_blocks):
+        allocated.append(num_blocks)
+        return real_allocate(self, num_blocks)
+
+    def manager(self, num_blocks, *args, **kwargs):
+        managed.append(num_blocks)
+        real_manager(self, num_blocks, *args, **kwargs)
+
+    monkeypatch.setattr(TorchAttentionBackend, "allocate_kv_cache", allocate)
+    monkeypatch.setattr(PagedKVCacheManager, "__init__", manager)
+    shared = ThreadGroup(2)
+    budgets = [40, 24]  # blocks each rank's memory would hold
+
+    def build(r):
+        config = load_config(None, overrides={
+            "model": str(folder), "device": "cpu", "dtype": "float32", "attention": "torch", "tensor_parallel_size": 2,
+            "kv_cache": {"block_size": 4, "num_blocks": budgets[r]}, "scheduler": {"max_model_len": 64},
+        })
+        runner = ModelRunner(config, tp=shared.member(r))
+        blocks_held = [t.shape[1] - 1 for t in runner.kv_caches]  # [2, blocks + a write-off block, ...]
+        return runner.num_blocks, runner.kv_manager.num_free_blocks, blocks_held
+
+    layers = ModelConfig.from_model_dir(folder).num_layers
+    assert _run_ranks(build, 2) == [(24, 24, [24] * layers)] * 2
+    assert allocated == [24] * (2 * layers)  # no rank allocated its own count first
+    assert managed == [24, 24]

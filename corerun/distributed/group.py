@@ -2,7 +2,7 @@
 
 The layers see only ``rank``, ``world_size``, ``all_reduce`` and ``gather_last_dim`` (anything with
 those works, as the tests' single-process stand-in shows); the driver and workers also use
-``broadcast`` and ``min_int``.  A failed collective raises :class:`CommunicationError`.
+``broadcast``, and every rank's ModelRunner ``min_int`` (the KV cache's block count).  A failed collective raises :class:`CommunicationError`.
 """
 
 from __future__ import annotations

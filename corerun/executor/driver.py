@@ -1,9 +1,11 @@
 """``TensorParallelRunner``: rank 0 of a tensor-parallel group, a ModelRunner whose steps the workers mirror.
 
 Rank 0 does everything a ModelRunner does (it schedules nothing itself: the engine does, against
-rank 0's KV-cache manager).  Each step it sends the prepared inputs to ranks 1..N-1 before running
-its own forward; each ``compute_logits`` it announces and broadcasts the hidden rows, so that every
-rank takes part in the vocabulary gather.  Only rank 0 samples.
+rank 0's KV-cache manager).  It extends ModelRunner's two seams: ``_forward`` sends the step's inputs
+to ranks 1..N-1 before running its own forward, and ``_compute_logits`` announces and broadcasts the
+hidden rows, so that every rank takes part in the vocabulary gather.  Only rank 0 samples.  The KV
+cache's block count is agreed inside ModelRunner's construction (the smallest rank's), before any
+rank allocates it.
 
 A rank that fails mid-step takes the group down (the others may be waiting in a collective that
 will never complete): the step's requests end with :class:`RankFailedError` ("tensor-parallel rank 1
@@ -18,12 +20,11 @@ import weakref
 from typing import Any
 
 import torch
-from torch import nn
 
 from corerun.config import Config
 from corerun.core.scheduler import ScheduledBatch
 from corerun.runner.model_runner import ModelRunner, StepResult
-from corerun.distributed.errors import Failure, RankFailedError, is_communication_failure
+from corerun.distributed.errors import Failure, RankFailedError, TensorParallelError, is_communication_failure
 from corerun.executor.step import LogitsHeader, pack_step
 from corerun.protocols.graph import ModelInputs
 from corerun.registry import Registry
@@ -76,14 +77,14 @@ class TensorParallelRunner(ModelRunner):
             self._joined = True
             self._finalizer = weakref.finalize(self, _release, self.workers, True, True)
             self.tp = group
-            super().__init__(config, registry, tp=group)
+            super().__init__(config, registry, tp=group)  # with the workers' collectives (the KV block count)
             self.workers.wait_for("ready", dcfg.timeout_s)
-            self._agree_num_blocks()
-        except BaseException:
+        except BaseException as exc:
+            found = self._startup_failure(exc)
             self.shutdown(graceful=False)
+            if found is not None:
+                raise TensorParallelError(f"tensor-parallel rank {found.rank} failed while starting: {found.message}") from exc
             raise
-        self.model = _LeaderModel(self.model, self)
-        self.graph = _TrackedGraph(self.graph, self)
         logger.info("tensor parallel: %d ranks, %s", n, "launched" if dcfg.init_method else f"workers {self.worker_pids}")
 
     @staticmethod
@@ -94,16 +95,11 @@ class TensorParallelRunner(ModelRunner):
         model_dir = config.model if config.model else ModelRunner._default_model_dir()
         check_model(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
 
-    def _agree_num_blocks(self) -> None:
-        """Every rank sized its own cache; the engine schedules into the smallest."""
-        agreed = self.tp.min_int(self.num_blocks)
-        if agreed < self.num_blocks:
-            logger.info("tensor parallel: KV cache of %d blocks (the smallest rank's), not %d", agreed, self.num_blocks)
-            kv = self.config.kv_cache
-            self.num_blocks = agreed
-            self.kv_manager = self.registry.create(
-                "kv_cache", kv.manager.name, agreed, self.block_size, prefix_caching=kv.prefix_caching, options=kv.manager.options,
-            )
+    def _startup_failure(self, exc: BaseException) -> Failure | None:
+        """The worker to blame when a collective of rank 0's construction broke (a worker failed while building)."""
+        if self.workers is None or not is_communication_failure(exc):
+            return None
+        return self.workers.failure(FAILURE_GRACE_S)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -114,14 +110,25 @@ class TensorParallelRunner(ModelRunner):
         return {**super().describe(), "tensor_parallel_size": str(self.config.tensor_parallel_size)}
 
     # ------------------------------------------------------------------ step
-    def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, Any, Any]:
-        """ModelRunner's inputs, sent to the workers too (they start their forward at once)."""
-        inputs, rows, logits_indices = super().prepare_inputs(sched)
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The step's inputs go to the workers first (they run the same forward); once rank 0's forward
+        returns, every rank has left the step's collectives."""
         header, packed = pack_step(inputs)
         self._busy = True
         self.workers.send(header)
         self.tp.broadcast(packed)
-        return inputs, rows, logits_indices
+        hidden = super()._forward(inputs)
+        self._busy = False
+        return hidden
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The workers are told to project the same rows onto their vocabulary ranges; rank 0 gathers them."""
+        self._busy = True
+        self.workers.send(LogitsHeader(hidden.shape[0]))
+        self.tp.broadcast(hidden.contiguous())
+        logits = super()._compute_logits(hidden)
+        self._busy = False
+        return logits
 
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
         if self._broken is None and self.workers is not None:
@@ -182,48 +189,3 @@ def _release(workers: Any, graceful: bool, leave_group: bool) -> None:
     if leave_group:
         destroy_group()
 
-
-class _LeaderModel(nn.Module):
-    """Rank 0's model: ``compute_logits`` first announces the rows to the workers and broadcasts them."""
-
-    def __init__(self, inner: nn.Module, runner: TensorParallelRunner) -> None:
-        super().__init__()
-        self.inner = inner
-        self._runner = weakref.ref(runner)
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        return self.inner(*args)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]`` (gathered from every rank)."""
-        runner = self._runner()
-        runner._busy = True
-        runner.workers.send(LogitsHeader(hidden.shape[0]))
-        runner.tp.broadcast(hidden.contiguous())
-        logits = self.inner.compute_logits(hidden)
-        runner._busy = False
-        return logits
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "inner":
-                raise
-            return getattr(super().__getattr__("inner"), name)
-
-
-class _TrackedGraph:
-    """Rank 0's graph runner: once its forward returns, every rank has left that step's collectives."""
-
-    def __init__(self, inner: Any, runner: TensorParallelRunner) -> None:
-        self.inner = inner
-        self._runner = weakref.ref(runner)
-
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        hidden = self.inner.run(inputs)
-        self._runner()._busy = False
-        return hidden
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

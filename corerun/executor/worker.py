@@ -47,10 +47,8 @@ def serve(config: Config, group: TensorParallelGroup, source: CommandSource) -> 
 
     stage = "starting (building the model shard, attention backend and KV cache)"
     try:
-        runner = ModelRunner(config, tp=group)
+        runner = ModelRunner(config, tp=group)  # agrees on the KV block count with the other ranks before allocating
         source.ready()
-        stage = "agreeing on the KV-cache size"
-        group.min_int(runner.num_blocks)
         hidden_size, dtype, device = runner.model_config.hidden_size, runner.dtype, runner.device
         while True:
             stage = "reading rank 0's commands"

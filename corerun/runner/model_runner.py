@@ -166,6 +166,8 @@ class ModelRunner:
         else:
             self.num_blocks = config.kv_cache.num_blocks
             check_kv_cache_fits(self.num_blocks, per_block, self.device)
+        if tp is not None and tp.world_size > 1:  # every rank allocates (and the engine schedules into) the smallest count
+            self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = [self.attention.allocate_kv_cache(self.num_blocks) for _ in range(mc.num_layers)]
         self.kv_manager_name = select("kv_cache", config.kv_cache.manager.name, need, "kv_cache.manager").name
         self.kv_manager = self.registry.create(
