@@ -50,11 +50,12 @@ def tiny(request, tmp_path_factory):
         pytest.param({"max_num_batched_tokens": 4096, "chunked_prefill": False}, id="no-chunking"),
     ],
 )
-def test_greedy_equals_hf_with_preemption(tiny, scheduler):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_equals_hf_with_preemption(tiny, scheduler, async_scheduling):
     model_dir, prompts, expected = tiny
     llm = LLM(
-        model=model_dir, device="cpu", dtype="float32", attention="torch",
-        kv_cache={"block_size": BS, "num_blocks": 24}, scheduler={"max_model_len": 128, **scheduler},
+        model=model_dir, device="cpu", dtype="float32", attention="torch", kv_cache={"block_size": BS, "num_blocks": 24},
+        scheduler={"max_model_len": 128, "async_scheduling": async_scheduling, **scheduler},
     )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
