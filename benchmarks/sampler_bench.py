@@ -43,9 +43,9 @@ import torch
 from corerun.core.sequence import TokenView
 from corerun.protocols import SamplingMetadata
 from corerun.sampling_params import SamplingParams
-from corerun_sampler_full.history_cache import HistoryCache
-from corerun_sampler_full.penalties import apply_penalties
-from corerun_sampler_full.sampler import FullSampler
+from corerun.sampler.history_cache import HistoryCache
+from corerun.sampler.penalties import apply_penalties
+from corerun.sampler.full import FullSampler
 
 KINDS = [
     SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities
 from corerun.hookspecs import Register, hookimpl
+from corerun.sampler.options import CAPABILITIES as FULL_SAMPLER_CAPABILITIES, FullSamplerOptions
 
 
 @hookimpl
@@ -47,4 +48,16 @@ def corerun_graph_runners(register: Register) -> None:
         probe="corerun.graph.cuda:probe",
         priority=10,  # above eager wherever it fits (a CUDA device, a graph-safe attention backend)
         description="captures pure-decode steps in CUDA graphs by batch-size bucket, replays them",
+    )
+
+
+@hookimpl
+def corerun_samplers(register: Register) -> None:
+    register(
+        "full",
+        "corerun.sampler.full:FullSampler",
+        capabilities=FULL_SAMPLER_CAPABILITIES,
+        options=FullSamplerOptions,
+        priority=10,
+        description="vLLM's pipeline: logit bias, min_tokens, penalties, temperature, min-p, top-k, top-p, logprobs, seeds",
     )

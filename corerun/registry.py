@@ -63,7 +63,6 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("attention", "flash"): "corerun-attention-flash",
     ("attention", "triton"): "corerun-attention-triton",
     ("sampler", "basic"): "corerun-sampler-basic",
-    ("sampler", "full"): "corerun-sampler-full",
     ("logits_processor", "xgrammar"): "corerun-structured-output",
 }
 

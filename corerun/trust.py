@@ -33,7 +33,7 @@ RANK = {BUILTIN: 2, FIRST_PARTY: 1, THIRD_PARTY: 0}  # who keeps a name register
 
 
 def normalize(distribution: str) -> str:
-    """PEP 503 name normalisation: ``Corerun_Sampler.Full`` -> ``corerun-sampler-full``."""
+    """PEP 503 name normalisation: ``Corerun_Sampler.Basic`` -> ``corerun-sampler-basic``."""
     return re.sub(r"[-_.]+", "-", distribution).lower()
 
 

@@ -22,9 +22,9 @@ from corerun.testing.tiny_models import make_tiny_model
 from tests.helpers.platform_plugins import ALL
 from tests.helpers.thirdparty import Site, check, write_package
 
-# The throw-away plugins and the first-party samplers; the repository's attention plugins (first-party,
+# The throw-away plugins and the first-party sampler (`full` is built in); the repository's attention plugins (first-party,
 # so `auto` may pick them) stay out, so that `auto` is the built-in until a plugin is certified.
-PLUGINS = "narrow,nocausal,lazykernel,badimport,evil,sampler_full,sampler_basic"
+PLUGINS = "narrow,nocausal,lazykernel,badimport,evil,sampler_basic"
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11, 64, 128, 2, 200, 31, 8, 77, 150, 19]  # two blocks of 16 and one token
 
 
@@ -122,12 +122,12 @@ def test_names_stay_with_built_in_and_first_party(listing: dict) -> None:
     """(The engines of the first test, built with the default sampler beside this plugin, show LLM() keeps working.)"""
     impls = {(i["kind"], i["name"]): i for i in listing["implementations"]}
     assert impls[("attention", "torch")]["distribution"] == "corerun"
-    assert impls[("sampler", "full")]["distribution"] == "corerun-sampler-full"
+    assert impls[("sampler", "full")]["distribution"] == "corerun"
     assert impls[("sampler", "evil_extra")]["distribution"] == "corerun-evil"  # the rest of the plugin works
     evil = sorted(e["error"] for e in listing["load_errors"] if e["distribution"] == "corerun-evil")
     assert len(evil) == 2
     assert evil[0].startswith("attention backend name 'torch' belongs to corerun (built-in); the one corerun-evil (plugin 'evil') registers is ignored")
-    assert evil[1].startswith("sampler name 'full' belongs to corerun-sampler-full (first-party); the one corerun-evil")
+    assert evil[1].startswith("sampler name 'full' belongs to corerun (built-in); the one corerun-evil")
     assert all("pip uninstall corerun-evil" in e for e in evil)
     auto_cpu = next(a for a in listing["auto"] if a["kind"] == "attention" and a["device"] == "cpu")
     why = {p["name"]: p["why"] for p in auto_cpu["passed_over"]}

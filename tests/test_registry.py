@@ -139,9 +139,9 @@ def test_hook_corerun_graph_runners() -> None:
 
 
 def test_hook_corerun_samplers() -> None:
-    reg = Registry.from_environment(allow=["sampler_basic", "sampler_full"])
+    reg = Registry.from_environment(allow=["sampler_basic"])
     basic, full = reg.get("sampler", "basic"), reg.get("sampler", "full")
-    assert (basic.distribution, full.distribution) == ("corerun-sampler-basic", "corerun-sampler-full")
+    assert (basic.distribution, full.distribution) == ("corerun-sampler-basic", "corerun")  # full is built in
     assert {"temperature", "seed"} <= basic.capabilities.params
     assert {"top_k", "top_p", "min_p", "repetition_penalty"} <= full.capabilities.params
     assert full.validate_options({}, "sampler") == {}
@@ -165,7 +165,7 @@ def test_hook_asking_for_an_argument_the_spec_lacks_is_a_load_error() -> None:
     (error,) = reg.load_errors
     assert (error.plugin, error.distribution) == ("greedy", "corerun-greedy")
     assert "vocab" in error.error
-    assert reg.names("sampler") == ["ok"]
+    assert reg.names("sampler") == ["full", "ok"]  # the built-in and the good plugin's
 
 
 def test_unknown_hook_name_is_a_load_error_of_that_plugin_only() -> None:
@@ -258,24 +258,24 @@ def test_builtin_name_cannot_be_taken_over(first: bool) -> None:
 def test_first_party_name_cannot_be_taken_over_by_a_third_party() -> None:
     real, evil = Recorder(), Recorder()
     reg = Registry()
-    reg.register_module(Provides(sampler=[("full", evil, {})]), plugin="evil", distribution="corerun-evil", version="1")
-    reg.register_module(Provides(sampler=[("full", real, {})]), plugin="sampler_full", distribution="corerun-sampler-full", version="0.1.0")
-    assert reg.get("sampler", "full").factory is real
-    assert reg.get("sampler", "full").origin == "first-party"  # corerun's metadata lists corerun-sampler-full as an extra
+    reg.register_module(Provides(sampler=[("basic", evil, {})]), plugin="evil", distribution="corerun-evil", version="1")
+    reg.register_module(Provides(sampler=[("basic", real, {})]), plugin="sampler_basic", distribution="corerun-sampler-basic", version="0.1.0")
+    assert reg.get("sampler", "basic").factory is real
+    assert reg.get("sampler", "basic").origin == "first-party"  # corerun's metadata lists corerun-sampler-basic as an extra
     assert [e.distribution for e in reg.load_errors] == ["corerun-evil"]
-    assert "belongs to corerun-sampler-full (first-party)" in reg.load_errors[0].error
+    assert "belongs to corerun-sampler-basic (first-party)" in reg.load_errors[0].error
 
 
 def test_a_first_party_arriving_after_a_tie_takes_its_name() -> None:
     real = Recorder()
     reg = Registry()
     for i in (1, 2):
-        reg.register_module(Provides(sampler=[("full", Recorder(), {})]), plugin=f"t{i}", distribution=f"corerun-t{i}", version="1")
-    reg.register_module(Provides(sampler=[("full", real, {})]), plugin="sampler_full", distribution="corerun-sampler-full", version="0.1.0")
-    reg.register_module(Provides(sampler=[("full", Recorder(), {})]), plugin="t3", distribution="corerun-t3", version="1")
-    assert reg.get("sampler", "full").factory is real
+        reg.register_module(Provides(sampler=[("basic", Recorder(), {})]), plugin=f"t{i}", distribution=f"corerun-t{i}", version="1")
+    reg.register_module(Provides(sampler=[("basic", real, {})]), plugin="sampler_basic", distribution="corerun-sampler-basic", version="0.1.0")
+    reg.register_module(Provides(sampler=[("basic", Recorder(), {})]), plugin="t3", distribution="corerun-t3", version="1")
+    assert reg.get("sampler", "basic").factory is real
     assert [e.distribution for e in reg.load_errors] == ["corerun-t1", "corerun-t2", "corerun-t3"]
-    assert all("belongs to corerun-sampler-full (first-party)" in e.error for e in reg.load_errors)
+    assert all("belongs to corerun-sampler-basic (first-party)" in e.error for e in reg.load_errors)
 
 
 def test_duplicate_plugin_id_is_a_load_error() -> None:
@@ -286,7 +286,7 @@ def test_duplicate_plugin_id_is_a_load_error() -> None:
     assert [(e.distribution, e.error) for e in reg.load_errors] == [
         ("corerun-two", "plugin id 'same_id' is already used by distribution corerun-one")
     ]
-    assert reg.names("sampler") == ["one"]
+    assert reg.names("sampler") == ["full", "one"]
 
 
 # ------------------------------------------------------------------ protocol version
@@ -340,11 +340,13 @@ def test_unknown_name_of_a_known_plugin_gives_the_pip_command(tmp_path: Path, mo
         "no attention backend named 'flash'. Installed: torch (corerun). "
         "'flash' is provided by corerun-attention-flash: pip install corerun-attention-flash"
     )
-    msg = _get_from_yaml(reg, tmp_path, "sampler: ful\n", "sampler")
+    msg = _get_from_yaml(reg, tmp_path, "sampler: basi\n", "sampler")
     assert msg == (
-        "no sampler named 'ful'. Installed: none. Did you mean 'full'? "
-        "'full' is provided by corerun-sampler-full: pip install corerun-sampler-full"
+        "no sampler named 'basi'. Installed: full (corerun). Did you mean 'basic'? "
+        "'basic' is provided by corerun-sampler-basic: pip install corerun-sampler-basic"
     )
+    msg = _get_from_yaml(reg, tmp_path, "sampler: ful\n", "sampler")  # a built-in needs no install
+    assert msg == "no sampler named 'ful'. Installed: full (corerun). Did you mean 'full'?"
     monkeypatch.setenv("CORERUN_PLUGINS", "")
     msg = _get_from_yaml(Registry.from_environment(), tmp_path, "sampler: basic\n", "sampler")
     assert "pip install corerun-sampler-basic (and allow it in CORERUN_PLUGINS)" in msg
@@ -536,7 +538,7 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
         {"plugin": "crashes", "distribution": "corerun-crashes", "error": "hook corerun_samplers raised ImportError: no module named libfoo"}
     ]
     assert [(i["kind"], i["name"]) for i in doc["implementations"]] == [
-        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "cuda"), ("graph", "eager")
+        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "cuda"), ("graph", "eager"), ("sampler", "full")
     ]
     assert doc["not_loaded"] == []  # CORERUN_PLUGINS is unset: nothing was left out on purpose
     render(doc)

@@ -282,7 +282,7 @@ def test_malformed_yaml_unknown_keys_and_wrong_types(tmp_path: Path, llm: LLM, e
     ("overrides", "fragments"),
     [
         ({"attention": "trition"}, ["no attention backend named 'trition'", "Installed:", "torch (corerun)", "Did you mean 'triton'?"]),
-        ({"sampler": "fulll"}, ["no sampler named 'fulll'", "full (corerun-sampler-full)", "Did you mean 'full'?"]),
+        ({"sampler": "fulll"}, ["no sampler named 'fulll'", "full (corerun)", "Did you mean 'full'?"]),
         ({"kv_cache": {"manager": "pagd"}}, ["no KV-cache manager named 'pagd'", "paged (corerun)", "Did you mean 'paged'?"]),
         ({"graph": {"runner": "eagr"}}, ["no graph runner named 'eagr'", "eager (corerun)", "Did you mean 'eager'?"]),
     ],

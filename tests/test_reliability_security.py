@@ -107,11 +107,11 @@ def test_corerun_plugins_restricts_what_loads(model_dir: Path, monkeypatch: pyte
     monkeypatch.setenv(registry_module.ENV_ALLOW_LIST, "sampler_basic")
     reg = Registry.from_environment()
     assert set(reg.plugins) == {"corerun", "sampler_basic"}  # built-ins always, then only the named ones
-    assert reg.names("sampler") == ["basic"] and reg.names("attention") == ["torch"]
+    assert sorted(reg.names("sampler")) == ["basic", "full"] and reg.names("attention") == ["torch"]  # full: built in
     monkeypatch.setattr(registry_module, "_default", reg)
     with pytest.raises(PluginNotFoundError) as err:
-        LLM(model=model_dir, **{**COMMON, "sampler": "full"})
-    assert "pip install corerun-sampler-full (and allow it in CORERUN_PLUGINS)" in str(err.value)
+        LLM(model=model_dir, **{**COMMON, "attention": "triton"})
+    assert "pip install corerun-attention-triton (and allow it in CORERUN_PLUGINS)" in str(err.value)
     llm = LLM(model=model_dir, **{**COMMON, "sampler": "basic"})
     assert len(llm.generate([5, 6, 7], {"temperature": 0, "max_tokens": 3})[0].outputs[0].token_ids) == 3
     monkeypatch.setenv(registry_module.ENV_ALLOW_LIST, "")

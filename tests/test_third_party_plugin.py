@@ -105,7 +105,7 @@ def _twin(letter: str, extra: str = "") -> PluginPackage:
 
 TWIN_A = _twin("a")
 TWIN_B = _twin("b", 'register("solo", "corerun_twin_b.sampler:Solo")')
-BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda")}
+BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("sampler", "full")}
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -205,7 +205,7 @@ def test_listing_with_probes_imports_each_available_factory(listing: dict) -> No
     # A factory whose module cannot be imported is unavailable, so the probing listing imports the
     # factory of every implementation its probe passes (never one whose probe failed, like flash here).
     imported = set(listing["factories_imported"])
-    assert {"corerun_attention_mine.backend", "corerun.attention.torch_backend", "corerun_sampler_full.sampler"} <= imported
+    assert {"corerun_attention_mine.backend", "corerun.attention.torch_backend", "corerun.sampler.full"} <= imported
     if not HAS_CUDA:
         assert "corerun_attention_flash.backend" not in imported
 
@@ -273,7 +273,8 @@ def test_table_lists_plugins_conflicts_and_load_errors(listing: dict) -> None:
     out = listing["table"]
     rows = {(r[3], r[4]): r for r in _rows(out, "Installed implementations")}
     assert rows[("attention", "mine")] == ["mine", "corerun-attention-mine", "0.4.0", "attention", "mine", "third-party", "yes"]
-    assert rows[("attention", "torch")][5] == "built-in" and rows[("sampler", "full")][5] == "first-party"
+    assert rows[("sampler", "full")][5] == rows[("attention", "torch")][5] == "built-in"
+    assert rows[("sampler", "basic")][5] == "first-party"
     assert rows[("attention", "torch")][:3] == ["corerun", "corerun", "0.1.0"]
     flash = rows[("attention", "flash")][6]
     if not HAS_CUDA:

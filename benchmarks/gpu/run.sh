@@ -101,7 +101,7 @@ install_checkout() {  # the carried wheels preflight found missing here, then co
         step "$PY" -m pip install --no-index --no-deps "${wheels[@]}" || return
     fi
     step "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . -e plugins/attention_triton \
-        -e plugins/attention_flash -e plugins/sampler_basic -e plugins/sampler_full || return
+        -e plugins/attention_flash -e plugins/sampler_basic || return
     if [ "$DRY" = 1 ]; then echo "dry run, would run: $PY -m corerun plugins --json"; return; fi
     "$PY" -m corerun plugins --json > "$OUT/plugins.json"
 }

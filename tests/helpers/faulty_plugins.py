@@ -147,7 +147,7 @@ class FaultyKVCache(PagedKVCacheManager):
 
 
 def _full_sampler(vocab_size: int, device: torch.device | str) -> Any:
-    from corerun_sampler_full.sampler import FullSampler
+    from corerun.sampler.full import FullSampler
 
     return FullSampler(vocab_size, device)
 
@@ -201,7 +201,7 @@ def corerun_kv_cache_managers(register: Any) -> None:
 
 @hookimpl
 def corerun_samplers(register: Any) -> None:
-    from corerun_sampler_full.plugin import CAPABILITIES as FULL_CAPABILITIES
+    from corerun.sampler.options import CAPABILITIES as FULL_CAPABILITIES
 
     register("faulty_sampler", FaultySampler, capabilities=FULL_CAPABILITIES, options=FaultOptions,
              description="full sampler that raises on a chosen sample call")

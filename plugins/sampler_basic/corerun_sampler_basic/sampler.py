@@ -14,7 +14,7 @@ from corerun.sampler_utils import GeneratorCache, check_logits, to_device
 from corerun.sampling_noise import exponential_race
 from corerun_sampler_basic.plugin import CAPABILITIES
 
-FULL_HINT = "use `sampler: full` (pip install corerun-sampler-full), which honours them"
+FULL_HINT = "use `sampler: full` (built into corerun), which honours them"
 
 
 class BasicSampler:
@@ -73,5 +73,5 @@ class BasicSampler:
         raise UnsupportedError(
             f"sampler '{self.name}'",
             [f"does not compute prompt logprobs (asked for {num_logprobs})",
-             "use `sampler: full` (pip install corerun-sampler-full), which does"],
+             "use `sampler: full` (built into corerun), which does"],
         )

@@ -135,7 +135,7 @@ def test_refuses_each_unsupported_parameter(field: str, value: object) -> None:
         BasicSampler(V, "cpu").check(SP(**{field: value}))
     message = str(info.value)
     assert message.startswith(f"sampler 'basic': does not honour {field}={value!r}")
-    assert "use `sampler: full` (pip install corerun-sampler-full)" in message
+    assert "use `sampler: full` (built into corerun)" in message
 
 
 def test_refusal_names_every_parameter() -> None:

@@ -18,10 +18,10 @@ import torch
 
 from corerun.protocols import SamplingMetadata
 from corerun.sampling_params import SamplingParams as SP
-from corerun_sampler_full import history_cache
-from corerun_sampler_full.history_cache import HistoryCache
-from corerun_sampler_full.penalties import apply_penalties
-from corerun_sampler_full.sampler import FullSampler
+from corerun.sampler import history_cache
+from corerun.sampler.history_cache import HistoryCache
+from corerun.sampler.penalties import apply_penalties
+from corerun.sampler.full import FullSampler
 
 # (repetition, frequency, presence) per kind of request; (1, 0, 0) uses no penalty, so gets no entry
 KINDS = [(1.0, 0.0, 0.0), (1.7, 0.0, 0.0), (0.6, 0.0, 0.0), (1.0, 0.8, 0.0), (1.0, 0.0, -1.3),

@@ -25,8 +25,8 @@ from typing import Sequence
 import torch
 
 from corerun.sampler_utils import to_device
-from corerun_sampler_full.histories import Histories, ListHistories
-from corerun_sampler_full.history_cache import HistoryCache
+from corerun.sampler.histories import Histories, ListHistories
+from corerun.sampler.history_cache import HistoryCache
 
 
 def apply_penalties(

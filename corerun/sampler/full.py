@@ -24,19 +24,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from corerun import SamplerCapabilities, UnsupportedError
+from corerun.capabilities import SamplerCapabilities
+from corerun.errors import UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
 from corerun.sampler_utils import GeneratorCache, check_logits, to_device
-from corerun_sampler_full.logprobs import gather_logprobs
+from corerun.sampler.logprobs import gather_logprobs
 from corerun.sampling_noise import exponential_race
-from corerun_sampler_full.options import FullSamplerOptions
-from corerun_sampler_full.history_cache import HistoryCache
-from corerun_sampler_full.penalties import apply_penalties
-from corerun_sampler_full.plugin import CAPABILITIES
-from corerun_sampler_full.processors import apply_logit_bias, apply_min_tokens
-from corerun_sampler_full.truncation import apply_truncation
+from corerun.sampler.history_cache import HistoryCache
+from corerun.sampler.penalties import apply_penalties
+from corerun.sampler.options import CAPABILITIES, FullSamplerOptions
+from corerun.sampler.processors import apply_logit_bias, apply_min_tokens
+from corerun.sampler.truncation import apply_truncation
 
 
 class FullSampler:

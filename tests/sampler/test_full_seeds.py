@@ -7,7 +7,7 @@ import torch
 
 from corerun.sampling_params import SamplingParams as SP
 from corerun.sampling_noise import row_seed
-from corerun_sampler_full.sampler import FullSampler
+from corerun.sampler.full import FullSampler
 
 V = 64
 

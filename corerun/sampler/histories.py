@@ -1,7 +1,7 @@
 """Where the penalties get a step's token histories from, as flat positions ``row * V + token`` on the device.
 
 ``ListHistories`` flattens the step's lists every time (host work proportional to the whole history);
-``corerun_sampler_full.history_cache.HistoryCache`` serves the same positions from per-request device
+``corerun.sampler.history_cache.HistoryCache`` serves the same positions from per-request device
 copies (host work proportional to the batch and the new tokens).  Both answer ``seen`` and ``counted``,
 and the penalties computed from either are the same, bit for bit.
 """
@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from corerun_sampler_full._device import flat_positions, move
+from corerun.sampler._device import flat_positions, move
 
 
 class Histories(Protocol):

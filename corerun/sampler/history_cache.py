@@ -27,8 +27,8 @@ from typing import Sequence
 import torch
 
 from corerun.sampler_utils import to_device
-from corerun_sampler_full._device import ranges
-from corerun_sampler_full.histories import Histories, ListHistories
+from corerun.sampler._device import ranges
+from corerun.sampler.histories import Histories, ListHistories
 
 MIN_ARENA = 1 << 14  # positions
 MIN_ROOM = 64  # distinct output tokens a new entry has room for before its first move

@@ -1,10 +1,23 @@
-"""The ``options:`` the ``full`` sampler takes in a corerun config (plain pydantic, no torch)."""
+"""What the ``full`` sampler declares to the registry: its capabilities and the ``options:`` it takes
+in a corerun config (plain pydantic, no torch: :mod:`corerun.builtin_plugins` imports this module)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from corerun.capabilities import SamplerCapabilities
+
+HONOURED = frozenset(
+    {
+        "temperature", "seed", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs", "logit_bias",
+    }
+)
+
+# The one declaration of what ``full`` honours; ``FullSampler.capabilities`` is this object.
+CAPABILITIES = SamplerCapabilities(params=HONOURED, logits_mask=True, draft_verification=True)
 
 
 class FullSamplerOptions(BaseModel):

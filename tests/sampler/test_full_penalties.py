@@ -8,9 +8,9 @@ import torch
 
 from corerun.protocols import SamplingMetadata
 from corerun.sampling_params import SamplingParams as SP
-from corerun_sampler_full.penalties import apply_penalties
-from corerun_sampler_full.processors import apply_logit_bias, apply_min_tokens
-from corerun_sampler_full.sampler import FullSampler
+from corerun.sampler.penalties import apply_penalties
+from corerun.sampler.processors import apply_logit_bias, apply_min_tokens
+from corerun.sampler.full import FullSampler
 
 
 def test_penalties_closed_form() -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from corerun.sampling_params import SamplingParams as SP
-from corerun_sampler_full.sampler import FullSampler
-from corerun_sampler_full.truncation import apply_truncation
+from corerun.sampler.full import FullSampler
+from corerun.sampler.truncation import apply_truncation
 
 V = 20  # small enough that logprobs=20 returns every token's (processed) logprob
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corerun.sampling_params import SamplingParams as SP
-from corerun_sampler_full.sampler import FullSampler
+from corerun.sampler.full import FullSampler
 
 V = 300
 

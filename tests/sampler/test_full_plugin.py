@@ -1,4 +1,4 @@
-"""The full sampler as a plugin: registration, capabilities, check(), options, no host sync."""
+"""The built-in full sampler: registration, capabilities, check(), options, no host sync."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from corerun import PluginError, UnsupportedError
 from corerun.protocols import Sampler
 from corerun.registry import Registry
 from corerun.sampling_params import SamplingParams as SP
-from corerun_sampler_full import plugin
-from corerun_sampler_full.sampler import FullSampler
+from corerun.sampler import options as plugin
+from corerun.sampler.full import FullSampler
 
 V = 32
 
@@ -23,10 +23,10 @@ EVERYTHING = SP(
 )
 
 
-def test_registered_through_the_entry_point() -> None:
-    registry = Registry.from_environment(allow=["sampler_full"])
+def test_registered_as_a_builtin_with_no_plugin_allowed() -> None:
+    registry = Registry.from_environment(allow=[])  # no installed plugin: the core alone
     registration = registry.get("sampler", "full")
-    assert registration.distribution == "corerun-sampler-full"
+    assert (registration.distribution, registration.origin) == ("corerun", "built-in")
     assert registration.capabilities is plugin.CAPABILITIES is FullSampler.capabilities
     sampler = registry.create("sampler", "full", V, torch.device("cpu"), options={"logprobs_mode": "processed"})
     assert isinstance(sampler, FullSampler) and isinstance(sampler, Sampler)
