@@ -2,8 +2,7 @@
 
 The reference below is written independently, the straightforward way: Python loops over the
 scheduled sequences and their tokens.  Random batches cover decodes only, prefills only, prompt
-chunks that stop mid-prompt, mixes, batch 1 and ragged block tables, through both ways of filling
-the staging buffer (Python lists for small steps, numpy for large ones).  The staging buffer is
+chunks that stop mid-prompt, mixes, batch 1 and ragged block tables.  The staging buffer is
 poisoned before each step, and consecutive steps change shape, so an element left unwritten, a stale
 tail or a too-short buffer would show.
 
@@ -29,11 +28,11 @@ import torch
 from corerun.core.scheduler import ScheduledBatch
 from corerun.core.sequence import Sequence
 from corerun.sampling_params import SamplingParams
-from corerun.runner.step_inputs import ALIGN, StagingLayout, StepInputs, device_fields, host_fields
+from corerun.protocols.step_layout import ALIGN, StepLayout
+from corerun.runner.step_inputs import StepInputs
 
 BS = 16
 KINDS = ("decode", "prefill", "chunk", "mixed")
-FILLS = {"lists": 10**9, "arrays": -1, "default": StepInputs.small_step_tokens}  # small_step_tokens per way
 INT64 = ("input_ids", "positions", "slot_mapping")
 
 
@@ -129,11 +128,9 @@ def random_step(rng: random.Random, kind: str, num_seqs: int, first_id: int = 0,
     return ScheduledBatch(seqs, num_new, sum(1 for n in num_new if n == 1), []), tables
 
 
-def builder(fill: str = "default", **limits: int) -> StepInputs:
-    si = StepInputs(BS, "cpu", max_num_tokens=limits.get("tokens", 512), max_num_reqs=limits.get("reqs", 64),
-                    max_blocks_per_seq=limits.get("blocks", 16))
-    si.small_step_tokens = FILLS[fill]
-    return si
+def builder(**limits: int) -> StepInputs:
+    return StepInputs(BS, "cpu", max_num_tokens=limits.get("tokens", 512), max_num_reqs=limits.get("reqs", 64),
+                      max_blocks_per_seq=limits.get("blocks", 16))
 
 
 def build(si: StepInputs, sched: ScheduledBatch, tables: dict[int, list[int]],
@@ -143,21 +140,19 @@ def build(si: StepInputs, sched: ScheduledBatch, tables: dict[int, list[int]],
 
 
 # ----------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("fill", FILLS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_seqs", [1, 3, 17])
-def test_matches_the_per_token_reference(kind, num_seqs, fill):
-    rng = random.Random(f"{kind}-{num_seqs}-{fill}")
-    si = builder(fill)
+def test_matches_the_per_token_reference(kind, num_seqs):
+    rng = random.Random(f"{kind}-{num_seqs}")
+    si = builder()
     for step in range(4):
         sched, tables = random_step(rng, kind, num_seqs, first_id=100 * step)
         check(build(si, sched, tables), sched, tables)
 
 
-@pytest.mark.parametrize("fill", FILLS)
-def test_every_row_full_width_and_every_row_ragged(fill):
-    rng = random.Random(fill)
-    si = builder(fill)
+def test_every_row_full_width_and_every_row_ragged():
+    rng = random.Random("ragged")
+    si = builder()
     for extra in (0, 5):  # 0: tables exactly as long as needed, all one width; 5: ragged widths
         for k, kind in enumerate(KINDS):
             sched, tables = random_step(rng, kind, 6, first_id=100 * k + 1000 * extra, max_extra_blocks=extra, max_prompt=BS * 2)
@@ -167,11 +162,10 @@ def test_every_row_full_width_and_every_row_ragged(fill):
             check(build(si, sched, tables), sched, tables)
 
 
-@pytest.mark.parametrize("fill", FILLS)
-def test_consecutive_steps_of_changing_shapes_and_earlier_outputs_unchanged(fill):
+def test_consecutive_steps_of_changing_shapes_and_earlier_outputs_unchanged():
     """Big, small, wide, narrow steps through one builder; what each step handed out stays as it was."""
-    rng = random.Random(f"shapes-{fill}")
-    si = builder(fill)
+    rng = random.Random("shapes")
+    si = builder()
     shapes = [("prefill", 12), ("decode", 1), ("mixed", 30), ("chunk", 2), ("decode", 40), ("prefill", 1), ("decode", 3)]
     kept = []
     for i, (kind, n) in enumerate(shapes):
@@ -185,21 +179,20 @@ def test_consecutive_steps_of_changing_shapes_and_earlier_outputs_unchanged(fill
 def test_step_n_outputs_unchanged_after_step_n_plus_1_of_the_same_shape():
     """Same shape, new values: step N+1 writes the same staging bytes that step N's tensors came from."""
     rng = random.Random(7)
-    for fill in FILLS:
-        si = builder(fill)
-        first, tables1 = random_step(rng, "decode", 4)
-        out1 = si.build(first, tables1.__getitem__)
-        snap1 = check(out1, first, tables1)
-        for seq in first.seqs:  # the same sequences, preempted and back: new tables of the same length
-            seq.num_computed_tokens += 1
-            seq.token_ids.append(rng.randrange(50_000))
-            seq.num_preemptions += 1
-        tables2 = {sid: [rng.randrange(2**30) for _ in t] for sid, t in tables1.items()}
-        check(si.build(first, tables2.__getitem__), first, tables2)
-        assert snapshot(out1) == snap1, fill
-        staging = (si._host_np.ctypes.data, si._host_np.ctypes.data + si.capacity)
-        for t in (out1[0].input_ids, out1[0].batch.block_tables, out1[0].batch.query_start_loc_cpu, out1[0].batch.seq_lens_cpu):
-            assert not staging[0] <= t.data_ptr() < staging[1], "a tensor handed out lives in the staging buffer"
+    si = builder()
+    first, tables1 = random_step(rng, "decode", 4)
+    out1 = si.build(first, tables1.__getitem__)
+    snap1 = check(out1, first, tables1)
+    for seq in first.seqs:  # the same sequences, preempted and back: new tables of the same length
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(rng.randrange(50_000))
+        seq.num_preemptions += 1
+    tables2 = {sid: [rng.randrange(2**30) for _ in t] for sid, t in tables1.items()}
+    check(si.build(first, tables2.__getitem__), first, tables2)
+    assert snapshot(out1) == snap1
+    staging = (si._host_np.ctypes.data, si._host_np.ctypes.data + si.capacity)
+    for t in (out1[0].input_ids, out1[0].batch.block_tables, out1[0].batch.query_start_loc_cpu, out1[0].batch.seq_lens_cpu):
+        assert not staging[0] <= t.data_ptr() < staging[1], "a tensor handed out lives in the staging buffer"
 
 
 def test_a_step_beyond_the_limits_grows_the_buffer():
@@ -208,14 +201,14 @@ def test_a_step_beyond_the_limits_grows_the_buffer():
     before = si.capacity
     sched, tables = random_step(rng, "prefill", 20, max_prompt=200)
     check(build(si, sched, tables), sched, tables)
-    assert si.capacity >= StagingLayout.of(sched.num_tokens, 20, max(map(len, tables.values()))).nbytes > before
+    assert si.capacity >= StepLayout.of(sched.num_tokens, 20, max(map(len, tables.values()))).nbytes > before
     small, small_tables = random_step(rng, "decode", 2, first_id=50)
     check(build(si, small, small_tables), small, small_tables)
 
 
 def test_limits_size_the_buffer_once():
     si = builder(tokens=300, reqs=20, blocks=9)
-    assert si.capacity == StagingLayout.of(300, 20, 9).nbytes
+    assert si.capacity == StepLayout.of(300, 20, 9).nbytes
     rng = random.Random(4)
     ptr = si._host_np.ctypes.data
     for k, kind in enumerate(KINDS):  # steps within the limits reuse the buffer
@@ -225,13 +218,14 @@ def test_limits_size_the_buffer_once():
 
 
 def test_device_views_equal_host_views_and_fields_are_aligned():
-    """``device_fields`` (the CUDA path's views of the one copied tensor), checked here on a CPU tensor."""
+    """``StepLayout.tensors`` (the CUDA path's views of the one copied tensor), checked here on a CPU tensor,
+    against ``host_tensors`` and against the layout written out by hand."""
     rng = np.random.default_rng(0)
     for t, r, w in [(1, 1, 1), (7, 3, 5), (64, 64, 33), (513, 2, 40), (3, 1, 100)]:
-        lay = StagingLayout.of(t, r, w)
+        lay = StepLayout.of(t, r, w)
         staged = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
-        dev = device_fields(torch.from_numpy(staged), lay)
-        host = host_fields(staged, lay)
+        dev = lay.tensors(torch.from_numpy(staged))
+        host = lay.host_tensors(staged)
         base = staged.ctypes.data
         for d, h, dtype, shape in zip(dev, host, [torch.int64] * 3 + [torch.int32] * 4,
                                       [(t,), (t,), (t,), (r + 1,), (r,), (r,), (r, w)]):
@@ -361,13 +355,12 @@ def advance(rng: random.Random, sched: ScheduledBatch) -> None:
             seq.token_ids.append(rng.randrange(50_000))
 
 
-@pytest.mark.parametrize("fill", FILLS)
-def test_many_steps_of_growth_preemption_readmission_and_finishing_match_the_reference(fill):
+def test_many_steps_of_growth_preemption_readmission_and_finishing_match_the_reference():
     """An engine's life over 120 steps: prompts chunked and decoded across block boundaries, sequences
     preempted (table freed, ``num_preemptions`` + 1) and re-admitted with a new table, as long as the old
     one or shorter, sequences finished for good, some left unscheduled for a step; every step checked."""
-    rng = random.Random(f"engine-{fill}")
-    si, kv = builder(fill, reqs=6), GrowOnlyTables(rng)
+    rng = random.Random("engine")
+    si, kv = builder(reqs=6), GrowOnlyTables(rng)
     ids, running, waiting = itertools.count(), [], []
     old_len: dict[int, int] = {}  # preempted seq_id -> length of its table before the preemption
     events: collections.Counter = collections.Counter()
@@ -408,12 +401,11 @@ def test_many_steps_of_growth_preemption_readmission_and_finishing_match_the_ref
         assert events[what] >= 2, events
 
 
-@pytest.mark.parametrize("fill", FILLS)
-def test_a_steady_decode_reads_only_the_tables_that_cross_into_a_new_block(fill):
+def test_a_steady_decode_reads_only_the_tables_that_cross_into_a_new_block():
     """48 decoding sequences, contexts spread over three blocks: after the first step (every table new),
     ``block_table`` is called once for each sequence whose new token is the first of a block, and for no other."""
-    rng = random.Random(f"calls-{fill}")
-    si, kv = builder(fill), GrowOnlyTables(rng)
+    rng = random.Random("calls")
+    si, kv = builder(), GrowOnlyTables(rng)
     seqs = [new_sequence(rng, 7 + k, 40 + k) for k in range(48)]
     for seq in seqs:
         seq.num_computed_tokens = seq.num_tokens - 1
@@ -432,17 +424,16 @@ def test_a_table_whose_kept_entries_changed_is_read_whole():
     """Outside the contract, but cheap to catch when the table is read anyway: the block kept last
     differs in the fresh table, so the whole row is replaced, not only the new tail."""
     rng = random.Random("rewritten")
-    for fill in ("lists", "arrays"):
-        si, kv = builder(fill), GrowOnlyTables(rng)
-        seq = new_sequence(rng, 3, 2 * BS)
-        seq.num_computed_tokens = 2 * BS - 1
-        sched = schedule(rng, kv, [seq], extra=0)
-        check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
-        advance(rng, sched)
-        kv.tables[3][1] = rng.randrange(2**30)  # rewritten while held, just as the table grows
-        sched = schedule(rng, kv, [seq], extra=0)
-        assert len(kv.tables[3]) == 3
-        check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
+    si, kv = builder(), GrowOnlyTables(rng)
+    seq = new_sequence(rng, 3, 2 * BS)
+    seq.num_computed_tokens = 2 * BS - 1
+    sched = schedule(rng, kv, [seq], extra=0)
+    check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
+    advance(rng, sched)
+    kv.tables[3][1] = rng.randrange(2**30)  # rewritten while held, just as the table grows
+    sched = schedule(rng, kv, [seq], extra=0)
+    assert len(kv.tables[3]) == 3
+    check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
 
 
 def test_a_long_run_of_short_lived_sequences_keeps_the_rows_bounded():
@@ -532,12 +523,11 @@ def test_prepare_inputs_of_a_run_with_preemptions_matches_the_reference(tmp_path
     assert any(n > 0 for step in steps for n in step.values())  # preempted sequences ran again
 
 
-@pytest.mark.parametrize("fill", ["lists", "arrays"])
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_a_block_table_too_short_for_the_step_is_refused_by_name(fill, kind):
+def test_a_block_table_too_short_for_the_step_is_refused_by_name(kind):
     """A KV-cache manager that did not grow a table: an error naming the sequence, never slots in another's blocks."""
-    rng = random.Random(f"short-{fill}-{kind}")
-    si = builder(fill)
+    rng = random.Random(f"short-{kind}")
+    si = builder()
     sched, tables = random_step(rng, kind, 5, max_extra_blocks=0)
     victim = sched.seqs[3]
     tables[victim.seq_id] = tables[victim.seq_id][:-1]

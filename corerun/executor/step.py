@@ -1,10 +1,11 @@
 """The commands rank 0 sends its workers, and a step's inputs packed into one tensor for them.
 
 A step travels in two parts: a small :class:`StepHeader` on the command channel (host numbers,
-shapes, and the host copies of ``query_start_loc`` / ``seq_lens``), then one int64 tensor broadcast
-over the process group (device to device under NCCL) holding every per-token and per-request array:
-
-    input_ids [T] | positions [T] | slot_mapping [T] | query_start_loc [R+1] | seq_lens [R] | context_lens [R] | block_tables [R*W]
+shapes, and the host copies of ``query_start_loc`` / ``seq_lens``), then one tensor broadcast over
+the process group (device to device under NCCL) holding every field of
+:data:`~corerun.protocols.step_layout.STEP_FIELDS` at its own dtype, in the bytes of
+:class:`~corerun.protocols.step_layout.StepLayout` (the runner's staging buffer has the same),
+sent as int64 ``[nbytes / 8]``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
+from corerun.protocols.step_layout import StepLayout, model_inputs, step_tensors
 
 
 @dataclass(slots=True)
@@ -32,9 +33,13 @@ class StepHeader:
     seq_lens: np.ndarray | None  # int32 [R]
 
     @property
+    def layout(self) -> StepLayout:
+        return StepLayout.of(self.num_tokens, self.num_reqs, self.table_width)
+
+    @property
     def packed_size(self) -> int:
-        t, r = self.num_tokens, self.num_reqs
-        return 3 * t + 3 * r + 1 + r * self.table_width
+        """int64 elements of the packed tensor."""
+        return self.layout.nbytes // 8
 
 
 @dataclass(slots=True)
@@ -69,28 +74,21 @@ def pack_step(inputs: ModelInputs) -> tuple[StepHeader, torch.Tensor]:
         query_start_loc=_host(b.query_start_loc_cpu),
         seq_lens=_host(b.seq_lens_cpu),
     )
-    parts = (inputs.input_ids, inputs.positions, b.slot_mapping, b.query_start_loc, b.seq_lens, b.context_lens, b.block_tables)
-    packed = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+    lay = header.layout
+    packed = torch.zeros(lay.nbytes // 8, dtype=torch.int64, device=inputs.input_ids.device)
+    for dst, src in zip(lay.tensors(packed.view(torch.uint8)), step_tensors(inputs)):
+        dst.copy_(src)
     return header, packed
 
 
 def unpack_step(header: StepHeader, packed: torch.Tensor) -> ModelInputs:
-    """The :class:`ModelInputs` rank 0 packed, rebuilt on ``packed``'s device with the runner's dtypes."""
-    t, r, w = header.num_tokens, header.num_reqs, header.table_width
-    ids, pos, slots, qsl, seq_lens, ctx, tables = packed.split([t, t, t, r + 1, r, r, r * w])
+    """The :class:`ModelInputs` rank 0 packed, as views of ``packed`` (on its device)."""
     as_cpu = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
-    batch = AttentionBatch(
-        query_start_loc=qsl.to(torch.int32),
-        seq_lens=seq_lens.to(torch.int32),
-        context_lens=ctx.to(torch.int32),
-        block_tables=tables.to(torch.int32).view(r, w),
-        slot_mapping=slots.contiguous(),
-        num_reqs=r,
-        num_tokens=t,
+    return model_inputs(
+        header.layout.tensors(packed.view(torch.uint8)),
         max_query_len=header.max_query_len,
         max_seq_len=header.max_seq_len,
         num_decodes=header.num_decodes,
         query_start_loc_cpu=as_cpu(header.query_start_loc),
         seq_lens_cpu=as_cpu(header.seq_lens),
     )
-    return ModelInputs(input_ids=ids.contiguous(), positions=pos.contiguous(), batch=batch)

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import GraphLimits, ModelInputs
+from corerun.protocols.step_layout import requests_step
 
 
 @dataclass(frozen=True)
@@ -75,27 +75,8 @@ def dummy_step(query_lens: list[int], context_lens: list[int], block_size: int, 
     """
     if len(query_lens) != len(context_lens) or not query_lens:
         raise ValueError(f"need one context length per request, got {len(query_lens)} and {len(context_lens)}")
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    width = -(-max(seq_lens) // block_size)
-    positions = [p for c, q in zip(context_lens, query_lens) for p in range(c, c + q)]
-    qsl = torch.tensor([0] + [sum(query_lens[: i + 1]) for i in range(len(query_lens))], dtype=torch.int32)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    pos = torch.tensor(positions, dtype=torch.int64)
-    batch = AttentionBatch(
-        query_start_loc=qsl.to(device),
-        seq_lens=seq_lens_t.to(device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        block_tables=torch.zeros(len(query_lens), width, dtype=torch.int32, device=device),
-        slot_mapping=(pos % block_size).to(device),
-        num_reqs=len(query_lens),
-        num_tokens=len(positions),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_decodes=sum(1 for q in query_lens if q == 1),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens_t,
-    )
-    return ModelInputs(torch.zeros(len(positions), dtype=torch.int64, device=device), pos.to(device), batch)
+    width = max(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens))
+    return requests_step(context_lens, query_lens, [[0] * width] * len(query_lens), block_size, device)
 
 
 def worst_prefill(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, block_size: int, device: torch.device) -> ModelInputs:
@@ -112,13 +93,11 @@ def widest_decode(num_reqs: int, max_model_len: int, block_size: int, device: to
 
 def captured_decode(limits: GraphLimits) -> ModelInputs:
     """The decode of the largest bucket exactly as the ``cuda`` runner captures it: its static
-    inputs (all padding rows) and their :meth:`~corerun.graph.static_inputs.StaticDecodeInputs.batch`
-    view (``max_seq_len = max_model_len``, no host copies)."""
+    inputs (all padding rows) as :meth:`~corerun.graph.static_inputs.StaticDecodeInputs.inputs`
+    views them (``max_seq_len = max_model_len``, no host copies)."""
     from corerun.graph.static_inputs import StaticDecodeInputs
 
-    static = StaticDecodeInputs(limits)
-    n = limits.max_batch_size
-    return ModelInputs(static.input_ids[:n], static.positions[:n], static.batch(n))
+    return StaticDecodeInputs(limits).inputs(limits.max_batch_size)
 
 
 # CUDA's high-water mark as it stood before each reset below, so that an outer measurement (the bench's

@@ -1,23 +1,25 @@
 """A step's model inputs, written into one persistent host staging buffer and copied to the device once.
 
-:class:`StepInputs` flattens a :class:`ScheduledBatch` into :class:`ModelInputs` (token ids,
-positions, slot mapping, query start locations, sequence and context lengths, block tables) and the
-rows to sample with their logits indices.  Every array is written in place into one host buffer,
-allocated once from the scheduler's limits (pinned on CUDA), in this layout (``T`` tokens, ``R``
-requests, block tables ``W`` wide), each field starting on a 16-byte boundary::
+:class:`StepInputs` flattens a :class:`ScheduledBatch` into :class:`ModelInputs` (the fields of
+:data:`~corerun.protocols.step_layout.STEP_FIELDS`: token ids, positions, slot mapping, query start
+locations, sequence and context lengths, block tables) and the rows to sample with their logits
+indices.  Every field is written in place into one host buffer, allocated once from the scheduler's
+limits (pinned on CUDA), in the field order and alignment of
+:class:`~corerun.protocols.step_layout.StepLayout` (``T`` tokens, ``R`` requests, block tables ``W``
+wide, each field starting on a 16-byte boundary)::
 
     input_ids | positions | slot_mapping                        int64 [T] each
-    query_start_loc | seq_lens | context_lens | block_tables    int32 [R + 1], [R], [R], [R * W]
+    query_start_loc | seq_lens | context_lens | block_tables    int32 [R + 1], [R], [R], [R, W]
 
 Then one copy per step: on CUDA, of the used part of the pinned buffer into a fresh device tensor,
 queued without waiting (``non_blocking``), the fields being views of that tensor
-(:func:`device_fields`); on CPU, a numpy copy whose views become the tensors (:func:`host_fields`).
-Either way nothing a step hands out is the staging buffer itself, so a later step never overwrites
-it.  Reuse of the buffer is guarded as :meth:`StepInputs._wait_for_copy` says.
+(:meth:`StepLayout.tensors`); on CPU, a numpy copy whose views become the tensors
+(:meth:`StepLayout.host_tensors`).  Either way nothing a step hands out is the staging buffer itself,
+so a later step never overwrites it.  Reuse of the buffer is guarded as
+:meth:`StepInputs._wait_for_copy` says.
 
-Two ways fill the buffer, with the same result: steps of ``small_step_tokens`` tokens or fewer (the
-decodes of a few sequences) build Python lists and assign them with one call per dtype, because a
-numpy call costs more than a few list appends; larger steps compute with vectorised numpy.
+One fill writes the buffer (:meth:`StepInputs._fill`): vectorised numpy with few calls, whatever
+the step's size.
 
 Block tables cost per step what is new in them, not their length: :class:`BlockRows` keeps each
 sequence's table across steps as an int32 row of one persistent table and asks the KV-cache manager
@@ -29,75 +31,16 @@ only grows at the end.
 
 from __future__ import annotations
 
-import itertools
-import operator
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Protocol, Sequence as SequenceT
+from typing import Callable, Protocol, Sequence as SequenceT
 
 import numpy as np
 import torch
 
 from corerun.core.scheduler import ScheduledBatch
 from corerun.core.sequence import Sequence
-from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
-
-ALIGN = 16  # bytes; where each field starts (Triton specialises pointer arguments on 16-byte divisibility)
-_I64 = ALIGN // 8  # int64 elements per alignment unit
-_I32 = ALIGN // 4
-
-Fields = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""``(input_ids, positions, slot_mapping, query_start_loc, seq_lens, context_lens, block_tables)``."""
-
-
-def _up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
-
-
-class StagingLayout(NamedTuple):
-    """Where a step of ``t`` tokens and ``r`` requests with block tables ``w`` wide lies in the buffer.
-
-    int64 fields start at elements ``0, tp, 2 * tp``; the int32 part at byte ``o32``, its fields at
-    int32 elements ``0, a, a + b, a + 2 * b`` from there; ``nbytes`` is the whole length.
-    """
-
-    t: int
-    r: int
-    w: int
-    tp: int
-    a: int
-    b: int
-    o32: int
-    nbytes: int
-
-    @classmethod
-    def of(cls, t: int, r: int, w: int) -> StagingLayout:
-        tp, a, b = _up(t, _I64), _up(r + 1, _I32), _up(r, _I32)
-        o32 = _up(8 * (2 * tp + t), ALIGN)
-        return cls(t, r, w, tp, a, b, o32, o32 + 4 * (a + 2 * b + r * w))
-
-
-def device_fields(staged: torch.Tensor, lay: StagingLayout) -> Fields:
-    """The fields as views of ``staged`` (uint8 ``[lay.nbytes]``, a copy of the buffer, on any device)."""
-    t, r, w, tp, a, b, o32, _ = lay
-    i64, _, qsl, _, seq_lens, _, ctx, _, tables = staged.view(torch.int32).split_with_sizes(
-        [2 * (2 * tp + t), o32 // 4 - 2 * (2 * tp + t), r + 1, a - r - 1, r, b - r, r, b - r, r * w]
-    )
-    ids, _, pos, _, slots = i64.view(torch.int64).split_with_sizes([t, tp - t, t, tp - t, t])
-    return ids, pos, slots, qsl, seq_lens, ctx, tables.view(r, w)
-
-
-def host_fields(staged: np.ndarray, lay: StagingLayout) -> Fields:
-    """The fields as CPU tensors sharing ``staged``'s memory (uint8 ``[lay.nbytes]``, a copy of the buffer).
-
-    Same result as :func:`device_fields` on CPU, in about a third of the time (numpy views are cheaper than torch's).
-    """
-    t, r, w, tp, a, b, o32, _ = lay
-    i64, i32, f = staged[: 8 * (2 * tp + t)].view(np.int64), staged[o32:].view(np.int32), torch.from_numpy
-    return (
-        f(i64[:t]), f(i64[tp : tp + t]), f(i64[2 * tp :]),
-        f(i32[: r + 1]), f(i32[a : a + r]), f(i32[a + b : a + b + r]), f(i32[a + 2 * b :].reshape(r, w)),
-    )
+from corerun.protocols.step_layout import StepLayout, StepTensors, model_inputs
 
 
 class CopyFence(Protocol):
@@ -265,8 +208,6 @@ class StepInputs:
     ``build`` must be given the same KV-cache manager's ``block_table``.
     """
 
-    small_step_tokens = 32  # steps of at most this many tokens fill the buffer from Python lists
-
     def __init__(
         self,
         block_size: int,
@@ -287,9 +228,10 @@ class StepInputs:
         self._copy_pending = False
         self._host = torch.empty(0, dtype=torch.uint8)
         self._host_np = self._host.numpy()
-        self._arange = np.arange(max(max_num_tokens, max_num_reqs + 1), dtype=np.int64)
+        self._views: tuple[StepLayout | None, np.ndarray | None, StepTensors | None] = (None, None, None)  # the last fill's
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs + 1), dtype=np.intp)
         self.block_rows = BlockRows(block_size, slots=max(2 * max_num_reqs, 64), width=min(max_blocks_per_seq, 64))
-        self._grow(StagingLayout.of(max_num_tokens, max_num_reqs, max_blocks_per_seq).nbytes)
+        self._grow(StepLayout.of(max_num_tokens, max_num_reqs, max_blocks_per_seq).nbytes)
 
     @property
     def capacity(self) -> int:
@@ -331,8 +273,8 @@ class StepInputs:
         ``[S]``: each such row's last token in the flat token dimension).
         """
         seqs, num_new = sched.seqs, sched.num_new
-        r = len(seqs)
-        if r == 0:
+        num_reqs = len(seqs)
+        if num_reqs == 0:
             raise ValueError("cannot prepare inputs for an empty scheduled batch (no sequences); schedule at least one")
         if min(num_new) < 1:
             i = num_new.index(min(num_new))
@@ -343,127 +285,88 @@ class StepInputs:
         # per-sequence host work, before waiting for the previous copy (it overlaps with the device)
         ctx = [s.num_computed_tokens for s in seqs]
         rows = self.block_rows.rows_for(seqs, ctx, num_new, block_table)
-        decode = sched.num_decodes == r  # one token per request
+        decode = sched.num_decodes == num_reqs  # one token per request
         if decode:
-            t = r
+            num_tokens = num_reqs
             ids = [s.token_ids[c] for s, c in zip(seqs, ctx)]
         else:
-            t = sum(num_new)
+            num_tokens = sum(num_new)
             ids = []
             for s, c, n in zip(seqs, ctx, num_new):
                 ids += s.token_ids[c : c + n]
-        lay = StagingLayout.of(t, r, max([row.num_blocks for row in rows]))
+        lay = StepLayout.of(num_tokens, num_reqs, max([row.num_blocks for row in rows]))
 
         self._wait_for_copy()
         if lay.nbytes > self._host_np.size:
             self._grow(lay.nbytes)
-        fill = self._fill_lists if t <= self.small_step_tokens else self._fill_arrays
-        sampled_rows, logits_indices, max_seq_len = fill(lay, seqs, ids, ctx, num_new, rows, decode)
+        sampled_rows, logits_indices, max_seq_len = self._fill(lay, seqs, ids, ctx, num_new, rows, decode)
 
         if self.pin_memory:  # one copy, queued; the fence tells the next build when the buffer is free
             staged = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
             staged.copy_(self._host[: lay.nbytes], non_blocking=True)
             self._fence.record()  # type: ignore[union-attr]
             self._copy_pending = True
-            fields = device_fields(staged, lay)
-            i32 = self._host_np[lay.o32 : lay.nbytes].view(np.int32)
-            qsl_cpu, seq_lens_cpu = torch.from_numpy(i32[: r + 1].copy()), torch.from_numpy(i32[lay.a : lay.a + r].copy())
+            fields = lay.tensors(staged)
+            host = lay.arrays(self._host_np)
+            qsl_cpu, seq_lens_cpu = torch.from_numpy(host.query_start_loc.copy()), torch.from_numpy(host.seq_lens.copy())
         else:  # a fresh numpy copy: the tensors handed out are views of it, host copies included
             if self._fence is not None:  # (a test's fence on CPU)
                 self._fence.record()
                 self._copy_pending = True
-            fields = host_fields(self._host_np[: lay.nbytes].copy(), lay)
-            qsl_cpu, seq_lens_cpu = fields[3], fields[4]
-        ids_d, pos_d, slots_d, qsl_d, seq_lens_d, ctx_d, tables_d = fields
-        batch = AttentionBatch(
-            query_start_loc=qsl_d,
-            seq_lens=seq_lens_d,
-            context_lens=ctx_d,
-            block_tables=tables_d,
-            slot_mapping=slots_d,
-            num_reqs=r,
-            num_tokens=t,
+            fields = lay.host_tensors(self._host_np[: lay.nbytes].copy())
+            qsl_cpu, seq_lens_cpu = fields.query_start_loc, fields.seq_lens
+        inputs = model_inputs(
+            fields,
             max_query_len=1 if decode else max(num_new),
             max_seq_len=max_seq_len,
             num_decodes=sched.num_decodes,
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens_cpu,
         )
-        return ModelInputs(input_ids=ids_d, positions=pos_d, batch=batch), sampled_rows, logits_indices
+        return inputs, sampled_rows, logits_indices
 
-    # ------------------------------------------------------------------ fills
-    # Each writes every element of the step's fields into the buffer (pads may keep old bytes: no
-    # field covers them) and returns (sampled_rows, logits_indices, max_seq_len).
-
-    def _fill_lists(
-        self, lay: StagingLayout, seqs: list[Sequence], ids: list[int], ctx: list[int], num_new: list[int],
+    def _fill(
+        self, lay: StepLayout, seqs: list[Sequence], ids: list[int], ctx: list[int], num_new: list[int],
         rows: list[BlockRow], decode: bool,
     ) -> tuple[np.ndarray, np.ndarray, int]:
-        """Python lists, token by token, then one assignment per dtype: the cheapest way for a few tokens.
+        """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices, max_seq_len).
 
-        Block tables are the exception: one gather of the kept rows (their length is not a few tokens).
+        Vectorised numpy with few calls, so that its fixed cost stays near a Python loop's for a few
+        requests and its cost per token far below one for many; the gaps between fields keep old
+        bytes (no field covers them).
         """
-        t, r, w, tp, a, b, o32, nbytes = lay
-        bs = self.block_size
-        tables = [row.blocks for row in rows]  # each covers the step's tokens (BlockRows.rows_for)
-        if decode:
-            positions = ctx
-            slots = [tb[c // bs] * bs + c % bs for tb, c in zip(tables, ctx)]
-        else:
-            positions, slots = [], []
-            for c, n, tb in zip(ctx, num_new, tables):
-                span = range(c, c + n)
-                positions += span
-                slots += [tb[p // bs] * bs + p % bs for p in span]
-        pad64 = [0] * (tp - t)
-        self._host_np[: 8 * (2 * tp + t)].view(np.int64)[:] = ids + pad64 + positions + pad64 + slots
-        qsl = [0, *itertools.accumulate(num_new)]
-        seq_lens = list(map(operator.add, ctx, num_new))
-        pad32 = [0] * (b - r)
-        h32 = self._host_np[o32:nbytes].view(np.int32)
-        h32[: a + 2 * b] = qsl + [0] * (a - r - 1) + seq_lens + pad32 + ctx + pad32
-        self.block_rows.gather(rows, h32[a + 2 * b :].reshape(r, w))
-        sampled = [i for i, (s, n) in enumerate(zip(seqs, seq_lens)) if n == len(s.token_ids)]
-        return np.array(sampled, dtype=np.int64), np.array([qsl[i + 1] - 1 for i in sampled], dtype=np.int64), max(seq_lens)
-
-    def _fill_arrays(
-        self, lay: StagingLayout, seqs: list[Sequence], ids: list[int], ctx: list[int], num_new: list[int],
-        rows: list[BlockRow], decode: bool,
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """Vectorised numpy: a fixed cost per call, whatever the number of tokens."""
-        t, r, w, tp, a, b, o32, nbytes = lay
-        bs = self.block_size
-        if max(t, r + 1) > self._arange.size:
-            self._arange = np.arange(2 * max(t, r + 1), dtype=np.int64)
-        ar = self._arange
-        h64, h32 = self._host_np[: 8 * (2 * tp + t)].view(np.int64), self._host_np[o32:nbytes].view(np.int32)
-        input_ids, positions, slot_mapping = h64[:t], h64[tp : tp + t], h64[2 * tp :]
-        qsl, seq_lens, context_lens = h32[: r + 1], h32[a : a + r], h32[a + b : a + b + r]
-        block_tables = h32[a + 2 * b :].reshape(r, w)
-
-        input_ids[:] = np.fromiter(ids, dtype=np.int64, count=t)  # faster than assigning the list
+        if self._views[0] is not lay or self._views[1] is not self._host_np:  # (a steady batch keeps its layout)
+            self._views = (lay, self._host_np, lay.arrays(self._host_np))
+        out = self._views[2]
+        num_tokens, num_reqs = lay.num_tokens, lay.num_reqs
+        if max(num_tokens, num_reqs + 1) > self._arange.size:
+            self._arange = np.arange(2 * max(num_tokens, num_reqs + 1), dtype=np.intp)
+        arange, query_starts, seq_lens, positions = self._arange, out.query_start_loc, out.seq_lens, out.positions
+        context_lens = out.context_lens
         context_lens[:] = ctx
-        if decode:  # positions are the context lengths
-            qsl[:] = ar[: r + 1]
+        if decode:  # one token per request, at its context length
+            query_starts[:] = arange[: num_reqs + 1]
             np.add(context_lens, 1, out=seq_lens)
             positions[:] = context_lens
-            row_base = ar[:r] * w
-        else:
+            token_request = arange[:num_reqs]  # each token's request
+            max_seq_len = max(ctx) + 1
+        else:  # request i's tokens run from ctx[i]: token j sits at j - query_starts[i] + ctx[i]
             query_lens = np.array(num_new)
-            qsl[0] = 0
-            np.add.accumulate(query_lens, out=qsl[1:])
+            query_starts[0] = 0
+            np.add.accumulate(query_lens, out=query_starts[1:])
             np.add(context_lens, query_lens, out=seq_lens)
-            np.add(ar[:t], np.repeat(context_lens - qsl[:-1], query_lens), out=positions)
-            row_base = np.repeat(ar[:r] * w, query_lens)
-        self.block_rows.gather(rows, block_tables)  # zero-padded; each covers the step's tokens (rows_for)
-        block_index = positions >> self._block_shift
-        block_index += row_base
-        np.multiply(block_tables.reshape(-1).take(block_index), bs, out=slot_mapping, dtype=np.int64)
-        slot_mapping += positions & (bs - 1)
+            np.add(arange[:num_tokens], np.repeat(context_lens - query_starts[:-1], query_lens), out=positions)
+            token_request = np.repeat(arange[:num_reqs], query_lens)
+            max_seq_len = int(seq_lens.max())
+        out.input_ids[:] = ids if decode else np.fromiter(ids, dtype=np.int64, count=num_tokens)  # (faster for many)
+        self.block_rows.gather(rows, out.block_tables)  # zero-padded; each covers the step's tokens (rows_for)
+        slots, shift = out.slot_mapping, self._block_shift
+        np.left_shift(out.block_tables[token_request, positions >> shift], shift, out=slots, dtype=np.int64)
+        slots += positions & (self.block_size - 1)
         # rows that finish their scheduled tokens are sampled from their last token's logits
         sampled_rows = np.flatnonzero(seq_lens == [len(s.token_ids) for s in seqs])
-        logits_indices = sampled_rows.copy() if decode else np.subtract(qsl[1:][sampled_rows], 1, dtype=np.int64)
-        return sampled_rows, logits_indices, int(np.maximum.reduce(seq_lens))
+        logits_indices = sampled_rows.copy() if decode else np.subtract(query_starts[1:][sampled_rows], 1, dtype=np.int64)
+        return sampled_rows, logits_indices, max_seq_len
 
 
 def _short_table(seq_id: int, num_blocks: int, num_tokens: int, block_size: int) -> ValueError:
