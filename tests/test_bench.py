@@ -199,3 +199,32 @@ def test_bench_rejects_lengths_beyond_the_model(tiny_llama):
 def test_bench_rejects_an_unknown_peer(tiny_llama):
     result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_llama), "--device", "cpu", "--compare", "hf,sglang"])
     assert result.exit_code != 0 and "'sglang'" in result.output and "hf, llama.cpp, vllm" in result.output
+
+
+def test_bench_async_scheduling_both_reports_the_speedup(tiny_llama):
+    """One engine, synchronous and asynchronous in turn: the ratio of its own throughputs, greedy outputs equal."""
+    doc = _run(["--model", str(tiny_llama), "--device", "cpu", "--attention", "torch", "--num-seqs", "3",
+                "--input-len", "4:10", "--output-len", "4:8", "--threads", "1", "--async-scheduling", "both",
+                "--rounds", "2", "--json"])
+    a = doc["async_scheduling"]
+    assert a["rounds"] == 2 and len(a["sync_output_tokens_per_s"]) == len(a["async_output_tokens_per_s"]) == 2
+    assert a["speedup"] == pytest.approx(max(a["async_output_tokens_per_s"]) / max(a["sync_output_tokens_per_s"]))
+    assert a["speedup_per_round"] == pytest.approx([x / y for x, y in zip(a["async_output_tokens_per_s"], a["sync_output_tokens_per_s"])])
+    assert a["same_outputs"] == 3 and len(a["loadavg_before_runs"]) == 4
+    assert doc["corerun"]["output_tokens_per_s"] == pytest.approx(max(a["async_output_tokens_per_s"]))
+    w = make_workload(3, "4:10", "4:8", seed=0, vocab_size=256)
+    assert doc["corerun"]["output_tokens"] == w.num_output_tokens
+
+
+def test_bench_async_scheduling_option_is_checked(tiny_llama):
+    base = ["bench", "--model", str(tiny_llama), "--device", "cpu", "--attention", "torch", "--num-seqs", "2",
+            "--input-len", "4", "--output-len", "2", "--no-warmup", "--threads", "1"]
+    result = CliRunner().invoke(cli, [*base, "--async-scheduling", "both", "--compare", "hf"])
+    assert result.exit_code != 0 and "--async-scheduling" in result.output and "--compare" in result.output
+    result = CliRunner().invoke(cli, [*base, "--async-scheduling", "sometimes"])
+    assert result.exit_code != 0 and "'on', 'off', 'both'" in result.output
+    result = CliRunner().invoke(cli, [*base, "--async-scheduling", "on", "--set", "speculative.method=ngram", "--json"])
+    assert result.exit_code != 0 and "scheduler.async_scheduling" in result.output and "speculative.method" in result.output
+    result = CliRunner().invoke(cli, [*base, "--async-scheduling", "on", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["corerun"]["output_tokens"] == 4

@@ -3,6 +3,7 @@
     corerun bench                                   # CPU: 16 seqs, input 32:128, output 16:64
     corerun bench --num-seqs 256 --input-len 100:1024 --output-len 100:1024 --compare hf --json
     corerun bench --num-seqs 32 --input-len 32:256 --output-len 32:256 --compare hf,llama.cpp,vllm --rounds 2
+    corerun bench --async-scheduling both --rounds 3  # synchronous vs asynchronous scheduling, interleaved
 
 Without ``--compare`` corerun runs in this process.  With it, corerun and every peer run in fresh
 processes of their own, interleaved (corerun.bench.compare); peers come from benchmarks/peers/setup.sh.
@@ -54,7 +55,7 @@ class _BenchCommand(click.Command):
 @click.option("--compare", metavar="PEERS", default=None,
               help="Also run these peers, comma-separated: hf (transformers), llama.cpp, vllm; each engine in its own process.")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --compare: interleaved rounds (corerun, peers, corerun, peers, ...); each engine's fastest is reported.")
+              help="With --compare (or --async-scheduling both): interleaved rounds (corerun, peers, corerun, peers, ...); each engine's fastest is reported.")
 @click.option("--peer-python", "peer_pythons", multiple=True, metavar="NAME=PATH",
               help="With --compare: the interpreter of a peer's virtualenv [benchmarks/peers/.venvs/NAME/bin/python].")
 @click.option("--baseline-env", "baseline_env", multiple=True, metavar="NAME=VALUE",
@@ -70,10 +71,14 @@ class _BenchCommand(click.Command):
 @click.option("--url", default=None, help="Online mode: benchmark this running server (corerun serve or any OpenAI-compatible one) instead (corerun.server.bench_client).")
 @click.option("--request-rate", type=float, default=float("inf"), help="Online mode: requests per second, Poisson arrivals [inf: all at once].")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Online mode: requests in flight at most [no limit].")
+@click.option("--async-scheduling", "async_mode", type=click.Choice(["on", "off", "both"]), default=None,
+              help="scheduler.async_scheduling for this run; both: one engine runs the workload synchronously and "
+                   "asynchronously in turn for --rounds rounds and reports the speed-up [the config's].")
 def bench(
     config_path, sets, model, attention, sampler, device, dtype,
     num_seqs, input_len, output_len, seed, temperature, warmup, compare, rounds, peer_pythons, baseline_env, gguf_path,
     hf_batching, hf_batch_size, threads, as_json, url=None, request_rate=float("inf"), max_concurrency=None,
+    async_mode=None,
 ) -> None:
     """Throughput and latency of corerun on N random-token requests (ignore_eos, exact output lengths).
 
@@ -89,6 +94,15 @@ def bench(
         ranges = [parse_range(r) if r is not None else None for r in (input_len, output_len)]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--input-len / --output-len") from None
+    if async_mode is not None and (url is not None or (async_mode == "both" and (compare or baseline_env))):
+        raise click.BadParameter(
+            f"--async-scheduling {async_mode} sets up corerun in this process"
+            + (" or its --compare process; a server started with --url has its own config" if url is not None
+               else "; leave out --compare / --baseline-env with both"),
+            param_hint="--async-scheduling",
+        )
+    if async_mode in ("on", "off"):
+        sets = (*sets, f"scheduler.async_scheduling={'true' if async_mode == 'on' else 'false'}")
     if url is not None:  # online mode: a running server (corerun.server.bench_client)
         from corerun.server.bench_client import run_cli
 
@@ -116,7 +130,10 @@ def bench(
         return
     saved_threads = torch.get_num_threads()
     try:
-        doc = _run(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup)
+        if async_mode == "both":
+            doc = _run_async_both(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, rounds, as_json)
+        else:
+            doc = _run(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup)
     except CorerunError as exc:
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:
@@ -129,6 +146,8 @@ def bench(
         from corerun.bench.report import render
 
         render(doc)
+        if "async_scheduling" in doc:
+            _render_async(doc)
 
 
 def _workload_for(cfg: Any, num_seqs: int | None, ranges: list[Any], seed: int, vocab_size: int, max_model_len: int, device_type: str) -> Any:
@@ -160,6 +179,59 @@ def _run(
     workload = _workload_for(cfg, num_seqs, ranges, seed, runner.vocab_size, runner.max_model_len, runner.device.type)
     core = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup)
     return build_report(workload, core, temperature=temperature, warmup=warmup)
+
+
+def _run_async_both(
+    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, rounds: int, quiet: bool,
+) -> dict[str, Any]:
+    """One engine runs the workload synchronously and asynchronously in turn (the order alternating
+    each round); the report of its fastest asynchronous run, with both modes' throughputs and the speed-up."""
+    import os
+
+    from corerun.bench.corerun_run import load_corerun, run_corerun
+    from corerun.bench.report import build_report, same_outputs
+
+    cfg = build_config(config_path, (*sets, "scheduler.async_scheduling=true"), **cfg_args)  # refused where unsupported
+    llm, meter, load_s = load_corerun(cfg)
+    runner = llm.engine.runner
+    workload = _workload_for(cfg, num_seqs, ranges, seed, runner.vocab_size, runner.max_model_len, runner.device.type)
+    runs: dict[str, list[Any]] = {"sync": [], "async": []}
+    loads: list[float] = []
+    for r in range(rounds):
+        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+            llm.engine.set_async_scheduling(mode == "async")
+            loads.append(os.getloadavg()[0])
+            run = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup and r == 0)
+            runs[mode].append(run)
+            if not quiet:
+                click.echo(f"round {r + 1}/{rounds} {mode}: {run.output_tokens_per_s:.1f} output tok/s "
+                           f"(load {loads[-1]:.2f})", err=True)
+    llm.shutdown()
+    best = {mode: max(rs, key=lambda x: x.output_tokens_per_s) for mode, rs in runs.items()}
+    doc = build_report(workload, best["async"], temperature=temperature, warmup=warmup)
+    tps = {mode: [x.output_tokens_per_s for x in rs] for mode, rs in runs.items()}
+    doc["async_scheduling"] = {
+        "rounds": rounds,
+        "sync_output_tokens_per_s": tps["sync"],
+        "async_output_tokens_per_s": tps["async"],
+        "speedup": best["async"].output_tokens_per_s / best["sync"].output_tokens_per_s,
+        "speedup_per_round": [a / s for a, s in zip(tps["async"], tps["sync"])],
+        "same_outputs": same_outputs(best["async"].output_token_ids, best["sync"].output_token_ids),
+        "loadavg_before_runs": loads,
+    }
+    return doc
+
+
+def _render_async(doc: dict[str, Any]) -> None:
+    a = doc["async_scheduling"]
+    n, greedy = doc["workload"]["num_seqs"], doc["workload"]["temperature"] == 0
+    click.echo(
+        f"async scheduling: {max(a['async_output_tokens_per_s']):.1f} output tok/s, synchronous "
+        f"{max(a['sync_output_tokens_per_s']):.1f} (fastest of {a['rounds']} interleaved rounds each): "
+        f"{a['speedup']:.3f}x; per round " + ", ".join(f"{x:.3f}x" for x in a["speedup_per_round"])
+        + (f"; outputs identical for {a['same_outputs']} of {n} requests" if greedy else "")
+    )
 
 
 def _run_compare(

@@ -88,10 +88,7 @@ class LLMEngine:
         # outside step() (an abort waits for it) that the next step() returns
         self._in_flight: _StepInFlight | None = None
         self._collected: list[Sequence] = []
-        self._step_thread: ThreadPoolExecutor | None = None
-        if self.async_scheduling:
-            self._step_thread = ThreadPoolExecutor(1, "corerun-step", initializer=_init_step_thread,
-                                                   initargs=(self.runner.device, self.runner.threads))
+        self._step_thread: ThreadPoolExecutor | None = None  # made by the first asynchronous step
 
     def _make_proposer(self, config: Config) -> NgramProposer | None:
         """The draft proposer of ``speculative`` (docs/speculative-decoding.md), or None when it is off."""
@@ -368,6 +365,17 @@ class LLMEngine:
         return self._fail(culprits, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: {exc}")
 
     # ------------------------------------------------- asynchronous scheduling
+    def set_async_scheduling(self, on: bool) -> None:
+        """Switch asynchronous scheduling on or off while no request runs (``corerun bench
+        --async-scheduling both`` compares the two on one engine); on is refused where the config refuses it."""
+        with self.lock:
+            if self.scheduler.has_unfinished() or self._in_flight is not None or self._collected:
+                raise RuntimeError("asynchronous scheduling can be switched only while no request is running")
+            if on:
+                _check_async_scheduling(self.config.model_copy(
+                    update={"scheduler": self.config.scheduler.model_copy(update={"async_scheduling": True})}))
+            self.async_scheduling = on
+
     def _step_async(self) -> list[Sequence]:
         """Schedule step N+1 while step N runs on the step thread; then take N's tokens, drop from N+1
         the requests N ended (their slots freed, nothing of theirs run or emitted) and launch N+1.
@@ -411,7 +419,10 @@ class LLMEngine:
         last = [a and (s.num_output_tokens + 1 >= s.params.max_tokens or s.num_tokens + 1 >= longest)
                 for s, a in zip(sched.seqs, appends)]
         self.scheduler.set_in_flight(sched, appends, last)
-        future = self._step_thread.submit(_run_step, self.runner, prepared)  # type: ignore[union-attr]
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(1, "corerun-step", initializer=_init_step_thread,
+                                                   initargs=(self.runner.device, self.runner.threads))
+        future = self._step_thread.submit(_run_step, self.runner, prepared)
         self._in_flight = _StepInFlight(sched, future, [s.num_preemptions for s in sched.seqs])
         return []
 
