@@ -29,6 +29,7 @@ import torch.distributed as dist
 import yaml
 
 from corerun import LLM, SamplingParams
+from corerun.distributed.errors import TensorParallelError
 from corerun.errors import ConfigError
 from tests.helpers.tiny_models import make_tiny_model
 from tests.helpers.engine_testing import hf_greedy
@@ -238,6 +239,25 @@ def test_sizes_the_model_cannot_take_are_refused_before_any_process_starts(cases
     with pytest.raises(ConfigError, match="nccl.*CUDA devices only"):
         _tp_llm(cases["llama"], 2, distributed={"backend": "nccl"})
     assert not _tp_children()
+
+
+def test_a_worker_lost_while_the_ranks_agree_on_the_kv_cache_is_named(cases, monkeypatch):
+    """Rank 1 dies just as rank 0 enters the block-count agreement (the first collective of ModelRunner's
+    construction): the error names rank 1 and how it ended, not the broken all-reduce, and no process is left."""
+    from corerun.distributed.group import TensorParallelGroup
+
+    agree = TensorParallelGroup.min_int
+
+    def kill_rank_1_first(self, value):
+        (worker,) = [p for p in _tp_children() if p.name == "corerun-tp-rank-1"]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+        return agree(self, value)
+
+    monkeypatch.setattr(TensorParallelGroup, "min_int", kill_rank_1_first)  # this process (rank 0) only
+    with pytest.raises(TensorParallelError, match="tensor-parallel rank 1 failed while starting: its process was killed by signal SIGKILL"):
+        _tp_llm(cases["llama"], 2)
+    assert not _tp_children() and not dist.is_initialized()
 
 
 def test_a_failed_start_stops_the_workers(cases):
