@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -97,21 +99,27 @@ def test_package_suites_skip_without_an_implementation() -> None:
     assert target.label == "sampler:basic" and "temperature" in target.capabilities.params
 
 
-def test_failures_read_at_80_columns(monkeypatch) -> None:
-    """A failing sampler's report: one block per failure naming check[case], wrapped to 80 columns."""
+def _install(monkeypatch, hook: str, name: str, impl: type) -> None:
+    """Register ``impl`` as the third-party implementation ``name`` (through the plugin hook ``hook``)
+    in the process-wide registry, for this test only."""
     import corerun.registry as registry_module
     from corerun import hookimpl
     from corerun.registry import Registry
+
+    def register_it(self, register) -> None:
+        register(name, impl, capabilities=getattr(impl, "capabilities", None))
+
+    plugin = type("Plugin", (), {hook: hookimpl(register_it)})()
+    reg = Registry.from_environment(allow=[])
+    reg.register_module(plugin, plugin=name, distribution=f"corerun-{name}", version="0.1")
+    monkeypatch.setattr(registry_module, "_default", reg)
+
+
+def test_failures_read_at_80_columns(monkeypatch) -> None:
+    """A failing sampler's report: one block per failure naming check[case], wrapped to 80 columns."""
     from tests.broken_impls.sampler import IgnoresTemperatureWithTopK
 
-    class Plugin:
-        @hookimpl
-        def corerun_samplers(self, register):
-            register("topk_no_temp", IgnoresTemperatureWithTopK, capabilities=IgnoresTemperatureWithTopK.capabilities)
-
-    reg = Registry.from_environment(allow=[])
-    reg.register_module(Plugin(), plugin="topk_no_temp", distribution="corerun-topk-no-temp", version="0.1")
-    monkeypatch.setattr(registry_module, "_default", reg)
+    _install(monkeypatch, "corerun_samplers", "topk_no_temp", IgnoresTemperatureWithTopK)
     monkeypatch.setenv("COLUMNS", "80")
     done = CliRunner().invoke(cli, ["conformance", "sampler:topk_no_temp", "-k", "distribution"])
     assert done.exit_code == 1, done.output
@@ -120,3 +128,50 @@ def test_failures_read_at_80_columns(monkeypatch) -> None:
     assert "FAILED distribution[pair-temperature+top_k]" in lines
     assert any("chi-square" in line for line in lines)
     assert any(line.startswith("not certified: the run did not pass") for line in lines)
+
+
+def _pytest_collects(tmp_path, *args: str) -> list[str]:
+    """The test ids ``pytest --pyargs corerun.conformance ARGS --collect-only`` lists, run from an
+    unrelated directory in a fresh interpreter (``Class::test[case]``)."""
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "corerun.conformance", "-p", "no:cacheprovider", "-q", "--collect-only", *args]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [line.split("test_selected.py::")[-1] for line in done.stdout.splitlines() if "::" in line]
+
+
+@pytest.mark.parametrize(
+    ("cli_args", "pytest_args"),
+    [
+        (["kv_cache:paged", "-k", "prefix and not bs16"], ["--corerun-impl", "kv_cache:paged", "-k", "prefix and not bs16"]),
+        (["graph:eager", "--attention", "triton", "-k", "prefill_and_mixed and fp32"],
+         ["--corerun-impl", "graph:eager", "--corerun-attention", "triton", "-k", "prefill_and_mixed and fp32"]),
+    ],
+    ids=["kv-cache-keyword", "graph-attention"],
+)
+def test_cli_runs_what_pytest_collects(tmp_path, cli_args: list[str], pytest_args: list[str]) -> None:
+    """The command line and ``pytest --pyargs`` select the same tests: one collector."""
+    done = CliRunner().invoke(cli, ["conformance", *cli_args, "--json"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.output)
+    ran = [r["nodeid"].split("test_selected.py::")[-1] for r in doc["results"]]
+    collected = _pytest_collects(tmp_path, *pytest_args)
+    assert ran and ran == collected, (ran, collected)
+    assert doc["pytest"].startswith("pytest --pyargs corerun.conformance --corerun-impl ")
+    assert _pytest_collects(tmp_path, *shlex.split(doc["pytest"])[3:]) == collected  # the reported command reproduces it
+
+
+def test_broken_implementation_fails_through_the_cli(monkeypatch) -> None:
+    """A KV-cache manager that rewrites a held block table: exit status 1, naming exactly the failing test."""
+    from tests.broken_impls.kv_cache import InsertsBeforeTail
+
+    _install(monkeypatch, "corerun_kv_cache_managers", "rewrites_tables", InsertsBeforeTail)
+    done = CliRunner().invoke(cli, ["conformance", "kv_cache:rewrites_tables", "--json"])
+    assert done.exit_code == 1, done.output
+    doc = json.loads(done.output)
+    failed = {r["nodeid"] for r in doc["results"] if r["outcome"] == "failed"}
+    assert failed == {f"test_selected.py::TestKVCacheManager::test_block_tables_only_grow[{c}]" for c in ("bs4-shared", "bs4-private", "bs16-shared", "bs16-private")}
+    assert doc["summary"]["passed"] == len(doc["results"]) - 4 > 0 and doc["ok"] is False and doc["certificate"] is None
+    table = CliRunner().invoke(cli, ["conformance", "kv_cache:rewrites_tables", "-k", "block_tables_only_grow and bs4"])
+    assert table.exit_code == 1, table.output
+    assert "FAILED block_tables_only_grow[bs4-shared]" in table.output and "FAILED block_tables_only_grow[bs4-private]" in table.output
+    assert "entries handed out must not change while the sequence holds blocks" in " ".join(table.output.split())

@@ -1,4 +1,4 @@
-"""The suite's own machinery: case sampling, -k expressions, the chi-square bound, the references."""
+"""The suite's own machinery: case sampling, the chi-square bound, the references."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from corerun.capabilities import AttentionCapabilities, SamplerCapabilities
 from corerun.conformance.attention_matrix import attention_configs, unsupported_configs
-from corerun.conformance.keyword import compile_keyword
 from corerun.conformance.reference.attention import paged_attention_reference
 from corerun.conformance.reference.sampling import sampling_distribution
 from corerun.conformance.sampler_cases import applicable
@@ -36,17 +35,6 @@ def test_unsupported_cases_pick_values_outside_the_declared_sets() -> None:
     assert set(cases) == {"dtype-fp32", "hd72", "bs8", "gqa2"}
     assert all(caps.check(cfg.spec("cpu")) for cfg in cases.values())
     assert unsupported_configs(AttentionCapabilities(dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}))) == []
-
-
-def test_keyword_expressions() -> None:
-    ident = "attention-torch-decode[bf16-hd128-bs16-gqa4]"
-    assert compile_keyword(None)(ident) and compile_keyword("")(ident)
-    assert compile_keyword("decode and bf16")(ident)
-    assert not compile_keyword("decode and not bf16")(ident)
-    assert compile_keyword("(prefill or DECODE) and hd128")(ident)
-    assert not compile_keyword("prefill or (decode and fp32)")(ident)
-    with pytest.raises(ValueError):
-        compile_keyword("decode and (bf16")
 
 
 def test_chi_square_bound() -> None:

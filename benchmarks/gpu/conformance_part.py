@@ -2,8 +2,8 @@
 
 ``corerun conformance --json`` prints its document only at the end, so a suite stopped by its time
 limit would leave nothing; this driver runs the same suites, configured as that command configures
-them (``--device cuda``, ``--option``, ``-k``, ``--attention``), through the same runner
-(:func:`corerun.conformance.runner.run_case`), and rewrites ``--out`` before and after every case:
+them (``--device cuda``, ``--option``, ``-k``, ``--attention``), through the same pytest invocation
+(:func:`corerun.conformance.runner.invoke`), and rewrites ``--out`` before and after every case:
 ``running`` names the case a killed part was in.
 
     python benchmarks/gpu/conformance_part.py --group triton --out RESULTS/conformance-triton.json
@@ -15,6 +15,7 @@ or one ran nothing; ``attention:flash`` is optional (flash-attn is rarely instal
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,45 +55,66 @@ GROUPS: dict[str, list[Suite]] = {
 }
 
 
-def suite_class(suite: Suite, device: str) -> type:
-    """The configured suite class, as ``corerun conformance`` builds it."""
-    from corerun.conformance.runner import suite_class as base_class
+def pytest_args(suite: Suite, device: str) -> list[str]:
+    """The pytest command line ``corerun conformance`` builds for ``suite``."""
+    from corerun.conformance.runner import pytest_args as args_for
+
+    return args_for(suite.impl, keyword=suite.keyword, device=device, attention=suite.attention,
+                    options=[f"{k}={v}" for k, v in suite.options.items()])
+
+
+def cases(suite: Suite, device: str) -> tuple[Any, Any, list[Any]]:
+    """(the collector, the target, the cases pytest selects), in the order they run."""
+    from corerun.conformance.runner import ResultCollector, invoke
     from corerun.conformance.settings import parse_impl
+    from corerun.conformance.target import Target
 
     kind, name = parse_impl(suite.impl)
-    attrs: dict[str, Any] = {
-        "implementation": name, "full_matrix": None, "device": device, "expected_failures": {}, "options": dict(suite.options),
-    }
-    if suite.attention is not None:
-        attrs["attention_backend"] = suite.attention
-    return type(f"Conformance_{kind}_{name}", (base_class(kind),), attrs)
+    target = Target.registered(kind, name, suite.options)
+    collector = ResultCollector(suite.impl)
+    invoke(pytest_args(suite, device), collector, collect_only=True)
+    return collector, target, [c for c in collector.cases.values() if c is not None]
 
 
-def cases(suite: Suite, device: str) -> tuple[type, Any, list[Any]]:
-    """(suite class, its target, the cases ``-k`` selects), in the order the runner runs them."""
-    from corerun.conformance.keyword import compile_keyword
+class _CaseByCase:
+    """Hooks that open a check of ``report`` when a case starts and close it with the case's result."""
 
-    cls = suite_class(suite, device)
-    full, dev, _ = cls.settings()
-    matches = compile_keyword(suite.keyword)
-    target = cls.resolve_targets()[0]
-    selected = [
-        case for check in cls.check_names() for case in cls().build_cases(check, target, full, dev)
-        if matches(f"{case.full_id} test_{check}")
-    ]
-    return cls, target, selected
+    def __init__(self, report: PartReport, counts: dict[str, int]) -> None:
+        self.report, self.counts, self.names = report, counts, {}
+        self.open: Any = None
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        for item in session.items:
+            case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+            self.names[item.nodeid] = case.full_id if case is not None else item.nodeid
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.open = self.report.check(self.names.get(nodeid, nodeid))
+        self.entry = self.open.__enter__()
+
+    def result(self, result: Any) -> None:
+        from corerun.conformance.runner import FAILING
+
+        if self.open is None:  # a collection error: no case was open
+            self.open = self.report.check(result.nodeid)
+            self.entry = self.open.__enter__()
+        self.entry.update(outcome=result.outcome, reason=result.reason, ok=result.outcome not in FAILING)
+        self.counts[result.outcome] = self.counts.get(result.outcome, 0) + 1
+        self.open.__exit__(None, None, None)
+        self.open = None
 
 
 def run_suite(report: PartReport, suite: Suite, device: str) -> bool:
-    from corerun.conformance.runner import FAILING, run_case
+    from corerun.conformance.runner import FAILING, ResultCollector, invoke
 
     entry: dict[str, Any] = {"suite": suite.label}
     report.results[suite.label] = entry
     with report.check(f"{suite.label}: enumerate the cases", catch=True) as step:
-        cls, target, selected = cases(suite, device)
+        _, target, selected = cases(suite, device)
         entry["implementation"] = target.label
         entry["unavailable_reasons"] = target.unavailable_reasons()
         entry["planned"] = len(selected)
+        entry["pytest"] = "pytest " + shlex.join(pytest_args(suite, device))
         if entry["unavailable_reasons"] and not suite.optional:
             step.update(ok=False, error="unavailable here: " + "; ".join(entry["unavailable_reasons"]))
     if step["ok"] is False:
@@ -103,12 +125,9 @@ def run_suite(report: PartReport, suite: Suite, device: str) -> bool:
         return True
     counts: dict[str, int] = {}
     entry["summary"] = counts
-    _, _, xfails = cls.settings()
-    for case in selected:
-        with report.check(case.full_id) as check:
-            result = run_case(cls, case, xfails)
-            check.update(outcome=result.outcome, reason=result.reason, ok=result.outcome not in FAILING)
-            counts[result.outcome] = counts.get(result.outcome, 0) + 1
+    per_case = _CaseByCase(report, counts)
+    collector = ResultCollector(suite.impl, progress=per_case.result)
+    invoke(pytest_args(suite, device), collector, plugins=[per_case])
     ran = counts.get("passed", 0) + counts.get("xfailed", 0)
     failed = sum(counts.get(o, 0) for o in FAILING)
     entry["ok"] = failed == 0 and ran > 0

@@ -1,5 +1,8 @@
 """``corerun conformance KIND:NAME``: run the conformance suite against an installed implementation.
 
+The suite runs through pytest in this process, exactly as
+``pytest --pyargs corerun.conformance --corerun-impl KIND:NAME`` runs it (the options map onto
+pytest's ``-k`` and the plugin's ``--corerun-*`` options; :mod:`corerun.conformance.runner`).
 Prints a table (check, case, result, reason) or, with ``--json``, a document with every result.
 Exit status: 0 when at least one check passed and none failed (expected failures with their reasons
 are fine); 1 when any check failed, errored or unexpectedly passed; 5 when nothing ran (every check
@@ -11,7 +14,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import click
 
@@ -19,13 +23,16 @@ EXIT_NOTHING_RAN = 5
 STYLES = {"passed": "green", "failed": "bold red", "error": "bold red", "xpassed": "bold red", "skipped": "yellow", "xfailed": "cyan"}
 
 
-def _document(target: Any, results: list[Any], seconds: float) -> dict[str, Any]:
+def _document(target: Any, results: list[Any], seconds: float, args: list[str]) -> dict[str, Any]:
+    import shlex
+
     from corerun.conformance.runner import summarize
 
     counts = summarize(results)
     reg = target.registration
     return {
         "implementation": target.label,
+        "pytest": "pytest " + shlex.join(args),  # the same run, through pytest
         "distribution": getattr(reg, "distribution", None),
         "version": getattr(reg, "version", None),
         "capabilities": target.capabilities.to_dict() if hasattr(target.capabilities, "to_dict") else None,
@@ -121,26 +128,10 @@ def _certify(target: Any, results: list[Any], device: str, partial: str | None) 
     )
 
 
-def _parse_options(items: tuple[str, ...]) -> dict:
-    """``("num_splits=4",)`` -> ``{"num_splits": 4}``; values are read as YAML scalars."""
-    import yaml
-
-    options = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--option expects KEY=VALUE (e.g. num_splits=4), got {item!r}")
-        try:
-            options[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ValueError(f"--option {item!r}: the value is not valid YAML: {exc}") from None
-    return options
-
-
 @click.command("conformance")
 @click.argument("implementation", metavar="KIND:NAME")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON document.")
-@click.option("-k", "keyword", default=None, metavar="EXPR", help="Only checks whose id matches, pytest style: 'decode and not bf16'.")
+@click.option("-k", "keyword", default=None, metavar="EXPR", help="pytest's -k: only tests whose name matches, e.g. 'decode and not bf16'.")
 @click.option("--full-matrix", is_flag=True, default=None, help="The full cross product of declared capabilities (also CORERUN_FULL_MATRIX=1).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Run on this device (default: cuda when available and declared).")
 @click.option("--xfail", "xfails", multiple=True, metavar="PATTERN=REASON", help="Declare an expected failure: a pattern over 'check[case]' (* and ? wildcards) and why.")
@@ -148,20 +139,15 @@ def _parse_options(items: tuple[str, ...]) -> dict:
 @click.option("--attention", "attention", default=None, metavar="NAME", help="graph runners only: the attention backend the suite's model attends with (default torch), e.g. triton.")
 def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...], option_items: tuple[str, ...], attention: str | None) -> None:
     """Run the conformance suite against KIND:NAME (attention:triton, sampler:full, kv_cache:paged, graph:eager)."""
-    try:
-        import pytest  # noqa: F401  (the suites use pytest's skip / fail outcomes)
-    except ImportError:
-        raise click.ClickException("corerun conformance needs pytest: pip install pytest") from None
-    from corerun.conformance.keyword import compile_keyword
-    from corerun.conformance.runner import run_suite, suite_class
-    from corerun.conformance.settings import parse_impl, parse_xfail
+    from corerun.conformance.runner import ResultCollector, invoke, pytest_args, suite_class
+    from corerun.conformance.settings import parse_impl, parse_option, parse_xfail
+    from corerun.conformance.target import Target
     from corerun.errors import PluginError
 
     try:
         kind, name = parse_impl(implementation)
         expected = dict(parse_xfail(x) for x in xfails)
-        compile_keyword(keyword)
-        options = _parse_options(option_items)
+        options = dict(parse_option(item) for item in option_items)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if attention is not None and kind != "graph":
@@ -169,40 +155,59 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
             f"--attention {attention!r} only applies to graph runners (graph:NAME), not to {kind}:{name}; "
             f"to check an attention backend itself run `corerun conformance attention:{attention}`"
         )
-    attrs = {
-        "implementation": name, "full_matrix": full_matrix or None, "device": device, "expected_failures": expected,
-        "options": options,
-    }
-    if attention is not None:
-        attrs["attention_backend"] = attention
-    cls = type(f"Conformance_{kind}_{name}", (suite_class(kind),), attrs)
     try:
-        target = cls.resolve_targets()[0]
+        target = Target.registered(kind, name, options)
         if attention is not None:
             from corerun.registry import get_registry
 
             get_registry().get("attention", attention)  # an unknown name: the registry's did-you-mean
     except PluginError as exc:
         raise click.UsageError(str(exc)) from None
+    args = pytest_args(f"{kind}:{name}", keyword=keyword, full_matrix=bool(full_matrix), device=device,
+                       xfails=expected, options=option_items, attention=attention)
     start = time.perf_counter()
-    if as_json:
-        results = run_suite(cls, keyword=keyword)
-    else:
-        from rich.console import Console
-
-        with Console(stderr=True).status(f"running the {kind} suite against {name}") as status:
-            results = run_suite(cls, keyword=keyword, progress=lambda r: status.update(f"{r.id}: {r.outcome}"))
-    doc = _document(target, results, time.perf_counter() - start)
+    try:
+        if as_json:
+            collector = ResultCollector(f"{kind}:{name}")
+            invoke(args, collector)
+        else:
+            with _status(f"running the {kind} suite against {name}") as status:
+                collector = ResultCollector(f"{kind}:{name}", progress=lambda r: status.update(f"{r.id}: {r.outcome}"))
+                invoke(args, collector)
+    except ValueError as exc:  # pytest's usage errors: a malformed -k expression
+        raise click.UsageError(str(exc)) from None
+    results = collector.results
+    doc = _document(target, results, time.perf_counter() - start, args)
     if kind == "graph":
-        doc["attention_backend"] = cls.attention_backend  # what the suite's model attended with
+        doc["attention_backend"] = attention or suite_class(kind).attention_backend  # what the suite's model attended with
     partial = (
         "-k selected a subset of the checks" if keyword else "--option changed the implementation's options" if options
         else "--attention changed the suite's model" if attention else None
     )
-    run_device = device or cls().pick_device(target)
+    run_device = device or suite_class(kind)().pick_device(target)
     doc["certificate"], doc["certificate_note"] = _certify(target, results, run_device, partial)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
         _render(doc, results)
     sys.exit(exit_code(results))
+
+
+@contextmanager
+def _status(text: str) -> Iterator[Any]:
+    """A spinner on the terminal's stderr, written through its own descriptor so that pytest's
+    capture of each test's output does not swallow it."""
+    import os
+
+    from rich.console import Console
+
+    try:
+        stream = os.fdopen(os.dup(sys.__stderr__.fileno()), "w")
+    except (AttributeError, OSError, ValueError):
+        stream = None
+    try:
+        with Console(file=stream, stderr=stream is None).status(text) as status:
+            yield status
+    finally:
+        if stream is not None:
+            stream.close()

@@ -42,6 +42,19 @@ def parse_xfail(spec: str) -> tuple[str, str]:
     return pattern.strip(), reason.strip()
 
 
+def parse_option(item: str) -> tuple[str, object]:
+    """``"num_splits=4"`` -> ``("num_splits", 4)``: an implementation option, the value read as a YAML scalar."""
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"an implementation option must be KEY=VALUE (e.g. num_splits=4), got {item!r}")
+    try:
+        return key.strip(), (yaml.safe_load(raw) if raw.strip() else "")
+    except yaml.YAMLError as exc:
+        raise ValueError(f"implementation option {item!r}: the value is not valid YAML: {exc}") from None
+
+
 def env_full_matrix() -> bool:
     """``CORERUN_FULL_MATRIX=1`` asks for the full cross product of declared capabilities."""
     return os.environ.get(ENV_FULL_MATRIX, "").strip().lower() in ("1", "true", "yes", "on")

@@ -2,8 +2,9 @@
 
 A suite is a plain pytest class (its name does not start with ``Test``, so it is only collected
 through a subclass).  Each ``test_<check>(self, case)`` method is one check; ``pytest_generate_tests``
-parametrises ``case`` from what the implementation declares.  The programmatic runner
-(:mod:`corerun.conformance.runner`) enumerates the same checks and cases without pytest's collector.
+parametrises ``case`` from what the implementation declares.  ``corerun conformance`` and
+:func:`corerun.conformance.run` collect and run these same classes through pytest
+(:mod:`corerun.conformance.runner`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from corerun.conformance.settings import FROM_OPTION, env_device, env_full_matrix, parse_impl, parse_xfail
+from corerun.conformance.settings import FROM_OPTION, env_device, env_full_matrix, parse_xfail
 from corerun.conformance.target import Target
 
 __all__ = ["FROM_OPTION", "Case", "ConformanceSuite", "expected_failure_reason"]
@@ -119,8 +120,9 @@ class ConformanceSuite:
         """The implementations this class checks (``--corerun-impl`` ones for an option-driven class)."""
         factory = cls.factory  # a staticmethod, a plain function or a class all come back callable
         if cls.implementation == FROM_OPTION:
-            refs = config.getoption("corerun_impl") if config is not None else []
-            return [Target.registered(kind, name, cls.options) for kind, name in map(parse_impl, refs or []) if kind == cls.kind]
+            from corerun.conformance.pytest_plugin import selected_targets
+
+            return selected_targets(config, cls.kind, cls.options)
         if factory is not None:
             return [Target.from_factory(cls.kind, factory, cls.capabilities, cls.implementation, cls.options)]
         if cls.implementation:
@@ -169,7 +171,7 @@ class ConformanceSuite:
             metafunc.parametrize("case", [pytest.param(None, id="no-impl", marks=pytest.mark.skip(reason=reason))])
             return
         params = []
-        suite = cls()
+        suite = self  # an instance of cls, which a subclass may have configured from metafunc.config
         for target in targets:
             for case in suite.build_cases(check, target, full, device):
                 marks = []

@@ -1,8 +1,11 @@
 """Collected by ``pytest --pyargs corerun.conformance --corerun-impl KIND:NAME``.
 
 Each class checks the implementations ``--corerun-impl`` selects for its kind; without the option
-every test is skipped with the reason.
+every test is skipped with the reason.  ``corerun conformance KIND:NAME`` runs this same module
+(:mod:`corerun.conformance.runner`).
 """
+
+from typing import Any
 
 from corerun.conformance.attention_suite import AttentionBackendSuite
 from corerun.conformance.graph_suite import GraphRunnerSuite
@@ -22,6 +25,13 @@ class TestKVCacheManager(KVCacheManagerSuite):
 
 class TestGraphRunner(GraphRunnerSuite):
     implementation = FROM_OPTION
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        """``--corerun-attention NAME``: the model of every case attends through that backend."""
+        name = metafunc.config.getoption("corerun_attention", None)
+        if name:
+            self.attention_backend = name
+        super().pytest_generate_tests(metafunc)
 
 
 class TestSampler(SamplerSuite):
