@@ -1,4 +1,4 @@
-"""corerun's conformance suite: one umbrella pytest class per protocol, and a programmatic runner.
+"""corerun's conformance suite: one umbrella pytest class per protocol; the CLI and ``run()`` run them through pytest.
 
 Three ways in::
 
