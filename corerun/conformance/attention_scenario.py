@@ -15,6 +15,7 @@ import torch
 from corerun.conformance.reference.attention import paged_attention_reference
 from corerun.conformance.tolerances import within
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
+from corerun.protocols.step_layout import requests_step
 
 
 @dataclass
@@ -113,31 +114,10 @@ def build_scenario(
         query[:n_real], k_exp, v_exp, tables[: len(requests)], [c for c, _ in requests], [q for _, q in requests], spec.softmax_scale,
     )
 
-    all_reqs = list(requests) + [(0, 1)] * num_padding
-    qlens = [q for _, q in all_reqs]
-    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
-    seq = torch.tensor([c + q for c, q in all_reqs], dtype=torch.int32)
-    num_decodes = 0
-    for q in qlens:
-        if q != 1:
-            break
-        num_decodes += 1
-    if any(q == 1 for q in qlens[num_decodes:]):
-        raise ValueError(f"suite error: decodes must come first, got query lengths {qlens}")
-    batch = AttentionBatch(
-        query_start_loc=qsl.to(dev),
-        seq_lens=seq.to(dev),
-        context_lens=torch.tensor([c for c, _ in all_reqs], dtype=torch.int32, device=dev),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-        num_reqs=len(all_reqs),
-        num_tokens=num_tokens,
-        max_query_len=max(qlens),
-        max_seq_len=max_seq,
-        num_decodes=num_decodes,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq,
-    )
+    batch = requests_step(
+        [c for c, _ in requests], [q for _, q in requests], tables[: len(requests)], bs, dev,
+        num_padding=num_padding, max_seq_len=max_seq,
+    ).batch
     return Scenario(
         spec, list(requests), num_padding, cache, batch, query.to(dev), key.to(dev), value.to(dev),
         tables, slots, k_before, v_before, reference,

@@ -20,8 +20,9 @@ from corerun.conformance.graph_model import TinyModel
 from corerun.conformance.suite import Case, ConformanceSuite
 from corerun.conformance.target import Target
 from corerun.conformance.tolerances import SHORT_DTYPE, within
-from corerun.protocols.attention import DTYPE_NAMES, AttentionBatch, AttentionSpec
+from corerun.protocols.attention import DTYPE_NAMES, AttentionSpec
 from corerun.protocols.graph import GraphLimits, ModelInputs
+from corerun.protocols.step_layout import requests_step
 
 VOCAB, HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 97, 64, 4, 2, 16
 BLOCKS_PER_SEQ = 6
@@ -54,28 +55,12 @@ class World:
 
     def inputs(self, requests: list[tuple[int, int]]) -> ModelInputs:
         """A step for ``[(request, query_len), ...]`` (decodes first) over the requests' cached contexts."""
-        bs, dev = self.spec.block_size, self.spec.device
-        ids, pos, slots = [], [], []
-        for r, q in requests:
-            ctx = self.contexts[r]
-            for j in range(q):
-                ids.append((r * 31 + (ctx + j) * 7) % VOCAB)
-                pos.append(ctx + j)
-                slots.append(self.tables[r][(ctx + j) // bs] * bs + (ctx + j) % bs)
-        qlens = [q for _, q in requests]
-        seq = [self.contexts[r] + q for r, q in requests]
-        qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
-        seq_t = torch.tensor(seq, dtype=torch.int32)
-        width = max(-(-s // bs) for s in seq)
-        batch = AttentionBatch(
-            query_start_loc=qsl.to(dev), seq_lens=seq_t.to(dev),
-            context_lens=torch.tensor([self.contexts[r] for r, _ in requests], dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([self.tables[r][:width] for r, _ in requests], dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_reqs=len(requests), num_tokens=len(ids), max_query_len=max(qlens), max_seq_len=max(seq),
-            num_decodes=sum(1 for q in qlens if q == 1), query_start_loc_cpu=qsl, seq_lens_cpu=seq_t,
-        )
-        return ModelInputs(torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), batch)
+        bs = self.spec.block_size
+        ctx = [self.contexts[r] for r, _ in requests]
+        ids = [(r * 31 + (c + j) * 7) % VOCAB for (r, q), c in zip(requests, ctx) for j in range(q)]
+        width = max(-(-(c + q) // bs) for (_, q), c in zip(requests, ctx))
+        tables = [self.tables[r][:width] for r, _ in requests]
+        return requests_step(ctx, [q for _, q in requests], tables, bs, self.spec.device, input_ids=ids)
 
 
 class GraphRunnerSuite(ConformanceSuite):

@@ -23,6 +23,7 @@ from corerun.protocols.sampler import (
     SamplerOutput,
     SamplingMetadata,
 )
+from corerun.protocols.step_layout import STEP_FIELDS, StepField, StepLayout, StepTensors, model_inputs, requests_step
 
 
 __all__ = [
@@ -46,4 +47,10 @@ __all__ = [
     "SamplerCapabilities",
     "SamplerOutput",
     "SamplingMetadata",
+    "STEP_FIELDS",
+    "StepField",
+    "StepLayout",
+    "StepTensors",
+    "model_inputs",
+    "requests_step",
 ]

@@ -4,12 +4,16 @@
   corerun's logits on them without an engine; needs ``transformers`` (``pip install 'corerun[test]'``).
 - :func:`corerun.testing.hf_greedy`: Hugging Face's greedy continuations, the reference an engine test
   compares corerun's tokens with.
+- :func:`corerun.testing.requests_step`: a step's :class:`~corerun.protocols.graph.ModelInputs` (and
+  its ``AttentionBatch``) from per-request context lengths, query lengths and block tables, the
+  same builder the memory profile and the conformance suites use.
 
 For conformance, use :mod:`corerun.conformance` itself.
 """
 
 from __future__ import annotations
 
+from corerun.protocols.step_layout import requests_step
 from corerun.testing.reference import hf_greedy
 
-__all__ = ["hf_greedy"]
+__all__ = ["hf_greedy", "requests_step"]

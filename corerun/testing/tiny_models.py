@@ -133,7 +133,7 @@ def corerun_logits(
     """
     from corerun.attention.torch_backend import TorchAttentionBackend
     from corerun.forward_context import AttentionContext
-    from corerun.protocols.attention import AttentionBatch
+    from corerun.protocols.step_layout import requests_step
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -144,29 +144,15 @@ def corerun_logits(
     backend = TorchAttentionBackend(model.attention_spec(dtype, block_size, device))
     num_blocks = -(-total // block_size)
     kv_caches = [backend.allocate_kv_cache(num_blocks + 2).fill_(float("nan")) for _ in range(model.num_layers)]
-    block_table = torch.randperm(num_blocks + 2, generator=torch.Generator().manual_seed(7))[:num_blocks]
-    ids = torch.tensor(list(token_ids), dtype=torch.int64)
+    table = torch.randperm(num_blocks + 2, generator=torch.Generator().manual_seed(7))[:num_blocks].tolist()
+    token_ids = list(token_ids)
     out, start = [], 0
     for n in chunks:
-        positions = torch.arange(start, start + n, dtype=torch.int64)
-        slots = block_table[positions // block_size] * block_size + positions % block_size
-        batch = AttentionBatch(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([start + n], dtype=torch.int32, device=device),
-            context_lens=torch.tensor([start], dtype=torch.int32, device=device),
-            block_tables=block_table[None].to(torch.int32).to(device),
-            slot_mapping=slots.to(device),
-            num_reqs=1,
-            num_tokens=n,
-            max_query_len=n,
-            max_seq_len=start + n,
-            num_decodes=1 if (n == 1 and start > 0) else 0,
-            query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens_cpu=torch.tensor([start + n], dtype=torch.int32),
-        )
+        inputs = requests_step([start], [n], [table], block_size, device, input_ids=token_ids[start : start + n])
+        batch = inputs.batch
         ctx = AttentionContext(backend, backend.plan(batch), kv_caches)
         with torch.no_grad():
-            hidden = model(ids[start : start + n].to(device), positions.to(device), ctx)
+            hidden = model(inputs.input_ids, inputs.positions, ctx)
             out.append(model.compute_logits(hidden))
         start += n
     return torch.cat(out).float().cpu()
