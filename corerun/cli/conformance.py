@@ -172,7 +172,9 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
             invoke(args, collector)
         else:
             with _status(f"running the {kind} suite against {name}") as status:
-                collector = ResultCollector(f"{kind}:{name}", progress=lambda r: status.update(f"{r.id}: {r.outcome}"))
+                from rich.markup import escape
+
+                collector = ResultCollector(f"{kind}:{name}", progress=lambda r: status.update(escape(f"{r.id}: {r.outcome}")))
                 invoke(args, collector)
     except ValueError as exc:  # pytest's usage errors: a malformed -k expression
         raise click.UsageError(str(exc)) from None
