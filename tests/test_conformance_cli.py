@@ -175,3 +175,14 @@ def test_broken_implementation_fails_through_the_cli(monkeypatch) -> None:
     assert table.exit_code == 1, table.output
     assert "FAILED block_tables_only_grow[bs4-shared]" in table.output and "FAILED block_tables_only_grow[bs4-private]" in table.output
     assert "entries handed out must not change while the sequence holds blocks" in " ".join(table.output.split())
+
+
+def test_a_collection_error_is_reported_not_raised() -> None:
+    """A suite that cannot even be parametrised (pytest's collection error) comes back as one error naming why."""
+    from corerun.conformance.runner import ResultCollector, invoke, pytest_args
+
+    collector = ResultCollector("graph:eager")
+    invoke(pytest_args("graph:eager", attention="nope", keyword="oversize"), collector)
+    (only,) = collector.results
+    assert only.outcome == "error" and only.failed and only.check == "collection"
+    assert "no attention backend named 'nope'" in only.reason and only.nodeid.endswith("TestGraphRunner")

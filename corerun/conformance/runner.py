@@ -158,11 +158,6 @@ class ResultCollector:
     def results(self) -> list[CheckResult]:
         return list(self.by_id.values())
 
-    @property
-    def collected(self) -> list[str]:
-        """The node ids pytest selected, in order."""
-        return list(self.cases)
-
     # ------------------------------------------------------------ hooks
     def pytest_configure(self, config: Any) -> None:
         from corerun.conformance.pytest_plugin import TARGETS
@@ -182,8 +177,9 @@ class ResultCollector:
             self.cases[item.nodeid] = callspec.params.get("case") if callspec is not None else None
 
     def pytest_collectreport(self, report: Any) -> None:
-        if report.failed:
+        if report.failed:  # pytest then stops before running anything
             where = report.nodeid or PACKAGE
+            self.stopped = f"{where} could not be collected"
             self._add(CheckResult(self.kind, self.name, "collection", where, "error", report.longreprtext, nodeid=where))
 
     @pytest.hookimpl(hookwrapper=True)
