@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
+from corerun.testing import requests_step
 from corerun_attention_cpu.kernels import find_compiler
 
 # Without any C++ compiler the backend is unavailable by design (the probe tests cover that); the
@@ -50,18 +51,7 @@ def make_step(backend, spec: AttentionSpec, requests: list[tuple[int, int]], see
         tables[i, :n] = perm[at : at + n].to(torch.int32)
         at += n
     qlens = [q for _, q in requests]
-    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
-    slots = [int(tables[i, p // bs]) * bs + p % bs for i, (c, q) in enumerate(requests) for p in range(c, c + q)]
-    nd = 0
-    while nd < len(qlens) and qlens[nd] == 1:
-        nd += 1
-    seq_t = torch.tensor(seq, dtype=torch.int32)
-    batch = AttentionBatch(
-        query_start_loc=qsl, seq_lens=seq_t, context_lens=torch.tensor([c for c, _ in requests], dtype=torch.int32),
-        block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64), num_reqs=len(requests),
-        num_tokens=sum(qlens), max_query_len=max(qlens), max_seq_len=max(seq), num_decodes=nd,
-        query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_t.clone(),
-    )
+    batch = requests_step([c for c, _ in requests], qlens, tables.tolist(), bs).batch
     t = sum(qlens)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(spec.dtype)  # noqa: E731
     cache = backend.allocate_kv_cache(num_blocks)
