@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import pytest
 
-from corerun.conformance.settings import KINDS, parse_impl
+from corerun.conformance.settings import KIND_ALIASES, KINDS, parse_impl
 from corerun.conformance.target import Target
 from corerun.registry import PluginLoadError
 
@@ -231,6 +231,7 @@ def invoke(args: list[str], collector: ResultCollector, *, collect_only: bool = 
 
 
 def _target(kind: str, name: str | None, factory: Callable[..., Any] | None, capabilities: Any, options: dict | None) -> Target:
+    kind = KIND_ALIASES.get(kind, kind)
     if kind not in KINDS:
         raise ValueError(f"unknown implementation kind {kind!r}; kinds are {', '.join(KINDS)}")
     if factory is not None:
@@ -269,8 +270,8 @@ def run(
     if ":" in kind and name is None:
         kind, name = parse_impl(kind)
     target = _target(kind, name, factory, capabilities, options)
-    impl = f"{kind}:{target.name}"
-    collector = ResultCollector(impl, targets={(kind, target.name): target})
+    impl = f"{target.kind}:{target.name}"
+    collector = ResultCollector(impl, targets={(target.kind, target.name): target})
     invoke(pytest_args(impl, keyword=keyword, full_matrix=bool(full_matrix), device=device,
                        xfails=_checked_xfails(expected_failures)), collector)
     return collector.results
