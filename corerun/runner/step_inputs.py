@@ -360,11 +360,14 @@ class StepInputs:
             max_seq_len = int(seq_lens.max())
         out.input_ids[:] = ids if decode else np.fromiter(ids, dtype=np.int64, count=num_tokens)  # (faster for many)
         self.block_rows.gather(rows, out.block_tables)  # zero-padded; each covers the step's tokens (rows_for)
+        # slot = block * block_size + position % block_size = (block - position // block_size) * block_size + position
         slots, shift = out.slot_mapping, self._block_shift
-        np.left_shift(out.block_tables[token_request, positions >> shift], shift, out=slots, dtype=np.int64)
-        slots += positions & (self.block_size - 1)
+        block_index = positions >> shift
+        np.subtract(out.block_tables[token_request, block_index], block_index, out=slots, dtype=np.int64)
+        slots <<= shift
+        slots += positions
         # rows that finish their scheduled tokens are sampled from their last token's logits
-        sampled_rows = np.flatnonzero(seq_lens == [len(s.token_ids) for s in seqs])
+        sampled_rows = (seq_lens == [len(s.token_ids) for s in seqs]).nonzero()[0]
         logits_indices = sampled_rows.copy() if decode else np.subtract(query_starts[1:][sampled_rows], 1, dtype=np.int64)
         return sampled_rows, logits_indices, max_seq_len
 
