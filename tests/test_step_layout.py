@@ -106,7 +106,7 @@ def test_the_staging_buffer_holds_each_field_where_the_layout_says():
         seq.num_computed_tokens = rng.randrange(0, prompt)
         seqs.append(seq)
         num_new.append(prompt - seq.num_computed_tokens)
-        tables[i] = [rng.randrange(1, 2**20) for _ in range(-(-prompt // bs))]
+        tables[i] = [rng.choice((0, 1, rng.randrange(2**20))) for _ in range(-(-prompt // bs))]  # block 0 anywhere
     order = sorted(range(num_reqs), key=lambda i: num_new[i] != 1)
     sched = ScheduledBatch(seqs=[seqs[i] for i in order], num_new=[num_new[i] for i in order],
                            num_decodes=sum(n == 1 for n in num_new), preempted=[])
@@ -118,6 +118,9 @@ def test_the_staging_buffer_holds_each_field_where_the_layout_says():
         assert have.dtype == f.dtype and tuple(have.shape) == f.shape(*dims), f.name
         staged = torch.from_numpy(si._host_np[offset : offset + have.numel() * f.dtype.itemsize].copy()).view(f.dtype)
         assert torch.equal(staged, have.reshape(-1)), f.name
+    want_slots = [tables[s.seq_id][p // bs] * bs + p % bs
+                  for s, n in zip(sched.seqs, sched.num_new) for p in range(s.num_computed_tokens, s.num_computed_tokens + n)]
+    assert inputs.batch.slot_mapping.tolist() == want_slots
 
 
 def test_graph_static_inputs_follow_the_description_and_carry_every_field():

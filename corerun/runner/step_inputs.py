@@ -361,10 +361,9 @@ class StepInputs:
         out.input_ids[:] = ids if decode else np.fromiter(ids, dtype=np.int64, count=num_tokens)  # (faster for many)
         self.block_rows.gather(rows, out.block_tables)  # zero-padded; each covers the step's tokens (rows_for)
         # slot = block * block_size + position % block_size = (block - position // block_size) * block_size + position
-        slots, shift = out.slot_mapping, self._block_shift
-        block_index = positions >> shift
+        slots, block_index = out.slot_mapping, positions >> self._block_shift
         np.subtract(out.block_tables[token_request, block_index], block_index, out=slots, dtype=np.int64)
-        slots <<= shift
+        slots *= self.block_size
         slots += positions
         # rows that finish their scheduled tokens are sampled from their last token's logits
         sampled_rows = (seq_lens == [len(s.token_ids) for s in seqs]).nonzero()[0]
