@@ -331,9 +331,9 @@ class StepInputs:
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices, max_seq_len).
 
-        Vectorised numpy with few calls, so that its fixed cost stays near a Python loop's for a few
-        requests and its cost per token far below one for many; the gaps between fields keep old
-        bytes (no field covers them).
+        Vectorised numpy whatever the step's size: a fixed cost of about fifteen numpy calls (a few
+        microseconds more than Python lists for a decode of one to eight requests), and per token far
+        less than a Python loop.  The gaps between fields keep old bytes (no field covers them).
         """
         if self._views[0] is not lay or self._views[1] is not self._host_np:  # (a steady batch keeps its layout)
             self._views = (lay, self._host_np, lay.arrays(self._host_np))
