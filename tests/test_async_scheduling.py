@@ -266,3 +266,53 @@ def test_async_scheduling_is_off_by_default_and_refused_where_unsupported(tiny) 
         LLM(model=model_dir, scheduler={"async_scheduling": True}, tensor_parallel_size=2, **COMMON)
     with pytest.raises(Exception, match="async_scheduling"):
         Config(scheduler={"async_scheduling": "sometimes"})
+
+
+def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
+    """Protocol version 2 under asynchronous scheduling: replaying the launched batches' ``finished_ids``
+    and ``new_block_ids`` gives each scheduled sequence's table as the KV-cache manager has it, although
+    requests that ended in the step in flight are dropped from the next batch before its launch."""
+    from corerun.core.scheduler import ScheduledBatch
+    from corerun.engine import llm_engine
+
+    if "new_block_ids" not in ScheduledBatch.__dataclass_fields__:
+        pytest.skip("this scheduler does not state block-table changes")
+    model_dir, prompts, _ = tiny
+    llm = make_llm(model_dir, 9, True, max_num_batched_tokens=6)
+    engine = llm.engine
+    tables: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    checked = [0]
+    prepare = engine.runner.prepare_step
+
+    def replaying_prepare(sched: Any, eos: Any) -> Any:
+        for sid in sched.finished_ids:
+            tables.pop(sid, None)
+            finished.add(sid)
+        for sid, change in sched.new_block_ids.items():
+            tables[sid] = change.apply(tables.get(sid, []) if sid not in sched.resumed_ids else [])
+        for s in sched.seqs:
+            assert s.seq_id not in finished and not s.is_finished
+            assert tables[s.seq_id] == list(engine.kv.block_table(s.seq_id))
+            checked[0] += 1
+        return prepare(sched, eos)
+
+    engine.runner.prepare_step = replaying_prepare  # type: ignore[method-assign]
+    dropped = [0]
+    only = llm_engine._only
+
+    def counting_only(sched: Any, keep: list[int]) -> Any:
+        dropped[0] += len(sched.seqs) - len(keep)
+        return only(sched, keep)
+
+    # random stop tokens end requests at steps the scheduler cannot foresee: they are dropped before launch
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=1 + i % 9, stop_token_ids=list(range(3, 60)))
+              for i in range(2 * len(prompts))]
+    llm_engine._only = counting_only
+    try:
+        outs = llm.generate(prompts * 2, params, use_tqdm=False)
+    finally:
+        llm_engine._only = only
+        llm.shutdown()
+    assert all(len(o.outputs[0].token_ids) <= p.max_tokens for o, p in zip(outs, params))
+    assert engine.scheduler.num_preemptions > 0 and checked[0] > 30 and dropped[0] > 0

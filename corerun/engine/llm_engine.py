@@ -88,6 +88,7 @@ class LLMEngine:
         # outside step() (an abort waits for it) that the next step() returns
         self._in_flight: _StepInFlight | None = None
         self._collected: list[Sequence] = []
+        self._unsent: ScheduledBatch | None = None  # a batch emptied before its launch (its finished ids)
         self._step_thread: ThreadPoolExecutor | None = None  # made by the first asynchronous step
 
     def _make_proposer(self, config: Config) -> NgramProposer | None:
@@ -396,12 +397,12 @@ class LLMEngine:
             return touched if had_in_flight else touched + self._unschedulable(sched)
         keep = [i for i, s in enumerate(sched.seqs) if not s.is_finished]
         if len(keep) < len(sched.seqs):  # ended by step N: never run, never emitted (blocks freed by _finish)
-            sched = replace(
-                sched, seqs=[sched.seqs[i] for i in keep], num_new=[sched.num_new[i] for i in keep],
-                num_decodes=sum(1 for i in keep if i < sched.num_decodes),
-            )
-            if not sched:
+            sched = _only(sched, keep)
+            if not sched:  # nothing left to launch: what the batch tells the runner goes with the next one
+                self._unsent = sched if self._unsent is None else _merged(self._unsent, sched)
                 return touched
+        if self._unsent is not None:
+            sched, self._unsent = _merged(self._unsent, sched), None
         return touched + self._launch(sched)
 
     def _launch(self, sched: ScheduledBatch) -> list[Sequence]:
@@ -711,6 +712,28 @@ def _check_async_scheduling(config: Config) -> bool:
             "leave speculative.method unset or use async_scheduling: false"
         )
     return True
+
+
+def _only(sched: ScheduledBatch, keep: list[int]) -> ScheduledBatch:
+    """``sched`` with only its sequences ``keep`` (indices, in order): the per-sequence fields follow."""
+    ids = {sched.seqs[i].seq_id for i in keep}
+    changes: dict[str, Any] = dict(
+        seqs=[sched.seqs[i] for i in keep], num_new=[sched.num_new[i] for i in keep],
+        num_decodes=sum(1 for i in keep if i < sched.num_decodes),
+        drafts={k: v for k, v in sched.drafts.items() if k in ids},
+    )
+    if getattr(sched, "new_block_ids", None) is not None:  # protocol version 2's per-sequence changes
+        changes["new_block_ids"] = {k: v for k, v in sched.new_block_ids.items() if k in ids}
+        changes["resumed_ids"] = frozenset(sched.resumed_ids) & ids
+    return replace(sched, **changes)
+
+
+def _merged(unsent: ScheduledBatch, sched: ScheduledBatch) -> ScheduledBatch:
+    """``sched`` also telling what the unlaunched ``unsent`` told: the sequences finished before it."""
+    finished = getattr(unsent, "finished_ids", None)
+    if not finished:
+        return sched
+    return replace(sched, finished_ids=frozenset(finished) | sched.finished_ids)
 
 
 def _init_step_thread(device: Any, threads: int) -> None:
