@@ -68,7 +68,10 @@ def test_the_byte_layout_places_each_field_aligned_and_apart(dims):
         spans.append((offset, offset + size))
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # in order, no overlap
     assert spans[-1][1] <= lay.nbytes and lay.nbytes % ALIGN == 0 and lay.nbytes - spans[-1][1] < ALIGN
-    assert sum(lay.split) == lay.nbytes
+    staged = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    for f, offset, view in zip(STEP_FIELDS, lay.offsets, lay.tensors(staged)):
+        assert tuple(view.shape) == f.shape(*dims), f.name
+        assert view.numel() == 0 or view.data_ptr() - staged.data_ptr() == offset, f.name  # (an empty view has no address)
 
 
 def test_a_layout_of_negative_counts_is_refused_by_name():
