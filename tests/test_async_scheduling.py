@@ -135,6 +135,24 @@ def test_n_samples_and_stop_strings_equal_sync(chat, pair) -> None:
     assert_idle(asyn)
 
 
+def test_structured_output_equals_sync(chat, pair) -> None:
+    """Logits processors (xgrammar) end requests when their grammar completes: the same texts and the
+    same ends asynchronously, and every processor state freed."""
+    pytest.importorskip("xgrammar")
+    sync, asyn = pair(chat, 96)
+    choices = ["yes", "no", "maybe later"]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, structured_outputs={"choice": choices}) for s in range(4)]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=24, structured_outputs={"regex": r"(ab|cd)+e"}) for s in range(4)]
+    params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2  # unconstrained rows beside them
+    prompts = ["Answer:"] * 4 + ["Word:"] * 4 + [PROMPT] * 2
+    a, s = asyn.generate(prompts, params, use_tqdm=False), sync.generate(prompts, params, use_tqdm=False)
+    assert completions(a) == completions(s)
+    assert all(o.outputs[0].text in choices for o in a[:4])
+    assert [o.outputs[0].finish_reason for o in a[:8]] == ["stop"] * 8
+    assert asyn.engine.runner.logits_processors.num_requests == 0
+    assert_idle(asyn)
+
+
 # ------------------------------------------------------ ends are never overrun
 def test_streams_never_show_a_token_past_the_end(chat, pair) -> None:
     """Streamed outputs are prefixes of the final one, which equals the synchronous engine's; the
@@ -266,6 +284,13 @@ def test_async_scheduling_is_off_by_default_and_refused_where_unsupported(tiny) 
         LLM(model=model_dir, scheduler={"async_scheduling": True}, tensor_parallel_size=2, **COMMON)
     with pytest.raises(Exception, match="async_scheduling"):
         Config(scheduler={"async_scheduling": "sometimes"})
+    with LLM(model=model_dir, speculative={"method": "ngram"}, **COMMON) as spec:  # switched on later: refused too
+        with pytest.raises(ConfigError, match="speculative.method"):
+            spec.engine.set_async_scheduling(True)
+        assert spec.engine.async_scheduling is False
+        spec.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match="no request is running"):
+            spec.engine.set_async_scheduling(False)
 
 
 def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
