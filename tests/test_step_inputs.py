@@ -6,11 +6,11 @@ chunks that stop mid-prompt, mixes, batch 1 and ragged block tables.  The stagin
 poisoned before each step, and consecutive steps change shape, so an element left unwritten, a stale
 tail or a too-short buffer would show.
 
-Block tables are kept across steps (``BlockRows``), so a test honours what a KV-cache manager
-promises: a seq_id is never reused, and a table changes only by growing at the end, or after a
-preemption (``num_preemptions`` + 1).  Multi-step runs below drive sequences through growth across
-block boundaries, preemption and re-admission (tables rewritten at the same length included),
-finishing and eviction, against the same reference, and count the calls to ``block_table``.
+Block tables are kept across steps (``BlockRows``) and follow the changes each batch states
+(``ScheduledBatch.new_block_ids`` / ``finished_ids``, protocol version 2), as the scheduler hands
+them out.  Multi-step runs below drive sequences through growth across block boundaries, preemption
+and re-admission (tables rewritten at the same length included), trims, finishing and eviction,
+against the same reference, and count the calls to ``block_table`` (none while every change is stated).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from corerun.core.scheduler import ScheduledBatch
+from corerun.core.scheduler import BlockIds, ScheduledBatch
 from corerun.core.sequence import Sequence
 from corerun.sampling_params import SamplingParams
 from corerun.protocols.step_layout import ALIGN, StepLayout
@@ -188,6 +188,7 @@ def test_step_n_outputs_unchanged_after_step_n_plus_1_of_the_same_shape():
         seq.token_ids.append(rng.randrange(50_000))
         seq.num_preemptions += 1
     tables2 = {sid: [rng.randrange(2**30) for _ in t] for sid, t in tables1.items()}
+    first.new_block_ids = {sid: BlockIds(0, t) for sid, t in tables2.items()}  # what the scheduler states
     check(si.build(first, tables2.__getitem__), first, tables2)
     assert snapshot(out1) == snap1
     staging = (si._host_np.ctypes.data, si._host_np.ctypes.data + si.capacity)
@@ -304,15 +305,25 @@ def test_cuda_pinned_staging_matches_the_reference():
 
 # ----------------------------------------------------------------------------- block tables kept across steps
 class GrowOnlyTables:
-    """Block tables as a KV-cache manager keeps them: grown at the end while held, new after ``free``.
+    """Block tables as a KV-cache manager keeps them: grown at the end while held, new after ``free``,
+    and the changes a scheduler states about them (``states_changes``): each table's new entries since
+    the batch that last scheduled it, and the sequences finished since the previous batch.
 
     ``block_table`` returns a copy (as ``paged`` does) and records the seq_id it was asked for.
     """
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, states_changes: bool = True) -> None:
         self.rng = rng
         self.tables: dict[int, list[int]] = {}
         self.calls: list[int] = []
+        self.states_changes = states_changes
+        self.changes: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (start, entries from start on)
+        self.finished: list[int] = []
+
+    def _changed(self, seq_id: int, start: int) -> None:
+        if self.states_changes:
+            first = min(start, self.changes.get(seq_id, (start, []))[0])
+            self.changes[seq_id] = (first, self.tables[seq_id][first:])
 
     def grow(self, seq_id: int, num_tokens: int, extra: int = 0) -> None:
         """Hold ``num_tokens`` tokens (a table made now gets ``extra`` blocks more than that)."""
@@ -320,10 +331,27 @@ class GrowOnlyTables:
         if seq_id not in self.tables:
             self.tables[seq_id], need = [], need + extra
         table = self.tables[seq_id]
+        start = len(table)
         table += [self.rng.randrange(2**30) for _ in range(need - len(table))]
+        if len(table) > start or not table:
+            self._changed(seq_id, start)
 
-    def free(self, seq_id: int) -> None:
+    def trim(self, seq_id: int, num_blocks: int) -> None:
+        if num_blocks < len(self.tables[seq_id]):
+            del self.tables[seq_id][num_blocks:]
+            self._changed(seq_id, num_blocks)
+
+    def free(self, seq_id: int, finished: bool = False) -> None:
         del self.tables[seq_id]
+        self.changes.pop(seq_id, None)
+        if finished:
+            self.finished.append(seq_id)
+
+    def stated(self, seqs: list[Sequence]) -> tuple[dict[int, BlockIds], frozenset[int]]:
+        """The changes a batch of ``seqs`` carries (handed out once)."""
+        changes = {s.seq_id: BlockIds(*self.changes.pop(s.seq_id)) for s in seqs if s.seq_id in self.changes}
+        finished, self.finished = frozenset(self.finished), []
+        return changes, finished
 
     def block_table(self, seq_id: int) -> list[int]:
         self.calls.append(seq_id)
@@ -344,7 +372,9 @@ def schedule(rng: random.Random, kv: GrowOnlyTables, seqs: list[Sequence], extra
         kv.grow(seq.seq_id, seq.num_computed_tokens + n, extra=rng.randint(0, extra))
         items.append((seq, n))
     items.sort(key=lambda it: it[1] != 1)  # decodes first, as the scheduler orders them
-    return ScheduledBatch([s for s, _ in items], [n for _, n in items], sum(1 for _, n in items if n == 1), [])
+    changes, finished = kv.stated(seqs)
+    return ScheduledBatch([s for s, _ in items], [n for _, n in items], sum(1 for _, n in items if n == 1), [],
+                          new_block_ids=changes, finished_ids=finished)
 
 
 def advance(rng: random.Random, sched: ScheduledBatch) -> None:
@@ -370,7 +400,7 @@ def test_many_steps_of_growth_preemption_readmission_and_finishing_match_the_ref
             if u < 0.15 and seq.seq_id in kv.tables:
                 running.remove(seq)
                 if u < 0.06:  # finished: never scheduled again
-                    kv.free(seq.seq_id)
+                    kv.free(seq.seq_id, finished=True)
                     events["finished"] += 1
                     continue
                 old_len[seq.seq_id] = len(kv.tables[seq.seq_id])
@@ -397,15 +427,22 @@ def test_many_steps_of_growth_preemption_readmission_and_finishing_match_the_ref
         tables = {s.seq_id: list(kv.tables[s.seq_id]) for s in sched.seqs}
         check(build(si, sched, tables, kv.block_table), sched, tables)
         advance(rng, sched)
-    for what in ("finished", "same length", "shorter", "wider than the first row width"):
+        for seq in sched.seqs:  # speculative decoding gives back blocks it took for rejected drafts
+            if rng.random() < 0.1 and seq.seq_id in kv.tables:
+                before = len(kv.tables[seq.seq_id])
+                kv.trim(seq.seq_id, -(-seq.num_computed_tokens // BS))
+                events["trimmed"] += len(kv.tables[seq.seq_id]) < before
+    for what in ("finished", "same length", "shorter", "wider than the first row width", "trimmed"):
         assert events[what] >= 2, events
+    assert kv.calls == [] and si.block_rows.reads == 0  # every change was stated: no table read whole
 
 
-def test_a_steady_decode_reads_only_the_tables_that_cross_into_a_new_block():
-    """48 decoding sequences, contexts spread over three blocks: after the first step (every table new),
-    ``block_table`` is called once for each sequence whose new token is the first of a block, and for no other."""
+def test_without_stated_changes_only_the_tables_that_cross_into_a_new_block_are_read():
+    """Batches built by hand, without changes: 48 decoding sequences, contexts spread over three blocks;
+    after the first step (every table new), ``block_table`` is called once for each sequence whose new
+    token is the first of a block (its row is too short), and for no other."""
     rng = random.Random("calls")
-    si, kv = builder(), GrowOnlyTables(rng)
+    si, kv = builder(), GrowOnlyTables(rng, states_changes=False)
     seqs = [new_sequence(rng, 7 + k, 40 + k) for k in range(48)]
     for seq in seqs:
         seq.num_computed_tokens = seq.num_tokens - 1
@@ -420,11 +457,11 @@ def test_a_steady_decode_reads_only_the_tables_that_cross_into_a_new_block():
         advance(rng, sched)
 
 
-def test_a_table_whose_kept_entries_changed_is_read_whole():
-    """Outside the contract, but cheap to catch when the table is read anyway: the block kept last
-    differs in the fresh table, so the whole row is replaced, not only the new tail."""
+def test_a_table_read_without_a_stated_change_is_read_whole():
+    """A row too short for the step with no change stated: the whole table is read and replaces the
+    row (here one whose kept entry was rewritten, outside the contract), not only the new tail."""
     rng = random.Random("rewritten")
-    si, kv = builder(), GrowOnlyTables(rng)
+    si, kv = builder(), GrowOnlyTables(rng, states_changes=False)
     seq = new_sequence(rng, 3, 2 * BS)
     seq.num_computed_tokens = 2 * BS - 1
     sched = schedule(rng, kv, [seq], extra=0)
@@ -434,6 +471,24 @@ def test_a_table_whose_kept_entries_changed_is_read_whole():
     sched = schedule(rng, kv, [seq], extra=0)
     assert len(kv.tables[3]) == 3
     check(build(si, sched, kv.tables, kv.block_table), sched, kv.tables)
+
+
+def test_a_steady_decode_with_stated_changes_reads_no_table():
+    """48 decoding sequences over three block boundaries with the changes stated: ``block_table`` is
+    never called, and every row equals the manager's table."""
+    rng = random.Random("stated")
+    si, kv = builder(), GrowOnlyTables(rng)
+    seqs = [new_sequence(rng, 7 + k, 40 + k) for k in range(48)]
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    for step in range(2 * BS + 1):
+        sched = schedule(rng, kv, seqs, extra=0)
+        assert len(sched.new_block_ids) == (48 if step == 0 else sum(s.num_computed_tokens % BS == 0 for s in seqs))
+        tables = {s.seq_id: list(kv.tables[s.seq_id]) for s in sched.seqs}
+        check(build(si, sched, tables, kv.block_table), sched, tables)
+        assert all(si.block_rows.blocks(sid) == t for sid, t in tables.items())
+        advance(rng, sched)
+    assert kv.calls == [] and si.block_rows.reads == 0
 
 
 def test_a_long_run_of_short_lived_sequences_keeps_the_rows_bounded():

@@ -19,6 +19,8 @@ import json
 
 import pytest
 import torch
+
+from corerun._version import PROTOCOL_VERSION
 from tests.helpers.thirdparty import PluginPackage, Site, check, write_package
 
 MINE = PluginPackage(
@@ -176,7 +178,7 @@ def test_third_party_backend_is_listed_in_json(listing: dict) -> None:
         "plugin": "mine",
         "distribution": "corerun-attention-mine",
         "version": "0.4.0",
-        "protocol_version": 1,
+        "protocol_version": PROTOCOL_VERSION,  # (declared by default: the version of the corerun it registers with)
         "priority": -5,
         "description": "the torch reference backend, packaged by a third party",
         "origin": "third-party",

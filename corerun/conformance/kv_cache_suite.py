@@ -5,6 +5,8 @@ state unchanged) not raised, prefix hits happen only on identical block-aligned 
 never cover the whole prompt, shared blocks are reference counted, and cached blocks are evicted
 least recently freed first.  Sequences follow the protocol's order: ``get_computed_prefix`` on first
 scheduling, ``allocate_slots`` before a step, ``cache_blocks`` after it, ``free`` at the end.
+Protocol version 2: ``new_block_ids`` reports what a table gained, and the changes corerun's
+scheduler states from it replay, step by step, to every scheduled sequence's ``block_table``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any, Sequence
 import pytest
 
 from corerun.conformance.suite import Case, ConformanceSuite
+from corerun.core.scheduler import Scheduler
+from corerun.core.sequence import Sequence as Seq
+from corerun.sampling_params import SamplingParams
 from corerun.conformance.target import Target
 
 PREFIX_CHECKS = ("prefix_identical_only", "prefix_never_whole_prompt", "prefix_reference_counting", "eviction_order")
@@ -228,6 +233,68 @@ class KVCacheManagerSuite(ConformanceSuite):
         for seq in held:
             m.free(seq)
         self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing every sequence")
+
+    def test_new_block_ids(self, case: Case) -> None:
+        """``new_block_ids(seq_id, start)`` is ``block_table(seq_id)[start:]``; a ``trim`` (optional) returns
+        the length kept; and corerun's scheduler, running 80 steps over the manager (chunked prefills,
+        decodes, speculative drafts trimmed back, preemption by recompute, prefix hits, finishing),
+        states changes (``ScheduledBatch.new_block_ids`` / ``finished_ids``) whose replay equals the
+        ``block_table`` of every scheduled sequence at every step."""
+        self.start(case)
+        bs = case.config.block_size
+        m = self._manager(case, 14)  # room for two or three sequences: preemptions
+        rng, tok = random.Random(21), _Tokens(22)
+        what = "stated changes"
+        drafting = [0]
+
+        def propose(seq: Any, at_most: int) -> list[int]:  # drafts on every third decode, all rejected below
+            drafting[0] += 1
+            return tok(min(at_most, bs + 1)) if drafting[0] % 3 == 0 else []
+
+        sched = Scheduler(m, max_num_seqs=6, max_num_batched_tokens=3 * bs + 8, propose=propose)
+        shared = tok(2 * bs)  # a prefix several prompts start with (prefix hits when the manager shares)
+        seqs: dict[int, Any] = {}
+        mirror: dict[int, list[int]] = {}  # seq_id -> its table, from the stated changes only
+        trims = 0
+        for step in range(80):
+            while len(sched) < 8 and rng.random() < 0.5:
+                sid = len(seqs) + 1
+                prompt = (shared if rng.random() < 0.5 else []) + tok(rng.randint(1, 3 * bs))
+                seqs[sid] = Seq(sid, str(sid), prompt, SamplingParams(max_tokens=64))
+                sched.add(seqs[sid])
+            batch = sched.schedule()
+            for sid in batch.finished_ids:
+                mirror.pop(sid, None)
+            for sid, change in batch.new_block_ids.items():
+                if change.start > len(mirror.get(sid, [])):
+                    self._fail(case, what, f"step {step}: seq {sid}'s change starts at {change.start}, past its "
+                               f"{len(mirror.get(sid, []))} blocks stated so far")
+                mirror[sid] = change.apply(mirror.get(sid, []))
+            for seq in batch.seqs:
+                table = self._table(m, seq.seq_id)
+                if mirror.get(seq.seq_id) != table:
+                    self._fail(case, what, f"step {step}: seq {seq.seq_id}'s table is {table}, but the changes stated "
+                               f"from new_block_ids replay to {mirror.get(seq.seq_id)}")
+                for start in {0, len(table) // 2, len(table)}:
+                    self._expect(case, what, list(m.new_block_ids(seq.seq_id, start)), table[start:],
+                                 f"step {step}: new_block_ids({seq.seq_id}, {start}) of the table {table}")
+            for seq, n in zip(batch.seqs, batch.num_new):  # the step ran: drafts all rejected
+                n -= len(batch.drafts.get(seq.seq_id, ()))
+                seq.num_computed_tokens += n
+                m.cache_blocks(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens)
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.token_ids.append(tok(1)[0])
+                    if seq.num_tokens - seq.num_prompt_tokens >= rng.randint(3, 4 * bs):
+                        sched.finish(seq, "length")
+                        continue
+                if seq.seq_id in batch.drafts and hasattr(m, "trim"):
+                    sched.trim(seq, seq.num_tokens)
+                    kept = len(self._table(m, seq.seq_id))
+                    trims += 1
+                    self._expect(case, what, kept >= _ceil(seq.num_tokens, bs), True,
+                                 f"step {step}: trim({seq.seq_id}, {seq.num_tokens}) kept {kept} blocks of {bs}")
+        if sched.num_preemptions == 0 or (hasattr(m, "trim") and trims == 0):
+            raise RuntimeError(f"suite input: {sched.num_preemptions} preemptions and {trims} trims in the run")
 
     def test_exhaustion(self, case: Case) -> None:
         """Running out of blocks returns False and changes nothing; freeing makes room again."""

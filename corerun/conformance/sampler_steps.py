@@ -1,9 +1,10 @@
 """The changing batch of the sampler suite's ``seq_id_history`` check: steps of requests with ``seq_ids``.
 
 Eight steps over eight requests, each with its own ``seq_id``: requests join late, leave, come back
-with outputs that grew meanwhile, gain one or several tokens a step, and the rows are shuffled every
-step.  The histories are the suite's own: a sampler must read them from the metadata, not assume its
-draws were appended.
+with outputs that grew meanwhile or (as a request the scheduler skipped) did not, gain one or several
+tokens a step, finish (named once in ``SamplingMetadata.finished_seq_ids``, protocol version 2), and
+the rows are shuffled every step.  The histories are the suite's own: a sampler must read them from
+the metadata, not assume its draws were appended.
 
 Each row's logits are built from its history so that the greedy choice depends on the newest output
 token ``t``: ``t`` gets the top raw logit, and a decoy token (never in any history) sits halfway
@@ -44,12 +45,14 @@ VARIANTS: list[tuple[str, dict[str, Any], set[str]]] = [
 ]
 
 # the steps each request is in the batch, its output length when it first appears, and the tokens it
-# gains before a step where that is not one: requests 1 and 2 come back with more, 6 grows by three
+# gains before a step where that is not one: request 1 comes back with more, request 2 skipped two
+# steps and comes back with the same history, 6 grows by three; request 4 finishes after step 4
 PRESENT = [
     range(0, 8), (0, 1, 4, 5, 6, 7), (0, 1, 2, 3, 6, 7), range(1, 8), (0, 1, 2, 3, 4), range(3, 8), range(0, 8), range(2, 8),
 ]
 FIRST_OUTPUT = [0, 2, 3, 1, 4, 2, 1, 3]
-GAINS = {(1, 4): 3, (2, 6): 2, (6, 2): 3, (6, 5): 3}
+GAINS = {(1, 4): 3, (2, 6): 0, (6, 2): 3, (6, 5): 3}
+FINISHED_AFTER = {4: 4}  # request -> its last step (then named in the next step's finished_seq_ids)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Row:
 class HistoryStep:
     rows: list[Row]
     logits: torch.Tensor  # float32 [len(rows), VOCAB]
+    finished: frozenset[int]  # seq_ids of requests finished since the previous step
 
 
 def variants(declared: frozenset[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -106,7 +110,8 @@ def history_steps(declared: frozenset[str], seed: int) -> list[HistoryStep]:
         order = torch.randperm(len(rows), generator=gen).tolist()
         rows = [rows[j] for j in order]
         logits = torch.stack([_row_logits(row, gen) for row in rows]).to(torch.float32)
-        steps.append(HistoryStep(rows, logits))
+        finished = frozenset(7919 * (r + 1) for r, last in FINISHED_AFTER.items() if last == k - 1)
+        steps.append(HistoryStep(rows, logits, finished))
     return steps
 
 

@@ -272,8 +272,9 @@ class SamplerSuite(ConformanceSuite):
 
     def test_seq_id_history(self, case: Case) -> None:
         """Steps with ``seq_ids``: greedy rows take the argmax of the processed logits of each request's
-        current history while requests join, leave, come back and grow; seeded rows draw what they draw
-        without ``seq_ids``.  A sampler whose per-request state goes stale fails here."""
+        current history while requests join, leave, come back (grown, or skipped with the same
+        history), grow and finish (``finished_seq_ids``); seeded rows draw what they draw without
+        ``seq_ids``.  A sampler whose per-request state goes stale fails here."""
         self.start(case)
         declared, vocab, device = self.declared(case.target), HISTORY_VOCAB, case.device
         sampler = self._sampler(case, vocab)
@@ -281,7 +282,8 @@ class SamplerSuite(ConformanceSuite):
         for k, step in enumerate(history_steps(declared, zlib.crc32(case.key.encode()))):
             params = [row.params for row in step.rows]
             lists = ([row.prompt for row in step.rows], [row.output for row in step.rows])
-            with_ids = SamplingMetadata(params, *lists, frozenset({EOS}), seq_ids=[row.seq_id for row in step.rows])
+            with_ids = SamplingMetadata(params, *lists, frozenset({EOS}), seq_ids=[row.seq_id for row in step.rows],
+                                        finished_seq_ids=step.finished)
             tokens = self._tokens(case, sampler.sample(step.logits.clone().to(device), with_ids), len(params), vocab)
             for i, row in enumerate(step.rows):
                 if not row.params.greedy:

@@ -585,12 +585,9 @@ class LLMEngine:
                 return
 
     def _trim(self, seq: Sequence) -> None:
-        """Give back the blocks ``seq`` took only for rejected drafts (managers with ``trim``; others keep them)."""
-        trim = getattr(self.kv, "trim", None)
-        if trim is None:
-            return
-        trim(seq.seq_id, seq.num_tokens)
-        self.runner.step_inputs.block_rows.truncate(seq.seq_id, -(-seq.num_tokens // self.runner.block_size))
+        """Give back the blocks ``seq`` took only for rejected drafts (managers with ``trim``; others keep them);
+        the scheduler reports the shorter table to the runner with the next batch."""
+        self.scheduler.trim(seq, seq.num_tokens)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

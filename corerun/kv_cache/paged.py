@@ -130,6 +130,15 @@ class PagedKVCacheManager:
             )
         return list(state.block_table)
 
+    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
+        """``block_table(seq_id)[start:]`` without copying the rest; raises ``ValueError`` for an unknown id."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise ValueError(
+                f"sequence {seq_id!r} has no blocks; call get_computed_prefix / allocate_slots for it first"
+            )
+        return state.block_table[start:]
+
     # ------------------------------------------------------------------ protocol
 
     def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
@@ -224,13 +233,14 @@ class PagedKVCacheManager:
                 serial = next(self._serials)  # collision with another prefix: keep it, match nothing
             state.num_hashed_blocks, state.last_key, state.last_serial = i + 1, key, serial
 
-    def trim(self, seq_id: int, num_tokens: int) -> None:
+    def trim(self, seq_id: int, num_tokens: int) -> int:
         """Shrink ``seq_id``'s table to ``ceil(num_tokens / block_size)`` blocks, freeing the tail (the blocks
-        speculative decoding took only for draft tokens that were rejected).  Registered (hashed) blocks
-        are never dropped; a no-op for an unknown id or a table already that short."""
+        speculative decoding took only for draft tokens that were rejected), and return its length after.
+        Registered (hashed) blocks are never dropped; a no-op for a table already that short (0 for an
+        unknown id)."""
         state = self._seqs.get(seq_id)
         if state is None:
-            return
+            return 0
         keep = max(-(-num_tokens // self.block_size), state.num_hashed_blocks)
         while len(state.block_table) > keep:
             block = state.block_table.pop()
@@ -240,6 +250,7 @@ class PagedKVCacheManager:
                     self._free_cached[block] = None
                 else:
                     self._free_empty.appendleft(block)  # taken again first (the next draft step wants one)
+        return len(state.block_table)
 
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id``'s references, tail block first; a no-op for an unknown id.

@@ -8,11 +8,18 @@ themselves belong to the attention backend.  A sequence goes through:
    recomputed so its logits exist) and returns how many tokens they cover.
 2. ``allocate_slots(seq_id, num_tokens)`` before each step: grows the block table to hold
    ``num_tokens`` tokens.  Returns ``False`` and changes nothing when free blocks run out
-   (exhaustion is reported, never raised); the scheduler then preempts.
+   (exhaustion is reported, never raised); the scheduler then preempts.  After a growing call the
+   scheduler asks ``new_block_ids(seq_id, start)`` for what was appended and hands it to the runner
+   in the step's ``ScheduledBatch.new_block_ids`` (protocol version 2: the runner never reads a whole
+   table to find out what changed).
 3. ``cache_blocks(seq_id, token_ids, num_computed)`` after a step: registers the hashes of blocks
    that became full so later sequences can share them.
 4. ``free(seq_id)`` when finished, aborted or preempted: drops references; freed blocks that hold
    cached content stay reusable until evicted (least recently freed first).
+
+Optional: ``trim(seq_id, num_tokens) -> int`` shrinks a table at the end (speculative decoding gives
+back the blocks it took only for rejected drafts) and returns the table's length after; the
+scheduler reports the shrink to the runner like any other change.
 """
 
 from __future__ import annotations
@@ -53,14 +60,20 @@ class KVCacheManager(Protocol):
     def block_table(self, seq_id: int) -> list[int]:
         """Physical block ids of ``seq_id``'s tokens in order (token ``j`` lives in block ``[j // block_size]``).
 
-        Contract the runner relies on (it keeps each table across steps and asks again only when a
-        sequence needs blocks its copy lacks, or was preempted since): while a sequence holds blocks,
-        its table only grows at the end; it changes otherwise only after ``free(seq_id)``, or shrinks at
-        the end by an optional ``trim(seq_id, num_tokens)`` (speculative decoding drops the blocks it
-        took only for rejected drafts; the engine then tells the runner's copy).  Entries
-        handed out are never rewritten while the sequence holds them; after ``free`` and a new
-        admission under the same ``seq_id`` (a preemption) the table is a new one, which the runner
-        reads whole.
+        Contract the scheduler and runner rely on (the runner keeps each table across steps and
+        applies the changes the scheduler reports): while a sequence holds blocks, its table only
+        grows at the end, in ``get_computed_prefix`` and ``allocate_slots``; it changes otherwise only
+        after ``free(seq_id)``, or shrinks at the end by the optional ``trim``.  Entries handed out
+        are never rewritten while the sequence holds them; after ``free`` and a new admission under
+        the same ``seq_id`` (a preemption) the table is a new one, reported whole.
+        """
+        ...
+
+    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
+        """``block_table(seq_id)[start:]``: the blocks appended since the table held ``start`` (protocol version 2).
+
+        The scheduler calls it after each ``allocate_slots`` that needed blocks, with the length it
+        last reported, so its cost should follow what is new, not the whole table.
         """
         ...
 

@@ -26,6 +26,11 @@ class SamplingMetadata:
       costs in proportion to the new tokens rather than to the whole history.  A request's history only
       grows while it lives: its prompt never changes, and its output gains tokens at the end.  ``None``
       (the default, e.g. in conformance checks) means no identity: a sampler must then use the lists.
+    - ``finished_seq_ids`` (protocol version 2): the seq_ids of requests finished or aborted since
+      the previous ``sample`` call; they never come back, so a sampler drops their state now.  A
+      request merely absent from a step (not scheduled, preempted, a prompt chunk that samples
+      nothing) keeps its state: it may come back at the next step with its history grown by nothing
+      or by the tokens it gained meanwhile.
     """
 
     params: Sequence[SamplingParams]
@@ -33,6 +38,7 @@ class SamplingMetadata:
     output_token_ids: Sequence[Sequence[int]]
     eos_token_ids: frozenset[int] = frozenset()
     seq_ids: Sequence[int] | None = None
+    finished_seq_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         n = len(self.params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,7 @@ class PreparedStep:
     eos_token_ids: frozenset[int]
     has_drafts: bool
     prompt_plan: list[tuple[int, int, int, int, Any]]  # requests owed prompt logprobs this step
+    finished_seq_ids: frozenset[int] = frozenset()  # finished since the previous batch (ScheduledBatch.finished_ids)
 
 
 @dataclass
@@ -146,6 +147,9 @@ class ModelRunner:
         )
         self.sampler_name = select("sampler", config.sampler.name, need).name
         self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
+        # requests finished since the sampler was last called (SamplingMetadata.finished_seq_ids); read
+        # and written by sample_tokens only, which runs one step at a time
+        self._finished_for_sampler: set[int] = set()
         self.logits_processors = LogitsProcessors(  # between logits and sampler (corerun.logits_processing)
             self.registry, self.vocab_size, self.device, self.sampler_name, self.sampler.capabilities
         )
@@ -355,7 +359,7 @@ class ModelRunner:
             )
         return PreparedStep(
             sched, inputs, rows, logits_indices, seqs, meta, eos_token_ids, bool(extended),
-            self._prompt_logprob_plan(sched, inputs),
+            self._prompt_logprob_plan(sched, inputs), sched.finished_ids,
         )
 
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
@@ -373,6 +377,7 @@ class ModelRunner:
         """Logits of the sampled rows, the logits processors, the sampler and the step's one host sync."""
         step, hidden, prompt_lp = state.step, state.hidden, state.prompt_logprobs
         rows, logits_indices, seqs = step.rows, step.logits_indices, step.seqs
+        self._finished_for_sampler.update(step.finished_seq_ids)  # (told at the next call that samples)
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
         if step.has_drafts:
@@ -398,7 +403,7 @@ class ModelRunner:
         index = np.concatenate([np.arange(i - len(d), i + 1) for i, d in zip(logits_indices.tolist(), drafts)])
         first = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1]  # each request's first row
         logits = self._compute_logits(hidden[torch.from_numpy(index).to(self.device)])
-        meta = expand_metadata(seqs, drafts, eos_token_ids)
+        meta = expand_metadata(seqs, drafts, eos_token_ids)  # (its finished_seq_ids: _sample adds them)
         owner = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
         out, targets, ended = self._sample(logits, meta, owner)
         emitted = accept_drafts(targets, drafts)
@@ -422,6 +427,9 @@ class ModelRunner:
             masked = self.logits_processors.apply(logits, owners)
         except Exception as exc:
             raise StepError(f"logits processor failed: {type(exc).__name__}: {exc}") from exc
+        if self._finished_for_sampler:
+            meta = replace(meta, finished_seq_ids=frozenset(self._finished_for_sampler))
+            self._finished_for_sampler.clear()
         try:
             out: SamplerOutput = self.sampler.sample(logits, meta)
             sampled = out.sampled_token_ids.tolist()  # the step's one host sync

@@ -22,22 +22,20 @@ One fill writes the buffer (:meth:`StepInputs._fill`): vectorised numpy with few
 the step's size.
 
 Block tables cost per step what is new in them, not their length: :class:`BlockRows` keeps each
-sequence's table across steps as an int32 row of one persistent table and asks the KV-cache manager
-again only when a sequence is new, was preempted since, or needs blocks its row does not have (then
-it copies only the new tail); the step's ``[R, W]`` field is one gather of those rows.  This relies on
-the manager's contract (``KVCacheManager.block_table``): while a sequence holds blocks, its table
-only grows at the end.
+sequence's table across steps as an int32 row of one persistent table and applies the changes the
+scheduler states in each batch (``ScheduledBatch.new_block_ids``, ``finished_ids``; protocol version
+2); the step's ``[R, W]`` field is one gather of those rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence as SequenceT
+from typing import Callable, Iterable, Mapping, Protocol, Sequence as SequenceT
 
 import numpy as np
 import torch
 
-from corerun.core.scheduler import ScheduledBatch
+from corerun.core.scheduler import BlockIds, ScheduledBatch
 from corerun.core.sequence import Sequence
 from corerun.protocols.graph import ModelInputs
 from corerun.protocols.step_layout import StepLayout, StepTensors, model_inputs
@@ -67,38 +65,33 @@ class CudaCopyFence:
 
 @dataclass(slots=True, eq=False)
 class BlockRow:
-    """One sequence's block table as :class:`BlockRows` last read it.
-
-    Row ``slot`` of ``BlockRows.table`` holds its first ``num_blocks`` block ids; ``blocks`` is what
-    ``block_table`` returned then (only its first ``num_blocks`` entries are ever used); ``tag`` is the
-    sequence's ``num_preemptions`` at that read; ``seen`` the last build that used the row.
-    """
+    """One sequence's block table as :class:`BlockRows` holds it: row ``slot`` of ``BlockRows.table``,
+    its first ``num_blocks`` entries; ``seen`` is the last build that used the row."""
 
     seq_id: int
     slot: int
     num_blocks: int
-    tag: int
-    blocks: SequenceT[int]
     seen: int
 
 
 class BlockRows:
-    """The block tables of recently scheduled sequences, kept across steps as rows of one int32 table.
+    """The block tables of live sequences, kept across steps as rows of one int32 table.
 
     ``table`` is int32 ``[slots, width]``, each row zero past its sequence's ``num_blocks`` (so rows
-    gathered at any width come zero-padded).  Why a row stays right without asking the KV-cache
-    manager again: while a sequence holds blocks its table only grows at the end, and it changes
-    otherwise only after ``free``, which the engine follows either by ``Sequence.num_preemptions += 1``
-    (preemption; the sequence comes back with a new table) or by never scheduling the sequence again
-    (finished or aborted; seq_ids are not reused).  So :meth:`rows_for` calls ``block_table`` only for
-    a sequence it has no row for, whose ``num_preemptions`` differs from the row's tag, or whose row
-    has fewer blocks than the step reaches; it then copies the new tail only, or the whole table when
-    the tag differs, the table got shorter or the row's last entry disagrees with the fresh table's.
+    gathered at any width come zero-padded).  The rows follow the changes the scheduler states
+    (protocol version 2, :class:`~corerun.core.scheduler.ScheduledBatch`): :meth:`apply` frees the
+    rows of finished sequences and writes each ``BlockIds`` change (``row[start:] = ids``: appended
+    blocks, a whole new table after a preemption, a trim), so a step copies only what is new and
+    never reads a whole table from the KV-cache manager to find out what changed.
+
+    :meth:`rows_for` reads a table with ``block_table`` only where no change could have said it: a
+    sequence without a row (a batch built by hand, or a row given up for room) or whose row is too
+    short for the step (a change the runner never saw); :attr:`reads` counts those reads.
 
     Bounded: ``width`` doubles when a table outgrows it, and ``slots`` rows at most (``StepInputs``
     gives 2 x ``max_num_reqs``, at least 64; doubled only when one step has more sequences).  A new
-    sequence that finds no free row drops the older half (least recently used first) of the rows no
-    sequence of the current step uses, finished sequences' rows among them.
+    sequence that finds no free row gives up the older half (least recently used first) of the rows
+    no sequence of the current step uses; a row given up is read again if its sequence returns.
     """
 
     def __init__(self, block_size: int, *, slots: int, width: int) -> None:
@@ -109,42 +102,58 @@ class BlockRows:
         self._free = list(range(self.table.shape[0] - 1, -1, -1))  # slots without a row, popped from the end
         self._used = [0] * self.table.shape[0]  # per slot: entries that may be nonzero (the rest are zero)
         self._step = 0
+        self.reads = 0  # whole tables read with block_table (none while every change is applied)
 
     def __len__(self) -> int:
         """Sequences with a row."""
         return len(self._rows)
 
+    def blocks(self, seq_id: int) -> list[int]:
+        """``seq_id``'s row as a list (empty without a row)."""
+        row = self._rows.get(seq_id)
+        return [] if row is None else self.table[row.slot, : row.num_blocks].tolist()
+
+    def apply(self, finished_ids: Iterable[int], changes: Mapping[int, BlockIds]) -> None:
+        """Free the rows of ``finished_ids``, then write each change (``ScheduledBatch.new_block_ids``).
+
+        A change that starts past what the row holds (or with no row, past 0) cannot be applied: the
+        row is dropped, and :meth:`rows_for` reads the whole table when the sequence is next used.
+        """
+        for seq_id in finished_ids:
+            self._drop(seq_id)
+        for seq_id, (start, ids) in changes.items():
+            row = self._rows.get(seq_id)
+            if row is None and start == 0:
+                row = self._rows[seq_id] = BlockRow(seq_id, self._take_slot(), 0, self._step)
+            if row is None or start > row.num_blocks:
+                self._drop(seq_id)
+                continue
+            self._write(row, start, ids)
+
     def rows_for(
         self, seqs: list[Sequence], ctx: list[int], num_new: list[int], block_table: Callable[[int], SequenceT[int]]
     ) -> list[BlockRow]:
-        """The rows of ``seqs`` for a step computing ``num_new[i]`` tokens after ``ctx[i]``, read where stale.
+        """The rows of ``seqs`` for a step computing ``num_new[i]`` tokens after ``ctx[i]``.
 
-        Raises ``ValueError`` naming the first sequence whose fresh table has fewer blocks than
+        Raises ``ValueError`` naming the first sequence whose table has fewer blocks than
         ``ceil((ctx[i] + num_new[i]) / block_size)``; whatever ``block_table`` raises propagates.
         """
         self._step = step = self._step + 1
         shift, get = self._shift, self._rows.get
         rows: list[BlockRow | None] = []
-        stale: list[int] = []
+        unread: list[int] = []
         for s, c, n in zip(seqs, ctx, num_new):
             row = get(s.seq_id)
             if row is not None:
-                row.seen = step  # in use: never dropped to make room for another sequence of this step
-                if row.tag == s.num_preemptions and row.num_blocks << shift >= c + n:
+                row.seen = step  # in use: never given up to make room for another sequence of this step
+                if row.num_blocks << shift >= c + n:
                     rows.append(row)
                     continue
-            stale.append(len(rows))
+            unread.append(len(rows))
             rows.append(row)
-        for i in stale:
-            rows[i] = self._read(seqs[i], rows[i], ctx[i] + num_new[i], block_table)
+        for i in unread:
+            rows[i] = self._read(seqs[i].seq_id, rows[i], ctx[i] + num_new[i], block_table)
         return rows  # type: ignore[return-value]
-
-    def truncate(self, seq_id: int, num_blocks: int) -> None:
-        """The manager dropped ``seq_id``'s blocks past ``num_blocks`` (``KVCacheManager.trim``): forget them
-        here, so a later step asks again for blocks there (the ones it keeps stay valid)."""
-        row = self._rows.get(seq_id)
-        if row is not None and row.num_blocks > num_blocks:
-            row.num_blocks = num_blocks
 
     def gather(self, rows: list[BlockRow], out: np.ndarray) -> None:
         """Write ``rows`` into ``out`` (int32 ``[len(rows), W]``, W at least every row's ``num_blocks``), zero-padded."""
@@ -155,36 +164,41 @@ class BlockRows:
         else:
             out[...] = table[np.array([row.slot for row in rows], dtype=np.intp), :w]
 
-    def _read(self, seq: Sequence, row: BlockRow | None, reach: int, block_table: Callable[[int], SequenceT[int]]) -> BlockRow:
-        """Ask the manager for ``seq``'s table, refuse it if shorter than ``reach`` tokens, update the row."""
-        fresh = block_table(seq.seq_id)
-        n = len(fresh)
-        if n << self._shift < reach:
-            raise _short_table(seq.seq_id, n, reach, self.block_size)
+    def _read(self, seq_id: int, row: BlockRow | None, reach: int, block_table: Callable[[int], SequenceT[int]]) -> BlockRow:
+        """Ask the manager for ``seq_id``'s whole table, refuse it if shorter than ``reach`` tokens, write the row."""
+        fresh = block_table(seq_id)
+        self.reads += 1
+        if len(fresh) << self._shift < reach:
+            raise _short_table(seq_id, len(fresh), reach, self.block_size)
+        if row is None:
+            row = self._rows[seq_id] = BlockRow(seq_id, self._take_slot(), 0, self._step)
+        self._write(row, 0, fresh)
+        return row
+
+    def _write(self, row: BlockRow, start: int, ids: SequenceT[int]) -> None:
+        """``row[start:] = ids``; entries past the new end are zeroed."""
+        n = start + len(ids)
         if n > self.table.shape[1]:
             self._resize(self.table.shape[0], max(n, 2 * self.table.shape[1]))
-        tag, used = seq.num_preemptions, self._used
-        if row is None:
-            row = self._rows[seq.seq_id] = BlockRow(seq.seq_id, self._take_slot(), n, tag, fresh, self._step)
-            table, slot, start = self.table, row.slot, 0  # (after _take_slot: it may add slots)
-        else:
-            table, slot, have = self.table, row.slot, row.num_blocks
-            grows = row.tag == tag and have <= n and fresh[have - 1] == table[slot, have - 1]
-            start = have if grows else 0
-            row.num_blocks, row.tag, row.blocks = n, tag, fresh
-        table[slot, start:n] = fresh[start:] if start else fresh
+        table, slot, used = self.table, row.slot, self._used
+        if ids:
+            table[slot, start:n] = ids
         if used[slot] > n:  # what an earlier, longer table left in the slot
             table[slot, n : used[slot]] = 0
         used[slot] = n
-        return row
+        row.num_blocks = n
+
+    def _drop(self, seq_id: int) -> None:
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._free.append(row.slot)  # its entries are zeroed by the next row written there
 
     def _take_slot(self) -> int:
         if not self._free:
             idle = sorted((row for row in self._rows.values() if row.seen < self._step), key=lambda row: row.seen)
             if idle:
                 for row in idle[: (len(idle) + 1) // 2]:
-                    del self._rows[row.seq_id]
-                    self._free.append(row.slot)  # its entries are zeroed by the next row that needs fewer
+                    self._drop(row.seq_id)
             else:  # every row belongs to this step's sequences
                 slots = self.table.shape[0]
                 self._resize(2 * slots, self.table.shape[1])
@@ -264,7 +278,8 @@ class StepInputs:
     def build(self, sched: ScheduledBatch, block_table: Callable[[int], list[int]]) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
         """Flatten ``sched``; ``block_table(seq_id)`` gives a sequence's physical block ids.
 
-        ``block_table`` is called only for sequences whose kept row is stale (:class:`BlockRows`).
+        ``block_table`` is called only for a sequence without a row or whose row is too short for
+        the step (a change the runner did not see, :class:`BlockRows`).
         Raises ``ValueError`` naming a sequence scheduled no token, or one whose block table is too
         short for the step.
 
@@ -284,6 +299,7 @@ class StepInputs:
             )
         # per-sequence host work, before waiting for the previous copy (it overlaps with the device)
         ctx = [s.num_computed_tokens for s in seqs]
+        self.block_rows.apply(sched.finished_ids, sched.new_block_ids)
         rows = self.block_rows.rows_for(seqs, ctx, num_new, block_table)
         decode = sched.num_decodes == num_reqs  # one token per request
         if decode:

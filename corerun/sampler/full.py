@@ -15,7 +15,8 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
 Every stage is one tensor pass over the batch; per-request values become tensors once per step from
 the ``SamplingParams`` list, so nothing waits on the device (no ``.item()``, no branching on tensor values).
 When the metadata names ``seq_ids``, the penalties read each request's history from device copies kept
-across steps (``HistoryCache``), so a step's host work follows the new tokens, not the whole history.
+across steps (``HistoryCache``), so a step's host work follows the new tokens, not the whole history;
+a request's copy lives until the metadata names it in ``finished_seq_ids``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class FullSampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` float ``[B, V]`` (any float dtype; not modified) -> int64 ``[B]`` tokens and, if asked, logprobs."""
         check_logits(logits, metadata.batch_size, self.vocab_size)
+        if metadata.finished_seq_ids:
+            self._histories.forget(metadata.finished_seq_ids)
         params = metadata.params
         asked = [p.logprobs for p in params if p.logprobs is not None]
         raw = None

@@ -8,8 +8,11 @@ counts in a host dict and writes the changed slots.  So the host work of a step 
 and the new tokens, not the history, and the device work follows the distinct tokens, with no sort.
 
 An entry is rebuilt from the lists when they disagree with it (another prompt length, an output
-shorter than the entry, another token at the entry's last position, a prompt now needed), and
-dropped when its ``seq_id`` is absent from a step; a request that comes back is rebuilt.
+shorter than the entry, another token at the entry's last position, a prompt now needed).  It lives
+until its request finishes (:meth:`HistoryCache.forget`, from ``SamplingMetadata.finished_seq_ids``):
+a request absent from a step (not scheduled, preempted, a prompt chunk) keeps it, and takes in only
+its new tokens when it comes back.  For callers that never report finished requests, an entry unused
+for ``IDLE_SYNCS`` to twice that many steps is dropped (rebuilt if its request comes back).
 
 All entries live in one int64 ``[2, capacity]`` device tensor (an arena): row 0 holds tokens, row 1
 the counts of output tokens.  A request owns a region for its prompt and one for its output with room
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -32,6 +35,7 @@ from corerun.sampler.histories import Histories, ListHistories
 
 MIN_ARENA = 1 << 14  # positions
 MIN_ROOM = 64  # distinct output tokens a new entry has room for before its first move
+IDLE_SYNCS = 1024  # steps an entry may go unused before a sweep drops it (callers that report no finishes)
 TOKENS, COUNTS = 0, 1  # the arena's rows
 
 
@@ -49,6 +53,7 @@ class _Entry:
     last: int  # output[out_len - 1], or -1 when the output is empty
     slot: dict[int, int] = field(default_factory=dict)  # distinct output token -> its offset in the region
     count: list[int] = field(default_factory=list)  # the count of the token at each offset
+    seen: int = 0  # the last sync that used the entry
 
     def stale(self, prompt: Sequence[int], output: Sequence[int], need_prompt: bool) -> bool:
         """Whether the step's lists disagree with what the entry holds (O(1) checks)."""
@@ -68,6 +73,7 @@ class HistoryCache:
         self._data: torch.Tensor | None = None  # int64 [2, capacity]
         self._top = 0  # first unused position of the arena
         self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])  # flat starts, lengths, values
+        self._syncs = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -85,7 +91,8 @@ class HistoryCache:
         device: torch.device,
     ) -> Histories:
         """Bring the entries of ``rows`` up to date with the lists (``prompt_rows``: the rows whose prompt
-        is needed too), drop every other entry, and return the step's histories served from the arena.
+        is needed too) and return the step's histories served from the arena.  Entries of other
+        requests are kept (see :meth:`forget`).
 
         A step that names one ``seq_id`` on two rows is served from the lists and leaves the cache alone.
         """
@@ -93,11 +100,9 @@ class HistoryCache:
             return ListHistories(prompt_token_ids, output_token_ids)
         if self._data is not None and self._data.device != device:
             self.clear()
-        keep = {seq_ids[i] for i in rows}
-        for seq_id in [s for s in self._entries if s not in keep]:
-            del self._entries[seq_id]
-        if not self._entries:
-            self._top = 0
+        self._syncs = now = self._syncs + 1
+        if now % IDLE_SYNCS == 0:  # unused since the previous sweep: a request nobody said finished
+            self.forget([s for s, e in self._entries.items() if e.seen <= now - IDLE_SYNCS])
         need_prompt = set(prompt_rows)
         by_row: dict[int, _Entry] = {}
         try:
@@ -108,12 +113,21 @@ class HistoryCache:
                     entry = self._build(seq_ids[i], prompt, output, i in need_prompt, device)
                 elif len(output) > entry.out_len:
                     self._append(entry, output, device)
+                entry.seen = now
                 by_row[i] = entry
             self._flush()
         except BaseException:
             self.clear()  # half-applied writes: start again from the lists next step
             raise
         return _CachedHistories(self, by_row)
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Drop the entries of ``seq_ids`` (finished requests; unknown ids are ignored).  Their regions
+        are reclaimed by the next compaction; with no entry left the arena starts over."""
+        for seq_id in seq_ids:
+            self._entries.pop(seq_id, None)
+        if not self._entries:
+            self._top = 0
 
     def clear(self) -> None:
         """Forget every entry (the arena's memory is released too)."""

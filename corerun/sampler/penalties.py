@@ -42,7 +42,7 @@ def apply_penalties(
     """Apply the penalties in place to ``logits`` float32 ``[B, V]`` (contiguous); per-row lists of length ``B``.
 
     With ``cache`` and ``seq_ids`` (one per row) the histories come from ``cache``, which this call
-    brings up to date (and from which it drops the requests absent from this step); otherwise from the lists.
+    brings up to date (entries of requests absent from this step are kept); otherwise from the lists.
     """
     vocab_size = logits.shape[1]
     flat = logits.view(-1)

@@ -32,6 +32,9 @@ class _Wrapped:
     def block_table(self, seq_id: int) -> list[int]:
         return self.inner.block_table(seq_id)
 
+    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
+        return self.inner.new_block_ids(seq_id, start)
+
     def free(self, seq_id: int) -> None:
         self.inner.free(seq_id)
 
@@ -72,3 +75,13 @@ class InsertsBeforeTail(_Wrapped):
         if len(table) >= 4 and len(table) % 2 == 0:
             table[-2], table[-1] = table[-1], table[-2]
         return table
+
+
+class ReportsBlocksFromZero(_Wrapped):
+    """Broken (protocol version 2): ``new_block_ids`` ignores ``start`` and returns the whole table, so
+    the blocks a sequence already had are stated again as appended (its row would repeat them)."""
+
+    name = "reports-blocks-from-zero"
+
+    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
+        return self.inner.block_table(seq_id)

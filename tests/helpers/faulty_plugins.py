@@ -62,7 +62,7 @@ class KVFaultOptions(FaultOptions):
     """``method``: the KV-cache manager call that fails; ``error="refuse"``: ``allocate_slots`` returns
     ``False`` (no room) instead of raising, even with the whole cache free."""
 
-    method: Literal["allocate_slots", "get_computed_prefix", "block_table", "cache_blocks"] = "allocate_slots"
+    method: Literal["allocate_slots", "get_computed_prefix", "block_table", "new_block_ids", "cache_blocks"] = "allocate_slots"
     error: Literal["runtime", "oom", "refuse"] = "runtime"
 
 
@@ -140,6 +140,10 @@ class FaultyKVCache(PagedKVCacheManager):
     def block_table(self, seq_id: int) -> list[int]:
         self._maybe_fail("block_table", seq_id)
         return super().block_table(seq_id)
+
+    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
+        self._maybe_fail("new_block_ids", seq_id)
+        return super().new_block_ids(seq_id, start)
 
     def cache_blocks(self, seq_id: int, token_ids: Any, num_computed_tokens: int) -> None:
         self._maybe_fail("cache_blocks", seq_id)

@@ -151,6 +151,7 @@ def test_steps_match_the_reference_and_the_stateless_path(request, monkeypatch: 
     assert min(events["joins"], events["leaves"], events["returns"], events["multi"]) >= 3, events
     cache = HistoryCache()
     gen = torch.Generator().manual_seed(11)
+    held: set[int] = set()  # requests that used a penalty in some step: absent ones keep their entry
     for k, s in enumerate(steps):
         logits = (torch.randn(len(s.seq_ids), vocab, generator=gen, dtype=torch.float64) * 3).float()
         cached, stateless = logits.clone(), logits.clone()
@@ -159,9 +160,9 @@ def test_steps_match_the_reference_and_the_stateless_path(request, monkeypatch: 
         assert torch.equal(cached, stateless), f"step {k}: cached and stateless logits differ"
         want = reference(logits, s.prompts, s.outputs, s.rep, s.freq, s.pres)
         torch.testing.assert_close(cached.double(), want, rtol=1e-6, atol=1e-5, msg=lambda m: f"step {k}: {m}")
-        # exactly the requests of this step that use a penalty hold an entry
-        penalized = {sid for sid, r, f, a in zip(s.seq_ids, s.rep, s.freq, s.pres) if (r, f, a) != (1.0, 0.0, 0.0)}
-        assert {sid for sid in range(1000, 1300) if sid in cache} == penalized
+        # every request that used a penalty so far holds an entry (none finished here), no other
+        held |= {sid for sid, r, f, a in zip(s.seq_ids, s.rep, s.freq, s.pres) if (r, f, a) != (1.0, 0.0, 0.0)}
+        assert {sid for sid in range(1000, 1300) if sid in cache} == held
     assert compactions[0] >= (5 if arena == "tiny" else 1)
 
 
@@ -222,19 +223,35 @@ def test_guard_rebuilds_an_entry_the_lists_disagree_with() -> None:
         assert cache._entries[7].out_len == len(o[0]) and cache._entries[7].prompt_len == len(p[0]), what
 
 
-def test_absent_requests_are_evicted_and_rebuilt_on_return(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_absent_requests_keep_their_entry_and_finished_ones_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Protocol version 2: an entry lives until its request finishes (``forget``), not until it misses a step."""
     builds = _counting(monkeypatch, "_build")
     vocab, cache = 30, HistoryCache()
     logits = torch.randn(3, vocab) * 2
     prompts, outputs = [[1, 2], [3], [4, 4]], [[5], [6, 6], [7]]
     _penalize(cache, logits, [1, 2, 3], prompts, outputs, [1.2, 1.0, 1.5], [0.0, 0.0, 0.4], [0.0, 0.0, 0.0])
     assert 1 in cache and 2 not in cache and 3 in cache and builds[0] == 2  # request 2 uses no penalty
-    _penalize(cache, logits[:1], [3], prompts[2:], [[7, 8, 8]], [1.5], [0.4], [0.0])
-    assert len(cache) == 1 and 1 not in cache and builds[0] == 2
+    _penalize(cache, logits[:1], [3], prompts[2:], [[7, 8, 8]], [1.5], [0.4], [0.0])  # request 1 skipped
+    assert len(cache) == 2 and 1 in cache and builds[0] == 2
     _penalize(cache, logits[:2], [1, 3], [prompts[0], prompts[2]], [[5, 9, 9], [7, 8, 8, 1]], [1.2, 1.5], [0.0, 0.4], [0.0, 0.0])
-    assert builds[0] == 3  # request 1 came back: rebuilt; request 3 appended
-    _penalize(cache, logits[:1], [5], [[1]], [[2]], [1.0], [0.0], [0.0])  # no penalty in the step: nothing kept
+    assert builds[0] == 2  # request 1 came back: its entry took in the two tokens it gained; request 3 appended
+    cache.forget([1, 99])  # finished (99: never held an entry)
+    assert 1 not in cache and 3 in cache
+    _penalize(cache, logits[:1], [5], [[1]], [[2]], [1.0], [0.0], [0.0])  # no penalty in the step: nothing new kept
+    assert len(cache) == 1
+    cache.forget([3])
     assert len(cache) == 0
+
+
+def test_an_entry_nobody_reports_finished_goes_after_idle_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(history_cache, "IDLE_SYNCS", 4)
+    vocab, cache = 30, HistoryCache()
+    logits = torch.randn(1, vocab) * 2
+    _penalize(cache, logits, [1], [[1, 2]], [[5]], [1.2], [0.0], [0.0])
+    for sync in range(2, 9):  # request 1 absent: the sweep at sync 4 keeps it (unused for 3), the one at 8 drops it
+        _penalize(cache, logits, [2], [[3]], [[4]], [1.3], [0.0], [0.0])
+        assert (1 in cache) == (sync < 8), sync
+    assert 2 in cache
 
 
 def test_stateless_calls_and_repeated_ids_leave_the_cache_alone() -> None:
