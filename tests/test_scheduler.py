@@ -125,3 +125,59 @@ def test_prefix_stats_count_a_waiting_request_once():
     stats = kv.stats()
     assert stats.prefix_queries == 16 + 20
     assert stats.prefix_hits == 8  # the second prompt found the first's two full blocks, once
+
+
+def test_each_batch_states_what_changed_since_the_previous_one():
+    """Protocol version 2, step by step on a tiny cache (blocks of 4): a new sequence comes with its
+    whole table, a decode with no entry until it crosses into a new block (then that block only), a
+    preempted one comes back with a whole new table among ``resumed_ids``, a finished one is named
+    once in the next batch's ``finished_ids``.  Tables are the manager's own ``block_table``."""
+    kv = PagedKVCacheManager(5, 4, prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _seq(1, 6, max_tokens=30), _seq(2, 7, max_tokens=30)
+    sched.add(a)
+    sched.add(b)
+
+    def step():
+        batch = sched.schedule()
+        for s, n in zip(batch.seqs, batch.num_new):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(7)
+        return batch
+
+    first = step()  # a: 6 tokens (2 blocks), b: 7 tokens (2 blocks)
+    assert first.new_block_ids == {1: (0, kv.block_table(1)), 2: (0, kv.block_table(2))}
+    assert len(kv.block_table(1)) == 2 and not first.resumed_ids and not first.finished_ids
+    second = step()  # decodes at positions 6 and 7: no new block
+    assert second.new_block_ids == {}
+    third = step()  # positions 7 (a) and 8 (b): b crosses into its third block, the last free one
+    assert third.new_block_ids == {2: (2, kv.block_table(2)[2:])} and len(kv.block_table(2)) == 3
+    fourth = step()  # a needs a third block at position 8: none free, b (the youngest) is preempted
+    assert fourth.preempted_ids == {2} and [s.seq_id for s in fourth.seqs] == [1]
+    assert fourth.new_block_ids == {1: (2, kv.block_table(1)[2:])}
+    sched.finish(a, "stop")
+    fifth = step()  # b recomputed from scratch into a new table, and a reported finished
+    assert fifth.finished_ids == {1} and fifth.resumed_ids == {2}
+    assert fifth.new_block_ids == {2: (0, kv.block_table(2))}
+    assert step().finished_ids == frozenset()  # named once
+
+
+def test_a_trim_is_stated_and_merged_with_the_growth_after_it():
+    kv = PagedKVCacheManager(16, 4, prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    a = _seq(1, 5, max_tokens=30)
+    sched.add(a)
+    first = sched.schedule()
+    a.num_computed_tokens = 5
+    a.token_ids.append(7)
+    assert sched._allocate(a, 14) and len(kv.block_table(1)) == 4  # drafts took two more blocks
+    sched.trim(a, 6)  # all rejected: back to 2 blocks
+    assert len(kv.block_table(1)) == 2
+    a.token_ids += [8, 9, 10]  # (accepted later: grows into a third block)
+    a.num_computed_tokens = 8
+    second = sched.schedule()
+    table = kv.block_table(1)
+    assert len(table) == 3 and first.new_block_ids[1].start == 0
+    replay = second.new_block_ids[1].apply(first.new_block_ids[1].ids)
+    assert replay == table  # the drafts' blocks gone, the new one appended
