@@ -25,6 +25,7 @@ from corerun.graph.cuda import CudaGraphRunner, probe
 from corerun.graph.eager import EagerGraphRunner
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 from corerun.protocols.graph import GraphLimits, GraphRunner, ModelInputs
+from corerun.protocols.step_layout import requests_step
 
 MAX_BATCH = 20
 MAX_MODEL_LEN = 32
@@ -68,53 +69,19 @@ def make_requests(n: int, rng: random.Random, first_block: int = 1) -> list[Requ
 
 def decode_inputs(reqs: list[Request]) -> ModelInputs:
     """A pure-decode step for ``reqs``, laid out as the ModelRunner does (block table as wide as needed)."""
-    n = len(reqs)
-    width = max(len(r.blocks) for r in reqs)
-    tables = torch.zeros(n, width, dtype=torch.int32)
-    for i, r in enumerate(reqs):
-        tables[i, : len(r.blocks)] = torch.tensor(r.blocks)
-    seq_lens = torch.tensor([r.context_len + 1 for r in reqs], dtype=torch.int32)
-    qsl = torch.arange(n + 1, dtype=torch.int32)
-    batch = AttentionBatch(
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        context_lens=seq_lens - 1,
-        block_tables=tables,
-        slot_mapping=torch.tensor([r.slot for r in reqs], dtype=torch.int64),
-        num_reqs=n,
-        num_tokens=n,
-        max_query_len=1,
-        max_seq_len=int(seq_lens.max()),
-        num_decodes=n,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens_cpu=seq_lens.clone(),
-    )
-    return ModelInputs(
-        torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.int64),
-        torch.tensor([r.context_len for r in reqs], dtype=torch.int64),
-        batch,
-    )
+    return requests_step([r.context_len for r in reqs], [1] * len(reqs), [r.blocks for r in reqs], BLOCK_SIZE,
+                         input_ids=[r.tokens[-1] for r in reqs])
 
 
 def prefill_inputs(query_lens: list[int], context_lens: list[int], num_decodes: int) -> ModelInputs:
     """A step with prefill chunks (``query_len > 1``), the first ``num_decodes`` requests decoding."""
     n = len(query_lens)
-    seq = [c + q for c, q in zip(context_lens, query_lens)]
-    width = max(math.ceil(s / BLOCK_SIZE) for s in seq)
-    tables = torch.arange(1, 1 + n * width, dtype=torch.int32).view(n, width)
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    positions = torch.cat([torch.arange(c, s) for c, s in zip(context_lens, seq)])
-    req = torch.repeat_interleave(torch.arange(n), torch.tensor(query_lens))
-    slots = tables[req, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-    seq_lens = torch.tensor(seq, dtype=torch.int32)
-    batch = AttentionBatch(
-        query_start_loc=qsl, seq_lens=seq_lens, context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        block_tables=tables, slot_mapping=slots, num_reqs=n, num_tokens=int(qsl[-1]),
-        max_query_len=max(query_lens), max_seq_len=max(seq), num_decodes=num_decodes,
-        query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens.clone(),
-    )
-    ids = torch.randint(0, VOCAB, (int(qsl[-1]),))
-    return ModelInputs(ids, positions, batch)
+    width = max(math.ceil((c + q) / BLOCK_SIZE) for c, q in zip(context_lens, query_lens))
+    tables = [list(range(1 + i * width, 1 + (i + 1) * width)) for i in range(n)]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),)).tolist()
+    inputs = requests_step(context_lens, query_lens, tables, BLOCK_SIZE, input_ids=ids)
+    assert inputs.batch.num_decodes == num_decodes, "the test's decodes must come first"
+    return inputs
 
 
 # ------------------------------------------------- an attention-free model
