@@ -323,7 +323,7 @@ class StepInputs:
             self._fence.record()  # type: ignore[union-attr]
             self._copy_pending = True
             fields = lay.tensors(staged)
-            host = lay.arrays(self._host_np)
+            host = self._views[2]  # the views _fill wrote this step
             qsl_cpu, seq_lens_cpu = torch.from_numpy(host.query_start_loc.copy()), torch.from_numpy(host.seq_lens.copy())
         else:  # a fresh numpy copy: the tensors handed out are views of it, host copies included
             if self._fence is not None:  # (a test's fence on CPU)
