@@ -341,3 +341,22 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
         llm.shutdown()
     assert all(len(o.outputs[0].token_ids) <= p.max_tokens for o, p in zip(outs, params))
     assert engine.scheduler.num_preemptions > 0 and checked[0] > 30 and dropped[0] > 0
+
+
+def test_the_step_thread_runs_on_the_engine_threads_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device: cuda`` has no index: the step thread is put on the device current on the engine's thread
+    (``torch.cuda.set_device`` refuses an index-less device), and nothing is set off CUDA."""
+    import torch
+
+    from corerun.engine import llm_engine
+
+    calls: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    assert llm_engine._cuda_index(torch.device("cuda")) == 3
+    assert llm_engine._cuda_index(torch.device("cuda", 1)) == 1
+    assert llm_engine._cuda_index(torch.device("cpu")) is None
+    threads = torch.get_num_threads()
+    llm_engine._init_step_thread(llm_engine._cuda_index(torch.device("cuda")), threads)
+    llm_engine._init_step_thread(None, threads)
+    assert calls == [3]

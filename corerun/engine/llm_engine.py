@@ -422,7 +422,7 @@ class LLMEngine:
         self.scheduler.set_in_flight(sched, appends, last)
         if self._step_thread is None:
             self._step_thread = ThreadPoolExecutor(1, "corerun-step", initializer=_init_step_thread,
-                                                   initargs=(self.runner.device, self.runner.threads))
+                                                   initargs=(_cuda_index(self.runner.device), self.runner.threads))
         future = self._step_thread.submit(_run_step, self.runner, prepared)
         self._in_flight = _StepInFlight(sched, future, [s.num_preemptions for s in sched.seqs])
         return []
@@ -733,14 +733,23 @@ def _merged(unsent: ScheduledBatch, sched: ScheduledBatch) -> ScheduledBatch:
     return replace(sched, finished_ids=frozenset(finished) | sched.finished_ids)
 
 
-def _init_step_thread(device: Any, threads: int) -> None:
-    """The step thread runs with the engine's device and intra-op thread count."""
+def _cuda_index(device: Any) -> int | None:
+    """The CUDA device index the engine's thread runs on (``cuda`` without an index: its current one); None off CUDA."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _init_step_thread(cuda_index: int | None, threads: int) -> None:
+    """The step thread runs with the engine thread's CUDA device and intra-op thread count."""
     import torch
 
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    if getattr(device, "type", None) == "cuda":
-        torch.cuda.set_device(device)
+    if cuda_index is not None:  # (the current device is per thread)
+        torch.cuda.set_device(cuda_index)
 
 
 def _run_step(runner: ModelRunner, prepared: PreparedStep) -> StepResult:
