@@ -21,6 +21,7 @@ from corerun import LLM, SamplingParams
 from corerun.errors import ConfigError
 from tests.helpers.engine_testing import no_hang  # noqa: F401 (no_hang: a fixture)
 from tests.helpers.serving import tiny_chat_model
+from tests.helpers.tiny_models import make_tiny_model
 # the model, ten prompts (1 to 14 tokens, three sharing a prefix) and their transformers greedy references
 from tests.test_reliability_exhaustion import BS, COMMON, MAX_TOKENS, _same_logprobs, tiny  # noqa: F401 (tiny: a fixture)
 
@@ -360,3 +361,24 @@ def test_the_step_thread_runs_on_the_engine_threads_cuda_device(monkeypatch: pyt
     llm_engine._init_step_thread(llm_engine._cuda_index(torch.device("cuda")), threads)
     llm_engine._init_step_thread(None, threads)
     assert calls == [3]
+
+
+def test_soak_workload_equals_sync(pair, tmp_path: Path) -> None:
+    """The reliability soak's mixed workload (greedy, seeded and unseeded sampling, penalties, min_tokens,
+    stop ids, logit-bias bans, logprobs; 64 at a time in a cache that holds far fewer): every request
+    ends as its parameters say, and each deterministic one gets the synchronous engine's tokens."""
+    from tests.test_reliability_soak import NUM_BLOCKS, check_finished_as_asked, run, workload
+
+    requests = workload(300, seed=31)
+    sync, asyn = pair(make_tiny_model(tmp_path, arch="llama"), NUM_BLOCKS, max_num_seqs=64, max_num_batched_tokens=128)
+    a, s = run(asyn, requests), run(sync, requests)
+    eos = asyn.engine.eos_token_ids
+    compared = 0
+    for req, x, y in zip(requests, a, s):
+        check_finished_as_asked(req, x, eos)
+        if req.deterministic:
+            cx, cy = x.outputs[0], y.outputs[0]
+            assert (cx.token_ids, cx.finish_reason, cx.stop_reason) == (cy.token_ids, cy.finish_reason, cy.stop_reason), req
+            _same_logprobs(cx.logprobs, cy.logprobs)
+            compared += 1
+    assert compared > 250 and asyn.engine.scheduler.num_preemptions > 0
