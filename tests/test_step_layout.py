@@ -178,5 +178,7 @@ def test_requests_step_refuses_what_no_runner_would_build_by_name():
         requests_step([0, 4], [3, 1], [[1], [2, 3]], 4)
     with pytest.raises(ValueError, match=r"padding rows are decodes"):
         requests_step([0], [3], [[1]], 4, num_padding=1)
+    with pytest.raises(ValueError, match=r"request 1's block table has 1 blocks, but its 4 \+ 1 tokens need 2 blocks of 4"):
+        requests_step([3, 4], [1, 1], [[1], [2]], 4)
     with pytest.raises(ValueError, match=r"input_ids has 2 tokens, but the query lengths add up to 3"):
         requests_step([0], [3], [[1]], 4, input_ids=[1, 2])

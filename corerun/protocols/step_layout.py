@@ -229,6 +229,12 @@ def requests_step(
         raise ValueError(
             f"padding rows are decodes, so they can only follow decodes; got {num_padding} after query_lens={list(query_lens)}"
         )
+    for i, (c, q, table) in enumerate(zip(context_lens, query_lens, block_tables)):
+        if len(table) * block_size < c + q:
+            raise ValueError(
+                f"request {i}'s block table has {len(table)} blocks, but its {c} + {q} tokens need "
+                f"{-(-(c + q) // block_size)} blocks of {block_size}"
+            )
     positions = [p for c, q in zip(context_lens, query_lens) for p in range(c, c + q)]
     slots = [
         table[p // block_size] * block_size + p % block_size
