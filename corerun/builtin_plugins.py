@@ -49,6 +49,14 @@ def corerun_graph_runners(register: Register) -> None:
         priority=10,  # above eager wherever it fits (a CUDA device, a graph-safe attention backend)
         description="captures pure-decode steps in CUDA graphs by batch-size bucket, replays them",
     )
+    register(
+        "compile",
+        "corerun.graph.compiled:CompileGraphRunner",
+        capabilities=GraphRunnerCapabilities(devices=frozenset({"cpu", "cuda"}), captures=False, tensor_parallel=False),
+        probe="corerun.graph.compiled:probe",
+        priority=-10,  # never auto: its first compile takes minutes on a small CPU (docs/graphs.md)
+        description="torch.compile of the model with attention kept out of the graph; fused elementwise work, compiled once at startup",
+    )
 
 
 @hookimpl

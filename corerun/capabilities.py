@@ -134,9 +134,14 @@ class GraphRunnerCapabilities:
     # replays captured graphs (vs. always eager): its decode steps need an attention backend that
     # declares cuda_graph_decode, and no tensor-parallel collectives inside a step
     captures: bool = False
+    # runs a step whose linear layers all-reduce across tensor-parallel ranks
+    tensor_parallel: bool = True
 
     def fits(self, need: Need) -> list[str]:
-        return device_reasons(self.devices, need.device)
+        reasons = device_reasons(self.devices, need.device)
+        if need.tensor_parallel and not self.tensor_parallel:
+            reasons.append("does not run tensor-parallel steps (their collectives are not compiled); use tensor_parallel_size 1")
+        return reasons
 
     def suits(self, need: Need) -> list[str]:
         """What ``auto`` also asks (a runner named explicitly still runs, replaying what it safely can)."""
@@ -151,7 +156,7 @@ class GraphRunnerCapabilities:
         return reasons
 
     def to_dict(self) -> dict[str, Any]:
-        return {"devices": sorted(self.devices), "captures": self.captures}
+        return {"devices": sorted(self.devices), "captures": self.captures, "tensor_parallel": self.tensor_parallel}
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,8 @@ class PackedWeight:
         self.packed: torch.Tensor | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the compiler packs weights itself (inductor's freezing)
+            return F.linear(x, weight, bias)
         if x.dtype != weight.dtype or (torch.is_grad_enabled() and x.requires_grad) or not _packable(weight):
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
