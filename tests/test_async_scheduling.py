@@ -382,3 +382,17 @@ def test_soak_workload_equals_sync(pair, tmp_path: Path) -> None:
             _same_logprobs(cx.logprobs, cy.logprobs)
             compared += 1
     assert compared > 250 and asyn.engine.scheduler.num_preemptions > 0
+
+
+def test_default_model_equals_transformers() -> None:
+    """The built-in default model (SmolLM2-135M, float32) with asynchronous scheduling: greedy tokens
+    equal Hugging Face transformers' (converted once into the user's cache, as test_default_model does)."""
+    from corerun.models import default_model_dir
+    from corerun.testing import hf_greedy
+
+    with LLM(scheduler={"async_scheduling": True}, device="cpu", dtype="float32", threads=1) as llm:
+        tok = llm.get_tokenizer()
+        prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        assert_idle(llm)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(default_model_dir(progress=False), prompts, 10)
