@@ -4,7 +4,8 @@ Each scenario runs the same requests through an engine with asynchronous schedul
 and compares them token for token (and logprob for logprob): greedy with preemption, chunked
 prefill and prefix caching (also against Hugging Face transformers), seeded sampling with
 penalties, logprobs, prompt logprobs, stop tokens and ``min_tokens``, ``n > 1``, stop strings,
-streaming and aborts. A request never gets a token past its end (``max_tokens``, a stop token, a
+structured output, the reliability soak's mixed workload, streaming and aborts; and the built-in
+default model against transformers. A request never gets a token past its end (``max_tokens``, a stop token, a
 stop string, an abort), every block comes back, and the overlap itself is checked: the next step is
 scheduled while the sampler of the current one is still running.
 """
