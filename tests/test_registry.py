@@ -126,7 +126,7 @@ def test_hook_corerun_kv_cache_managers() -> None:
 
 def test_hook_corerun_graph_runners() -> None:
     reg = builtins_only()
-    assert reg.names("graph") == ["cuda", "eager"]
+    assert reg.names("graph") == ["compile", "cuda", "eager"]
     assert reg.get("graph", "eager").available
     assert reg.get("graph", "cuda").capabilities == GraphRunnerCapabilities(devices=frozenset({"cuda"}), captures=True)
     if not torch.cuda.is_available():
@@ -538,7 +538,7 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
         {"plugin": "crashes", "distribution": "corerun-crashes", "error": "hook corerun_samplers raised ImportError: no module named libfoo"}
     ]
     assert [(i["kind"], i["name"]) for i in doc["implementations"]] == [
-        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "cuda"), ("graph", "eager"), ("sampler", "full")
+        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "compile"), ("graph", "cuda"), ("graph", "eager"), ("sampler", "full")
     ]
     assert doc["not_loaded"] == []  # CORERUN_PLUGINS is unset: nothing was left out on purpose
     render(doc)

@@ -43,9 +43,11 @@ def test_a_third_party_graph_runner_is_chosen_by_auto_once_certified(caplog: pyt
         chosen = reg.select("graph", "auto", need, "graph.runner")
     assert chosen.name == "turbo" and chosen.reason == "certified, priority 50 on cpu"
     assert ("eager", "lower priority (0 < 50)") in [(r.name, w) for r, w in chosen.passed_over]
-    assert caplog.records[-1].message.startswith(
-        "graph.runner: auto chose 'turbo' from corerun-graph-turbo 1.2.3 (certified, priority 50 on cpu); passed over: eager: lower priority"
+    message = caplog.records[-1].message
+    assert message.startswith(
+        "graph.runner: auto chose 'turbo' from corerun-graph-turbo 1.2.3 (certified, priority 50 on cpu); passed over: "
     )
+    assert "eager: lower priority (0 < 50)" in message and "compile: lower priority (-10 < 50)" in message
     assert reg.select("graph", "auto", Need("cuda", attention=SAFE)).name != "turbo"  # certified on cpu only
 
 

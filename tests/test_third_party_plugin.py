@@ -107,7 +107,7 @@ def _twin(letter: str, extra: str = "") -> PluginPackage:
 
 TWIN_A = _twin("a")
 TWIN_B = _twin("b", 'register("solo", "corerun_twin_b.sampler:Solo")')
-BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("sampler", "full")}
+BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("graph", "compile"), ("sampler", "full")}
 HAS_CUDA = torch.cuda.is_available()
 
 
