@@ -40,9 +40,19 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (24,), generator=g)]
 
 
+SCHEDULER: dict[str, Any] = {}  # what every engine here gets (the fixture below sets async_scheduling)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def async_scheduling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every test runs with synchronous and with asynchronous scheduling (docs/usage.md)."""
+    monkeypatch.setitem(SCHEDULER, "async_scheduling", request.param)
+    return request.param
+
+
 def make_llm(model_dir: Path, num_blocks: int = 64, **scheduler: Any) -> LLM:
     return LLM(model=model_dir, kv_cache={"block_size": BS, "num_blocks": num_blocks},
-               scheduler={"max_model_len": 128, **scheduler}, **COMMON)
+               scheduler={"max_model_len": 128, **SCHEDULER, **scheduler}, **COMMON)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import logging
 import operator
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -423,7 +424,8 @@ class LLMEngine:
         if self._step_thread is None:
             self._step_thread = ThreadPoolExecutor(1, "corerun-step", initializer=_init_step_thread,
                                                    initargs=(_cuda_index(self.runner.device), self.runner.threads))
-        future = self._step_thread.submit(_run_step, self.runner, prepared)
+        # (the runner by weak reference: once the step is done, the step thread holds nothing of the engine)
+        future = self._step_thread.submit(_run_step, weakref.ref(self.runner), prepared)
         self._in_flight = _StepInFlight(sched, future, [s.num_preemptions for s in sched.seqs])
         return []
 
@@ -752,8 +754,11 @@ def _init_step_thread(cuda_index: int | None, threads: int) -> None:
         torch.cuda.set_device(cuda_index)
 
 
-def _run_step(runner: ModelRunner, prepared: PreparedStep) -> StepResult:
+def _run_step(runner_ref: Any, prepared: PreparedStep) -> StepResult:
     """On the step thread: the forward, then sampling (torch releases the GIL inside its kernels)."""
+    runner = runner_ref()
+    if runner is None:  # (the engine went away meanwhile: nobody waits for this step)
+        raise StepError("the engine was shut down before its step ran")
     return runner.sample_tokens(runner.execute_model(prepared))
 
 
