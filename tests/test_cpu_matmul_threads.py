@@ -136,3 +136,34 @@ def test_cpu_flags():
     text = _cpuinfo([(0, 0, 0)]).replace("flags\t\t: avx2", "flags\t\t: fpu avx2 avx512f avx512_bf16")
     assert cpu_flags(text) == {"fpu", "avx2", "avx512f", "avx512_bf16"} and BF16_FLAGS & cpu_flags(text)
     assert not BF16_FLAGS & cpu_flags(_cpuinfo([(0, 0, 0)])) and cpu_flags("processor : 0\n") == frozenset()
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("tied", [False, True])
+def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tmp_path, tied):
+    from corerun.models.layers import use_cpu_matvec_layout
+    from corerun.models.loader import load_model
+
+    model, _ = load_model(make_tiny_model(tmp_path, tie_word_embeddings=tied), dtype="float32", device="cpu")
+    linears = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
+    assert linears and all(m.weight.stride() == (1, m.weight.shape[0]) for m in linears)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert use_cpu_matvec_layout(model) == 0  # already moved: nothing twice
+    layer = model.model.layers[0].mlp.down_proj
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 5):  # one token: F.linear on the column-major weight; more: the prepacked copy
+        x = torch.randn(rows, layer.in_features, generator=g)
+        with torch.inference_mode():
+            y = layer(x)
+        assert _rel(y, x.double() @ layer.weight.double().T) < 1e-6
+        assert (layer.packed.packed is None) == (rows == 1)
+    ids = torch.tensor([3, 0, 7])  # the tied table is read column-major by the embedding too
+    assert torch.equal(model.model.embed_tokens(ids), model.model.embed_tokens.weight.contiguous()[ids])
+
+
+def test_prepacking_off_keeps_the_checkpoint_layout(tmp_path, monkeypatch):
+    from corerun.models.loader import load_model
+
+    monkeypatch.setenv("CORERUN_CPU_PREPACK", "0")
+    model, _ = load_model(make_tiny_model(tmp_path), dtype="float32", device="cpu")
+    assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, (Linear, LMHead)))

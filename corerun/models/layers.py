@@ -14,6 +14,13 @@ copy prepacked once for oneDNN (:class:`PackedWeight`): oneDNN's blocked layout 
 a plain ``F.linear`` repeats on every call (docs/benchmarks.md has the measurements).  The parameter
 itself stays an ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack
 is redone when the parameter's storage or version changes.  ``CORERUN_CPU_PREPACK=0`` turns it off.
+
+A step of one token (one request decoding) is a matrix-vector product, bound by how fast the weights
+stream from memory.  There oneDNN's blocked layout streams slower than a plain product with the
+weight stored column by column (``x @ W.T`` with ``W.T`` contiguous: 15 against 12.6 GB/s on one
+core of this project's CPU, docs/benchmarks.md), so :func:`use_cpu_matvec_layout` stores each float32
+CPU weight that way after loading (same shape and values, strides ``(1, out_features)``), and a
+one-token step calls ``F.linear`` on it; steps of two tokens or more keep the prepacked copy.
 """
 
 from __future__ import annotations
@@ -63,6 +70,30 @@ def _packable(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _column_major(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
+
+
+def use_cpu_matvec_layout(model: nn.Module) -> int:
+    """Store every float32 CPU weight of the linear layers and the LM head column by column (see the
+    module docstring); a weight tied to the embedding changes with it (a lookup of a few strided rows
+    per step).  Returns how many weights were moved.  Nothing changes elsewhere or with
+    ``CORERUN_CPU_PREPACK=0``."""
+    if not _prepack_wanted():
+        return 0
+    moved = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, (Linear, LMHead)) or weight is None or weight.dim() != 2:
+            continue
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or _column_major(weight):
+            continue
+        with torch.no_grad():
+            weight.data = weight.data.t().contiguous().t()
+        moved += 1
+    return moved
+
+
 class PackedWeight:
     """A weight reordered once into oneDNN's blocked layout, for ``y = x @ weight.T (+ bias)`` on CPU.
 
@@ -83,6 +114,8 @@ class PackedWeight:
             return F.linear(x, weight, bias)
         if x.dtype != weight.dtype or (torch.is_grad_enabled() and x.requires_grad) or not _packable(weight):
             return F.linear(x, weight, bias)
+        if x.shape[0] == 1 and _column_major(weight) and weight.dtype == torch.float32:
+            return F.linear(x, weight, bias)  # the matrix-vector product streams this layout faster
         key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
         if key != self.key:
             if not _prepack_wanted():

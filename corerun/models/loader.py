@@ -29,7 +29,7 @@ from torch import nn
 
 from corerun.models.config import ModelConfig, parse_dtype
 from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
-from corerun.models.layers import WeightShapeError
+from corerun.models.layers import WeightShapeError, use_cpu_matvec_layout
 from corerun.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config) if tp is None else model_cls(config, tp=tp)
     load_weights(model, iterate_weights(files, allow_pickle=allow_pickle), source=str(model_dir))
+    use_cpu_matvec_layout(model)  # one-token steps stream float32 CPU weights faster column by column
     return model.eval(), config
 
 
