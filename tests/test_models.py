@@ -254,8 +254,29 @@ def test_bfloat16_and_dtype_callable(tiny):
     model, _ = load_model(folder, dtype=lambda ckpt: seen.append(ckpt) or torch.bfloat16)
     assert seen == [torch.float32]  # the checkpoint's dtype, from config.json
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32
+    assert model.model.rotary_emb.cos_sin_cache.dtype == torch.float32
     ids = _prompt(13)
     got = corerun_logits(model, ids)
     assert got.dtype == torch.float32
     assert max_rel_err(got, hf_logits(hf, ids)) < 5e-2  # bfloat16 weights and activations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_every_head_as_the_float64_formula(dtype):
+    """``Rope.apply`` (``x * [cos|cos] + [x2|x1] * [-sin|sin]``, q and k heads together) against the
+    rotation written out in float64 from the angles ``position * theta ** (-2i / D)``."""
+    from corerun.models.config import RopeConfig
+    from corerun.models.rotary import RotaryEmbedding
+
+    d, theta = 16, 10000.0
+    rotary = RotaryEmbedding(d, 64, RopeConfig(theta=theta))
+    g = torch.Generator().manual_seed(5)
+    positions = torch.tensor([0, 3, 17, 63])
+    x = torch.randn(4, 5, d, generator=g).to(dtype)  # 5 heads: q and k side by side
+    got = rotary.angles(positions).apply(x)
+    angle = positions.double()[:, None, None] * theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    want = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], dim=-1)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert float((got.double() - want).norm() / want.norm()) < tol

@@ -19,7 +19,7 @@ from corerun.forward_context import AttentionContext
 from corerun.models.config import ModelConfig
 from corerun.models.errors import UnsupportedModelError
 from corerun.models.layers import LMHead, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding
-from corerun.models.rotary import RotaryEmbedding
+from corerun.models.rotary import Rope, RotaryEmbedding
 from corerun.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, attention_projections, mlp_projections
 from corerun.distributed.sharding import shard_heads
 from corerun.protocols.attention import AttentionSpec
@@ -40,8 +40,7 @@ class ArchOptions:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding,
-        tp: "TensorParallelGroup | None" = None,
+        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -61,18 +60,18 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary_emb = rotary_emb  # one module (one cos/sin cache) shared by every layer
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """``positions`` int64 ``[T]``, ``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``."""
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+    def forward(self, rope: Rope, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """``rope``: the step's rotation (:meth:`RotaryEmbedding.angles`), ``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``."""
+        t, hq, hkv, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is None:  # q and k side by side in qkv: one rotation for both
+            qk = rope.apply(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d))
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q, k, _ = self.qkv_proj.split(qkv)
+            q, k = rope.apply(self.q_norm(q.view(t, hq, d))), rope.apply(self.k_norm(k.view(t, hkv, d)))
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         out = ctx.attend(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -95,17 +94,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, rotary_emb: RotaryEmbedding,
-        tp: "TensorParallelGroup | None" = None,
+        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, opts, rotary_emb, tp)
+        self.self_attn = LlamaAttention(config, layer_idx, opts, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, opts, tp)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), ctx)
+    def forward(self, rope: Rope, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -116,14 +114,15 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, rotary_emb, tp) for i in range(config.num_layers))
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)  # one for every layer
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.angles(positions)  # once per step, for every layer
         for layer in self.layers:
-            hidden = layer(positions, hidden, ctx)
+            hidden = layer(rope, hidden, ctx)
         return self.norm(hidden)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,12 +50,26 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
+    def angles(self, positions: torch.Tensor) -> Rope:
+        """The step's rotation for ``positions`` int64 ``[T]``, made once and applied by every layer."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return Rope(torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64 ``[T]``; ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]`` -> rotated, same shapes and dtype."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        rope = self.angles(positions)
+        return rope.apply(q), rope.apply(k)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+class Rope(NamedTuple):
+    """``cos`` = ``[cos | cos]`` and ``sin`` = ``[-sin | sin]``, float32 ``[T, 1, D]``: rotating ``x = [x1 | x2]``
+    is ``x * cos + [x2 | x1] * sin`` = ``[x1 cos - x2 sin | x2 cos + x1 sin]``, the same products and
+    sums as the halves written out, in four operations on any number of heads at once."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H, D]`` -> rotated, same shape and dtype (computed in float32)."""
+        xf = x.float()
+        return (xf * self.cos + xf.roll(x.shape[-1] // 2, dims=-1) * self.sin).to(x.dtype)
