@@ -30,7 +30,7 @@ from corerun.logits_processing import LogitsProcessors
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, get_registry
-from corerun.sampler_utils import to_device
+from corerun.sdk.sampling import to_device
 from corerun.sampling_params import SamplingParams
 from corerun.runner.step_inputs import StepInputs
 from corerun.threads import apply_threads

@@ -9,7 +9,7 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
     greedy rows: argmax(x)
     x /= temperature (greedy rows: 1)
     min-p, top-k, top-p -> -inf                           truncation.py
-    random rows: exponential race on softmax(x)           corerun.sampling_noise (seeded rows: own generator)
+    random rows: exponential race on softmax(x)           corerun.sdk.sampling (seeded rows: own generator)
     logprobs of the sampled token, its rank, the top-k    logprobs.py
 
 Every stage is one tensor pass over the batch; per-request values become tensors once per step from
@@ -30,9 +30,8 @@ from corerun.errors import UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
-from corerun.sampler_utils import GeneratorCache, check_logits, to_device
 from corerun.sampler.logprobs import gather_logprobs
-from corerun.sampling_noise import exponential_race
+from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, to_device
 from corerun.sampler.history_cache import HistoryCache
 from corerun.sampler.penalties import apply_penalties
 from corerun.sampler.options import CAPABILITIES, FullSamplerOptions

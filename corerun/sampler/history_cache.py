@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from corerun.sampler_utils import to_device
+from corerun.sdk.sampling import to_device
 from corerun.sampler._device import ranges
 from corerun.sampler.histories import Histories, ListHistories
 

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from corerun.sampler_utils import to_device
+from corerun.sdk.sampling import to_device
 from corerun.sampler.histories import Histories, ListHistories
 from corerun.sampler.history_cache import HistoryCache
 

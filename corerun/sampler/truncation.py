@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from corerun.sampler_utils import to_device
+from corerun.sdk.sampling import to_device
 
 
 def apply_truncation(

@@ -7,12 +7,17 @@
   :func:`row_seed`, :func:`exponential_race`), host lists to device without a sync, and the logits check.
 - :func:`require_spec` / :func:`require_params`: raise :class:`corerun.UnsupportedError` for what
   the declared capabilities do not cover, as the protocols require.
+- :func:`cache_dir`: corerun's per-machine cache folder, where a plugin keeps what it builds once
+  (compiled kernels) in a subfolder named after itself.
+
+A plugin imports only corerun's public modules (docs/plugins.md, *What a plugin may import*).
 
 Importing ``corerun.sdk`` imports no torch; its submodules do.
 """
 
 from __future__ import annotations
 
+from corerun.cache import cache_dir
 from corerun.sdk.checks import require_params, require_spec
 
-__all__ = ["require_params", "require_spec"]
+__all__ = ["cache_dir", "require_params", "require_spec"]

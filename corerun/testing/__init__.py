@@ -7,6 +7,10 @@
 - :func:`corerun.testing.requests_step`: a step's :class:`~corerun.protocols.graph.ModelInputs` (and
   its ``AttentionBatch``) from per-request context lengths, query lengths and block tables, the
   same builder the memory profile and the conformance suites use.
+- :func:`corerun.testing.emulated_cuda_graph_runner` / :class:`EmulatedGraphCapturer`: corerun's
+  ``cuda`` graph runner with CUDA-graph capture emulated on any device (a backend's
+  ``cuda_graph_decode`` tested on CPU, e.g. with the graph-runner conformance suite).
+- :func:`corerun.testing.default_model_dir`: the folder of corerun's default model (converted once).
 
 For conformance, use :mod:`corerun.conformance` itself.
 """
@@ -14,6 +18,7 @@ For conformance, use :mod:`corerun.conformance` itself.
 from __future__ import annotations
 
 from corerun.protocols.step_layout import requests_step
-from corerun.testing.reference import hf_greedy
+from corerun.testing.graphs import EmulatedGraphCapturer, emulated_cuda_graph_runner
+from corerun.testing.reference import default_model_dir, hf_greedy
 
-__all__ = ["hf_greedy", "requests_step"]
+__all__ = ["EmulatedGraphCapturer", "default_model_dir", "emulated_cuda_graph_runner", "hf_greedy", "requests_step"]

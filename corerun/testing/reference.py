@@ -24,3 +24,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> lis
                                  min_new_tokens=max_tokens, do_sample=False)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """The folder of corerun's default model (what ``LLM()`` serves when no model is named), in Hugging
+    Face's layout: converted on first use, once per machine, then read from corerun's cache."""
+    from corerun.models.default import default_model_dir as converted
+
+    return converted(progress=progress)

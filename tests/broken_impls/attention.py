@@ -7,10 +7,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from corerun.attention.dense_cache import DenseKVCache
 from corerun.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
+from corerun.sdk.attention import DenseKVCache
 
 
 class NaiveAttentionBackend(DenseKVCache):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corerun.sampling_params import SamplingParams as SP
-from corerun.sampling_noise import row_seed
+from corerun.sdk.sampling import row_seed
 from corerun.sampler.full import FullSampler
 
 V = 64

@@ -24,10 +24,10 @@ from typing import ClassVar
 
 import torch
 
-from corerun.attention.dense_cache import DenseKVCache
 from corerun.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
+from corerun.sdk.attention import DenseKVCache
 from corerun_attention_cpu import kernels
 from corerun_attention_cpu.capabilities import CPU_CAPABILITIES
 

@@ -2,7 +2,7 @@
 
 The source is compiled once per machine with the C++ compiler found here (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) at ``-O3 -march=native`` with OpenMP, into corerun's cache folder
-(``$CORERUN_CACHE_DIR/attention_cpu/<key>/``, see ``corerun.cache.cache_dir``); the key hashes the
+(``$CORERUN_CACHE_DIR/attention_cpu/<key>/``, see ``corerun.sdk.cache_dir``); the key hashes the
 source, the compiler's version, the flags and the CPU's feature flags, so an edit, another compiler
 or another CPU builds anew and a cache folder shared between machines is never wrong.  The build
 goes to a temporary file renamed into place, so concurrent first uses are safe.  A compiler without
@@ -68,7 +68,7 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    from corerun.cache import cache_dir
+    from corerun.sdk import cache_dir
 
     return cache_dir() / "attention_cpu"
 

@@ -32,8 +32,7 @@ def test_tiny_model_greedy_equals_torch_backend(tmp_path):
 def test_default_model_greedy_equals_transformers():
     from transformers import AutoTokenizer
 
-    from corerun.models import default_model_dir
-    from corerun.testing import hf_greedy
+    from corerun.testing import default_model_dir, hf_greedy
 
     folder = default_model_dir(progress=False)
     tok = AutoTokenizer.from_pretrained(str(folder))

@@ -20,10 +20,10 @@ from typing import ClassVar
 
 import torch
 
-from corerun.attention.dense_cache import DenseKVCache
 from corerun.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
+from corerun.sdk.attention import DenseKVCache
 from corerun_attention_flash import emulation
 from corerun_attention_flash.capabilities import FLASH_CAPABILITIES
 from corerun_attention_flash.kernels import FlashKernels, device_reasons, installed_limit_reasons, load_kernels

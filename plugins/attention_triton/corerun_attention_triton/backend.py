@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import torch
 
 from corerun import AttentionCapabilities, UnsupportedError
-from corerun.attention.dense_cache import DenseKVCache
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
+from corerun.sdk.attention import DenseKVCache
 
 from corerun_attention_triton import _mode
 from corerun_attention_triton.capabilities import CAPABILITIES

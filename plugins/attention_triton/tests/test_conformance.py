@@ -3,27 +3,24 @@ the torch reference backend through ``LLM``, and the graph-runner suite with tri
 (emulated) CUDA graphs."""
 
 
+import subprocess
+import sys
+
 from corerun.capabilities import GraphRunnerCapabilities
 from corerun.conformance import AttentionBackendSuite, GraphRunnerSuite
+from corerun.testing import emulated_cuda_graph_runner
 
 
 class TestTritonConformance(AttentionBackendSuite):
     implementation = "triton"
 
 
-def _emulated_cuda_runner(model, attention, limits):
-    """The real ``cuda`` graph runner with capture emulated: replays reuse the capture-time triton plan."""
-    from corerun.graph.capturer import EmulatedGraphCapturer
-    from corerun.graph.cuda import CudaGraphRunner
-
-    return CudaGraphRunner(model, attention, limits, capturer=EmulatedGraphCapturer(), progress=False)
-
-
 class TestTritonInsideCapturedGraphs(GraphRunnerSuite):
     """Triton declares ``cuda_graph_decode``: its capture-time plan must serve every later replay
-    (float32 only, to keep the interpreter's time down; the GPU script runs every dtype)."""
+    (float32 only, to keep the interpreter's time down; the GPU script runs every dtype).  The runner
+    is corerun's ``cuda`` one with capture emulated: replays reuse the capture-time triton plan."""
 
-    factory = staticmethod(_emulated_cuda_runner)
+    factory = staticmethod(emulated_cuda_graph_runner)
     capabilities = GraphRunnerCapabilities(devices=frozenset({"cpu"}), captures=True)
     attention_backend = "triton"
 
@@ -56,11 +53,11 @@ def test_llm_greedy_equals_torch_backend(tmp_path):
 
 def test_forced_split_kv_passes_the_decode_checks_through_the_cli():
     """``--option num_splits=4`` reaches the backend: decodes take the split-KV kernels, which the suite checks."""
-    from click.testing import CliRunner
 
-    from corerun.cli import cli
+    def corerun(*args):  # the `corerun` command, as a user runs it (TRITON_INTERPRET passes on)
+        return subprocess.run([sys.executable, "-m", "corerun", *args], capture_output=True, text=True, timeout=600)
 
-    result = CliRunner().invoke(cli, ["conformance", "attention:triton", "--option", "num_splits=4", "-k", "decode and fp32", "--json"])
-    assert result.exit_code == 0, result.output
-    bad = CliRunner().invoke(cli, ["conformance", "attention:triton", "--option", "num_splits=999", "-k", "decode and fp32", "--json"])
-    assert bad.exit_code != 0 and "num_splits" in bad.output
+    result = corerun("conformance", "attention:triton", "--option", "num_splits=4", "-k", "decode and fp32", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    bad = corerun("conformance", "attention:triton", "--option", "num_splits=999", "-k", "decode and fp32", "--json")
+    assert bad.returncode != 0 and "num_splits" in bad.stdout + bad.stderr

@@ -9,9 +9,7 @@ import torch
 from corerun import ConfigError, SamplerCapabilities, UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
-
-from corerun.sampler_utils import GeneratorCache, check_logits, to_device
-from corerun.sampling_noise import exponential_race
+from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, to_device
 from corerun_sampler_basic.plugin import CAPABILITIES
 
 FULL_HINT = "use `sampler: full` (built into corerun), which honours them"
