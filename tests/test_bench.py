@@ -228,3 +228,100 @@ def test_bench_async_scheduling_option_is_checked(tiny_llama):
     result = CliRunner().invoke(cli, [*base, "--async-scheduling", "on", "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["corerun"]["output_tokens"] == 4
+
+
+# ------------------------------------------------------------------ speculative decoding
+def test_repetitive_workload_draw_order():
+    # the documented draw order, replayed: per request 40 lines (word, word, number), then the output length
+    from corerun.bench.workload import make_repetitive_workload
+
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731
+    w = make_repetitive_workload(2, "3:9", seed=4, encode=encode)
+    rng = random.Random(4)
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec romeo sierra tango".split()
+    for prompt, out_len in zip(w.prompts, w.output_lens):
+        lines = [f"{i + 1}. {rng.choice(words)} {rng.choice(words)} {rng.randint(10, 99)}" for i in range(40)]
+        text = "Here is a list:\n" + "\n".join(lines) + "\n\nCopy the list above exactly, line by line:\n" + lines[0] + "\n"
+        assert prompt == encode(text) and out_len == rng.randint(3, 9)
+    assert w.kind == "repetitive" and w.describe()["kind"] == "repetitive"
+    assert (w.input_len.lo, w.input_len.hi) == (min(map(len, w.prompts)), max(map(len, w.prompts)))
+    assert w.prompts[0] != w.prompts[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_with_tokenizer(tmp_path_factory):
+    from tests.helpers.tiny_tokenizer import add_tiny_tokenizer
+
+    # the copy-the-list prompts are ~600 tokens of the tiny tokenizer: room for them
+    return add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("bench-spec"), "llama", max_position_embeddings=1024))
+
+
+@pytest.mark.parametrize("kind, temperature", [("random", "0"), ("repetitive", "0"), ("random", "1.0")])
+def test_bench_speculative_both_reports_the_speedup(tiny_llama_with_tokenizer, kind, temperature):
+    """One engine, drafts off and on in turn: the ratio of its throughputs, the same tokens (greedy, or seeded
+    when sampling), and acceptance counts that add up."""
+    args = ["--model", str(tiny_llama_with_tokenizer), "--device", "cpu", "--attention", "torch", "--num-seqs", "2",
+            "--output-len", "24", "--threads", "1", "--speculative", "both", "--spec-tokens", "3",
+            "--spec-lookup", "1:3", "--rounds", "2", "--workload", kind, "--temperature", temperature, "--json"]
+    doc = _run(args + (["--input-len", "6:12"] if kind == "random" else []))
+    s = doc["speculative"]
+    assert (s["method"], s["num_tokens"], s["prompt_lookup_min"], s["prompt_lookup_max"]) == ("ngram", 3, 1, 3)
+    assert s["rounds"] == 2 and len(s["off_output_tokens_per_s"]) == len(s["on_output_tokens_per_s"]) == 2
+    assert s["speedup"] == pytest.approx(max(s["on_output_tokens_per_s"]) / max(s["off_output_tokens_per_s"]))
+    assert s["speedup_per_round"] == pytest.approx([x / y for x, y in zip(s["on_output_tokens_per_s"], s["off_output_tokens_per_s"])])
+    assert s["same_outputs"] == 2 and len(s["loadavg_before_runs"]) == 4
+    assert doc["workload"]["kind"] == kind and doc["corerun"]["output_tokens"] == 48
+    assert doc["corerun"]["output_tokens_per_s"] == pytest.approx(max(s["on_output_tokens_per_s"]))
+    # every verified row carries 1..K drafts and accepts at most all of them
+    assert s["num_drafts"] <= s["proposed"] <= 3 * s["num_drafts"] and 0 <= s["accepted"] <= s["proposed"]
+    assert sum(s["proposed_per_round"]) == s["proposed"] and sum(s["accepted_per_round"]) == s["accepted"]
+    if temperature == "0":  # greedy: each round is the same computation, so the same drafts
+        assert s["proposed_per_round"][0] == s["proposed_per_round"][1] > 0
+    if s["num_drafts"]:
+        assert s["mean_accepted_length"] == pytest.approx(1 + s["accepted"] / s["num_drafts"])
+        assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["proposed"])
+
+
+def test_bench_speculative_options_are_checked(tiny_llama):
+    base = ["bench", "--model", str(tiny_llama), "--device", "cpu", "--attention", "torch", "--num-seqs", "2",
+            "--input-len", "4", "--output-len", "2", "--no-warmup", "--threads", "1"]
+
+    def fails(*args):
+        result = CliRunner().invoke(cli, [*base, *args])
+        assert result.exit_code == 2, result.output  # click's usage error
+        return result.output
+
+    out = fails("--speculative", "maybe")
+    assert "--speculative" in out and "'maybe'" in out and "'on', 'off', 'both'" in out
+    out = fails("--speculative", "on", "--spec-tokens", "0")
+    assert "--spec-tokens" in out and "1<=x<=64" in out
+    out = fails("--speculative", "both", "--spec-lookup", "4:2")
+    assert "--spec-lookup" in out and "'4:2'" in out and "MIN <= MAX" in out
+    out = fails("--spec-tokens", "3")
+    assert "--spec-tokens" in out and "--speculative on or both" in out
+    out = fails("--speculative", "both", "--async-scheduling", "on")
+    assert "--speculative both and --async-scheduling on cannot be combined" in out
+    out = fails("--speculative", "both", "--compare", "hf")
+    assert "--speculative" in out and "--compare" in out
+    out = fails("--workload", "repetitive")  # base gives --input-len
+    assert "--workload" in out and "--input-len" in out
+    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_llama), "--device", "cpu", "--num-seqs", "1",
+                                      "--output-len", "2", "--workload", "repetitive"])
+    assert result.exit_code != 0 and "tokenizer" in result.output and "--workload random" in result.output
+    # on / off on their own are config settings; off leaves async scheduling free
+    result = CliRunner().invoke(cli, [*base, "--speculative", "off", "--async-scheduling", "on", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(cli, [*base, "--speculative", "on", "--spec-tokens", "2", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["corerun"]["output_tokens"] == 4
+
+
+def test_set_speculative_needs_an_engine_built_with_it(tiny_llama):
+    from corerun import LLM
+
+    llm = LLM(model=str(tiny_llama), device="cpu", attention="torch")
+    with pytest.raises(RuntimeError, match="speculative.method"):
+        llm.engine.set_speculative(True)
+    llm.engine.set_speculative(False)  # already off: nothing to refuse
+    assert llm.engine.scheduler.propose is None
+    llm.shutdown()

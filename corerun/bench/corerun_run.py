@@ -28,14 +28,30 @@ def load_corerun(config: Any) -> tuple[Any, PeakMemoryMeter, float]:
     return llm, meter, time.perf_counter() - t0
 
 
-def run_corerun(llm: Any, workload: Workload, meter: PeakMemoryMeter, load_s: float, *, temperature: float = 0.0, warmup: bool = True) -> RunResult:
-    """Time one ``llm.generate`` over the whole workload (``ignore_eos``, exact output lengths)."""
+def warm_up(llm: Any, workload: Workload, temperature: float = 0.0) -> None:
+    """One short request apart from the workload (:func:`warmup_prompt`), before a measured run."""
+    from corerun.sampling_params import SamplingParams
+
+    prompt = warmup_prompt(workload, llm.engine.runner.vocab_size)
+    llm.generate([prompt], SamplingParams(temperature=temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
+
+
+def run_corerun(
+    llm: Any, workload: Workload, meter: PeakMemoryMeter, load_s: float, *, temperature: float = 0.0,
+    warmup: bool = True, seeded: bool = False,
+) -> RunResult:
+    """Time one ``llm.generate`` over the whole workload (``ignore_eos``, exact output lengths).
+
+    ``seeded``: request ``i`` samples with seed ``workload.seed + i``, so two runs of a sampled
+    workload can be compared token for token (``--speculative both``).
+    """
     from corerun.sampling_params import SamplingParams
 
     runner = llm.engine.runner
     if warmup:
-        llm.generate([warmup_prompt(workload, runner.vocab_size)], SamplingParams(temperature=temperature, max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+        warm_up(llm, workload, temperature)
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                             seed=workload.seed + i if seeded else None) for i, n in enumerate(workload.output_lens)]
     _sync(runner.device)
     t0 = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=False)

@@ -1,11 +1,13 @@
 """The benchmark's results as one JSON document and as a rich table.
 
 JSON keys (``corerun bench --json``): ``corerun_version``, ``machine`` (platform, python, torch,
-cpu_count, physical_cores, native_bfloat16, torch_threads, loadavg, gpu), ``workload`` (num_seqs, input_len,
-output_len, seed, prompt_tokens, output_tokens, temperature, warmup) and ``corerun`` (elapsed_s,
+cpu_count, physical_cores, native_bfloat16, torch_threads, loadavg, gpu), ``workload`` (kind, num_seqs,
+input_len, output_len, seed, prompt_tokens, output_tokens, temperature, warmup) and ``corerun`` (elapsed_s,
 load_s, prompt_tokens, output_tokens, output_tokens_per_s, total_tokens_per_s, ttft_ms and tpot_ms
-as {median, p90, p99}, peak_memory {bytes, kind, reset}, backends, model).  With ``--compare`` the
-document is :func:`corerun.bench.compare.build_compare_report`'s instead.
+as {median, p90, p99}, peak_memory {bytes, kind, reset}, backends, model).  ``--async-scheduling both``
+adds ``async_scheduling`` and ``--speculative both`` adds ``speculative`` (corerun.cli.bench: per-round
+tokens/s of each mode, speedup, same_outputs; for speculation also the drafts proposed and accepted).
+With ``--compare`` the document is :func:`corerun.bench.compare.build_compare_report`'s instead.
 """
 
 from __future__ import annotations

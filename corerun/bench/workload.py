@@ -1,14 +1,21 @@
-"""The standard offline throughput workload (nano-vllm's ``bench.py``, vLLM's random dataset).
+"""The offline throughput workloads of ``corerun bench``.
 
-``num_seqs`` requests; request ``i`` has a prompt of ``input_len_i`` random token ids and asks for
-exactly ``output_len_i`` tokens (``ignore_eos``), both lengths drawn uniformly (inclusive) from their
-ranges.  Everything comes from one ``random.Random(seed)``, so a seed names the workload.
+``random`` (the default; nano-vllm's ``bench.py``, vLLM's random dataset): ``num_seqs`` requests;
+request ``i`` has a prompt of ``input_len_i`` random token ids and asks for exactly ``output_len_i``
+tokens (``ignore_eos``), both lengths drawn uniformly (inclusive) from their ranges.
+
+``repetitive`` (speculative decoding's case): each prompt is a numbered list of 40 short lines and
+asks the model to copy it, the first line already given (:func:`repetitive_prompt`), so the output
+repeats the prompt's own context; the text is tokenized by the model's tokenizer.
+
+Everything comes from one ``random.Random(seed)``, so a seed names the workload.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 TOKEN_ID_LIMIT = 10_000  # nano-vllm draws prompt tokens from [0, 10000]: ordinary ids, no special tokens
 
@@ -59,6 +66,7 @@ class Workload:
     seed: int
     input_len: LengthRange
     output_len: LengthRange
+    kind: str = "random"  # or "repetitive" (make_repetitive_workload)
 
     @property
     def num_seqs(self) -> int:
@@ -74,6 +82,7 @@ class Workload:
 
     def describe(self) -> dict[str, object]:
         return {
+            "kind": self.kind,
             "num_seqs": self.num_seqs,
             "input_len": [self.input_len.lo, self.input_len.hi],
             "output_len": [self.output_len.lo, self.output_len.hi],
@@ -108,6 +117,39 @@ def make_workload(
         prompts.append([rng.randrange(limit) for _ in range(n)])
         output_lens.append(rng.randint(out.lo, out.hi))
     return Workload(prompts, output_lens, seed, inp, out)
+
+
+WORKLOADS = ("random", "repetitive")
+_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
+
+
+def repetitive_prompt(rng: random.Random, num_lines: int = 40) -> str:
+    """A list of ``num_lines`` lines ``"i. word word NN"`` and the request to copy it, its first line
+    already written: a greedy model that copies repeats the prompt's own n-grams."""
+    items = [f"{i + 1}. {rng.choice(_WORDS)} {rng.choice(_WORDS)} {rng.randint(10, 99)}" for i in range(num_lines)]
+    text = "\n".join(items)
+    return f"Here is a list:\n{text}\n\nCopy the list above exactly, line by line:\n{items[0]}\n"
+
+
+def make_repetitive_workload(
+    num_seqs: int, output_len: LengthRange | str | int, seed: int, encode: Callable[[str], list[int]],
+) -> Workload:
+    """``num_seqs`` copy-the-list requests (:func:`repetitive_prompt`) tokenized by ``encode``.
+
+    Draw order per request: its prompt, then its output length; request 0 of seed 0 is the prompt of
+    ``repetitive_prompt(random.Random(0))``, the prompt of the earlier runs in benchmarks/RESULTS.md.
+    """
+    if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < 1:
+        raise ValueError(f"num_seqs must be an integer >= 1, got {num_seqs!r}")
+    out = parse_range(output_len)
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(num_seqs):
+        prompts.append(list(encode(repetitive_prompt(rng))))
+        output_lens.append(rng.randint(out.lo, out.hi))
+    lens = [len(p) for p in prompts]
+    return Workload(prompts, output_lens, seed, LengthRange(min(lens), max(lens)), out, kind="repetitive")
 
 
 def warmup_prompt(workload: Workload, vocab_size: int = TOKEN_ID_LIMIT) -> list[int]:

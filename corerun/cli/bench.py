@@ -4,6 +4,7 @@
     corerun bench --num-seqs 256 --input-len 100:1024 --output-len 100:1024 --compare hf --json
     corerun bench --num-seqs 32 --input-len 32:256 --output-len 32:256 --compare hf,llama.cpp,vllm --rounds 2
     corerun bench --async-scheduling both --rounds 3  # synchronous vs asynchronous scheduling, interleaved
+    corerun bench --num-seqs 1 --output-len 128 --workload repetitive --speculative both --rounds 3  # n-gram drafts off vs on
 
 Without ``--compare`` corerun runs in this process.  With it, corerun and every peer run in fresh
 processes of their own, interleaved (corerun.bench.compare); peers come from benchmarks/peers/setup.sh.
@@ -17,6 +18,7 @@ from typing import Any
 
 import click
 
+from corerun.bench.workload import WORKLOADS
 from corerun.cli.options import build_config, engine_options
 from corerun.errors import CorerunError
 
@@ -55,7 +57,7 @@ class _BenchCommand(click.Command):
 @click.option("--compare", metavar="PEERS", default=None,
               help="Also run these peers, comma-separated: hf (transformers), llama.cpp, vllm; each engine in its own process.")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --compare (or --async-scheduling both): interleaved rounds (corerun, peers, corerun, peers, ...); each engine's fastest is reported.")
+              help="With --compare (or --async-scheduling / --speculative both): interleaved rounds (corerun, peers, corerun, peers, ...); each engine's fastest is reported.")
 @click.option("--peer-python", "peer_pythons", multiple=True, metavar="NAME=PATH",
               help="With --compare: the interpreter of a peer's virtualenv [benchmarks/peers/.venvs/NAME/bin/python].")
 @click.option("--baseline-env", "baseline_env", multiple=True, metavar="NAME=VALUE",
@@ -74,11 +76,22 @@ class _BenchCommand(click.Command):
 @click.option("--async-scheduling", "async_mode", type=click.Choice(["on", "off", "both"]), default=None,
               help="scheduler.async_scheduling for this run; both: one engine runs the workload synchronously and "
                    "asynchronously in turn for --rounds rounds and reports the speed-up [the config's].")
+@click.option("--speculative", "spec_mode", type=click.Choice(["on", "off", "both"]), default=None,
+              help="n-gram speculative decoding (speculative.method: ngram) for this run; both: one engine runs the "
+                   "workload without and with drafts in turn for --rounds rounds and reports the speed-up, whether "
+                   "the outputs are identical and the drafts proposed and accepted [the config's].")
+@click.option("--spec-tokens", type=click.IntRange(min=1, max=64), default=None,
+              help="With --speculative on|both: draft tokens per step, K (speculative.num_tokens) [the config's: 4].")
+@click.option("--spec-lookup", metavar="MIN:MAX", default=None,
+              help="With --speculative on|both: the n-gram lengths looked up (speculative.prompt_lookup_min:max) [the config's: 2:4].")
+@click.option("--workload", "workload_kind", type=click.Choice(WORKLOADS), default="random", show_default=True,
+              help="random: random token ids; repetitive: prompts asking to copy a 40-line list they hold (the "
+                   "output repeats the prompt: speculative decoding's case), lengths set by the text (no --input-len).")
 def bench(
     config_path, sets, model, attention, sampler, device, dtype,
     num_seqs, input_len, output_len, seed, temperature, warmup, compare, rounds, peer_pythons, baseline_env, gguf_path,
     hf_batching, hf_batch_size, threads, as_json, url=None, request_rate=float("inf"), max_concurrency=None,
-    async_mode=None,
+    async_mode=None, spec_mode=None, spec_tokens=None, spec_lookup=None, workload_kind="random",
 ) -> None:
     """Throughput and latency of corerun on N random-token requests (ignore_eos, exact output lengths).
 
@@ -101,8 +114,12 @@ def bench(
                else "; leave out --compare / --baseline-env with both"),
             param_hint="--async-scheduling",
         )
+    spec_sets = _check_speculative(spec_mode, spec_tokens, spec_lookup, async_mode, url, bool(compare or baseline_env))
+    _check_workload(workload_kind, input_len, url, bool(compare or baseline_env))
     if async_mode in ("on", "off"):
         sets = (*sets, f"scheduler.async_scheduling={'true' if async_mode == 'on' else 'false'}")
+    if spec_mode in ("on", "off"):
+        sets = (*sets, *(spec_sets if spec_mode == "on" else ["speculative.method=null"]))
     if url is not None:  # online mode: a running server (corerun.server.bench_client)
         from corerun.server.bench_client import run_cli
 
@@ -130,10 +147,13 @@ def bench(
         return
     saved_threads = torch.get_num_threads()
     try:
+        args = (config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, workload_kind)
         if async_mode == "both":
-            doc = _run_async_both(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, rounds, as_json)
+            doc = _run_async_both(*args, rounds, as_json)
+        elif spec_mode == "both":
+            doc = _run_spec_both(*args, spec_sets, rounds, as_json)
         else:
-            doc = _run(config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup)
+            doc = _run(*args)
     except CorerunError as exc:
         raise click.ClickException(str(exc)) from None
     except ValueError as exc:
@@ -148,13 +168,75 @@ def bench(
         render(doc)
         if "async_scheduling" in doc:
             _render_async(doc)
+        if "speculative" in doc:
+            _render_spec(doc)
 
 
-def _workload_for(cfg: Any, num_seqs: int | None, ranges: list[Any], seed: int, vocab_size: int, max_model_len: int, device_type: str) -> Any:
-    from corerun.bench.workload import make_workload
+def _check_speculative(
+    spec_mode: str | None, spec_tokens: int | None, spec_lookup: str | None, async_mode: str | None,
+    url: str | None, comparing: bool,
+) -> list[str]:
+    """Usage errors of --speculative and its options; the config settings that switch drafts on."""
+    hint = "--speculative"
+    if spec_mode is None or spec_mode == "off":
+        if spec_tokens is not None or spec_lookup is not None:
+            raise click.BadParameter(
+                f"--spec-tokens / --spec-lookup set the drafts of speculative decoding; add --speculative on or both"
+                + (f" (got --speculative {spec_mode})" if spec_mode else ""), param_hint="--spec-tokens / --spec-lookup")
+        if spec_mode is None:
+            return []
+    if async_mode not in (None, "off") and spec_mode != "off":
+        raise click.BadParameter(
+            f"--speculative {spec_mode} and --async-scheduling {async_mode} cannot be combined (the engine refuses "
+            "speculative.method with scheduler.async_scheduling: true); give one of them, or set the other to off",
+            param_hint="--speculative / --async-scheduling")
+    if url is not None or (spec_mode == "both" and comparing):
+        raise click.BadParameter(
+            f"--speculative {spec_mode} sets up corerun in this process"
+            + (" or its --compare process; a server started with --url has its own config" if url is not None
+               else "; leave out --compare / --baseline-env with both"), param_hint=hint)
+    sets = ["speculative.method=ngram"]
+    if spec_tokens is not None:
+        sets.append(f"speculative.num_tokens={spec_tokens}")
+    if spec_lookup is not None:
+        from corerun.bench.workload import parse_range
+
+        try:
+            lo_hi = parse_range(spec_lookup)
+        except ValueError:
+            raise click.BadParameter(
+                f"got {spec_lookup!r}; give the shortest and longest n-gram looked up as MIN:MAX with "
+                "1 <= MIN <= MAX, e.g. 2:4", param_hint="--spec-lookup") from None
+        sets += [f"speculative.prompt_lookup_min={lo_hi.lo}", f"speculative.prompt_lookup_max={lo_hi.hi}"]
+    return sets
+
+
+def _check_workload(kind: str, input_len: str | None, url: str | None, comparing: bool) -> None:
+    if kind != "repetitive":
+        return
+    if input_len is not None:
+        raise click.BadParameter("the repetitive workload's prompts are the length of their text; leave out "
+                                 "--input-len (or use --workload random)", param_hint="--workload / --input-len")
+    if url is not None or comparing:
+        raise click.BadParameter("--workload repetitive tokenizes its prompts with the engine in this process; "
+                                 "leave out --compare / --baseline-env / --url", param_hint="--workload")
+
+
+def _workload_for(
+    cfg: Any, num_seqs: int | None, ranges: list[Any], seed: int, vocab_size: int, max_model_len: int,
+    device_type: str, kind: str = "random", tokenizer: Any = None,
+) -> Any:
+    from corerun.bench.workload import make_repetitive_workload, make_workload
 
     d_seqs, d_in, d_out = DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-    workload = make_workload(num_seqs or d_seqs, ranges[0] or d_in, ranges[1] or d_out, seed, vocab_size)
+    if kind == "repetitive":
+        if tokenizer is None:
+            raise click.BadParameter("--workload repetitive needs the model's tokenizer, and this model folder has "
+                                     "none (or skip_tokenizer_init is set); use --workload random", param_hint="--workload")
+        workload = make_repetitive_workload(num_seqs or d_seqs, ranges[1] or d_out, seed,
+                                            lambda text: list(tokenizer.encode(text)))  # as the engine encodes text
+    else:
+        workload = make_workload(num_seqs or d_seqs, ranges[0] or d_in, ranges[1] or d_out, seed, vocab_size)
     longest = workload.input_len.hi + workload.output_len.hi
     if longest > max_model_len:
         raise click.BadParameter(
@@ -165,60 +247,95 @@ def _workload_for(cfg: Any, num_seqs: int | None, ranges: list[Any], seed: int, 
     return workload
 
 
-def _run(
-    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
-    ranges: list[Any], seed: int, temperature: float, warmup: bool,
-) -> dict[str, Any]:
-    """Load corerun in this process and run the workload; the report document."""
-    from corerun.bench.corerun_run import load_corerun, run_corerun
-    from corerun.bench.report import build_report
+def _load(config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+          ranges: list[Any], seed: int, kind: str) -> tuple[Any, Any, float, Any]:
+    """Load corerun in this process; the LLM, its memory meter, the load time and the workload."""
+    from corerun.bench.corerun_run import load_corerun
 
     cfg = build_config(config_path, sets, **cfg_args)
     llm, meter, load_s = load_corerun(cfg)
     runner = llm.engine.runner
-    workload = _workload_for(cfg, num_seqs, ranges, seed, runner.vocab_size, runner.max_model_len, runner.device.type)
+    workload = _workload_for(cfg, num_seqs, ranges, seed, runner.vocab_size, runner.max_model_len, runner.device.type,
+                             kind, llm.engine.tokenizer)
+    return llm, meter, load_s, workload
+
+
+def _run(
+    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, kind: str = "random",
+) -> dict[str, Any]:
+    """Load corerun in this process and run the workload; the report document."""
+    from corerun.bench.corerun_run import run_corerun
+    from corerun.bench.report import build_report
+
+    llm, meter, load_s, workload = _load(config_path, sets, cfg_args, num_seqs, ranges, seed, kind)
     core = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup)
     return build_report(workload, core, temperature=temperature, warmup=warmup)
 
 
+def _progress(quiet: bool, rounds: int, names: dict[str, str]) -> Any:
+    def on_run(r: int, mode: str, run: Any, load: float) -> None:
+        if not quiet:
+            click.echo(f"round {r + 1}/{rounds} {names[mode]}: {run.output_tokens_per_s:.1f} output tok/s (load {load:.2f})", err=True)
+
+    return on_run
+
+
 def _run_async_both(
     config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
-    ranges: list[Any], seed: int, temperature: float, warmup: bool, rounds: int, quiet: bool,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, kind: str, rounds: int, quiet: bool,
 ) -> dict[str, Any]:
-    """One engine runs the workload synchronously and asynchronously in turn (the order alternating
-    each round); the report of its fastest asynchronous run, with both modes' throughputs and the speed-up."""
-    import os
+    """One engine runs the workload synchronously and asynchronously in turn (corerun.bench.on_off); the
+    report of its fastest asynchronous run, with both modes' throughputs and the speed-up."""
+    from corerun.bench.on_off import run_on_off
+    from corerun.bench.report import build_report
 
-    from corerun.bench.corerun_run import load_corerun, run_corerun
-    from corerun.bench.report import build_report, same_outputs
+    sets = (*sets, "scheduler.async_scheduling=true")  # refused where unsupported
+    llm, meter, load_s, workload = _load(config_path, sets, cfg_args, num_seqs, ranges, seed, kind)
+    try:
+        runs = run_on_off(llm, workload, meter, load_s, llm.engine.set_async_scheduling, rounds=rounds,
+                          temperature=temperature, warmup=warmup, on_run=_progress(quiet, rounds, {"off": "sync", "on": "async"}))
+    finally:
+        llm.shutdown()
+    doc = build_report(workload, runs.best("on"), temperature=temperature, warmup=warmup)
+    doc["async_scheduling"] = runs.summary("sync", "async")
+    return doc
 
-    cfg = build_config(config_path, (*sets, "scheduler.async_scheduling=true"), **cfg_args)  # refused where unsupported
-    llm, meter, load_s = load_corerun(cfg)
-    runner = llm.engine.runner
-    workload = _workload_for(cfg, num_seqs, ranges, seed, runner.vocab_size, runner.max_model_len, runner.device.type)
-    runs: dict[str, list[Any]] = {"sync": [], "async": []}
-    loads: list[float] = []
-    for r in range(rounds):
-        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
-            llm.engine.set_async_scheduling(mode == "async")
-            loads.append(os.getloadavg()[0])
-            run = run_corerun(llm, workload, meter, load_s, temperature=temperature, warmup=warmup and r == 0)
-            runs[mode].append(run)
-            if not quiet:
-                click.echo(f"round {r + 1}/{rounds} {mode}: {run.output_tokens_per_s:.1f} output tok/s "
-                           f"(load {loads[-1]:.2f})", err=True)
-    llm.shutdown()
-    best = {mode: max(rs, key=lambda x: x.output_tokens_per_s) for mode, rs in runs.items()}
-    doc = build_report(workload, best["async"], temperature=temperature, warmup=warmup)
-    tps = {mode: [x.output_tokens_per_s for x in rs] for mode, rs in runs.items()}
-    doc["async_scheduling"] = {
-        "rounds": rounds,
-        "sync_output_tokens_per_s": tps["sync"],
-        "async_output_tokens_per_s": tps["async"],
-        "speedup": best["async"].output_tokens_per_s / best["sync"].output_tokens_per_s,
-        "speedup_per_round": [a / s for a, s in zip(tps["async"], tps["sync"])],
-        "same_outputs": same_outputs(best["async"].output_token_ids, best["sync"].output_token_ids),
-        "loadavg_before_runs": loads,
+
+def _run_spec_both(
+    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, kind: str, spec_sets: list[str], rounds: int,
+    quiet: bool,
+) -> dict[str, Any]:
+    """One engine built with n-gram speculation runs the workload with the drafts off and on in turn
+    (corerun.bench.on_off; off, its steps are a non-speculative engine's); the report of its fastest
+    run with drafts, both modes' throughputs, the speed-up and the drafts proposed and accepted.
+    Sampled requests (temperature > 0) are seeded, so both modes must give the same tokens."""
+    from corerun.bench.on_off import run_on_off
+    from corerun.bench.report import build_report
+
+    llm, meter, load_s, workload = _load(config_path, (*sets, *spec_sets), cfg_args, num_seqs, ranges, seed, kind)
+    st = llm.engine.spec_stats
+    try:
+        runs = run_on_off(llm, workload, meter, load_s, llm.engine.set_speculative, rounds=rounds,
+                          temperature=temperature, warmup=warmup, seeded=temperature > 0,
+                          probe=lambda: (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens),
+                          on_run=_progress(quiet, rounds, {"off": "speculation off", "on": "speculation on"}))
+    finally:
+        llm.shutdown()
+    doc = build_report(workload, runs.best("on"), temperature=temperature, warmup=warmup)
+    spec = llm.engine.config.speculative
+    drafts, proposed, accepted = (sum(c[i] for c in runs.counts["on"]) for i in range(3))
+    doc["speculative"] = {
+        "method": spec.method, "num_tokens": spec.num_tokens,
+        "prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max,
+        **runs.summary("off", "on"),
+        # the drafts of every run with speculation on, summed over the rounds, and per round
+        "num_drafts": drafts, "proposed": proposed, "accepted": accepted,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,  # tokens per verified row
+        "proposed_per_round": [c[1] for c in runs.counts["on"]],
+        "accepted_per_round": [c[2] for c in runs.counts["on"]],
     }
     return doc
 
@@ -231,6 +348,19 @@ def _render_async(doc: dict[str, Any]) -> None:
         f"{max(a['sync_output_tokens_per_s']):.1f} (fastest of {a['rounds']} interleaved rounds each): "
         f"{a['speedup']:.3f}x; per round " + ", ".join(f"{x:.3f}x" for x in a["speedup_per_round"])
         + (f"; outputs identical for {a['same_outputs']} of {n} requests" if greedy else "")
+    )
+
+
+def _render_spec(doc: dict[str, Any]) -> None:
+    s = doc["speculative"]
+    click.echo(
+        f"speculative decoding ({s['method']}, K={s['num_tokens']}, lookup {s['prompt_lookup_min']}:"
+        f"{s['prompt_lookup_max']}) on a {doc['workload']['kind']} workload: {max(s['on_output_tokens_per_s']):.1f} "
+        f"output tok/s, off {max(s['off_output_tokens_per_s']):.1f} (fastest of {s['rounds']} interleaved rounds "
+        f"each): {s['speedup']:.3f}x; per round " + ", ".join(f"{x:.3f}x" for x in s["speedup_per_round"])
+        + f"; drafts proposed {s['proposed']}, accepted {s['accepted']} ({s['acceptance_rate']:.0%}), mean accepted "
+        f"length {s['mean_accepted_length']:.2f}; outputs identical for {s['same_outputs']} of "
+        f"{doc['workload']['num_seqs']} requests" + ("" if doc["workload"]["temperature"] == 0 else " (seeded)")
     )
 
 

@@ -378,6 +378,18 @@ class LLMEngine:
                     update={"scheduler": self.config.scheduler.model_copy(update={"async_scheduling": True})}))
             self.async_scheduling = on
 
+    def set_speculative(self, on: bool) -> None:
+        """Let the scheduler propose drafts, or not, while no request runs (``corerun bench --speculative
+        both`` compares the two on one engine); off, a step is exactly a non-speculative engine's.
+        On needs an engine built with ``speculative.method`` set."""
+        with self.lock:
+            if self.scheduler.has_unfinished() or self._in_flight is not None or self._collected:
+                raise RuntimeError("speculative decoding can be switched only while no request is running")
+            if on and self.proposer is None:
+                raise RuntimeError("speculative decoding can be switched on only in an engine built with "
+                                   "speculative.method set")
+            self.scheduler.propose = self._propose if on else None
+
     def _step_async(self) -> list[Sequence]:
         """Schedule step N+1 while step N runs on the step thread; then take N's tokens, drop from N+1
         the requests N ended (their slots freed, nothing of theirs run or emitted) and launch N+1.
