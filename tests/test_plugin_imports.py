@@ -1,6 +1,6 @@
 """The bundled plugins use corerun as a third party would: every ``corerun`` module a file under
-``plugins/`` imports is on the public surface that docs/plugins.md (*What a plugin may import*)
-lists, and no plugin imports the repository's ``tests``.
+``plugins/`` (or a plugin ``corerun new`` writes) imports is on the public surface that
+docs/plugins.md (*What a plugin may import*) lists, and no plugin imports the repository's ``tests``.
 
 The check reads each file with :mod:`ast` (nothing is imported), so an import inside a function or
 under ``TYPE_CHECKING`` counts too, and so does ``importlib.import_module("corerun.x")``.
@@ -90,6 +90,16 @@ def test_the_bundled_plugins_import_only_public_corerun_modules() -> None:
         for line, module in private_imports(p)
     ]
     assert problems == [], "\n".join(problems)
+
+
+def test_corerun_new_writes_plugins_that_import_only_public_modules(tmp_path: Path) -> None:
+    from corerun.scaffold import KINDS, scaffold
+
+    for kind in KINDS:
+        files = sorted(scaffold(kind, "mine", tmp_path).rglob("*.py"))
+        assert len(files) >= 3, (kind, files)
+        problems = [f"{kind}: {p.name}:{line}: {module}" for p in files for line, module in private_imports(p)]
+        assert problems == [], "\n".join(problems)
 
 
 def test_the_check_names_file_line_and_module(tmp_path: Path) -> None:

@@ -206,9 +206,3 @@ def test_scaffolded_plugins_pass_conformance_unedited(tmp_path: Path) -> None:
             lines = lines[: next(i for i, line in enumerate(lines) if "the kernel" in line)]
         glue += len(lines)
     assert glue < 50, glue
-
-
-def test_plugin_tests_use_only_public_corerun_modules() -> None:
-    plugins = Path(__file__).resolve().parent.parent / "plugins"
-    offenders = [str(p) for p in plugins.glob("*/tests/**/*.py") if re.search(r"^\s*(from|import) tests\b", p.read_text(), re.M)]
-    assert offenders == [], offenders

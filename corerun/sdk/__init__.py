@@ -5,6 +5,8 @@
   only ``attend``), and :func:`reference_attention`, a plain-torch kernel to start from.
 - :mod:`corerun.sdk.sampling`: per-request seeded generators (:func:`seeded_generator`,
   :func:`row_seed`, :func:`exponential_race`), host lists to device without a sync, and the logits check.
+- :mod:`corerun.sdk.kv_cache` / :mod:`corerun.sdk.graph`: corerun's ``paged`` KV-cache manager and
+  ``eager`` graph runner, as base classes to start a plugin from.
 - :func:`require_spec` / :func:`require_params`: raise :class:`corerun.UnsupportedError` for what
   the declared capabilities do not cover, as the protocols require.
 - :func:`cache_dir`: corerun's per-machine cache folder, where a plugin keeps what it builds once
