@@ -93,7 +93,8 @@ def bench(
     hf_batching, hf_batch_size, threads, as_json, url=None, request_rate=float("inf"), max_concurrency=None,
     async_mode=None, spec_mode=None, spec_tokens=None, spec_lookup=None, workload_kind="random",
 ) -> None:
-    """Throughput and latency of corerun on N random-token requests (ignore_eos, exact output lengths).
+    """Throughput and latency of corerun on N requests (ignore_eos, exact output lengths): random token
+    ids, or with --workload repetitive prompts that ask to copy a list they hold.
 
     Reports output and total tokens/s, time to first token and time per output token (median, p90,
     p99), peak memory, the backends that ran and the thread count; with --compare, the same for each
