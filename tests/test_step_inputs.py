@@ -136,6 +136,7 @@ def builder(**limits: int) -> StepInputs:
 def build(si: StepInputs, sched: ScheduledBatch, tables: dict[int, list[int]],
           block_table: Callable[[int], list[int]] | None = None) -> tuple[Any, np.ndarray, np.ndarray]:
     si._host_np.fill(0xA5)  # poison the staging buffer: an element the step does not write shows
+    si._staged = None  # and forget what it held (a steady step rewrites only what changed; see the unpoisoned tests)
     return si.build(sched, block_table or tables.__getitem__)
 
 
@@ -489,6 +490,61 @@ def test_a_steady_decode_with_stated_changes_reads_no_table():
         assert all(si.block_rows.blocks(sid) == t for sid, t in tables.items())
         advance(rng, sched)
     assert kv.calls == [] and si.block_rows.reads == 0
+
+
+@pytest.mark.parametrize("num_seqs", [1, 8, 48])
+def test_steady_steps_without_poison_rewrite_what_changed(num_seqs):
+    """Decodes of the same sequences step after step, the staging buffer not poisoned: a step of the
+    same layout keeps what the previous one wrote where nothing changed (the query starts, the block
+    tables of the same rows); every step, across block boundaries (rows appended to, the layout wider)
+    and a preemption that rewrites one table at the same length, equals the reference."""
+    rng = random.Random(f"steady-{num_seqs}")
+    si, kv = builder(), GrowOnlyTables(rng)
+    seqs = [new_sequence(rng, 7 + k, 40 + 5 * k) for k in range(num_seqs)]
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    unchanged = 0
+    for step in range(3 * BS):
+        if step == 2 * BS:  # seqs[0] preempted and back with a new table of the same length, its prefix cached
+            kv.free(seqs[0].seq_id)
+            seqs[0].num_preemptions += 1
+        sched = schedule(rng, kv, seqs, extra=0)
+        unchanged += not sched.new_block_ids
+        tables = {s.seq_id: list(kv.tables[s.seq_id]) for s in sched.seqs}
+        check(si.build(sched, kv.block_table), sched, tables)
+        advance(rng, sched)
+    assert kv.calls == [] and (num_seqs == 48 or unchanged >= BS)
+
+
+def test_host_copies_are_reused_only_when_nothing_holds_them():
+    """On CPU a step's tensors are a copy of the staging buffer; a later step of the same layout reuses
+    that copy only once nothing holds any of its tensors: a view of one field alone keeps it."""
+    rng = random.Random("copies")
+    si, kv = builder(), GrowOnlyTables(rng)
+    seqs = [new_sequence(rng, 7 + k, 3 + k) for k in range(3)]  # contexts 2-4: four steps in one block
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+
+    def step() -> tuple[Any, dict[str, Any]]:
+        sched = schedule(rng, kv, seqs, extra=0)
+        tables = {s.seq_id: list(kv.tables[s.seq_id]) for s in sched.seqs}
+        out = si.build(sched, kv.block_table)
+        snap = check(out, sched, tables)
+        advance(rng, sched)
+        return out, snap
+
+    out, _ = step()
+    ptr = out[0].input_ids.data_ptr()
+    del out
+    out, snap = step()
+    assert out[0].input_ids.data_ptr() == ptr  # nothing held the first step's tensors: its copy was reused
+    view, held = out[0].batch.slot_mapping[1:], snap["slot_mapping"][2][1:]
+    del out
+    out, _ = step()
+    assert out[0].input_ids.data_ptr() != ptr and view.tolist() == held  # the view kept the copy from reuse
+    del view, out
+    out, _ = step()
+    assert out[0].input_ids.data_ptr() == ptr  # the view gone, the first copy is free again
 
 
 def test_a_long_run_of_short_lived_sequences_keeps_the_rows_bounded():

@@ -13,13 +13,15 @@ wide, each field starting on a 16-byte boundary)::
 
 Then one copy per step: on CUDA, of the used part of the pinned buffer into a fresh device tensor,
 queued without waiting (``non_blocking``), the fields being views of that tensor
-(:meth:`StepLayout.tensors`); on CPU, a numpy copy whose views become the tensors
-(:meth:`StepLayout.host_tensors`).  Either way nothing a step hands out is the staging buffer itself,
-so a later step never overwrites it.  Reuse of the buffer is guarded as
-:meth:`StepInputs._wait_for_copy` says.
+(:meth:`StepLayout.tensors`); on CPU, into a host copy whose views are the tensors, an earlier
+step's copy of the same layout when nothing holds any of its tensors or a view of them any more
+(:class:`_HostCopy`: making seven tensors costs more than the rest of a small step).  Either way
+nothing a step hands out is the staging buffer itself, and nothing is overwritten while it can
+still be read.  Reuse of the staging buffer is guarded as :meth:`StepInputs._wait_for_copy` says.
 
 One fill writes the buffer (:meth:`StepInputs._fill`): vectorised numpy with few calls, whatever
-the step's size.
+the step's size; what a steady batch leaves unchanged since the previous step (the query starts of
+a decode, the block tables of the same rows) it does not write again.
 
 Block tables cost per step what is new in them, not their length: :class:`BlockRows` keeps each
 sequence's table across steps as an int32 row of one persistent table and applies the changes the
@@ -29,6 +31,7 @@ scheduler states in each batch (``ScheduledBatch.new_block_ids``, ``finished_ids
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Protocol, Sequence as SequenceT
 
@@ -103,6 +106,7 @@ class BlockRows:
         self._used = [0] * self.table.shape[0]  # per slot: entries that may be nonzero (the rest are zero)
         self._step = 0
         self.reads = 0  # whole tables read with block_table (none while every change is applied)
+        self.version = 0  # changes whenever an entry of ``table`` may have changed (a gather of the same rows is then redone)
 
     def __len__(self) -> int:
         """Sequences with a row."""
@@ -181,6 +185,7 @@ class BlockRows:
         if n > self.table.shape[1]:
             self._resize(self.table.shape[0], max(n, 2 * self.table.shape[1]))
         table, slot, used = self.table, row.slot, self._used
+        self.version += 1
         if ids:
             table[slot, start:n] = ids
         if used[slot] > n:  # what an earlier, longer table left in the slot
@@ -207,9 +212,64 @@ class BlockRows:
 
     def _resize(self, slots: int, width: int) -> None:
         old = self.table
+        self.version += 1
         self.table = np.zeros((slots, width), dtype=np.int32)
         self.table[: old.shape[0], : old.shape[1]] = old
         self._used += [0] * (slots - len(self._used))
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # tensors (views included) on a storage
+
+
+class _HostCopy:
+    """One CPU step's copy of the staging buffer and its fields, views of one storage (``root``).
+
+    Reused for a later step of the same layout once nothing outside holds any of its fields or a view
+    of them (:meth:`unused`): the same count of references to each field and to the storage as when
+    it was made, so a step's tensors are never written while anything can still read them.
+    """
+
+    __slots__ = ("host", "root", "fields", "_counts")
+
+    def __init__(self, lay: StepLayout) -> None:
+        self.host = np.empty(lay.nbytes, dtype=np.uint8)
+        self.root = torch.from_numpy(self.host)
+        self.fields = lay.tensors(self.root)
+        self._counts = self._references()
+
+    def _references(self) -> tuple[int, ...]:
+        getrefcount = sys.getrefcount
+        return (_storage_use_count(self.root.untyped_storage()._cdata), *[getrefcount(t) for t in self.fields])  # type: ignore[misc]
+
+    def unused(self) -> bool:
+        return self._references() == self._counts
+
+
+@dataclass(slots=True, eq=False)
+class _Staged:
+    """What one layout's fill reuses from step to step while the layout and the staging buffer stay the same.
+
+    ``fields``: the numpy views of the staging buffer a fill writes; ``table_flat``: the block-table
+    field as one flat row; ``row_base``: int64 ``[R]``, each request's first entry in ``table_flat``.
+    ``decode_starts``: ``query_start_loc`` holds ``0, 1, ..., R`` (written by a decode, kept by the next).
+    ``rows`` / ``version``: the rows last gathered into the block-table field and ``BlockRows.version``
+    then; the same rows at the same version are already there.
+    """
+
+    layout: StepLayout
+    host: np.ndarray
+    fields: StepTensors
+    table_flat: np.ndarray
+    row_base: np.ndarray
+    decode_starts: bool = False
+    rows: list[BlockRow] | None = None
+    version: int = -1
+
+    @classmethod
+    def of(cls, lay: StepLayout, host: np.ndarray) -> _Staged:
+        fields = lay.arrays(host)
+        width = lay.table_width
+        return cls(lay, host, fields, fields.block_tables.reshape(-1), np.arange(lay.num_reqs, dtype=np.int64) * width)
 
 
 class StepInputs:
@@ -242,8 +302,9 @@ class StepInputs:
         self._copy_pending = False
         self._host = torch.empty(0, dtype=torch.uint8)
         self._host_np = self._host.numpy()
-        self._views: tuple[StepLayout | None, np.ndarray | None, StepTensors | None] = (None, None, None)  # the last fill's
-        self._arange = np.arange(max(max_num_tokens, max_num_reqs + 1), dtype=np.intp)
+        self._staged: _Staged | None = None  # the last fill's layout, views and what they hold
+        self._copies: dict[StepLayout, list[_HostCopy]] = {}  # CPU: recent layouts' copies, oldest first
+        self._arange = np.arange(max_num_tokens, dtype=np.intp)
         self.block_rows = BlockRows(block_size, slots=max(2 * max_num_reqs, 64), width=min(max_blocks_per_seq, 64))
         self._grow(StepLayout.of(max_num_tokens, max_num_reqs, max_blocks_per_seq).nbytes)
 
@@ -323,13 +384,13 @@ class StepInputs:
             self._fence.record()  # type: ignore[union-attr]
             self._copy_pending = True
             fields = lay.tensors(staged)
-            host = self._views[2]  # the views _fill wrote this step
+            host = self._staged.fields  # type: ignore[union-attr]  (the views _fill wrote this step)
             qsl_cpu, seq_lens_cpu = torch.from_numpy(host.query_start_loc.copy()), torch.from_numpy(host.seq_lens.copy())
         else:  # a fresh numpy copy: the tensors handed out are views of it, host copies included
             if self._fence is not None:  # (a test's fence on CPU)
                 self._fence.record()
                 self._copy_pending = True
-            fields = lay.host_tensors(self._host_np[: lay.nbytes].copy())
+            fields = self._host_copy(lay)
             qsl_cpu, seq_lens_cpu = fields.query_start_loc, fields.seq_lens
         inputs = model_inputs(
             fields,
@@ -341,50 +402,87 @@ class StepInputs:
         )
         return inputs, sampled_rows, logits_indices
 
+    def _host_copy(self, lay: StepLayout) -> StepTensors:
+        """The staging buffer's used part copied to host tensors no earlier step's caller still holds.
+
+        Copies are kept for the last few layouts (making one costs some ten torch calls, reusing one a
+        reference count per field); without torch's storage use count, a fresh copy every step.
+        """
+        if _storage_use_count is None:
+            return lay.host_tensors(self._host_np[: lay.nbytes].copy())
+        copies = self._copies.get(lay)
+        if copies is None:
+            if len(self._copies) >= _COPY_LAYOUTS:
+                del self._copies[next(iter(self._copies))]
+            copies = self._copies[lay] = []
+        for copy in copies:
+            if copy.unused():
+                break
+        else:
+            copy = _HostCopy(lay)
+            copies.append(copy)
+            if len(copies) > _COPIES_PER_LAYOUT:  # the oldest stays alive as long as its holders do
+                del copies[0]
+        np.copyto(copy.host, self._host_np[: lay.nbytes])
+        return copy.fields
+
     def _fill(
         self, lay: StepLayout, seqs: list[Sequence], ids: list[int], ctx: list[int], num_new: list[int],
         rows: list[BlockRow], decode: bool,
     ) -> tuple[np.ndarray, np.ndarray, int]:
         """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices, max_seq_len).
 
-        Vectorised numpy whatever the step's size: a fixed cost of about fifteen numpy calls (a few
-        microseconds more than Python lists for a decode of one to eight requests), and per token far
-        less than a Python loop.  The gaps between fields keep old bytes (no field covers them).
+        Vectorised numpy whatever the step's size: a fixed cost of about a dozen numpy calls, and per
+        token far less than a Python loop.  What a steady batch leaves unchanged from the step before
+        (same layout, same buffer) is not written again: the query starts of a decode, and the block
+        tables when the step has the same rows and none of them changed.  The gaps between fields
+        keep old bytes (no field covers them).
         """
-        if self._views[0] is not lay or self._views[1] is not self._host_np:  # (a steady batch keeps its layout)
-            self._views = (lay, self._host_np, lay.arrays(self._host_np))
-        out = self._views[2]
+        st = self._staged
+        if st is None or st.layout is not lay or st.host is not self._host_np:
+            st = self._staged = _Staged.of(lay, self._host_np)
+        out = st.fields
         num_tokens, num_reqs = lay.num_tokens, lay.num_reqs
-        if max(num_tokens, num_reqs + 1) > self._arange.size:
-            self._arange = np.arange(2 * max(num_tokens, num_reqs + 1), dtype=np.intp)
-        arange, query_starts, seq_lens, positions = self._arange, out.query_start_loc, out.seq_lens, out.positions
-        context_lens = out.context_lens
+        query_starts, seq_lens, positions, context_lens = out.query_start_loc, out.seq_lens, out.positions, out.context_lens
         context_lens[:] = ctx
         if decode:  # one token per request, at its context length
-            query_starts[:] = arange[: num_reqs + 1]
+            if not st.decode_starts:
+                query_starts[:] = np.arange(num_reqs + 1, dtype=np.int32)
+                st.decode_starts = True
             np.add(context_lens, 1, out=seq_lens)
             positions[:] = context_lens
-            token_request = arange[:num_reqs]  # each token's request
+            token_base = st.row_base  # each token's request's first entry in the flat block tables
             max_seq_len = max(ctx) + 1
+            out.input_ids[:] = ids
         else:  # request i's tokens run from ctx[i]: token j sits at j - query_starts[i] + ctx[i]
+            if num_tokens > self._arange.size:
+                self._arange = np.arange(2 * num_tokens, dtype=np.intp)
+            st.decode_starts = False
             query_lens = np.array(num_new)
             query_starts[0] = 0
             np.add.accumulate(query_lens, out=query_starts[1:])
             np.add(context_lens, query_lens, out=seq_lens)
-            np.add(arange[:num_tokens], np.repeat(context_lens - query_starts[:-1], query_lens), out=positions)
-            token_request = np.repeat(arange[:num_reqs], query_lens)
+            np.add(self._arange[:num_tokens], np.repeat(context_lens - query_starts[:-1], query_lens), out=positions)
+            token_base = np.repeat(st.row_base, query_lens)
             max_seq_len = int(seq_lens.max())
-        out.input_ids[:] = ids if decode else np.fromiter(ids, dtype=np.int64, count=num_tokens)  # (faster for many)
-        self.block_rows.gather(rows, out.block_tables)  # zero-padded; each covers the step's tokens (rows_for)
+            out.input_ids[:] = np.fromiter(ids, dtype=np.int64, count=num_tokens)  # (faster than from a long list)
+        version = self.block_rows.version
+        if st.version != version or st.rows != rows:  # (list equality of rows: their identities)
+            self.block_rows.gather(rows, out.block_tables)  # zero-padded; each covers the step's tokens (rows_for)
+            st.rows, st.version = rows, version
         # slot = block * block_size + position % block_size = (block - position // block_size) * block_size + position
         slots, block_index = out.slot_mapping, positions >> self._block_shift
-        np.subtract(out.block_tables[token_request, block_index], block_index, out=slots, dtype=np.int64)
+        np.subtract(st.table_flat.take(token_base + block_index), block_index, out=slots, dtype=np.int64)
         slots *= self.block_size
         slots += positions
         # rows that finish their scheduled tokens are sampled from their last token's logits
         sampled_rows = (seq_lens == [len(s.token_ids) for s in seqs]).nonzero()[0]
         logits_indices = sampled_rows.copy() if decode else np.subtract(query_starts[1:][sampled_rows], 1, dtype=np.int64)
         return sampled_rows, logits_indices, max_seq_len
+
+
+_COPY_LAYOUTS = 4  # CPU steps: layouts whose copies are kept
+_COPIES_PER_LAYOUT = 3  # and copies per layout (a caller holding one step's inputs while the next is built needs two)
 
 
 def _short_table(seq_id: int, num_blocks: int, num_tokens: int, block_size: int) -> ValueError:
