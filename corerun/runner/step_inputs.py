@@ -296,6 +296,9 @@ class StepInputs:
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {block_size}")
         self.block_size = block_size
         self._block_shift = block_size.bit_length() - 1
+        # (one-element arrays: numpy handles a Python int operand in several times the time of an array)
+        self._shift_np = np.array([self._block_shift], dtype=np.int64)
+        self._block_size_np = np.array([block_size], dtype=np.int64)
         self.device = torch.device(device)
         self.pin_memory = self.device.type == "cuda"
         self._fence = fence if fence is not None else (CudaCopyFence(self.device) if self.pin_memory else None)
@@ -449,7 +452,7 @@ class StepInputs:
             if not st.decode_starts:
                 query_starts[:] = np.arange(num_reqs + 1, dtype=np.int32)
                 st.decode_starts = True
-            np.add(context_lens, 1, out=seq_lens)
+            np.add(context_lens, _ONE_INT32, out=seq_lens)
             positions[:] = context_lens
             token_base = st.row_base  # each token's request's first entry in the flat block tables
             max_seq_len = max(ctx) + 1
@@ -471,16 +474,17 @@ class StepInputs:
             self.block_rows.gather(rows, out.block_tables)  # zero-padded; each covers the step's tokens (rows_for)
             st.rows, st.version = rows, version
         # slot = block * block_size + position % block_size = (block - position // block_size) * block_size + position
-        slots, block_index = out.slot_mapping, positions >> self._block_shift
-        np.subtract(st.table_flat.take(token_base + block_index), block_index, out=slots, dtype=np.int64)
-        slots *= self.block_size
-        slots += positions
+        # (each operation into a new array or a field: numpy checks an output that is also an input for overlap)
+        block_index = positions >> self._shift_np
+        blocks_less_index = st.table_flat.take(token_base + block_index) - block_index  # int64
+        np.add(blocks_less_index * self._block_size_np, positions, out=out.slot_mapping)
         # rows that finish their scheduled tokens are sampled from their last token's logits
-        sampled_rows = (seq_lens == [len(s.token_ids) for s in seqs]).nonzero()[0]
+        sampled_rows = np.equal(seq_lens, np.array([len(s.token_ids) for s in seqs], dtype=np.int32)).nonzero()[0]
         logits_indices = sampled_rows.copy() if decode else np.subtract(query_starts[1:][sampled_rows], 1, dtype=np.int64)
         return sampled_rows, logits_indices, max_seq_len
 
 
+_ONE_INT32 = np.ones(1, dtype=np.int32)
 _COPY_LAYOUTS = 4  # CPU steps: layouts whose copies are kept
 _COPIES_PER_LAYOUT = 3  # and copies per layout (a caller holding one step's inputs while the next is built needs two)
 
