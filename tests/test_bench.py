@@ -115,14 +115,18 @@ def test_summarize_and_request_latencies_closed_form():
 
 
 def test_peak_rss_meter_sees_an_allocation():
-    import numpy as np
+    import mmap
 
     meter = PeakMemoryMeter("cpu")
     meter.start()
     before = meter.read().bytes
-    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous pages, each touched: new resident memory whatever the allocator
+    # already holds (a heap allocation may reuse pages freed earlier in the process)
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     after = meter.read()
-    del block
+    block.close()
     assert after.kind == "peak_rss" and after.bytes >= before + 60 * 2**20
 
 
