@@ -29,7 +29,8 @@ from corerun.core.scheduler import BlockIds, ScheduledBatch
 from corerun.core.sequence import Sequence
 from corerun.sampling_params import SamplingParams
 from corerun.protocols.step_layout import ALIGN, StepLayout
-from corerun.runner.step_inputs import StepInputs
+from corerun.runner import step_inputs
+from corerun.runner.step_inputs import BlockRows, StepInputs
 
 BS = 16
 KINDS = ("decode", "prefill", "chunk", "mixed")
@@ -545,6 +546,27 @@ def test_host_copies_are_reused_only_when_nothing_holds_them():
     del view, out
     out, _ = step()
     assert out[0].input_ids.data_ptr() == ptr  # the view gone, the first copy is free again
+
+
+def test_block_rows_say_which_slots_were_written_since_a_version(monkeypatch):
+    """``written_since`` lists the slot of every write after a version, and ``None`` once that is not
+    known any more: after the table is widened, or more writes than the log keeps."""
+    monkeypatch.setattr(step_inputs, "_WRITE_LOG", 4)
+    br = BlockRows(BS, slots=4, width=2)
+    br.apply((), {1: BlockIds(0, [5]), 2: BlockIds(0, [6])})
+    s1, s2 = br._rows[1].slot, br._rows[2].slot
+    v = br.version
+    assert br.written_since(v) == [] and br.written_since(v - 1) == [s2]
+    br.apply((), {2: BlockIds(1, [7]), 1: BlockIds(1, [8])})
+    assert br.written_since(v) == [s2, s1]
+    br.apply((), {1: BlockIds(2, [9])})  # wider than the table: every row moves
+    assert br.written_since(v) is None and br.written_since(br.version) == []
+    v = br.version
+    br.apply((), {2: BlockIds(0, [3]), 1: BlockIds(3, [2])})
+    assert br.written_since(v) == [s2, s1]
+    for k in range(3):
+        br.apply((), {1: BlockIds(1, [10 + k])})
+    assert br.written_since(v) is None and br.written_since(br.version - 2) == [s1, s1]
 
 
 def test_a_long_run_of_short_lived_sequences_keeps_the_rows_bounded():

@@ -106,7 +106,9 @@ class BlockRows:
         self._used = [0] * self.table.shape[0]  # per slot: entries that may be nonzero (the rest are zero)
         self._step = 0
         self.reads = 0  # whole tables read with block_table (none while every change is applied)
-        self.version = 0  # changes whenever an entry of ``table`` may have changed (a gather of the same rows is then redone)
+        self.version = 0  # counts the writes to ``table``: a gather of the same rows redoes what was written since
+        self._written: list[int] = []  # the slot of each write since version ``_logged_from`` (rows written since)
+        self._logged_from = 0
 
     def __len__(self) -> int:
         """Sequences with a row."""
@@ -159,6 +161,12 @@ class BlockRows:
             rows[i] = self._read(seqs[i].seq_id, rows[i], ctx[i] + num_new[i], block_table)
         return rows  # type: ignore[return-value]
 
+    def written_since(self, version: int) -> list[int] | None:
+        """The slots written since ``version`` (repeats possible); ``None`` if no longer known (a resize, or long ago)."""
+        if version < self._logged_from:
+            return None
+        return self._written[version - self._logged_from :]
+
     def gather(self, rows: list[BlockRow], out: np.ndarray) -> None:
         """Write ``rows`` into ``out`` (int32 ``[len(rows), W]``, W at least every row's ``num_blocks``), zero-padded."""
         table, w = self.table, out.shape[1]
@@ -186,6 +194,10 @@ class BlockRows:
             self._resize(self.table.shape[0], max(n, 2 * self.table.shape[1]))
         table, slot, used = self.table, row.slot, self._used
         self.version += 1
+        if len(self._written) >= _WRITE_LOG:
+            self._written.clear()
+            self._logged_from = self.version - 1
+        self._written.append(slot)
         if ids:
             table[slot, start:n] = ids
         if used[slot] > n:  # what an earlier, longer table left in the slot
@@ -213,6 +225,8 @@ class BlockRows:
     def _resize(self, slots: int, width: int) -> None:
         old = self.table
         self.version += 1
+        self._written.clear()
+        self._logged_from = self.version  # every row moved: a gather from before is redone whole
         self.table = np.zeros((slots, width), dtype=np.int32)
         self.table[: old.shape[0], : old.shape[1]] = old
         self._used += [0] * (slots - len(self._used))
@@ -229,17 +243,19 @@ class _HostCopy:
     it was made, so a step's tensors are never written while anything can still read them.
     """
 
-    __slots__ = ("host", "root", "fields", "_counts")
+    __slots__ = ("host", "fields", "_storage", "_counts")
 
     def __init__(self, lay: StepLayout) -> None:
         self.host = np.empty(lay.nbytes, dtype=np.uint8)
-        self.root = torch.from_numpy(self.host)
-        self.fields = lay.tensors(self.root)
+        root = torch.from_numpy(self.host)
+        self.fields = lay.tensors(root)
+        self._storage = root.untyped_storage()  # (held: counted in the use count both times)
+        del root
         self._counts = self._references()
 
     def _references(self) -> tuple[int, ...]:
         getrefcount = sys.getrefcount
-        return (_storage_use_count(self.root.untyped_storage()._cdata), *[getrefcount(t) for t in self.fields])  # type: ignore[misc]
+        return (_storage_use_count(self._storage._cdata), *[getrefcount(t) for t in self.fields])  # type: ignore[misc]
 
     def unused(self) -> bool:
         return self._references() == self._counts
@@ -253,7 +269,7 @@ class _Staged:
     field as one flat row; ``row_base``: int64 ``[R]``, each request's first entry in ``table_flat``.
     ``decode_starts``: ``query_start_loc`` holds ``0, 1, ..., R`` (written by a decode, kept by the next).
     ``rows`` / ``version``: the rows last gathered into the block-table field and ``BlockRows.version``
-    then; the same rows at the same version are already there.
+    then: for the same rows, only those written since need copying again (``row_at``: slot -> index).
     """
 
     layout: StepLayout
@@ -264,6 +280,7 @@ class _Staged:
     decode_starts: bool = False
     rows: list[BlockRow] | None = None
     version: int = -1
+    row_at: dict[int, int] | None = None
 
     @classmethod
     def of(cls, lay: StepLayout, host: np.ndarray) -> _Staged:
@@ -469,10 +486,25 @@ class StepInputs:
             token_base = np.repeat(st.row_base, query_lens)
             max_seq_len = int(seq_lens.max())
             out.input_ids[:] = np.fromiter(ids, dtype=np.int64, count=num_tokens)  # (faster than from a long list)
-        version = self.block_rows.version
-        if st.version != version or st.rows != rows:  # (list equality of rows: their identities)
-            self.block_rows.gather(rows, out.block_tables)  # zero-padded; each covers the step's tokens (rows_for)
-            st.rows, st.version = rows, version
+        block_rows = self.block_rows
+        version = block_rows.version
+        if st.version != version:  # the block tables: rows (zero-padded, each covering the step's tokens) copied from block_rows
+            written = block_rows.written_since(st.version) if st.rows == rows else None  # (list equality: identities)
+            if written is None or len(written) > len(rows) // 4:
+                block_rows.gather(rows, out.block_tables)
+                st.rows, st.row_at = rows, None
+            else:  # the same rows as the step before: copy those written since
+                if st.row_at is None:
+                    st.row_at = {row.slot: i for i, row in enumerate(rows)}
+                row_at, table, tables, w = st.row_at, block_rows.table, out.block_tables, lay.table_width
+                for slot in written:
+                    i = row_at.get(slot)
+                    if i is not None:
+                        tables[i] = table[slot, :w]
+            st.version = version
+        elif st.rows != rows:
+            block_rows.gather(rows, out.block_tables)
+            st.rows, st.row_at = rows, None
         # slot = block * block_size + position % block_size = (block - position // block_size) * block_size + position
         # (each operation into a new array or a field: numpy checks an output that is also an input for overlap)
         block_index = positions >> self._shift_np
@@ -485,6 +517,7 @@ class StepInputs:
 
 
 _ONE_INT32 = np.ones(1, dtype=np.int32)
+_WRITE_LOG = 4096  # BlockRows: writes remembered (a step's gather needs those since the step before)
 _COPY_LAYOUTS = 4  # CPU steps: layouts whose copies are kept
 _COPIES_PER_LAYOUT = 3  # and copies per layout (a caller holding one step's inputs while the next is built needs two)
 
