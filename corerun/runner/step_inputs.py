@@ -26,7 +26,8 @@ a decode, the block tables of the same rows) it does not write again.
 Block tables cost per step what is new in them, not their length: :class:`BlockRows` keeps each
 sequence's table across steps as an int32 row of one persistent table and applies the changes the
 scheduler states in each batch (``ScheduledBatch.new_block_ids``, ``finished_ids``; protocol version
-2); the step's ``[R, W]`` field is one gather of those rows.
+2); the step's ``[R, W]`` field is one gather of those rows, or, for the same rows as the step
+before, a copy of the rows written since (:meth:`BlockRows.written_since`).
 """
 
 from __future__ import annotations
@@ -454,8 +455,8 @@ class StepInputs:
 
         Vectorised numpy whatever the step's size: a fixed cost of about a dozen numpy calls, and per
         token far less than a Python loop.  What a steady batch leaves unchanged from the step before
-        (same layout, same buffer) is not written again: the query starts of a decode, and the block
-        tables when the step has the same rows and none of them changed.  The gaps between fields
+        (same layout, same buffer) is not written again: the query starts of a decode, and of the
+        block tables of the same rows all but those written since.  The gaps between fields
         keep old bytes (no field covers them).
         """
         st = self._staged
