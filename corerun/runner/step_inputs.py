@@ -282,6 +282,7 @@ class _Staged:
     rows: list[BlockRow] | None = None
     version: int = -1
     row_at: dict[int, int] | None = None
+    copies: list[_HostCopy] | None = None  # CPU: StepInputs._copies[layout], looked up once
 
     @classmethod
     def of(cls, lay: StepLayout, host: np.ndarray) -> _Staged:
@@ -431,11 +432,15 @@ class StepInputs:
         """
         if _storage_use_count is None:
             return lay.host_tensors(self._host_np[: lay.nbytes].copy())
-        copies = self._copies.get(lay)
+        st = self._staged  # (the fill's, of this layout)
+        copies = st.copies  # type: ignore[union-attr]
         if copies is None:
-            if len(self._copies) >= _COPY_LAYOUTS:
-                del self._copies[next(iter(self._copies))]
-            copies = self._copies[lay] = []
+            copies = self._copies.get(lay)
+            if copies is None:
+                if len(self._copies) >= _COPY_LAYOUTS:
+                    del self._copies[next(iter(self._copies))]
+                copies = self._copies[lay] = []
+            st.copies = copies  # type: ignore[union-attr]
         for copy in copies:
             if copy.unused():
                 break
