@@ -112,16 +112,28 @@ class SchedulerConfig(_Strict):
 class SpeculativeConfig(_Strict):
     """Speculative decoding (corerun.spec_decode, docs/speculative-decoding.md); off unless ``method`` is set."""
 
-    method: Literal["ngram"] | None = None  # ngram: prompt lookup over the request's own tokens
+    # ngram: prompt lookup over the request's own tokens; draft_model: a smaller model's greedy tokens
+    method: Literal["ngram", "draft_model"] | None = None
     num_tokens: int = Field(4, ge=1, le=64)  # draft tokens proposed per decode step (K)
-    prompt_lookup_min: int = Field(2, ge=1)  # shortest suffix n-gram looked up (1: more drafts, more rejected)
-    prompt_lookup_max: int = Field(4, ge=1)  # longest suffix n-gram looked up (tried first)
+    prompt_lookup_min: int = Field(2, ge=1)  # ngram: shortest suffix n-gram looked up (1: more drafts, more rejected)
+    prompt_lookup_max: int = Field(4, ge=1)  # ngram: longest suffix n-gram looked up (tried first)
+    model: str | None = None  # draft_model: the draft's model folder (the target's tokenizer and vocabulary)
 
     @model_validator(mode="after")
     def _lookup(self) -> "SpeculativeConfig":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and (self.model is None or not self.model.strip()):
+            raise ValueError(
+                f"speculative.model is {self.model!r}; method 'draft_model' needs the draft's model folder "
+                "(a smaller model with the target's tokenizer and vocabulary)"
+            )
+        if self.model is not None and self.method != "draft_model":
+            raise ValueError(
+                f"speculative.model ({self.model!r}) is used only with method 'draft_model', "
+                f"got method {self.method!r}; set method: draft_model or leave model out"
             )
         return self
 

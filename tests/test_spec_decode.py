@@ -16,7 +16,7 @@ from corerun.conformance.stats import chi_square_fit
 from corerun.core.sequence import Sequence
 from corerun.errors import ConfigError
 from corerun.spec_decode import NgramProposer, accept_drafts, expand_metadata
-from corerun.testing.reference import hf_greedy
+from corerun.testing.reference import hf_greedy, second_token_fit
 from corerun.testing.tiny_models import make_tiny_model
 
 BS = 4
@@ -238,27 +238,14 @@ def test_engine_sampled_tokens_with_drafts_follow_the_hf_law(tmp_path):
     sum_t0 p(t0) p(t1 | t0), from transformers in float64, fits by chi-square.  The prompt holds 96
     distinct tokens, so about a third of the samples verify a draft for that token (an always-accepting
     verifier is rejected with p ~ 0 here)."""
-    from transformers import AutoModelForCausalLM
-
-    from corerun.bench.hf_run import hf_with_dtype
-
     model_dir = make_tiny_model(tmp_path, arch="llama")
     g = torch.Generator().manual_seed(3)
     prompt = (torch.randperm(253, generator=g)[:96] + 3).tolist()
     T, N = 0.7, 3000
-    hf = hf_with_dtype(AutoModelForCausalLM.from_pretrained, str(model_dir), dtype=torch.float64).eval()
-    with torch.no_grad():
-        q0 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
-        q1 = torch.softmax(hf(torch.tensor([prompt + [t] for t in range(256)])).logits[:, -1] / T, -1)
-    law = (q0[:, None] * q1).sum(0)
     spec = {"method": "ngram", "num_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     llm = LLM(model=model_dir, device="cpu", dtype="float32", attention="torch",
               kv_cache={"block_size": BS, "num_blocks": 4096}, scheduler={"max_model_len": 128, "max_num_seqs": 512},
               speculative=spec)
-    outs = llm.generate([prompt] * N, SamplingParams(temperature=T, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    counts = torch.zeros(256)
-    for o in outs:
-        counts[o.outputs[0].token_ids[1]] += 1
-    fit = chi_square_fit(counts, law)
+    fit = second_token_fit(llm, model_dir, prompt, T, N)
     assert fit.ok, fit.describe()
     assert llm.engine.spec_stats.num_drafts > N // 5

@@ -32,7 +32,7 @@ from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
 from corerun.registry import Registry
 from corerun.sampling_params import SamplingParams
-from corerun.spec_decode import NgramProposer, SpecStats
+from corerun.spec_decode import DraftModelProposer, NgramProposer, SpecStats
 
 logger = logging.getLogger("corerun.engine")
 
@@ -52,6 +52,11 @@ class LLMEngine:
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         self.config = config
         self.async_scheduling = _check_async_scheduling(config)
+        if config.speculative.method is not None and config.tensor_parallel_size > 1:  # (before any rank starts)
+            raise ConfigError(
+                f"speculative.method: {config.speculative.method!r} runs on one device only; use "
+                "tensor_parallel_size: 1 or leave speculative.method unset"
+            )
         if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (corerun.executor)
             from corerun.executor.driver import TensorParallelRunner
 
@@ -66,7 +71,7 @@ class LLMEngine:
         procs = self.runner.logits_processors  # structured outputs and other logits processors need both
         procs.tokenizer, procs.eos_token_ids = self.tokenizer, self.eos_token_ids
         sc = config.scheduler
-        self.proposer = self._make_proposer(config)
+        self.proposer = self._make_proposer(config, registry)
         self.spec_stats = SpecStats()  # speculative decoding's acceptance counts (zero when it is off)
         self._draft_cap: dict[int, int] = {}  # seq_id -> drafts it may get next (below K after rejections)
         self.scheduler = Scheduler(
@@ -92,16 +97,11 @@ class LLMEngine:
         self._unsent: ScheduledBatch | None = None  # a batch emptied before its launch (its finished ids)
         self._step_thread: ThreadPoolExecutor | None = None  # made by the first asynchronous step
 
-    def _make_proposer(self, config: Config) -> NgramProposer | None:
+    def _make_proposer(self, config: Config, registry: Registry | None) -> NgramProposer | DraftModelProposer | None:
         """The draft proposer of ``speculative`` (docs/speculative-decoding.md), or None when it is off."""
         spec = config.speculative
         if spec.method is None:
             return None
-        if config.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"speculative.method: {spec.method!r} runs on one device only; use tensor_parallel_size: 1 "
-                "or leave speculative.method unset"
-            )
         caps = self.runner.sampler.capabilities
         if not getattr(caps, "draft_verification", False):
             raise ConfigError(
@@ -109,19 +109,72 @@ class LLMEngine:
                 f"(SamplerCapabilities.draft_verification), and sampler '{self.runner.sampler_name}' does not "
                 "declare it; use sampler: full or basic, or leave speculative.method unset"
             )
+        if spec.method == "draft_model":
+            return self._make_draft_proposer(config, registry)
         return NgramProposer(spec.num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
-    def _propose(self, seq: Sequence, at_most: int) -> list[int]:
-        """Draft tokens for a decode of ``seq`` (at most ``at_most``; never past max_tokens or max_model_len).
+    def _make_draft_proposer(self, config: Config, registry: Registry | None) -> DraftModelProposer:
+        """``speculative.method: draft_model``: a ModelRunner of ``speculative.model`` with the target's
+        settings, a cache of as many blocks as the target's plus room for each request's drafts (no
+        prefix caching: its blocks hold drafts the target may reject), the target's max_model_len."""
+        spec, target = config.speculative, self.runner
+        slack = config.scheduler.max_num_seqs * -(-(spec.num_tokens + 1) // target.block_size)
+        draft_config = config.model_copy(update={
+            "model": spec.model,
+            "speculative": type(spec)(),
+            "kv_cache": config.kv_cache.model_copy(update={"num_blocks": target.num_blocks + slack, "prefix_caching": False}),
+            "scheduler": config.scheduler.model_copy(update={"max_model_len": target.max_model_len}),
+        })
+        try:
+            runner = ModelRunner(draft_config, registry)
+        except (ConfigError, OSError, ValueError) as exc:
+            raise ConfigError(f"speculative.model {spec.model!r}: the draft model cannot be loaded: {exc}") from exc
+        if runner.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"speculative.model {spec.model!r} has a vocabulary of {runner.vocab_size} tokens and the model "
+                f"{target.vocab_size}; a draft model must share the model's tokenizer and vocabulary size"
+            )
+        sc = config.scheduler
+        return DraftModelProposer(
+            runner, spec.num_tokens, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+        )
 
-        None for a request that asks for logprobs or uses a logits processor (one row per step each).
-        """
+    def _room(self, seq: Sequence, at_most: int) -> int:
+        """How many drafts a decode of ``seq`` may carry (at most ``at_most``; never past max_tokens or
+        max_model_len; 0 for a request that asks for logprobs or uses a logits processor: one row per step)."""
         p = seq.params
         if p.logprobs is not None or self.runner.logits_processors.wanted(p):
-            return []
+            return 0
         room = min(p.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens) - 1
-        room = min(room, at_most, self._draft_cap.get(seq.seq_id, room))
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []  # type: ignore[union-attr]
+        return min(room, at_most, self._draft_cap.get(seq.seq_id, room))
+
+    def _propose(self, seq: Sequence, at_most: int) -> list[int]:
+        """Draft tokens for a decode of ``seq`` (see :meth:`_room`)."""
+        room = self._room(seq, at_most)
+        if room <= 0:
+            return []
+        if isinstance(self.proposer, DraftModelProposer):  # drafted ahead of the schedule (_draft_ahead)
+            return self.proposer.take(seq.seq_id, room)
+        return self.proposer.propose(seq.token_ids, room)  # type: ignore[union-attr]
+
+    def _draft_ahead(self) -> None:
+        """``draft_model``: the drafts of every running request about to decode, in one batch per draft
+        token, before the scheduler asks for them.  A draft step that fails is logged and the step goes
+        on without drafts (the draft's state is dropped and rebuilt from the requests' tokens)."""
+        proposer = self.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        wanted = []
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                k = self._room(seq, proposer.num_tokens)
+                if k > 0:
+                    wanted.append((seq.seq_id, seq.token_ids, k))
+        try:
+            proposer.prepare(wanted)
+        except Exception as exc:
+            logger.error("the draft model's step failed, this step has no drafts: %s: %s", type(exc).__name__, exc)
+            proposer.drafts = {}
+            proposer.reset()
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -344,10 +397,15 @@ class LLMEngine:
     def _step(self) -> list[Sequence]:
         if self.async_scheduling:
             return self._step_async()
+        if self.scheduler.propose is not None and isinstance(self.proposer, DraftModelProposer):
+            self._draft_ahead()
         try:
             sched = self.scheduler.schedule()
         except SchedulingError as exc:
             return self._scheduling_failed(exc)
+        if isinstance(self.proposer, DraftModelProposer):
+            for seq in sched.preempted:  # computed again when it resumes: its draft state goes with its blocks
+                self.proposer.release(seq.seq_id)
         if not sched:
             return self._unschedulable(sched)
         self.num_steps += 1
@@ -485,6 +543,8 @@ class LLMEngine:
             )
         self.runner.logits_processors.remove(seq.seq_id)
         self._draft_cap.pop(seq.seq_id, None)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.release(seq.seq_id)
         group = self._group_of.get(seq.seq_id)
         if group is not None and group.pending and seq is group.head:  # n > 1: forks not yet queued
             parallel_sampling.finish_pending(group, reason, seq.error, now)
@@ -705,6 +765,9 @@ class LLMEngine:
                 self.runner.kv_caches = []
             if hasattr(self.runner, "graph"):
                 self.runner.graph = None
+            if isinstance(self.proposer, DraftModelProposer):  # the draft model's cache and graphs too
+                self.proposer.runner.kv_caches = []
+                self.proposer.runner.graph = None
 
 
 def _check_async_scheduling(config: Config) -> bool:

@@ -1,12 +1,14 @@
-"""Speculative decoding: n-gram draft proposals and their verification (docs/speculative-decoding.md).
+"""Speculative decoding: n-gram and draft-model proposals and their verification (docs/speculative-decoding.md).
 
 - :mod:`corerun.spec_decode.ngram`: prompt lookup, the draft tokens that follow the latest earlier
   occurrence of the request's last n tokens.
+- :mod:`corerun.spec_decode.draft_model`: a smaller model of the same vocabulary, run greedily ahead.
 - :mod:`corerun.spec_decode.verify`: one sampling row per verified position, each with the history it
   would have had without speculation, and the accepted prefix of the drafts.
 """
 
+from corerun.spec_decode.draft_model import DraftModelProposer
 from corerun.spec_decode.ngram import NgramProposer
 from corerun.spec_decode.verify import SpecStats, accept_drafts, expand_metadata
 
-__all__ = ["NgramProposer", "SpecStats", "accept_drafts", "expand_metadata"]
+__all__ = ["DraftModelProposer", "NgramProposer", "SpecStats", "accept_drafts", "expand_metadata"]
