@@ -125,10 +125,17 @@ class LLMEngine:
             "kv_cache": config.kv_cache.model_copy(update={"num_blocks": target.num_blocks + slack, "prefix_caching": False}),
             "scheduler": config.scheduler.model_copy(update={"max_model_len": target.max_model_len}),
         })
+        import torch
+
         try:
             runner = ModelRunner(draft_config, registry)
-        except (ConfigError, OSError, ValueError) as exc:
-            raise ConfigError(f"speculative.model {spec.model!r}: the draft model cannot be loaded: {exc}") from exc
+        except (ConfigError, OSError, ValueError, torch.OutOfMemoryError) as exc:
+            raise ConfigError(
+                f"speculative.model {spec.model!r}: the draft model cannot be loaded: {type(exc).__name__}: {exc} "
+                f"(it is loaded after the model's KV cache, and its own cache has {target.num_blocks + slack} blocks: "
+                "the model's plus room for drafts; with kv_cache.num_blocks: auto on a GPU, lower "
+                "kv_cache.memory_fraction to leave it room)"
+            ) from exc
         if runner.vocab_size != target.vocab_size:
             raise ConfigError(
                 f"speculative.model {spec.model!r} has a vocabulary of {runner.vocab_size} tokens and the model "
