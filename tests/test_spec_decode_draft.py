@@ -168,3 +168,28 @@ def test_config_errors_name_the_field(models, tmp_path):
         _llm(models["target"], tmp_path / "missing")
     with pytest.raises(ConfigError, match=r"speculative.method: 'draft_model' runs on one device only"):
         _llm(models["target"], models["near"], tensor_parallel_size=2)
+
+
+def test_a_failing_draft_step_costs_only_that_steps_drafts(models, prompts, caplog):
+    """The draft runner raising in a step: that step has no drafts, the draft state is rebuilt, the
+    output is still the greedy one and shutdown releases both caches."""
+    off = _ids(_llm(models["target"]).generate(prompts, GREEDY, use_tqdm=False))
+    llm = _llm(models["target"], models["target"])
+    runner = llm.engine.proposer.runner
+    execute, calls = runner.execute, []
+
+    def flaky(batch, eos):
+        calls.append(len(batch.seqs))
+        if len(calls) in (3, 4):
+            raise RuntimeError("draft device lost")
+        return execute(batch, eos)
+
+    runner.execute = flaky
+    with caplog.at_level("ERROR", logger="corerun.engine"):
+        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == off
+    assert "draft model's step failed" in caplog.text and "draft device lost" in caplog.text
+    st = llm.engine.spec_stats
+    assert st.num_accepted_tokens == st.num_draft_tokens > 0
+    _no_state_left(llm)
+    llm.engine.shutdown()
+    assert runner.kv_caches == [] and runner.graph is None
