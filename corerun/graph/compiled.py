@@ -82,7 +82,7 @@ class CompileGraphRunner:
         static = StaticDecodeInputs(self.limits)
         try:
             for size in sorted({1, min(2, self.limits.max_batch_size)}):
-                self._run(static.inputs(size))
+                self.run(static.inputs(size))
         except Exception as exc:
             raise PluginUnavailableError(
                 f"graph runner 'compile': torch.compile failed on a padding decode step: {type(exc).__name__}: {exc}"
@@ -97,10 +97,6 @@ class CompileGraphRunner:
     @torch.no_grad()
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states ``[inputs.batch.num_tokens, hidden_size]`` for the step."""
-        return self._run(inputs)
-
-    @torch.no_grad()
-    def _run(self, inputs: ModelInputs) -> torch.Tensor:
         metadata = self.attention.plan(inputs.batch)
         self.stats.replays += 1
         with compiled_step(self.attention, metadata):
