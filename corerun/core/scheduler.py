@@ -185,7 +185,7 @@ class Scheduler:
                 break  # whole prefills only: wait for a step with room
             if n == 1 and self.propose is not None and budget > 1:
                 d = self.propose(seq, budget - 1)  # drafts only where their slots are free: never a preemption
-                if d and self._allocate(seq, seq.num_computed_tokens + 1 + len(d)):
+                if d and self._allocate(seq, computed + 1 + len(d)):
                     drafts[seq.seq_id] = d
                     scheduled[seq.seq_id] = 1 + len(d)
                     budget -= 1 + len(d)
@@ -248,6 +248,10 @@ class Scheduler:
         self.in_flight = {
             s.seq_id: InFlight(n, int(a), z) for s, n, a, z in zip(batch.seqs, batch.num_new, appends, last)
         }
+
+    def clear_in_flight(self) -> None:
+        """The step in flight has been collected: schedule from the sequences' own counts again."""
+        self.in_flight = {}
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """``allocate_slots``; when the table had to grow, the new entries are noted for the runner."""

@@ -511,7 +511,7 @@ class LLMEngine:
         step, self._in_flight = self._in_flight, None
         if step is None:
             return []
-        self.scheduler.in_flight = {}
+        self.scheduler.clear_in_flight()
         try:
             result = step.future.result()
         except StepError as exc:

@@ -147,6 +147,11 @@ class AttentionBackend(Protocol):
         reference ``batch``'s tensors (no copies) and decide from host values that depend on shapes
         alone, so that replaying a graph captured with one plan stays valid after the runner writes
         new values into the same tensors.
+
+        The batch's tensors are the step's own: a later step may write new values into the same
+        memory (on CPU the runner reuses a step's host tensors once no Python object refers to them).
+        A backend that keeps anything past the step keeps a copy, never the tensors themselves, and
+        never as a reference held only in native code, which the runner cannot see.
         """
         ...
 

@@ -27,6 +27,7 @@ from corerun.errors import ConfigError, StepError
 from corerun.forward_context import AttentionContext
 from corerun.runner.profile import StepMemory
 from corerun.logits_processing import LogitsProcessors
+from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, get_registry
@@ -81,7 +82,6 @@ class PreparedStep:
     eos_token_ids: frozenset[int]
     has_drafts: bool
     prompt_plan: list[tuple[int, int, int, int, Any]]  # requests owed prompt logprobs this step
-    finished_seq_ids: frozenset[int] = frozenset()  # finished since the previous batch (ScheduledBatch.finished_ids)
 
 
 @dataclass
@@ -359,7 +359,7 @@ class ModelRunner:
             )
         return PreparedStep(
             sched, inputs, rows, logits_indices, seqs, meta, eos_token_ids, bool(extended),
-            self._prompt_logprob_plan(sched, inputs), sched.finished_ids,
+            self._prompt_logprob_plan(sched, inputs),
         )
 
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
@@ -377,7 +377,7 @@ class ModelRunner:
         """Logits of the sampled rows, the logits processors, the sampler and the step's one host sync."""
         step, hidden, prompt_lp = state.step, state.hidden, state.prompt_logprobs
         rows, logits_indices, seqs = step.rows, step.logits_indices, step.seqs
-        self._finished_for_sampler.update(step.finished_seq_ids)  # (told at the next call that samples)
+        self._finished_for_sampler.update(step.sched.finished_ids)  # (told at the next call that samples)
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
         if step.has_drafts:
@@ -402,7 +402,7 @@ class ModelRunner:
         drafts = [sched.drafts.get(s.seq_id, []) for s in seqs]
         index = np.concatenate([np.arange(i - len(d), i + 1) for i, d in zip(logits_indices.tolist(), drafts)])
         first = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1]  # each request's first row
-        logits = self._compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        logits = self._compute_logits(hidden[self._device_index(index)])
         meta = expand_metadata(seqs, drafts, eos_token_ids)  # (its finished_seq_ids: _sample adds them)
         owner = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
         out, targets, ended = self._sample(logits, meta, owner)
@@ -455,10 +455,13 @@ class ModelRunner:
             return hidden
         if len(logits_indices) == batch.num_reqs:
             return hidden[batch.query_start_loc[1:].long() - 1]
-        index = torch.from_numpy(logits_indices)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        return hidden[index]
+        return hidden[self._device_index(logits_indices)]
+
+    def _device_index(self, index: np.ndarray) -> torch.Tensor:
+        """Row indices on the device, through pinned memory on CUDA (a copy from pageable memory would
+        wait for the whole forward before the gather could be queued)."""
+        t = torch.from_numpy(index)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _check_sampled(self, tokens: torch.Tensor, sampled: Any, batch_size: int) -> None:
         """A sampler's tokens must be int ``[batch_size]`` inside the vocabulary, or nothing is appended."""
@@ -499,9 +502,8 @@ class ModelRunner:
         """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
         result: dict[int, tuple[int, LogprobsTensors]] = {}
         for i, first, lo, hi, seq in plan:
-            rows = torch.arange(lo, hi, device=self.device)
             targets = to_device(seq.prompt_token_ids[first + 1 : first + 1 + hi - lo], torch.int64, self.device)
-            logits = self._compute_logits(hidden[rows])
+            logits = self._compute_logits(hidden[lo:hi])  # the rows are contiguous: a view, no gather
             try:
                 lp = self.sampler.prompt_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
             except Exception as exc:
