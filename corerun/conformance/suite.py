@@ -106,16 +106,6 @@ class ConformanceSuite:
 
     # ------------------------------------------------------------ enumeration
     @classmethod
-    def check_names(cls) -> list[str]:
-        """Check names (``test_`` stripped) in definition order, base classes first."""
-        seen: dict[str, None] = {}
-        for klass in reversed(cls.__mro__):
-            for attr, value in vars(klass).items():
-                if attr.startswith("test_") and callable(value):
-                    seen[attr.removeprefix("test_")] = None
-        return list(seen)
-
-    @classmethod
     def resolve_targets(cls, config: Any = None) -> list[Target]:
         """The implementations this class checks (``--corerun-impl`` ones for an option-driven class)."""
         factory = cls.factory  # a staticmethod, a plain function or a class all come back callable

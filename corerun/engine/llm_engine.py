@@ -152,8 +152,12 @@ class LLMEngine:
         p = seq.params
         if p.logprobs is not None or self.runner.logits_processors.wanted(p):
             return 0
-        room = min(p.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens) - 1
+        room = self._tokens_left(seq) - 1
         return min(room, at_most, self._draft_cap.get(seq.seq_id, room))
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may still get before ``max_tokens`` or ``max_model_len`` ends it."""
+        return min(seq.params.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens)
 
     def _propose(self, seq: Sequence, at_most: int) -> list[int]:
         """Draft tokens for a decode of ``seq`` (see :meth:`_room`)."""
@@ -418,12 +422,16 @@ class LLMEngine:
         self.num_steps += 1
         try:
             result = self.runner.execute(sched, self.eos_token_ids)
-        except StepError as exc:
-            return self._fail(sched.seqs, str(exc))
-        except Exception as exc:  # a bug outside the plugins: still end only this step's requests
-            logger.exception("step failed outside any plugin")
-            return self._fail(sched.seqs, f"step failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            return self._step_failed(sched.seqs, exc)
         return self._update(sched, result)
+
+    def _step_failed(self, seqs: list[Sequence], exc: Exception) -> list[Sequence]:
+        """End only the step's requests: a plugin's StepError as it reads, anything else (a bug outside the plugins) logged too."""
+        if isinstance(exc, StepError):
+            return self._fail(seqs, str(exc))
+        logger.exception("step failed outside any plugin", exc_info=exc)
+        return self._fail(seqs, f"step failed: {type(exc).__name__}: {exc}")
 
     def _scheduling_failed(self, exc: SchedulingError) -> list[Sequence]:
         sc = self.scheduler
@@ -488,15 +496,10 @@ class LLMEngine:
         self.num_steps += 1
         try:
             prepared = self.runner.prepare_step(sched, self.eos_token_ids)
-        except StepError as exc:
-            return self._fail(sched.seqs, str(exc))
         except Exception as exc:
-            logger.exception("preparing a step failed outside any plugin")
-            return self._fail(sched.seqs, f"step failed: {type(exc).__name__}: {exc}")
+            return self._step_failed(sched.seqs, exc)
         appends = [s.num_computed_tokens + n >= s.num_tokens for s, n in zip(sched.seqs, sched.num_new)]
-        longest = self.runner.max_model_len
-        last = [a and (s.num_output_tokens + 1 >= s.params.max_tokens or s.num_tokens + 1 >= longest)
-                for s, a in zip(sched.seqs, appends)]
+        last = [a and self._tokens_left(s) <= 1 for s, a in zip(sched.seqs, appends)]
         self.scheduler.set_in_flight(sched, appends, last)
         if self._step_thread is None:
             self._step_thread = ThreadPoolExecutor(1, "corerun-step", initializer=_init_step_thread,
@@ -514,11 +517,8 @@ class LLMEngine:
         self.scheduler.clear_in_flight()
         try:
             result = step.future.result()
-        except StepError as exc:
-            return self._fail([s for s in step.sched.seqs if not s.is_finished], str(exc))
-        except Exception as exc:  # a bug outside the plugins: still end only this step's requests
-            logger.exception("step failed outside any plugin")
-            return self._fail([s for s in step.sched.seqs if not s.is_finished], f"step failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            return self._step_failed([s for s in step.sched.seqs if not s.is_finished], exc)
         moved = {s.seq_id for s, p in zip(step.sched.seqs, step.preemptions) if s.num_preemptions != p}
         return self._update(step.sched, result, moved)
 
@@ -677,7 +677,7 @@ class LLMEngine:
             return "stop"
         if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= max(p.min_tokens, 1):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.runner.max_model_len:
+        if self._tokens_left(seq) <= 0:
             return "length"
         return None
 
