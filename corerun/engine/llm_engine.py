@@ -624,15 +624,9 @@ class LLMEngine:
                 self._append_more(seq, token, result.more[row], now)
                 touched.append(seq)
                 continue
-            seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
+            reason = self._append_token(seq, token, now)
             if seq.logprobs is not None and lp_rows is not None:
                 seq.logprobs.append(lp_rows[j])
-            reason = self._stop_reason(seq, token)
-            if reason is None and seq.params.stop:
-                reason = self._stop_string(seq)
             if reason is None and row in result.ended:  # a logits processor's end (a grammar completed)
                 reason = result.ended[row]
                 if reason != "stop":
@@ -653,17 +647,22 @@ class LLMEngine:
 
     def _append_more(self, seq: Sequence, first: int, more: list[int], now: float) -> None:
         """Append a speculative row's tokens one by one until one ends the request (max_tokens, a stop)."""
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         for token in (first, *more):
-            seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            reason = self._stop_reason(seq, token)
-            if reason is None and seq.params.stop:
-                reason = self._stop_string(seq)
+            reason = self._append_token(seq, token, now)
             if reason is not None:
                 self._finish(seq, reason, now)
                 return
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> str | None:
+        """Append one sampled token; the reason it ends the request (a stop token, a length, a stop string), if any."""
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = self._stop_reason(seq, token)
+        if reason is None and seq.params.stop:
+            reason = self._stop_string(seq)
+        return reason
 
     def _trim(self, seq: Sequence) -> None:
         """Give back the blocks ``seq`` took only for rejected drafts (managers with ``trim``; others keep them);
