@@ -104,7 +104,6 @@ class BlockRows:
         self.table = np.zeros((max(slots, 1), max(width, 1)), dtype=np.int32)
         self._rows: dict[int, BlockRow] = {}  # seq_id -> its row
         self._free = list(range(self.table.shape[0] - 1, -1, -1))  # slots without a row, popped from the end
-        self._used = [0] * self.table.shape[0]  # per slot: entries that may be nonzero (the rest are zero)
         self._step = 0
         self.reads = 0  # whole tables read with block_table (none while every change is applied)
         self.version = 0  # counts the writes to ``table``: a gather of the same rows redoes what was written since
@@ -193,7 +192,7 @@ class BlockRows:
         n = start + len(ids)
         if n > self.table.shape[1]:
             self._resize(self.table.shape[0], max(n, 2 * self.table.shape[1]))
-        table, slot, used = self.table, row.slot, self._used
+        table, slot, held = self.table, row.slot, row.num_blocks
         self.version += 1
         if len(self._written) >= _WRITE_LOG:
             self._written.clear()
@@ -201,15 +200,15 @@ class BlockRows:
         self._written.append(slot)
         if ids:
             table[slot, start:n] = ids
-        if used[slot] > n:  # what an earlier, longer table left in the slot
-            table[slot, n : used[slot]] = 0
-        used[slot] = n
+        if held > n:  # what the row held past its new end (a free slot is all zeros)
+            table[slot, n:held] = 0
         row.num_blocks = n
 
     def _drop(self, seq_id: int) -> None:
         row = self._rows.pop(seq_id, None)
         if row is not None:
-            self._free.append(row.slot)  # its entries are zeroed by the next row written there
+            self.table[row.slot, : row.num_blocks] = 0  # a free slot is all zeros
+            self._free.append(row.slot)
 
     def _take_slot(self) -> int:
         if not self._free:
@@ -230,7 +229,6 @@ class BlockRows:
         self._logged_from = self.version  # every row moved: a gather from before is redone whole
         self.table = np.zeros((slots, width), dtype=np.int32)
         self.table[: old.shape[0], : old.shape[1]] = old
-        self._used += [0] * (slots - len(self._used))
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # tensors (views included) on a storage
