@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import click
 
@@ -150,9 +150,9 @@ def bench(
     try:
         args = (config_path, sets, cfg_args, num_seqs, ranges, seed, temperature, warmup, workload_kind)
         if async_mode == "both":
-            doc = _run_async_both(*args, rounds, as_json)
+            doc = _run_async_both(*args, rounds=rounds, quiet=as_json)
         elif spec_mode == "both":
-            doc = _run_spec_both(*args, spec_sets, rounds, as_json)
+            doc = _run_spec_both(*args, spec_sets=spec_sets, rounds=rounds, quiet=as_json)
         else:
             doc = _run(*args)
     except CorerunError as exc:
@@ -282,87 +282,99 @@ def _progress(quiet: bool, rounds: int, names: dict[str, str]) -> Any:
     return on_run
 
 
-def _run_async_both(
+def _run_both(
     config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
-    ranges: list[Any], seed: int, temperature: float, warmup: bool, kind: str, rounds: int, quiet: bool,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, kind: str, rounds: int, quiet: bool, *,
+    key: str, extra_sets: Sequence[str], switch: Callable[[Any], Callable[[bool], None]], names: tuple[str, str],
+    section: Callable[[Any, Any], dict[str, Any]], seed_sampled: bool = False,
+    probe: Callable[[Any], Callable[[], Sequence[int]]] | None = None,
 ) -> dict[str, Any]:
-    """One engine runs the workload synchronously and asynchronously in turn (corerun.bench.on_off); the
-    report of its fastest asynchronous run, with both modes' throughputs and the speed-up."""
+    """One engine, loaded with ``extra_sets``, runs the workload with one setting off and on in turn
+    (corerun.bench.on_off): ``switch(engine)`` sets the mode, ``probe(engine)`` reads counters around
+    each run, ``names`` label the off and on runs in the progress lines; with ``seed_sampled``, sampled
+    requests (temperature > 0) are seeded, so both modes must give the same tokens.  The report of its fastest
+    run with the setting on, and ``doc[key] = section(engine, runs)``."""
     from corerun.bench.on_off import run_on_off
     from corerun.bench.report import build_report
 
-    sets = (*sets, "scheduler.async_scheduling=true")  # refused where unsupported
-    llm, meter, load_s, workload = _load(config_path, sets, cfg_args, num_seqs, ranges, seed, kind)
+    llm, meter, load_s, workload = _load(config_path, (*sets, *extra_sets), cfg_args, num_seqs, ranges, seed, kind)
     try:
-        runs = run_on_off(llm, workload, meter, load_s, llm.engine.set_async_scheduling, rounds=rounds,
-                          temperature=temperature, warmup=warmup, on_run=_progress(quiet, rounds, {"off": "sync", "on": "async"}))
+        runs = run_on_off(llm, workload, meter, load_s, switch(llm.engine), rounds=rounds, temperature=temperature,
+                          warmup=warmup, seeded=seed_sampled and temperature > 0, probe=probe(llm.engine) if probe is not None else None,
+                          on_run=_progress(quiet, rounds, dict(zip(("off", "on"), names))))
     finally:
         llm.shutdown()
     doc = build_report(workload, runs.best("on"), temperature=temperature, warmup=warmup)
-    doc["async_scheduling"] = runs.summary("sync", "async")
+    doc[key] = section(llm.engine, runs)
     return doc
 
 
-def _run_spec_both(
-    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
-    ranges: list[Any], seed: int, temperature: float, warmup: bool, kind: str, spec_sets: list[str], rounds: int,
-    quiet: bool,
-) -> dict[str, Any]:
-    """One engine built with n-gram speculation runs the workload with the drafts off and on in turn
-    (corerun.bench.on_off; off, its steps are a non-speculative engine's); the report of its fastest
-    run with drafts, both modes' throughputs, the speed-up and the drafts proposed and accepted.
-    Sampled requests (temperature > 0) are seeded, so both modes must give the same tokens."""
-    from corerun.bench.on_off import run_on_off
-    from corerun.bench.report import build_report
+def _run_async_both(*args: Any, rounds: int, quiet: bool) -> dict[str, Any]:
+    """Synchronous and asynchronous scheduling in turn; both modes' throughputs and the speed-up."""
+    return _run_both(*args, rounds, quiet, key="async_scheduling",
+                     extra_sets=["scheduler.async_scheduling=true"],  # refused where unsupported
+                     switch=lambda engine: engine.set_async_scheduling, names=("sync", "async"),
+                     section=lambda engine, runs: runs.summary("sync", "async"))
 
-    llm, meter, load_s, workload = _load(config_path, (*sets, *spec_sets), cfg_args, num_seqs, ranges, seed, kind)
-    st = llm.engine.spec_stats
-    try:
-        runs = run_on_off(llm, workload, meter, load_s, llm.engine.set_speculative, rounds=rounds,
-                          temperature=temperature, warmup=warmup, seeded=temperature > 0,
-                          probe=lambda: (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens),
-                          on_run=_progress(quiet, rounds, {"off": "speculation off", "on": "speculation on"}))
-    finally:
-        llm.shutdown()
-    doc = build_report(workload, runs.best("on"), temperature=temperature, warmup=warmup)
-    spec = llm.engine.config.speculative
-    drafts, proposed, accepted = (sum(c[i] for c in runs.counts["on"]) for i in range(3))
-    doc["speculative"] = {
-        "method": spec.method, "num_tokens": spec.num_tokens,
-        "prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max,
-        **runs.summary("off", "on"),
-        # the drafts of every run with speculation on, summed over the rounds, and per round
-        "num_drafts": drafts, "proposed": proposed, "accepted": accepted,
-        "acceptance_rate": accepted / proposed if proposed else 0.0,
-        "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,  # tokens per verified row
-        "proposed_per_round": [c[1] for c in runs.counts["on"]],
-        "accepted_per_round": [c[2] for c in runs.counts["on"]],
-    }
-    return doc
+
+def _run_spec_both(*args: Any, spec_sets: list[str], rounds: int, quiet: bool) -> dict[str, Any]:
+    """An engine built with n-gram speculation, drafts off and on in turn (off, its steps are a
+    non-speculative engine's); both modes' throughputs, the speed-up and the drafts proposed and
+    accepted.  Sampled requests (temperature > 0) are seeded, so both modes must give the same tokens."""
+
+    def probe(engine: Any) -> Callable[[], Sequence[int]]:
+        st = engine.spec_stats
+        return lambda: (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+
+    def section(engine: Any, runs: Any) -> dict[str, Any]:
+        spec = engine.config.speculative
+        drafts, proposed, accepted = (sum(c[i] for c in runs.counts["on"]) for i in range(3))
+        return {
+            "method": spec.method, "num_tokens": spec.num_tokens,
+            "prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max,
+            **runs.summary("off", "on"),
+            # the drafts of every run with speculation on, summed over the rounds, and per round
+            "num_drafts": drafts, "proposed": proposed, "accepted": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,  # tokens per verified row
+            "proposed_per_round": [c[1] for c in runs.counts["on"]],
+            "accepted_per_round": [c[2] for c in runs.counts["on"]],
+        }
+
+    return _run_both(*args, rounds, quiet, key="speculative", extra_sets=spec_sets,
+                     switch=lambda engine: engine.set_speculative, names=("speculation off", "speculation on"),
+                     section=section, seed_sampled=True, probe=probe)
+
+
+def _render_both(
+    doc: dict[str, Any], key: str, title: str, names: tuple[str, str], off_label: str, details: str = "",
+    sampled_note: str | None = None,
+) -> None:
+    """The summary line of an off/on run: ``doc[key]`` with throughputs under ``{names[i]}_output_tokens_per_s``;
+    ``details`` goes before the outputs compared, which sampled runs report only with a ``sampled_note``."""
+    s, w = doc[key], doc["workload"]
+    greedy = w["temperature"] == 0
+    same = f"; outputs identical for {s['same_outputs']} of {w['num_seqs']} requests"
+    click.echo(
+        f"{title}: {max(s[f'{names[1]}_output_tokens_per_s']):.1f} output tok/s, {off_label} "
+        f"{max(s[f'{names[0]}_output_tokens_per_s']):.1f} (fastest of {s['rounds']} interleaved rounds each): "
+        f"{s['speedup']:.3f}x; per round " + ", ".join(f"{x:.3f}x" for x in s["speedup_per_round"]) + details
+        + (same if greedy else "" if sampled_note is None else same + sampled_note)
+    )
 
 
 def _render_async(doc: dict[str, Any]) -> None:
-    a = doc["async_scheduling"]
-    n, greedy = doc["workload"]["num_seqs"], doc["workload"]["temperature"] == 0
-    click.echo(
-        f"async scheduling: {max(a['async_output_tokens_per_s']):.1f} output tok/s, synchronous "
-        f"{max(a['sync_output_tokens_per_s']):.1f} (fastest of {a['rounds']} interleaved rounds each): "
-        f"{a['speedup']:.3f}x; per round " + ", ".join(f"{x:.3f}x" for x in a["speedup_per_round"])
-        + (f"; outputs identical for {a['same_outputs']} of {n} requests" if greedy else "")
-    )
+    _render_both(doc, "async_scheduling", "async scheduling", ("sync", "async"), "synchronous")
 
 
 def _render_spec(doc: dict[str, Any]) -> None:
     s = doc["speculative"]
-    click.echo(
+    _render_both(
+        doc, "speculative",
         f"speculative decoding ({s['method']}, K={s['num_tokens']}, lookup {s['prompt_lookup_min']}:"
-        f"{s['prompt_lookup_max']}) on a {doc['workload']['kind']} workload: {max(s['on_output_tokens_per_s']):.1f} "
-        f"output tok/s, off {max(s['off_output_tokens_per_s']):.1f} (fastest of {s['rounds']} interleaved rounds "
-        f"each): {s['speedup']:.3f}x; per round " + ", ".join(f"{x:.3f}x" for x in s["speedup_per_round"])
-        + f"; drafts proposed {s['proposed']}, accepted {s['accepted']} ({s['acceptance_rate']:.0%}), mean accepted "
-        f"length {s['mean_accepted_length']:.2f}; outputs identical for {s['same_outputs']} of "
-        f"{doc['workload']['num_seqs']} requests" + ("" if doc["workload"]["temperature"] == 0 else " (seeded)")
-    )
+        f"{s['prompt_lookup_max']}) on a {doc['workload']['kind']} workload", ("off", "on"), "off",
+        f"; drafts proposed {s['proposed']}, accepted {s['accepted']} ({s['acceptance_rate']:.0%}), mean accepted "
+        f"length {s['mean_accepted_length']:.2f}", sampled_note=" (seeded)")
 
 
 def _run_compare(
