@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import click
@@ -139,7 +139,7 @@ def _certify(target: Any, results: list[Any], device: str, partial: str | None) 
 @click.option("--attention", "attention", default=None, metavar="NAME", help="graph runners only: the attention backend the suite's model attends with (default torch), e.g. triton.")
 def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...], option_items: tuple[str, ...], attention: str | None) -> None:
     """Run the conformance suite against KIND:NAME (attention:triton, sampler:full, kv_cache:paged, graph:eager)."""
-    from corerun.conformance.runner import ResultCollector, invoke, pytest_args, suite_class
+    from corerun.conformance.runner import run_suite, suite_class
     from corerun.conformance.settings import parse_impl, parse_option, parse_xfail
     from corerun.conformance.target import Target
     from corerun.errors import PluginError
@@ -163,22 +163,16 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
             get_registry().get("attention", attention)  # an unknown name: the registry's did-you-mean
     except PluginError as exc:
         raise click.UsageError(str(exc)) from None
-    args = pytest_args(f"{kind}:{name}", keyword=keyword, full_matrix=bool(full_matrix), device=device,
-                       xfails=expected, options=option_items, attention=attention)
     start = time.perf_counter()
     try:
-        if as_json:
-            collector = ResultCollector(f"{kind}:{name}")
-            invoke(args, collector)
-        else:
-            with _status(f"running the {kind} suite against {name}") as status:
-                from rich.markup import escape
+        with nullcontext() if as_json else _status(f"running the {kind} suite against {name}") as status:
+            from rich.markup import escape
 
-                collector = ResultCollector(f"{kind}:{name}", progress=lambda r: status.update(escape(f"{r.id}: {r.outcome}")))
-                invoke(args, collector)
+            progress = None if status is None else lambda r: status.update(escape(f"{r.id}: {r.outcome}"))
+            results, args = run_suite(f"{kind}:{name}", keyword=keyword, full_matrix=full_matrix, device=device,
+                                      xfails=expected, options=option_items, attention=attention, progress=progress)
     except ValueError as exc:  # pytest's usage errors: a malformed -k expression
         raise click.UsageError(str(exc)) from None
-    results = collector.results
     doc = _document(target, results, time.perf_counter() - start, args)
     if kind == "graph":
         doc["attention_backend"] = attention or suite_class(kind).attention_backend  # what the suite's model attended with

@@ -270,11 +270,27 @@ def run(
     if ":" in kind and name is None:
         kind, name = parse_impl(kind)
     target = _target(kind, name, factory, capabilities, options)
-    impl = f"{target.kind}:{target.name}"
-    collector = ResultCollector(impl, targets={(target.kind, target.name): target})
-    invoke(pytest_args(impl, keyword=keyword, full_matrix=bool(full_matrix), device=device,
-                       xfails=_checked_xfails(expected_failures)), collector)
-    return collector.results
+    results, _ = run_suite(f"{target.kind}:{target.name}", targets={(target.kind, target.name): target},
+                           keyword=keyword, full_matrix=full_matrix, device=device,
+                           xfails=_checked_xfails(expected_failures))
+    return results
+
+
+def run_suite(
+    impl: str, *, keyword: str | None = None, full_matrix: bool | None = None, device: str | None = None,
+    xfails: dict[str, str] | None = None, options: tuple[str, ...] | list[str] = (), attention: str | None = None,
+    targets: dict[tuple[str, str], Target] | None = None, progress: Callable[[CheckResult], None] | None = None,
+) -> tuple[list[CheckResult], list[str]]:
+    """Run the suite of ``impl`` (``KIND:NAME``) through pytest in this process (``run()`` and
+    ``corerun conformance``); its results and the pytest command line (after ``pytest``) that ran it.
+
+    The settings are :func:`pytest_args`'s (``full_matrix`` None or False adds no option, so
+    ``CORERUN_FULL_MATRIX`` still applies); ``targets`` and ``progress`` are :class:`ResultCollector`'s."""
+    args = pytest_args(impl, keyword=keyword, full_matrix=bool(full_matrix), device=device, xfails=xfails,
+                       options=options, attention=attention)
+    collector = ResultCollector(impl, targets=targets, progress=progress)
+    invoke(args, collector)
+    return collector.results, args
 
 
 def summarize(results: list[CheckResult]) -> dict[str, int]:
