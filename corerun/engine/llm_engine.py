@@ -32,7 +32,7 @@ from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
 from corerun.registry import Registry
 from corerun.sampling_params import SamplingParams
-from corerun.spec_decode import DraftModelProposer, NgramProposer, SpecStats
+from corerun.spec_decode import DraftModelProposer, NgramProposer, Proposer, SpecStats
 
 logger = logging.getLogger("corerun.engine")
 
@@ -97,7 +97,7 @@ class LLMEngine:
         self._unsent: ScheduledBatch | None = None  # a batch emptied before its launch (its finished ids)
         self._step_thread: ThreadPoolExecutor | None = None  # made by the first asynchronous step
 
-    def _make_proposer(self, config: Config, registry: Registry | None) -> NgramProposer | DraftModelProposer | None:
+    def _make_proposer(self, config: Config, registry: Registry | None) -> Proposer | None:
         """The draft proposer of ``speculative`` (docs/speculative-decoding.md), or None when it is off."""
         spec = config.speculative
         if spec.method is None:
@@ -164,28 +164,7 @@ class LLMEngine:
         room = self._room(seq, at_most)
         if room <= 0:
             return []
-        if isinstance(self.proposer, DraftModelProposer):  # drafted ahead of the schedule (_draft_ahead)
-            return self.proposer.take(seq.seq_id, room)
-        return self.proposer.propose(seq.token_ids, room)  # type: ignore[union-attr]
-
-    def _draft_ahead(self) -> None:
-        """``draft_model``: the drafts of every running request about to decode, in one batch per draft
-        token, before the scheduler asks for them.  A draft step that fails is logged and the step goes
-        on without drafts (the draft's state is dropped and rebuilt from the requests' tokens)."""
-        proposer = self.proposer
-        assert isinstance(proposer, DraftModelProposer)
-        wanted = []
-        for seq in self.scheduler.running:
-            if seq.num_tokens - seq.num_computed_tokens == 1:
-                k = self._room(seq, proposer.num_tokens)
-                if k > 0:
-                    wanted.append((seq.seq_id, seq.token_ids, k))
-        try:
-            proposer.prepare(wanted)
-        except Exception as exc:
-            logger.error("the draft model's step failed, this step has no drafts: %s: %s", type(exc).__name__, exc)
-            proposer.drafts = {}
-            proposer.reset()
+        return self.proposer.draft(seq, room)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -408,13 +387,13 @@ class LLMEngine:
     def _step(self) -> list[Sequence]:
         if self.async_scheduling:
             return self._step_async()
-        if self.scheduler.propose is not None and isinstance(self.proposer, DraftModelProposer):
-            self._draft_ahead()
+        if self.scheduler.propose is not None:  # draft_model: drafted ahead of the schedule
+            self.proposer.prepare(self.scheduler.running, self._room)  # type: ignore[union-attr]
         try:
             sched = self.scheduler.schedule()
         except SchedulingError as exc:
             return self._scheduling_failed(exc)
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer is not None:
             for seq in sched.preempted:  # computed again when it resumes: its draft state goes with its blocks
                 self.proposer.release(seq.seq_id)
         if not sched:
@@ -440,12 +419,15 @@ class LLMEngine:
         return self._fail(culprits, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: {exc}")
 
     # ------------------------------------------------- asynchronous scheduling
+    def _require_idle(self, what: str) -> None:
+        if self.scheduler.has_unfinished() or self._in_flight is not None or self._collected:
+            raise RuntimeError(f"{what} can be switched only while no request is running")
+
     def set_async_scheduling(self, on: bool) -> None:
         """Switch asynchronous scheduling on or off while no request runs (``corerun bench
         --async-scheduling both`` compares the two on one engine); on is refused where the config refuses it."""
         with self.lock:
-            if self.scheduler.has_unfinished() or self._in_flight is not None or self._collected:
-                raise RuntimeError("asynchronous scheduling can be switched only while no request is running")
+            self._require_idle("asynchronous scheduling")
             if on:
                 _check_async_scheduling(self.config.model_copy(
                     update={"scheduler": self.config.scheduler.model_copy(update={"async_scheduling": True})}))
@@ -456,8 +438,7 @@ class LLMEngine:
         both`` compares the two on one engine); off, a step is exactly a non-speculative engine's.
         On needs an engine built with ``speculative.method`` set."""
         with self.lock:
-            if self.scheduler.has_unfinished() or self._in_flight is not None or self._collected:
-                raise RuntimeError("speculative decoding can be switched only while no request is running")
+            self._require_idle("speculative decoding")
             if on and self.proposer is None:
                 raise RuntimeError("speculative decoding can be switched on only in an engine built with "
                                    "speculative.method set")
@@ -550,7 +531,7 @@ class LLMEngine:
             )
         self.runner.logits_processors.remove(seq.seq_id)
         self._draft_cap.pop(seq.seq_id, None)
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer is not None:
             self.proposer.release(seq.seq_id)
         group = self._group_of.get(seq.seq_id)
         if group is not None and group.pending and seq is group.head:  # n > 1: forks not yet queued
@@ -767,13 +748,17 @@ class LLMEngine:
             close = getattr(self.runner, "shutdown", None)
             if close is not None:
                 close()
-            if hasattr(self.runner, "kv_caches"):
-                self.runner.kv_caches = []
-            if hasattr(self.runner, "graph"):
-                self.runner.graph = None
-            if isinstance(self.proposer, DraftModelProposer):  # the draft model's cache and graphs too
-                self.proposer.runner.kv_caches = []
-                self.proposer.runner.graph = None
+            _free_device_memory(self.runner)
+            if self.proposer is not None and self.proposer.runner is not None:  # the draft model's too
+                _free_device_memory(self.proposer.runner)
+
+
+def _free_device_memory(runner: object) -> None:
+    """Drop ``runner``'s KV cache and graphs (where it has them)."""
+    if hasattr(runner, "kv_caches"):
+        runner.kv_caches = []
+    if hasattr(runner, "graph"):
+        runner.graph = None
 
 
 def _check_async_scheduling(config: Config) -> bool:

@@ -7,8 +7,11 @@ from typing import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from corerun.core.sequence import Sequence
+from corerun.spec_decode.proposer import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     """Drafts the tokens that followed the latest earlier occurrence of the request's last ``n`` tokens.
 
     ``n`` goes from ``prompt_lookup_max`` down to ``prompt_lookup_min``; the first ``n`` that matches
@@ -25,6 +28,9 @@ class NgramProposer:
         self.num_tokens = num_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+
+    def draft(self, seq: Sequence, at_most: int) -> list[int]:
+        return self.propose(seq.token_ids, at_most)
 
     def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """Draft tokens to follow ``token_ids`` (at most ``min(num_tokens, max_tokens)``); ``[]`` when none match."""
