@@ -464,7 +464,7 @@ def test_auto_never_picks_an_uncertified_third_party(tmp_path: Path, monkeypatch
     assert greedy.trust_problem("cuda") is not None  # a certificate covers one device type
     greedy.version = "1.2.4"  # another installed version: the certificate no longer covers it
     assert reg.select_attention("auto", spec()).name == "torch"
-    assert "certificate is for another version (distribution version 1.2.3 -> 1.2.4)" in greedy.trust_problem("cpu")
+    assert "certificate is for other code (distribution version 1.2.3 -> 1.2.4)" in greedy.trust_problem("cpu")
 
 
 def test_priority_may_depend_on_the_device_type() -> None:

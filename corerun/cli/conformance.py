@@ -115,16 +115,22 @@ def _certify(target: Any, results: list[Any], device: str, partial: str | None) 
     if reg.origin != trust.THIRD_PARTY:
         return None, f"{reg.distribution} is {reg.origin}: `auto` may choose it without a certificate."
     if exit_code(results) != 0:
-        return None, f"not certified: the run did not pass, so `auto` will not choose {target.label}."
+        if partial and not partial.startswith("-k"):  # other settings than the certified ones failed
+            return None, f"not certified: the run did not pass ({partial}); a certificate of the default settings stays."
+        revoked = trust.revoke_certificate(reg, device, summarize(results))
+        return None, (f"not certified: the run did not pass, so `auto` will not choose {target.label}"
+                      + (f"; its certificate is revoked ({revoked})." if revoked else "."))
     if partial:
         return None, f"not certified: {partial}; run the whole suite (`corerun conformance {target.label}`) to certify it."
     counts = summarize(results)
     if counts["xfailed"]:
         return None, f"not certified: {counts['xfailed']} expected failures; `auto` only chooses what passed every check."
     path = trust.record_certificate(reg, device, counts)
+    proved = trust.fingerprint(reg, device)
     return str(path), (
-        f"certified {target.label} from {reg.distribution} {reg.version} for corerun {trust.__version__} on "
-        f"{device} ({path})" + (": `attention: auto` may now choose it." if reg.kind == "attention" else ".")
+        f"certified {target.label} from {reg.distribution} {reg.version} ({proved['files_from']}) for corerun "
+        f"{trust.__version__}, torch {proved['torch_version']} on {proved['device_kind']} ({path})"
+        + (": `attention: auto` may now choose it." if reg.kind == "attention" else ".")
     )
 
 
