@@ -1,5 +1,6 @@
 """``benchmarks/gpu/run.sh`` rehearsed on CPU: its control flow, its prerequisite checks, the results
-files its parts write as they go, and the time plan written at its top.
+files its parts write as they go, how they come back (``$OUT`` receives ``summary.txt`` and one
+``gpu-results.tgz``, also when a part or the whole script is killed), and the time plan written at its top.
 
 The script runs on a lent GPU for a few minutes at a time; these tests keep it from rotting unseen.
 ``--dry-run`` runs every part with the real command lines (argument parsing, engine settings,
@@ -13,8 +14,11 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -30,43 +34,73 @@ JSON = {
 }
 
 
-def run_script(out: Path, *args: str, wheels: Path | None = None, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+def script_env(tmp: Path, wheels: Path | None = None, **env: str) -> dict[str, str]:
+    """``$OUT`` is ``tmp/out`` (what a lent machine's tool brings back), the scratch folder ``tmp/scratch``."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("CORERUN_GPU_", "PART_LIMIT"))}
-    environ.update(OUT=str(out), PYTHON=sys.executable, CORERUN_GPU_SCRATCH=str(out / "scratch"), **env)
-    environ["CORERUN_GPU_WHEELS"] = str(wheels or out / "no-wheels")
-    return subprocess.run(["bash", str(RUN_SH), *args], capture_output=True, text=True, env=environ, timeout=timeout)
+    environ.update(OUT=str(tmp / "out"), PYTHON=sys.executable, CORERUN_GPU_SCRATCH=str(tmp / "scratch"), **env)
+    environ["CORERUN_GPU_WHEELS"] = str(wheels or tmp / "no-wheels")
+    return environ
+
+
+def run_script(tmp: Path, *args: str, wheels: Path | None = None, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(RUN_SH), *args], capture_output=True, text=True,
+                          env=script_env(tmp, wheels, **env), timeout=timeout)
+
+
+def returned(tmp: Path) -> Path:
+    """The folder of results as the tool brings it back: ``$OUT`` must hold exactly the summary and the
+    archive (the tool returns at most 8 files); the archive is unpacked and its folder returned."""
+    out = tmp / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.tgz", "summary.txt"]
+    with tarfile.open(out / "gpu-results.tgz") as tar:
+        names = tar.getnames()
+        assert all(n == "gpu-results" or n.startswith("gpu-results/") for n in names), names
+        tar.extractall(tmp / "unpacked", filter="data")
+    folder = tmp / "unpacked" / "gpu-results"
+    assert (folder / "summary.txt").read_text() == (out / "summary.txt").read_text()
+    return folder
 
 
 def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def part_files(part: str) -> set[str]:
+    """The files a rehearsed part leaves: its log and its results document."""
+    return {f"{part}.log", JSON[part]}
+
+
 def test_dry_run_rehearses_every_part_in_plan_order(tmp_path: Path) -> None:
     proc = run_script(tmp_path, "--dry-run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = (tmp_path / "summary.txt").read_text()
+    results = returned(tmp_path)
+    summary = (results / "summary.txt").read_text()
     assert summary.startswith("preflight ok"), summary
+    assert proc.stdout.endswith(summary)  # printed last
+    files = {p.name for p in results.iterdir()}
+    assert set().union(*(part_files(p) for p in PLAN)) <= files, files
+    assert {"preflight.json", "install.log", "install-wheels.txt", "kv_profile.torch.json", "kv_profile.triton.json"} <= files
     started = re.findall(r"^== ([\w-]+) \(limit", summary, re.M)
     assert started == ["install", *PLAN]
     assert summary.count("   ok in ") == len(PLAN) + 1, summary
     for part in PLAN:
-        doc = load(tmp_path / JSON[part])
+        doc = load(results / JSON[part])
         assert doc["dry_run"] is True and doc["status"] == "passed", (part, doc)
         assert doc["running"] is None and doc["checks"], part
         assert all(c["ok"] is True for c in doc["checks"]), part
     # the real command lines were checked: every corerun bench configuration parsed, the KV-profile settings loaded
-    e2e = load(tmp_path / "bench_e2e.json")
+    e2e = load(results / "bench_e2e.json")
     assert [c["name"] for c in e2e["checks"]] == ["triton+cuda (+hf)", "triton+eager", "torch+cuda", "torch+eager"]
-    graphs = [c["name"] for c in load(tmp_path / "bench_graphs.json")["checks"]]
+    graphs = [c["name"] for c in load(results / "bench_graphs.json")["checks"]]
     assert "torch: capture" in graphs and "triton: capture" in graphs
     # each engine of the KV profile in a process of its own
-    parent = load(tmp_path / "kv_profile.json")
-    engines = {b: load(tmp_path / f"kv_profile.{b}.json") for b in ("torch", "triton")}
+    parent = load(results / "kv_profile.json")
+    engines = {b: load(results / f"kv_profile.{b}.json") for b in ("torch", "triton")}
     pids = {parent["pid"], engines["torch"]["pid"], engines["triton"]["pid"]}
     assert len(pids) == 3
     assert all(e["checks"][0]["name"].endswith("engine settings are valid") and e["checks"][0]["ok"] for e in engines.values())
     # nothing installed, but what would be is shown
-    install_log = (tmp_path / "install.log").read_text()
+    install_log = (results / "install.log").read_text()
     assert "would run:" in install_log and "--no-build-isolation -e ." in install_log
 
 
@@ -101,7 +135,9 @@ def test_missing_packages_stop_the_script_with_one_line(tmp_path: Path) -> None:
     assert "pydantic>=2.5" in line and "rich>=13 (have 12.0)" in line
     assert "setuptools 70.3.0 is older than 77" in line
     assert "carry" in line and "fetch_wheels.sh" in line and str(tmp_path / "no-wheels") in line
-    assert not (tmp_path / "install.log").exists() and not (tmp_path / "bench_graphs.json").exists()
+    results = returned(tmp_path)
+    assert (results / "summary.txt").read_text() == line + "\n"
+    assert {p.name for p in results.iterdir()} == {"summary.txt", "preflight.json", "install-wheels.txt"}
 
 
 def _fake_wheel(folder: Path, name: str) -> Path:
@@ -124,9 +160,10 @@ def test_carried_wheels_satisfy_the_check_and_only_missing_ones_are_installed(tm
     proc = run_script(tmp_path, "--dry-run", "--only", "install", wheels=wheels,
                       CORERUN_GPU_PRETEND="pydantic=,pydantic-core=,rich=,setuptools=70.3.0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    listed = {Path(p) for p in (tmp_path / "install-wheels.txt").read_text().split()}
+    results = returned(tmp_path)
+    listed = {Path(p) for p in (results / "install-wheels.txt").read_text().split()}
     assert listed == wanted
-    pip_line = next(line for line in (tmp_path / "install.log").read_text().splitlines()
+    pip_line = next(line for line in (results / "install.log").read_text().splitlines()
                     if "pip install --no-index --no-deps" in line and "--no-build-isolation" not in line)
     assert all(str(w) in pip_line for w in wanted) and "tqdm" not in pip_line
 
@@ -147,14 +184,55 @@ def test_a_hung_check_is_named_and_later_parts_still_run(tmp_path: Path) -> None
     proc = run_script(tmp_path, "--dry-run", "--only", "bench-graphs,conformance-graph",
                       CORERUN_GPU_DRY_HANG="triton: capture", PART_LIMIT_S="2")
     assert proc.returncode == 1
-    summary = (tmp_path / "summary.txt").read_text()
+    results = returned(tmp_path)
+    summary = (results / "summary.txt").read_text()
     assert "TIMED OUT after 2 s" in summary and "stopped in: triton: capture" in summary
-    doc = load(tmp_path / "bench_graphs.json")
+    assert proc.stdout.endswith(summary)
+    assert {p.name for p in results.iterdir()} == {"summary.txt", *part_files("bench-graphs"), *part_files("conformance-graph")}
+    doc = load(results / "bench_graphs.json")
     assert doc["status"] == "killed" and doc["killed_in"] == "triton: capture"
     done = {c["name"]: c["ok"] for c in doc["checks"]}
     assert done["torch: capture"] is True and done["triton: build the model"] is True  # measured before the hang: kept
     assert done["triton: capture"] is False and "triton: time batch 1" not in done
-    assert load(tmp_path / "conformance-graph.json")["status"] == "passed"  # the next part ran
+    assert load(results / "conformance-graph.json")["status"] == "passed"  # the next part ran
+
+
+def test_timeout_killing_the_script_still_brings_back_every_result(tmp_path: Path) -> None:
+    """``timeout`` ends the whole script while a part hangs: the script stops that part (which marks
+    its results killed), packs the archive and prints the summary before it exits."""
+    hang = "prefill 2048 tokens"  # in bench-attention, the part before the last
+    env = script_env(tmp_path, CORERUN_GPU_DRY_HANG=hang)
+    proc = subprocess.Popen(["timeout", "300", "bash", str(RUN_SH), "--dry-run"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    running = tmp_path / "scratch" / "gpu-results" / "bench_attention.json"
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if load(running)["running"] == hang:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"the rehearsal never reached {hang!r}: {proc.communicate()}")
+    proc.send_signal(signal.SIGALRM)  # timeout's own limit expiring: SIGTERM to the script and its group
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 124, stdout + stderr  # timeout's status when it killed the command
+    results = returned(tmp_path)
+    summary = (results / "summary.txt").read_text()
+    assert stdout.endswith(summary)
+    assert summary.splitlines()[-1].startswith("== run.sh stopped by SIGTERM after ")
+    assert summary.splitlines()[-1].endswith(" s (in bench-attention); no part started after that")
+    assert "   STOPPED by SIGTERM after" in summary and f"stopped in: {hang}" in summary
+    ran = PLAN[: PLAN.index("bench-attention") + 1]
+    files = {p.name for p in results.iterdir()}
+    assert set().union(*(part_files(p) for p in ran)) <= files, files
+    assert "bench_e2e.json" not in files and "== bench-e2e" not in summary
+    doc = load(results / "bench_attention.json")
+    assert doc["status"] == "killed" and doc["killed_in"] == hang
+    with pytest.raises(ProcessLookupError):  # the hung part was ended, not left behind
+        os.kill(doc["pid"], 0)
 
 
 def test_kv_profile_engine_past_its_timeout_names_its_step_and_the_other_engine_runs(tmp_path: Path) -> None:

@@ -32,10 +32,15 @@
 # Compiles are shared: one TRITON_CACHE_DIR for the whole run, and the graph, KV-profile and e2e parts
 # use the same head shape (64-dim heads, 4 query heads per KV head); the KV-profile and e2e parts use
 # one random model folder, written once ($CORERUN_GPU_SCRATCH).
-# Every part writes its JSON under $OUT (default ./gpu-results) before and after each check, so a part
-# cut short keeps what it measured and names the check it was in; summary.txt has one line per part.
+#
+# RESULTS. A lent machine's tool brings back at most 8 files from $OUT, so every part writes into a
+# working folder ($CORERUN_GPU_SCRATCH/gpu-results): its JSON before and after each check (a part cut
+# short keeps what it measured and names the check it was in) and its log. $OUT receives exactly two
+# files, rewritten as each part starts and ends and once more on every exit (the end, a stop, SIGTERM
+# or SIGINT from `timeout` or a user, which also stops the running part first): summary.txt, one line
+# per part, and gpu-results.tgz, the whole working folder. The summary is printed last on stdout.
 # Exit status: 0 when every part passed, 1 when one failed or timed out, 3 when preflight stopped it,
-# 4 when the install failed (nothing after it could run).
+# 4 when the install failed (nothing after it could run), 128 + the signal's number when one stopped it.
 set -u
 cd "$(dirname "$0")/../.."
 
@@ -52,23 +57,72 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-OUT="${OUT:-$PWD/gpu-results}"
-mkdir -p "$OUT"
+OUT="${OUT:-$PWD/gpu-results}"          # receives summary.txt and gpu-results.tgz, nothing else
 PY="${PYTHON:-python3}"
-summary="$OUT/summary.txt"
-: > "$summary"
 export PYTHONUNBUFFERED=1                # a part killed by its limit keeps every line it printed
 export PIP_BREAK_SYSTEM_PACKAGES=1       # the image's Python may be marked externally managed (PEP 668)
 export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export CORERUN_GPU_SCRATCH="${CORERUN_GPU_SCRATCH:-${TMPDIR:-/tmp}/corerun-gpu}"  # the random models, once per run
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$CORERUN_GPU_SCRATCH/triton-cache}"  # one Triton cache for every part
-mkdir -p "$CORERUN_GPU_SCRATCH" "$TRITON_CACHE_DIR"
+WORK="$CORERUN_GPU_SCRATCH/gpu-results"  # every part's files; packed into $OUT/gpu-results.tgz
+mkdir -p "$OUT" "$CORERUN_GPU_SCRATCH" "$TRITON_CACHE_DIR"
+OUT=$(cd "$OUT" && pwd) WORK=$(mkdir -p "$WORK" && cd "$WORK" && pwd)
+case "$WORK/" in "$OUT"/*)
+    echo "run.sh: CORERUN_GPU_SCRATCH ($CORERUN_GPU_SCRATCH) is inside OUT ($OUT): OUT must receive only the summary and the archive; put the scratch folder elsewhere" >&2
+    exit 2 ;;
+esac
+[ -z "$ONLY" ] && rm -rf "${WORK:?}"/*  # a full run starts clean; --only adds to the earlier run's files
+summary="$WORK/summary.txt"
+: > "$summary"
 DEADLINE=$((SECONDS + ${BUDGET_S:-450}))
 DRYARG=""
 [ "$DRY" = 1 ] && DRYARG="--dry-run"
 failed=0
+part_pid="" part_name="" part_start=0 part_json=""  # the part running now, for a signal to stop
+print_summary=1 signal=""
+LOG_CAP=$((4 << 20))  # a log above this keeps its last 4 MiB in the archive (the tool brings back 16 MiB a file)
 
 say() { echo "$*" | tee -a "$summary"; }
+
+pack() {  # $OUT/summary.txt and $OUT/gpu-results.tgz from the working folder (the archive written aside, then moved)
+    local f tmp="$CORERUN_GPU_SCRATCH/gpu-results.tgz.tmp"
+    for f in "$WORK"/*.log; do
+        if [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt "$LOG_CAP" ]; then tail -c "$LOG_CAP" "$f" > "$f.cut" && mv -f "$f.cut" "$f"; fi
+    done
+    tar -czf "$tmp" -C "$(dirname "$WORK")" "$(basename "$WORK")" 2>/dev/null
+    mv -f "$tmp" "$OUT/gpu-results.tgz"
+    cp -f "$summary" "$OUT/summary.txt"
+}
+
+stop_part() {  # SIGTERM to the running part (its `timeout` passes it on; the part marks its JSON killed), SIGKILL 5 s later
+    kill -TERM "$part_pid" 2>/dev/null
+    local i
+    for i in $(seq 50); do kill -0 "$part_pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$part_pid" 2>/dev/null
+    wait "$part_pid" 2>/dev/null
+    local detail=""
+    [ -n "$part_json" ] && detail="; $("$PY" benchmarks/gpu/part_report.py summary "$part_json" 2>&1)"
+    say "   STOPPED by SIG$signal after $((SECONDS - part_start)) s$detail (log: $part_name.log)"
+    part_pid=""
+}
+
+finish() {  # on every exit: stop the running part, note how the run ended, pack $OUT, print the summary last
+    local rc=$?
+    trap - EXIT TERM INT HUP
+    if [ -n "$signal" ]; then
+        rc=$((128 + $(kill -l "$signal")))
+        local during="between parts"
+        [ -n "$part_pid" ] && during="in $part_name" && stop_part
+        say "== run.sh stopped by SIG$signal after $SECONDS s ($during); no part started after that"
+    fi
+    pack
+    if [ "$print_summary" = 1 ]; then  # last, so a tool that keeps only the output's tail keeps it
+        echo; echo "== summary (also summary.txt, and every part's files in gpu-results.tgz, in $OUT)"; cat "$summary"
+    fi
+    exit "$rc"
+}
+trap finish EXIT
+for s in TERM INT HUP; do trap "signal=$s; exit" "$s"; done
 
 part() {  # part NAME LIMIT_S RESULTS_JSON COMMAND... : one part under its time limit; a failure never stops the run
     local name=$1 limit=$2 json=$3; shift 3
@@ -78,9 +132,13 @@ part() {  # part NAME LIMIT_S RESULTS_JSON COMMAND... : one part under its time 
     [ "$limit" -gt "$left" ] && limit=$left
     if [ -n "${PART_LIMIT_S:-}" ] && [ "$limit" -gt "$PART_LIMIT_S" ]; then limit=$PART_LIMIT_S; fi
     say "== $name (limit $limit s)"
-    local start=$SECONDS
-    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    pack
+    # in the background, so that a signal to this script is handled at once, not when the part ends
+    timeout -k 5 "$limit" "$@" > "$WORK/$name.log" 2>&1 &
+    part_pid=$! part_name=$name part_start=$SECONDS part_json=$json
+    wait "$part_pid"
     local rc=$?
+    part_pid=""
     local verdict="ok"
     case $rc in
         0) ;;
@@ -89,13 +147,14 @@ part() {  # part NAME LIMIT_S RESULTS_JSON COMMAND... : one part under its time 
     esac
     local detail=""
     [ -n "$json" ] && detail="; $("$PY" benchmarks/gpu/part_report.py summary "$json" 2>&1)"
-    say "   $verdict in $((SECONDS - start)) s$detail (log: $name.log)"
-    tail -n 8 "$OUT/$name.log"
+    say "   $verdict in $((SECONDS - part_start)) s$detail (log: $name.log)"
+    tail -n 8 "$WORK/$name.log"
+    pack
 }
 
 install_checkout() {  # the carried wheels preflight found missing here, then corerun and the plugins, editable
     local -a wheels=()
-    mapfile -t wheels < "$OUT/install-wheels.txt"
+    mapfile -t wheels < "$WORK/install-wheels.txt"
     step() { if [ "$DRY" = 1 ]; then echo "dry run, would run: $*"; else echo "+ $*"; "$@"; fi; }
     if [ ${#wheels[@]} -gt 0 ]; then
         step "$PY" -m pip install --no-index --no-deps "${wheels[@]}" || return
@@ -103,21 +162,23 @@ install_checkout() {  # the carried wheels preflight found missing here, then co
     step "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . -e plugins/attention_triton \
         -e plugins/attention_flash -e plugins/sampler_basic || return
     if [ "$DRY" = 1 ]; then echo "dry run, would run: $PY -m corerun plugins --json"; return; fi
-    "$PY" -m corerun plugins --json > "$OUT/plugins.json"
+    "$PY" -m corerun plugins --json > "$WORK/plugins.json"
 }
 export -f install_checkout
-export OUT PY DRY
+export WORK PY DRY
 
 # ---------------------------------------------------------------- preflight: seconds, one line
 if [ -z "$ONLY" ] || [[ ",$ONLY," == *",preflight,"* ]] || [[ ",$ONLY," == *",install,"* ]]; then
-    line=$(timeout -k 5 "${PART_LIMIT_S:-15}" "$PY" benchmarks/gpu/preflight.py --out "$OUT" $DRYARG 2>&1)
+    line=$(timeout -k 5 "${PART_LIMIT_S:-15}" "$PY" benchmarks/gpu/preflight.py --out "$WORK" $DRYARG 2>&1)
     rc=$?
-    say "${line:-run.sh: cannot start: the preflight check printed nothing (exit status $rc)}"
-    if [ $rc -ne 0 ]; then
+    if [ $rc -ne 0 ]; then  # one line on stdout, and nothing more: the summary is that line
+        print_summary=0
+        say "${line:-run.sh: cannot start: the preflight check printed nothing (exit status $rc)}"
         [[ $line == "run.sh: cannot start"* ]] || say "run.sh: cannot start: preflight exit status $rc (see above)"
         exit 3
     fi
-    [ -f "$OUT/machine.txt" ] && cat "$OUT/machine.txt"
+    say "$line"
+    [ -f "$WORK/machine.txt" ] && cat "$WORK/machine.txt"
     part install 40 "" bash -c install_checkout
     if [ $failed != 0 ]; then  # every later part would only fail to import corerun
         say "run.sh: stopped: the install failed (install.log above); nothing after it can run"
@@ -126,19 +187,18 @@ if [ -z "$ONLY" ] || [[ ",$ONLY," == *",preflight,"* ]] || [[ ",$ONLY," == *",in
 fi
 
 # ---------------------------------------------------------------- the parts, most important first
-part bench-graphs 45 "$OUT/bench_graphs.json" "$PY" benchmarks/gpu/bench_graphs.py --out "$OUT" $DRYARG \
+part bench-graphs 45 "$WORK/bench_graphs.json" "$PY" benchmarks/gpu/bench_graphs.py --out "$WORK" $DRYARG \
     --backends torch,triton --max-model-len 2048 --hidden 1024 --heads 16 --kv-heads 4 --layers 4 --iters 30
-part conformance-graph 35 "$OUT/conformance-graph.json" \
-    "$PY" benchmarks/gpu/conformance_part.py --group graph --out "$OUT/conformance-graph.json" $DRYARG
-part conformance-triton 70 "$OUT/conformance-triton.json" \
-    "$PY" benchmarks/gpu/conformance_part.py --group triton --out "$OUT/conformance-triton.json" $DRYARG
-part kv-profile 65 "$OUT/kv_profile.json" "$PY" benchmarks/gpu/check_kv_profile.py --out "$OUT" --engine-timeout 28 $DRYARG
-part conformance-rest 30 "$OUT/conformance-rest.json" \
-    "$PY" benchmarks/gpu/conformance_part.py --group rest --out "$OUT/conformance-rest.json" $DRYARG
-part bench-attention 30 "$OUT/bench_attention.json" "$PY" benchmarks/gpu/bench_attention.py --out "$OUT" $DRYARG \
+part conformance-graph 35 "$WORK/conformance-graph.json" \
+    "$PY" benchmarks/gpu/conformance_part.py --group graph --out "$WORK/conformance-graph.json" $DRYARG
+part conformance-triton 70 "$WORK/conformance-triton.json" \
+    "$PY" benchmarks/gpu/conformance_part.py --group triton --out "$WORK/conformance-triton.json" $DRYARG
+part kv-profile 65 "$WORK/kv_profile.json" "$PY" benchmarks/gpu/check_kv_profile.py --out "$WORK" --engine-timeout 28 $DRYARG
+part conformance-rest 30 "$WORK/conformance-rest.json" \
+    "$PY" benchmarks/gpu/conformance_part.py --group rest --out "$WORK/conformance-rest.json" $DRYARG
+part bench-attention 30 "$WORK/bench_attention.json" "$PY" benchmarks/gpu/bench_attention.py --out "$WORK" $DRYARG \
     --iters 20 --decode-batches 1,32,128 --decode-contexts 1024,8192 --prefill-lens 512,2048
-part bench-e2e 80 "$OUT/bench_e2e.json" "$PY" benchmarks/gpu/bench_e2e.py --out "$OUT" --timeout 17 --hf-extra 8 $DRYARG
+part bench-e2e 80 "$WORK/bench_e2e.json" "$PY" benchmarks/gpu/bench_e2e.py --out "$WORK" --timeout 17 --hf-extra 8 $DRYARG
 
 say "== done in $SECONDS s; $([ $failed = 0 ] && echo 'every part passed' || echo 'some part failed or timed out'); results in $OUT"
-echo; echo "== summary (also $summary)"; cat "$summary"  # last, so a tool that keeps only the output's tail keeps it
 exit $failed
