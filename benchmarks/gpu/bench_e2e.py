@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--timeout", type=int, default=17, help="seconds per configuration")
+    p.add_argument("--timeout", type=int, default=22, help="seconds per configuration")
     p.add_argument("--hf-extra", type=int, default=8, help="more seconds for the configuration that also runs transformers")
     p.add_argument("--dry-run", action="store_true", help="check the command lines, run no benchmark")
     args = p.parse_args(argv)

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--memory-fraction", type=float, default=0.5)
-    p.add_argument("--engine-timeout", type=int, default=28, help="seconds for each backend's engine process")
+    p.add_argument("--engine-timeout", type=int, default=40, help="seconds for each backend's engine process")
     p.add_argument("--dry-run", action="store_true", help="no CUDA: check the engine settings, rehearse the steps")
     p.add_argument("--engine", metavar="BACKEND", help=argparse.SUPPRESS)  # the engine process itself
     p.add_argument("--model", help=argparse.SUPPRESS)
