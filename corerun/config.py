@@ -164,7 +164,21 @@ class ServerConfig(_Strict):
     served_model_name: str | None = None  # the name clients ask for; None: the model folder's name
     max_waiting_requests: int = Field(256, ge=0)  # more requests waiting than this: 503 at once
     max_request_bytes: int = Field(8 * 2**20, ge=1)  # a larger body: 413
-    shutdown_timeout_s: float = Field(30.0, ge=0.0)  # on SIGTERM/SIGINT, in-flight requests then get aborted
+    shutdown_timeout_s: float = Field(30.0, ge=0.0)  # on SIGTERM/SIGINT, in-flight requests then get cut off
+    api_key: str | None = None  # every /v1 route needs "Authorization: Bearer <key>" (CLI: --api-key, CORERUN_API_KEY)
+    allowed_origins: list[str] = []  # browser origins allowed to call the server ("*": any); others get 403
+    allowed_hosts: list[str] = []  # Host names accepted besides the address a request arrived on ("*": any)
+    max_connections: int = Field(1000, ge=1)  # open connections beyond this get a 503 and are closed
+    read_timeout_s: float = Field(30.0, gt=0.0)  # a request's headers, then its body, must arrive within this
+    chat_template_timeout_s: float = Field(5.0, gt=0.0)  # rendering one chat template may take this long
+    chat_template_max_chars: int = Field(4 * 2**20, ge=1)  # a rendered chat (and any string in it) may be this long
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("api_key is empty: give a key, or leave it out (null) to serve without one")
+        return v
 
 
 class Config(_Strict):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from corerun.errors import EngineClosedError, RequestError
+from corerun.server import chat_template
 from corerun.server import protocol as P
 from corerun.server.metrics import ServerMetrics
 
@@ -82,13 +83,16 @@ class Serving:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise P.APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
+        kwargs = chat_template.check_kwargs(req.chat_template_kwargs)
         try:
-            text = tok.apply_chat_template(
-                P.chat_text(req.messages), tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
+            text = chat_template.render(tok, P.chat_text(req.messages), add_generation_prompt=req.add_generation_prompt,
+                                        kwargs=kwargs, max_chars=self.cfg.chat_template_max_chars,
+                                        timeout_s=self.cfg.chat_template_timeout_s)
         except P.APIError:
             raise
+        except chat_template.TemplateLimit as exc:
+            logger.warning("chat template stopped: %s", exc)
+            raise P.APIError(400, f"messages: {exc}", param="messages") from None
         except Exception as exc:  # a template raising on these messages (e.g. roles out of order)
             raise P.APIError(400, f"messages: the chat template refused them: {type(exc).__name__}: {exc}",
                              param="messages") from None

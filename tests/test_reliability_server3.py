@@ -1,0 +1,198 @@
+"""The server against hostile clients, round three (issue 28, server half).
+
+Each test drives the real server (uvicorn on 127.0.0.1) with the ``openai`` client or raw
+``http.client`` requests.  References: transformers' own ``apply_chat_template`` for what a chat
+template renders, ``LLM.generate`` for what a request generates, and OpenAI's documented error object.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from corerun import LLM, SamplingParams  # noqa: E402
+from corerun.server import chat_template as CT  # noqa: E402
+from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
+from tests.helpers.serving import ENGINE, http, running_server, tiny_chat_model, wait_idle  # noqa: E402
+
+MAX_MODEL_LEN = 64
+
+# The model's own template: plain for ordinary messages; a string bomb, a CPU burner or a doubling loop
+# when the first message asks for one (what a broken or hostile template in a model folder could do).
+HOSTILE_TEMPLATE = (
+    "{% set first = messages[0]['content'] %}"
+    "{% if first == 'bomb' %}{{ 'a' * 100000 }}"
+    "{% elif first == 'loops' %}{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}"
+    "{% elif first == 'double' %}{% set ns = namespace(s='ab') %}{% for i in range(30) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}"
+    "{% else %}{% if enable_thinking %}<think>{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{% else %}<|assistant|>{% endif %}"
+    "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}{% endif %}"
+)
+
+
+def set_template(folder: Path, template: str) -> Path:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.chat_template = template
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return set_template(tiny_chat_model(tmp_path_factory.mktemp("server3")), HOSTILE_TEMPLATE)
+
+
+def make_llm(folder: Path, **server: Any) -> LLM:
+    return LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 64, "block_size": 4},
+               scheduler={"max_model_len": MAX_MODEL_LEN},
+               server={"chat_template_max_chars": 10_000, "chat_template_timeout_s": 0.3, **server})
+
+
+@pytest.fixture(scope="module")
+def served(folder: Path) -> Iterator[tuple[LLM, str]]:
+    llm = make_llm(folder)
+    try:
+        with running_server(llm) as u:
+            yield llm, u
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture
+def llm(served: tuple[LLM, str]) -> LLM:
+    return served[0]
+
+
+@pytest.fixture
+def url(served: tuple[LLM, str]) -> str:
+    return served[1]
+
+
+@pytest.fixture
+def client(url: str) -> Any:
+    return openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+
+
+def chat(url: str, content: str, **body: Any) -> tuple[int, Any]:
+    return http(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "max_tokens": 2,
+                                               **body})
+
+
+def tok_ids(llm: LLM, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
+    """transformers' rendering of the model's template, tokenized as the server does (the reference)."""
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tok.encode(text, add_special_tokens=False)
+
+
+# ------------------------------------------------------------------ 1. chat templates
+
+def test_chat_template_in_kwargs_is_refused(url: str) -> None:
+    status, body = chat(url, "hi", chat_template_kwargs={"chat_template": "PWNED {{ messages }}"})
+    assert status == 400, body
+    assert body["error"]["param"] == "chat_template_kwargs"
+    assert "chat_template_kwargs.chat_template" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"tokenize": True}, "chat_template_kwargs.tokenize: unknown key; allowed keys are"),
+    ({"enable_thinking": [1, 2]}, "chat_template_kwargs.enable_thinking: must be bool or null, got list"),
+    ({"reasoning_effort": "x" * 5000}, "chat_template_kwargs.reasoning_effort: 5000 characters, at most 4096"),
+])
+def test_chat_template_kwargs_allow_list(url: str, kwargs: dict[str, Any], named: str) -> None:
+    status, body = chat(url, "hi", chat_template_kwargs=kwargs)
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs", body
+    assert body["error"]["message"].startswith(named)
+
+
+def test_allowed_kwarg_reaches_the_template_as_transformers_renders_it(llm: LLM, client: Any) -> None:
+    messages = [{"role": "user", "content": "the cat"}]
+    for kwargs in ({}, {"enable_thinking": True}):
+        ids = tok_ids(llm, messages, **kwargs)
+        r = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=3, temperature=0,
+                                           extra_body={"chat_template_kwargs": kwargs, "ignore_eos": True})
+        assert r.usage.prompt_tokens == len(ids)
+        ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+        assert r.choices[0].message.content == ref.outputs[0].text
+    assert len(tok_ids(llm, messages, enable_thinking=True)) > len(tok_ids(llm, messages))  # the kwarg mattered
+
+
+@pytest.mark.parametrize("content, named", [
+    ("bomb", "built a repetition of 100000 characters, above server.chat_template_max_chars=10000"),
+    ("double", "built a string of 16384 characters, above server.chat_template_max_chars=10000"),
+    ("loops", "ran longer than server.chat_template_timeout_s=0.3"),
+])
+def test_model_template_limits(llm: LLM, url: str, client: Any, content: str, named: str) -> None:
+    status, body = chat(url, content)
+    assert status == 400 and body["error"]["param"] == "messages", body
+    assert named in body["error"]["message"]
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")  # the server serves on
+    wait_idle(llm)
+
+
+class _Tok:
+    special_tokens_map = {"bos_token": "<s>", "eos_token": "</s>"}
+
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+
+
+@pytest.mark.parametrize("template, named", [
+    ("{{ 'a' * 10**9 }}", "a repetition of 1000000000 characters"),
+    ("{{ 10 ** (10 ** 9) }}", "to the power 1000000000"),
+    ("{{ '%999999999s' % 'a' }}", "a formatted field of 999999999"),
+    ("{{ '{:>999999999}'.format('a') }}", "a formatted field of 999999999"),
+    ("{{ 'a' | center(999999999) }}", "a 'center' width of 999999999"),
+    ("{{ 'a' | indent(999999999) }}", "a 'indent' width of 999999999"),
+    ("{{ '%999999999s' | format('a') }}", "a formatted field of 999999999"),
+    ("{{ ['a'] * 999999999 }}", "a repetition of 999999999"),
+    ("{% for i in range(100000) %}xxxxxxxx{% endfor %}", "wrote more than server.chat_template_max_chars=1000"),
+])
+def test_sandbox_refuses_before_allocating(template: str, named: str) -> None:
+    with pytest.raises(CT.TemplateLimit, match="chat_template") as err:
+        CT.render(_Tok(template), [], add_generation_prompt=True, kwargs={}, max_chars=1000, timeout_s=5)
+    assert named in str(err.value)
+
+
+def test_sandbox_keeps_the_sandbox_and_transformers_globals() -> None:
+    import jinja2
+
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        CT.render(_Tok("{{ ''.__class__.__mro__ }}{{ cycler.__init__.__globals__ }}"), [], add_generation_prompt=True,
+                  kwargs={}, max_chars=1000, timeout_s=5)
+    with pytest.raises(jinja2.exceptions.TemplateError, match="roles must alternate"):
+        CT.render(_Tok("{{ raise_exception('roles must alternate') }}"), [], add_generation_prompt=True, kwargs={},
+                  max_chars=1000, timeout_s=5)
+
+
+def test_sandbox_renders_as_transformers(folder: Path) -> None:
+    """Templates with loop controls, namespaces, tojson, bos_token and {% generation %}: the same text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 😀 \"q\""},
+                {"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]
+    templates = [
+        "{{ bos_token }}{% for m in messages %}{% if loop.first and m.role == 'system' %}{% continue %}{% endif %}"
+        "{{ m.role | upper }}: {{ m.content | trim }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}ASSISTANT:{% endif %}",
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ m | tojson }}"
+        "{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endif %}{% endfor %}"
+        "{{ ns.n }}{{ '%-6s|' % 'ab' }}{{ '{:>4}'.format(7) }}{{ 'x' * 3 }}{{ [1] + [2] }}",
+    ]
+    for template in templates:
+        tok.chat_template = template
+        want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        got = CT.render(tok, messages, add_generation_prompt=True, kwargs={}, max_chars=10_000, timeout_s=5)
+        assert got == want
