@@ -20,6 +20,9 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 MAX_TEMPERATURE = 1e6
 # Upper bound on ``n`` (samples of one request); each is a sequence of its own in the scheduler.
 MAX_N = 128
+# Upper bounds on ``stop``: every stop string is looked for in every request's new text each step.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_LEN = 1024  # characters
 
 
 with warnings.catch_warnings():  # the field `json` (vLLM's name) shadows pydantic's deprecated BaseModel.json()
@@ -160,6 +163,14 @@ class SamplingParams(BaseModel):
             raise ValueError(f"stop must be a string or a list of strings, got {v!r}")
         if any(not s for s in v):
             raise ValueError(f"stop strings must be non-empty, got {list(v)!r}")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(v)}")
+        longest = max(range(len(v)), key=lambda i: len(v[i]), default=0)
+        if v and len(v[longest]) > MAX_STOP_STRING_LEN:
+            raise ValueError(
+                f"stop strings may be at most {MAX_STOP_STRING_LEN} characters long, got {len(v[longest])} "
+                f"(stop[{longest}])"
+            )
         return tuple(v)
 
     @field_validator("temperature")

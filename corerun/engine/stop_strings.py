@@ -9,36 +9,135 @@ token generated.  Stop strings are looked for only once ``min_tokens`` tokens ar
 While a request runs, the tail of its text that could still become a stop string is held back, so
 a streamed output never shows characters that a later token turns into a (removed) stop string:
 every text shown is a prefix of the final text.
+
+Cost.  A step looks only at the text that can still complete a stop string: the new text and the tail
+held back before it (no longer than the longest stop string).  ``StopStrings`` prepares a request's
+strings once (sorted, so one binary search per position tells whether a tail is the start of any of
+them); ``StopMatcher`` keeps a running request's place, so each step scans only the held tail and the
+new text.  The module functions do the same without a place kept, scanning at most the last
+``longest - 1`` characters.  ``SamplingParams`` bounds the list and the length of each string.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+from functools import lru_cache
 from typing import Sequence
 
 
-def find_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
-    """The earliest stop string ending after ``start``: ``(index in text, string)``, or None.
+class StopStrings:
+    """A request's stop strings, prepared once for look-ups whose cost hardly grows with their number."""
 
-    ``start`` is where the text new since the last look begins; an occurrence entirely before it
-    was already looked for.  Of two strings found at the same index the longer wins.
+    __slots__ = ("strings", "longest", "_sorted", "_firsts")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.strings = tuple(stops)
+        self.longest = max(map(len, self.strings), default=0)
+        self._sorted = sorted(set(self.strings))
+        self._firsts = frozenset(s[0] for s in self.strings if s)
+
+    def find(self, text: str, start: int = 0, held: int | None = None) -> tuple[int, str] | None:
+        """The earliest stop string ending after ``start``: ``(index in text, string)``, or None.
+
+        ``start`` is where the text new since the last look begins; an occurrence entirely before it
+        was already looked for.  ``held``, when known, is how much of the text before ``start`` may
+        begin a stop string (:meth:`partial_len` of the last look): no occurrence starts earlier.
+        Of two strings found at the same index the longer wins.
+        """
+        reach = self.longest - 1 if held is None else min(held, self.longest - 1)
+        for i in range(max(start - reach, 0), len(text)):
+            if text[i] in self._firsts:
+                s = self._longest_at(text[i : i + self.longest])
+                if s is not None and i + len(s) > start:  # (a shorter one at i would end earlier still)
+                    return i, s
+        return None
+
+    def partial_len(self, text: str, start: int = 0) -> int:
+        """Length of the longest tail of ``text`` that begins at or after ``start`` and is a proper
+        prefix of a stop string (0 if none)."""
+        n = len(text)
+        for i in range(max(start, n - self.longest + 1, 0), n):
+            if text[i] in self._firsts and self._begins_one(text[i:]):
+                return n - i
+        return 0
+
+    def _begins_one(self, tail: str) -> bool:
+        """Whether ``tail`` is a proper prefix of a stop string: the strings it begins follow it in sorted order."""
+        j = bisect_left(self._sorted, tail)
+        if j < len(self._sorted) and self._sorted[j] == tail:
+            j += 1
+        return j < len(self._sorted) and self._sorted[j].startswith(tail)
+
+    def _longest_at(self, q: str) -> str | None:
+        """The longest stop string that ``q`` begins with, or None.
+
+        The greatest string ``s <= q`` in sorted order is it when it begins ``q``; otherwise every stop
+        string that begins ``q`` is no longer than the common prefix of ``q`` and ``s``: look again there.
+        """
+        while q:
+            j = bisect_right(self._sorted, q) - 1
+            if j < 0:
+                return None
+            s = self._sorted[j]
+            if q.startswith(s):
+                return s
+            k = 0
+            while s[k] == q[k]:  # they differ before either ends: s < q and s does not begin q
+                k += 1
+            q = q[:k]
+        return None
+
+
+class StopMatcher:
+    """A running request's look-out for its stop strings, over its text as it grows.
+
+    Each :meth:`scan` looks only at the text new since the last one and at the tail held back before
+    it (the only place a stop string can have begun), so a step costs in proportion to the new text,
+    not to the text so far or to the length of the stop strings.
     """
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, start - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
-            best = (i, s)
-    return best
+
+    __slots__ = ("stops", "scanned", "held")
+
+    def __init__(self, stops: StopStrings | Sequence[str]) -> None:
+        self.stops = stops if isinstance(stops, StopStrings) else prepare(stops)
+        self.scanned = 0  # characters of the text looked at so far
+        self.held = 0  # length of the tail of those that may still grow into a stop string
+
+    def scan(self, text: str) -> tuple[int, str] | None:
+        """The earliest stop string ending in the text new since the last scan (``text`` only grows
+        while the request runs; a shorter one is scanned afresh)."""
+        if len(text) < self.scanned:
+            self.scanned = self.held = 0
+        start = self.scanned
+        hit = self.stops.find(text, start, self.held)
+        self.held = self.stops.partial_len(text, start - self.held)
+        self.scanned = len(text)
+        return hit
+
+    def shown(self, text: str) -> str:
+        """What the running request shows of ``text`` (the text last scanned): all but the held tail."""
+        return text[: len(text) - self.held] if self.held else text
+
+
+@lru_cache(maxsize=256)
+def _prepared(stops: tuple[str, ...]) -> StopStrings:
+    return StopStrings(stops)
+
+
+def prepare(stops: Sequence[str]) -> StopStrings:
+    """``StopStrings`` of ``stops``, made once per distinct tuple of strings (requests share them)."""
+    return _prepared(tuple(stops))
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string ending after ``start``: ``(index in text, string)``, or None (see
+    :meth:`StopStrings.find`)."""
+    return prepare(stops).find(text, start)
 
 
 def partial_stop_len(text: str, stops: Sequence[str]) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of a stop string (0 if none)."""
-    longest = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
+    return prepare(stops).partial_len(text)
 
 
 def running_text(text: str, stops: Sequence[str], include: bool) -> str:
