@@ -7,8 +7,8 @@ template renders, ``LLM.generate`` for what a request generates, and OpenAI's do
 
 from __future__ import annotations
 
-import http.client
 import json
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -86,6 +86,22 @@ def client(url: str) -> Any:
 def chat(url: str, content: str, **body: Any) -> tuple[int, Any]:
     return http(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "max_tokens": 2,
                                                **body})
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+        ) -> tuple[Any, Any]:
+    """One request by http.client, headers exactly as given (JSON content type unless replaced)."""
+    conn = HTTPConnection(url.removeprefix("http://"), timeout=60)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        text = resp.read()
+    finally:
+        conn.close()
+    try:
+        return resp, json.loads(text)
+    except ValueError:
+        return resp, text
 
 
 def tok_ids(llm: LLM, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
@@ -196,3 +212,62 @@ def test_sandbox_renders_as_transformers(folder: Path) -> None:
         want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         got = CT.render(tok, messages, add_generation_prompt=True, kwargs={}, max_chars=10_000, timeout_s=5)
         assert got == want
+
+
+# ------------------------------------------------------------------ 8. deep JSON, 9. OpenAI compatibility
+
+@pytest.mark.parametrize("depth", [65, 5000])
+def test_deeply_nested_body_is_a_400(url: str, depth: int) -> None:
+    raw = b'{"prompt": "x", "metadata": {"a": ' + b"[" * depth + b"]" * depth + b"}}"
+    status, body = http(url + "/v1/completions", raw=raw)
+    assert status == 400, body
+    assert "nested" in body["error"]["message"] and "at most 64" in body["error"]["message"]
+
+
+def test_models_retrieve(client: Any, url: str) -> None:
+    m = client.models.retrieve("tiny-llama")
+    assert (m.id, m.object, m.owned_by) == ("tiny-llama", "model", "corerun")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("../etc/passwd")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("method, path, status, allow", [
+    ("GET", "/v1/nope", 404, None),
+    ("POST", "/v2/completions", 404, None),
+    ("GET", "/v1/completions", 405, "POST"),
+    ("DELETE", "/v1/models", 405, "GET"),
+])
+def test_unknown_routes_and_methods_answer_openai_errors(url: str, method: str, path: str, status: int,
+                                                         allow: str | None) -> None:
+    resp, body = raw(url, method, path)
+    assert resp.status == status
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"].startswith(f"{method} {path}: ")
+    assert body["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert resp.getheader("Allow") == allow
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "3"), ("max_tokens", 2.0), ("n", "1"), ("seed", 1.0),
+                                          ("top_k", True), ("stream", "true")])
+def test_non_integers_refused(url: str, field: str, value: Any) -> None:
+    for route, body in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, out = http(url + route, {**body, field: value})
+        assert status == 400, out
+        assert out["error"]["param"] == field and out["error"]["message"].startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format"),
+])
+def test_structured_output_compile_errors_name_their_param(url: str, extra: dict[str, Any], param: str) -> None:
+    pytest.importorskip("xgrammar")
+    status, body = chat(url, "hi", **extra)
+    assert status == 400, body
+    assert body["error"]["param"] == param
+    assert "does not compile" in body["error"]["message"]

@@ -20,12 +20,15 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corerun.server import protocol as P
 
-logger = logging.getLogger("corerun.server")
 from corerun.server.serving import Serving
 from corerun.server.streaming import collect, full_response, stream
+
+logger = logging.getLogger("corerun.server")
+MAX_JSON_DEPTH = 64  # deeper bodies are refused before validation walks them
 
 
 def error_response(err: P.APIError) -> JSONResponse:
@@ -45,9 +48,26 @@ async def read_json(request: Request, limit: int) -> Any:
             raise P.APIError(413, f"the request body is above server.max_request_bytes={limit} bytes",
                              code="request_too_large")
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except ValueError as exc:
         raise P.APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise P.APIError(400, f"the request body is nested too deeply; at most {MAX_JSON_DEPTH} levels") from None
+    depth = _depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise P.APIError(400, f"the request body is nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
+    return data
+
+
+def _depth(data: Any) -> int:
+    """How deep lists and objects nest in ``data`` (walked without recursion)."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, (list, dict)):
+            deepest = max(deepest, d)
+            todo.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -55,6 +75,10 @@ async def _until_disconnect(request: Request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
+
+
+_ROUTES = ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/completions", "POST /v1/chat/completions",
+           "GET /health", "GET /metrics")
 
 
 def build_app(llm: Any) -> FastAPI:
@@ -76,6 +100,19 @@ def build_app(llm: Any) -> FastAPI:
             state.metrics.reject("invalid")
         return error_response(exc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # no route, wrong method
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            msg = f"{where}: no such route; the routes are {', '.join(_ROUTES)}"
+        elif exc.status_code == 405:
+            msg = f"{where}: method not allowed; use {(exc.headers or {}).get('Allow', 'another method')}"
+        else:
+            msg = f"{where}: {exc.detail}"
+        resp = error_response(P.APIError(exc.status_code, msg))
+        resp.headers.update(exc.headers or {})
+        return resp
+
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # the server's own fault: still an error object
         logger.exception("request %s %s failed", request.method, request.url.path)
@@ -91,12 +128,20 @@ def build_app(llm: Any) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.name, "object": "model", "created": int(time.time()), "owned_by": "corerun",
+                "root": state.name, "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.name, "object": "model", "created": int(time.time()), "owned_by": "corerun",
-            "root": state.name, "max_model_len": state.max_model_len,
-        }]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != state.name:
+            raise P.APIError(404, f"model {model!r} does not exist; this server serves {state.name!r}",
+                             param="model", code="model_not_found")
+        return JSONResponse(model_card())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -125,7 +170,7 @@ def build_app(llm: Any) -> FastAPI:
 
 async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[int]], params: Any, chat: bool) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    streams = await state.submit(prompts, params, rid, final_only=not req.stream)
+    streams = await state.submit(prompts, params, rid, final_only=not req.stream, structured=P.structured_field(req))
     created = int(time.time())
     if req.stream:
         return StreamingResponse(stream(state, req, streams, prompts, rid, created, chat), media_type="text/event-stream")

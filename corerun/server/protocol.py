@@ -23,23 +23,27 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-                             503: "service_unavailable_error"}.get(status, "server_error")
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_TYPES = {403: "permission_error", 404: "not_found_error", 503: "service_unavailable_error"}
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _Request(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, and vLLM's sampling extensions)."""
+    """Fields shared by completions and chat completions (OpenAI's, and vLLM's sampling extensions).
 
-    model_config = ConfigDict(extra="forbid")
+    Strict, as OpenAI is: ``"3"`` or ``2.0`` is not an integer, ``"true"`` not a boolean."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -209,8 +213,20 @@ def sampling_params(req: _Request, *, default_max_tokens: int, max_logprobs: int
         return _raise(err)
 
 
+def structured_field(req: _Request) -> str | None:
+    """The field the request constrains its output with (``guided_regex``, ``response_format``, ...), if any."""
+    return next(iter(_structured_given(req)), None)
+
+
 def _structured_outputs(req: _Request) -> dict[str, Any] | None:
     """``structured_outputs`` from whichever of its spellings the request uses (at most one)."""
+    given = _structured_given(req)
+    if len(given) > 1:
+        raise APIError(400, f"{', '.join(given)}: set only one way of constraining the output", param=next(iter(given)))
+    return next(iter(given.values()), None)
+
+
+def _structured_given(req: _Request) -> dict[str, dict[str, Any]]:
     given: dict[str, dict[str, Any]] = {}
     if req.structured_outputs is not None:
         given["structured_outputs"] = req.structured_outputs
@@ -226,9 +242,7 @@ def _structured_outputs(req: _Request) -> dict[str, Any] | None:
             raise APIError(400, "response_format.json_schema.schema: must be a JSON schema (an object)",
                            param="response_format")
         given["response_format"] = {"json": schema}
-    if len(given) > 1:
-        raise APIError(400, f"{', '.join(given)}: set only one way of constraining the output", param=next(iter(given)))
-    return next(iter(given.values()), None)
+    return given
 
 
 def _raise(err: APIError) -> Any:

@@ -110,9 +110,11 @@ class Serving:
                                  f"{self.max_model_len - len(ids)}", param="max_tokens", code="context_length_exceeded")
 
     # --------------------------------------------------------------- engine
-    async def submit(self, prompts: list[list[int]], params: Any, prefix: str, final_only: bool = False) -> list[Any]:
+    async def submit(self, prompts: list[list[int]], params: Any, prefix: str, final_only: bool = False,
+                     structured: str | None = None) -> list[Any]:
         """Queue one engine request per prompt (all or none); 503 when the waiting queue is full. With
-        ``final_only`` (a non-streamed answer) the engine loop sends each request's last output only."""
+        ``final_only`` (a non-streamed answer) the engine loop sends each request's last output only;
+        ``structured`` is the field the request constrained its output with (named by compile errors)."""
         if self.closing:
             raise P.APIError(503, "the server is shutting down", code="shutting_down")
         waiting = len(self.engine.scheduler.waiting) + self.admitting
@@ -128,7 +130,8 @@ class Serving:
                                                                  final_only=final_only))
         except RequestError as exc:
             self.abort(streams, record=False)
-            raise P.APIError(400, str(exc), param=_param_of(str(exc))) from None
+            param = _param_of(str(exc))
+            raise P.APIError(400, str(exc), param=structured if param == "structured_outputs" else param) from None
         except EngineClosedError:
             self.abort(streams, record=False)
             raise P.APIError(503, "the server is shutting down", code="shutting_down") from None
@@ -177,6 +180,8 @@ def _param_of(message: str) -> str | None:
     head = message.split(":", 1)[0].strip()
     if head.startswith("prompt"):
         return "prompt"
+    if head.startswith("structured_outputs"):  # a grammar, schema or regex that does not compile
+        return "structured_outputs"
     for name in ("logit_bias", "stop_token_ids", "stop", "logprobs", "max_tokens", "min_tokens", "temperature", "top_p",
                  "top_k", "seed"):
         if name in message:
