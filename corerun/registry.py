@@ -490,8 +490,11 @@ class Registry:
         # the factory is imported for the winner only (importing every candidate's kernels costs seconds)
         while eligible and eligible[0].import_reasons():
             passed.append((eligible[0], "; ".join(eligible.pop(0).import_reasons())))
+        best = eligible[0] if eligible else None
         for reg in eligible[1:]:
-            passed.insert(0, (reg, f"lower priority ({reg.priority_on(dev)} < {eligible[0].priority_on(dev)})"))
+            mine, top = reg.priority_on(dev), best.priority_on(dev)
+            why = f"lower priority ({mine} < {top})" if mine < top else f"same priority ({mine}) as '{best.name}', which comes first by name"
+            passed.insert(0, (reg, why))
         return eligible, passed
 
     def select(self, kind: str, name: str, need: Any, announce_as: str | None = None) -> "Selection":
@@ -516,8 +519,10 @@ class Registry:
             raise PluginUnavailableError(KIND_TITLES[kind], "auto", why_not or [f"no {KIND_TITLES[kind]} is installed"])
         best = eligible[0]
         reason = f"{best.trust_label(dev)}, priority {best.priority_on(dev)} on {dev}"
-        announce("%s: auto chose '%s' from %s %s (%s)%s", label, best.name, best.distribution, best.version, reason,
-                 f"; passed over: {' | '.join(why_not)}" if why_not else "")
+        others = f"; passed over {', '.join(r.name for r, _ in passed)} (corerun -v says why)" if passed else ""
+        announce("%s: auto chose '%s' from %s %s (%s)%s", label, best.name, best.distribution, best.version, reason, others)
+        if passed:  # the reasons (some are long install advice) only when asked for: INFO on corerun.registry
+            logger.info("%s: auto passed over %s", label, " | ".join(why_not))
         return Selection(best, reason, passed)
 
     def select_attention(self, name: str, spec: Any) -> Registration:

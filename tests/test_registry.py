@@ -437,11 +437,18 @@ def test_auto_picks_the_best_capable_available_backend(caplog: pytest.LogCapture
     reg = trusted((plugin, "mine", "corerun-mine"))
     with caplog.at_level(logging.INFO, logger="corerun.selection"):
         assert reg.select_attention("auto", spec(torch.float16)).name == "good"
-    (record,) = caplog.records
+    (record,) = caplog.records  # at the default level: the choice, in one line
     assert record.levelno == logging.INFO and record.name == "corerun.selection"
-    assert "auto chose 'good' from corerun-mine 1.2.3 (first-party, priority 10 on cpu)" in record.message
-    assert "torch: lower priority (0 < 10)" in record.message
-    assert "fastest: needs a CUDA device" in record.message and "fast: dtype float16 not in {bfloat16}" in record.message
+    assert record.message == (
+        "attention: auto chose 'good' from corerun-mine 1.2.3 (first-party, priority 10 on cpu); "
+        "passed over torch, fast, fastest (corerun -v says why)"
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="corerun.registry"):  # -v: the reasons
+        reg.select_attention("auto", spec(torch.float16))
+    (reasons,) = [r.message for r in caplog.records if r.name == "corerun.registry"]
+    assert "torch: lower priority (0 < 10)" in reasons
+    assert "fastest: needs a CUDA device" in reasons and "fast: dtype float16 not in {bfloat16}" in reasons
     assert reg.select_attention("auto", spec(torch.bfloat16)).name == "fast"
 
 
@@ -452,9 +459,10 @@ def test_auto_never_picks_an_uncertified_third_party(tmp_path: Path, monkeypatch
     from corerun import trust
 
     reg = builtins_only((Provides(attention=[("greedy", Recorder(), {"priority": 100})]), "greedy", "corerun-greedy"))
-    with caplog.at_level(logging.INFO, logger="corerun.selection"):
+    with caplog.at_level(logging.INFO):
         assert reg.select_attention("auto", spec()).name == "torch"
     assert "greedy: third-party, not certified on cpu (run `corerun conformance attention:greedy`)" in caplog.records[-1].message
+    assert caplog.records[-1].name == "corerun.registry"  # the reasons, at -v
     with caplog.at_level(logging.INFO, logger="corerun.selection"):
         assert reg.select_attention("greedy", spec()).name == "greedy"
     assert caplog.records[-1].message == "attention: 'greedy' as configured, from corerun-greedy 1.2.3 (not certified on cpu)"

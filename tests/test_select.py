@@ -39,15 +39,19 @@ def test_a_third_party_graph_runner_is_chosen_by_auto_once_certified(caplog: pyt
     assert why["cuda"].startswith("device cpu not in {cuda}")
 
     trust.record_certificate(reg.get("graph", "turbo"), "cpu", {"passed": 1})
-    with caplog.at_level(logging.INFO, logger="corerun.selection"):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
         chosen = reg.select("graph", "auto", need, "graph.runner")
     assert chosen.name == "turbo" and chosen.reason == "certified, priority 50 on cpu"
     assert ("eager", "lower priority (0 < 50)") in [(r.name, w) for r, w in chosen.passed_over]
-    message = caplog.records[-1].message
-    assert message.startswith(
-        "graph.runner: auto chose 'turbo' from corerun-graph-turbo 1.2.3 (certified, priority 50 on cpu); passed over: "
+    choice, reasons = [r.message for r in caplog.records if r.name in ("corerun.selection", "corerun.registry")]
+    # the choice in one line at the default level; why each other one was passed over at -v (INFO)
+    assert choice == (
+        "graph.runner: auto chose 'turbo' from corerun-graph-turbo 1.2.3 (certified, priority 50 on cpu); "
+        "passed over compile, eager, cuda (corerun -v says why)"
     )
-    assert "eager: lower priority (0 < 50)" in message and "compile: lower priority (-10 < 50)" in message
+    assert reasons.startswith("graph.runner: auto passed over ")
+    assert "eager: lower priority (0 < 50)" in reasons and "compile: lower priority (-10 < 50)" in reasons
     assert reg.select("graph", "auto", Need("cuda", attention=SAFE)).name != "turbo"  # certified on cpu only
 
 
@@ -97,6 +101,15 @@ def test_sampler_auto_picks_by_priority_among_trusted_ones() -> None:
         reg.select("sampler", "rihc", Need("cpu"))
 
 
+def test_a_tie_is_broken_by_name_and_says_so() -> None:
+    reg = Registry()
+    reg.register_module(Provides(sampler=[sampler("beta", 5), sampler("alpha", 5)]), plugin="mine",
+                        distribution="corerun-mine", version="1.0", origin=trust.FIRST_PARTY)
+    chosen = reg.select("sampler", "auto", Need("cpu"))
+    assert chosen.name == "alpha"
+    assert [(r.name, w) for r, w in chosen.passed_over] == [("beta", "same priority (5) as 'alpha', which comes first by name")]
+
+
 def test_kv_cache_auto_and_an_empty_kind() -> None:
     reg = builtins_only()
     assert reg.select("kv_cache", "auto", Need("cpu")).name == "paged"
@@ -135,14 +148,15 @@ def test_llm_with_every_kind_on_auto(tmp_path: Path, caplog: pytest.LogCaptureFi
     from tests.helpers.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", arch="qwen2")
-    with caplog.at_level(logging.INFO, logger="corerun.selection"):
+    with caplog.at_level(logging.INFO):
         llm = LLM(model=str(model_dir), device="cpu", dtype="float32", sampler="auto",
                   kv_cache={"manager": "auto", "block_size": 4, "num_blocks": 32}, scheduler={"max_model_len": 64})
     runner = llm.engine.runner
     assert (runner.sampler_name, runner.kv_manager_name, runner.graph_name) == ("full", "paged", "eager")
     said = [r.message for r in caplog.records]
-    assert any(m.startswith("sampler: auto chose 'full' from corerun ") and "basic: lower priority" in m for m in said)
-    assert any(m.startswith("graph.runner: auto chose 'eager' from corerun") and "cuda: device cpu not in {cuda}" in m for m in said)
+    assert any(m.startswith("sampler: auto chose 'full' from corerun ") and m.endswith("(corerun -v says why)") for m in said)
+    assert any(m.startswith("sampler: auto passed over ") and "basic: lower priority" in m for m in said)
+    assert any(m.startswith("graph.runner: auto passed over ") and "cuda: device cpu not in {cuda}" in m for m in said)
     prompts = [[5, 9, 13], [7]]
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == hf_greedy(model_dir, prompts, 5)
