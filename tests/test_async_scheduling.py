@@ -56,7 +56,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Any]:
 def assert_idle(llm: LLM) -> None:
     engine = llm.engine
     assert engine.kv.num_free_blocks == engine.runner.num_blocks
-    assert not engine.has_unfinished_requests() and not engine.requests and engine._in_flight is None
+    assert not engine.has_unfinished_requests() and not engine.requests and engine.queue.in_flight is None
 
 
 def completions(outs: list) -> list[tuple]:
@@ -199,11 +199,11 @@ def test_abort_mid_generation_frees_at_once_and_spares_the_others(chat, pair) ->
     keep = engine.add_request("the dog", p)
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None
+    assert engine.queue.in_flight is not None
     aborted = engine.requests[rid]
     n = aborted.num_output_tokens
     engine.abort(rid)
-    assert engine._in_flight is None and aborted.finish_reason == "abort" and aborted.num_output_tokens >= n
+    assert engine.queue.in_flight is None and aborted.finish_reason == "abort" and aborted.num_output_tokens >= n
     done: list = []
     while engine.has_unfinished_requests():
         touched = engine.step()
@@ -300,7 +300,6 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
     and ``new_block_ids`` gives each scheduled sequence's table as the KV-cache manager has it, although
     requests that ended in the step in flight are dropped from the next batch before its launch."""
     from corerun.core.scheduler import ScheduledBatch
-    from corerun.engine import llm_engine
 
     if "new_block_ids" not in ScheduledBatch.__dataclass_fields__:
         pytest.skip("this scheduler does not state block-table changes")
@@ -326,7 +325,7 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
 
     engine.runner.prepare_step = replaying_prepare  # type: ignore[method-assign]
     dropped = [0]
-    only = llm_engine._only
+    only = ScheduledBatch.only
 
     def counting_only(sched: Any, keep: list[int]) -> Any:
         dropped[0] += len(sched.seqs) - len(keep)
@@ -335,11 +334,11 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
     # random stop tokens end requests at steps the scheduler cannot foresee: they are dropped before launch
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=1 + i % 9, stop_token_ids=list(range(3, 60)))
               for i in range(2 * len(prompts))]
-    llm_engine._only = counting_only
+    ScheduledBatch.only = counting_only  # type: ignore[method-assign]
     try:
         outs = llm.generate(prompts * 2, params, use_tqdm=False)
     finally:
-        llm_engine._only = only
+        ScheduledBatch.only = only  # type: ignore[method-assign]
         llm.shutdown()
     assert all(len(o.outputs[0].token_ids) <= p.max_tokens for o, p in zip(outs, params))
     assert engine.scheduler.num_preemptions > 0 and checked[0] > 30 and dropped[0] > 0
@@ -350,17 +349,17 @@ def test_the_step_thread_runs_on_the_engine_threads_cuda_device(monkeypatch: pyt
     (``torch.cuda.set_device`` refuses an index-less device), and nothing is set off CUDA."""
     import torch
 
-    from corerun.engine import llm_engine
+    from corerun.engine import batch_queue
 
     calls: list[Any] = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    assert llm_engine._cuda_index(torch.device("cuda")) == 3
-    assert llm_engine._cuda_index(torch.device("cuda", 1)) == 1
-    assert llm_engine._cuda_index(torch.device("cpu")) is None
+    assert batch_queue._cuda_index(torch.device("cuda")) == 3
+    assert batch_queue._cuda_index(torch.device("cuda", 1)) == 1
+    assert batch_queue._cuda_index(torch.device("cpu")) is None
     threads = torch.get_num_threads()
-    llm_engine._init_step_thread(llm_engine._cuda_index(torch.device("cuda")), threads)
-    llm_engine._init_step_thread(None, threads)
+    batch_queue._init_step_thread(batch_queue._cuda_index(torch.device("cuda")), threads)
+    batch_queue._init_step_thread(None, threads)
     assert calls == [3]
 
 

@@ -327,5 +327,5 @@ def test_set_speculative_needs_an_engine_built_with_it(tiny_llama):
     with pytest.raises(RuntimeError, match="speculative.method"):
         llm.engine.set_speculative(True)
     llm.engine.set_speculative(False)  # already off: nothing to refuse
-    assert llm.engine.scheduler.propose is None
+    assert llm.engine.spec is None
     llm.shutdown()

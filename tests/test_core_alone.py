@@ -15,7 +15,7 @@ import pytest
 import corerun.registry as registry_module
 from corerun import LLM, SamplingParams
 from corerun.config import Config
-from corerun.engine.llm_engine import _load_tokenizer
+from corerun.engine.input_processor import load_tokenizer as _load_tokenizer
 from corerun.models.errors import ModelLoadError
 from corerun.registry import Registry
 from corerun.testing import hf_greedy

@@ -27,15 +27,15 @@ SPEC = {"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1, "prompt_look
 def test_ngram_proposes_what_followed_the_latest_match():
     p = NgramProposer(num_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     # last 3 tokens (7, 8, 9) occurred at 1..3 and at 6..8: the latest one wins -> what followed it
-    assert p.propose([5, 7, 8, 9, 1, 2, 7, 8, 9, 4, 4, 7, 8, 9]) == [4, 4, 7]
-    assert p.propose([1, 2, 3, 1, 2]) == [3, 1, 2]  # the match may run into the suffix itself
-    assert p.propose([1, 2, 3, 1, 2], max_tokens=2) == [3, 1]
-    assert p.propose([1, 2, 3, 4]) == []  # no earlier occurrence of any suffix
-    assert p.propose([9, 9]) == [9]  # one token follows the match
-    assert p.propose([1]) == []
+    assert p.lookup([5, 7, 8, 9, 1, 2, 7, 8, 9, 4, 4, 7, 8, 9]) == [4, 4, 7]
+    assert p.lookup([1, 2, 3, 1, 2]) == [3, 1, 2]  # the match may run into the suffix itself
+    assert p.lookup([1, 2, 3, 1, 2], max_tokens=2) == [3, 1]
+    assert p.lookup([1, 2, 3, 4]) == []  # no earlier occurrence of any suffix
+    assert p.lookup([9, 9]) == [9]  # one token follows the match
+    assert p.lookup([1]) == []
     longest_first = NgramProposer(num_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
     # suffix (3, 5) matches at 0; suffix (5) alone would match later, at 4
-    assert longest_first.propose([3, 5, 6, 0, 5, 1, 3, 5]) == [6, 0]
+    assert longest_first.lookup([3, 5, 6, 0, 5, 1, 3, 5]) == [6, 0]
 
 
 def test_ngram_rejects_bad_ranges():

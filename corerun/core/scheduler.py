@@ -13,17 +13,31 @@ carries, per scheduled sequence whose block table changed, the new entries (``ne
 sequences resumed after a preemption, and the sequences finished or aborted since the previous
 batch, so the runner and the sampler keep their per-request state from what they are told instead
 of guessing.
+
+The step's result comes back the same way (:meth:`Scheduler.update_from_output`, vLLM v1's name): the
+scheduler appends the sampled and accepted tokens, applies stop tokens and length limits, registers
+the blocks that became full, gives back the blocks of rejected drafts and queues the other samples of
+an ``n > 1`` request once its prompt is computed.  Speculative drafts arrive the same way
+(:meth:`Scheduler.update_draft_token_ids`) and sit on the request until it is next scheduled: the
+scheduler never calls up.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Iterable
 
+from corerun.core.batch import BlockIds, ScheduledBatch, StepResult
 from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import StepError
 from corerun.protocols.kv_cache import KVCacheManager
+
+__all__ = ["BlockIds", "InFlight", "ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
+
+logger = logging.getLogger("corerun.engine")
 
 
 class SchedulingError(StepError):
@@ -53,70 +67,6 @@ class InFlight:
 _NOTHING_IN_FLIGHT = InFlight()
 
 
-class BlockIds(NamedTuple):
-    """A change to one sequence's block table: its entries from ``start`` on are now ``ids`` (whatever
-    lay at ``start`` or beyond is gone).  ``start`` 0: the whole table (a sequence scheduled for the first
-    time, or again after a preemption); ``start`` at the old length: blocks appended; a ``start``
-    below the old length: the table was trimmed (speculative decoding), then maybe grew again."""
-
-    start: int
-    ids: list[int]
-
-    def then(self, later: BlockIds) -> BlockIds:
-        """This change followed by ``later``, as one change."""
-        if later.start <= self.start:
-            return later
-        return BlockIds(self.start, self.ids[: later.start - self.start] + later.ids)
-
-    def apply(self, table: list[int]) -> list[int]:
-        """``table`` after this change (a new list)."""
-        return table[: self.start] + self.ids
-
-
-@dataclass
-class ScheduledBatch:
-    """One step: ``seqs[i]`` computes ``num_new[i]`` tokens starting at ``seqs[i].num_computed_tokens``.
-
-    Decodes (one new token) come first, as ``AttentionBatch.num_decodes`` expects.  A decode that
-    carries draft tokens (speculative decoding) computes ``1 + len(drafts[seq_id])`` tokens: its last
-    token, then the drafts, which are not in ``seq.token_ids`` (the step verifies them).
-
-    What changed since the previous batch (protocol version 2), for a runner that keeps per-request
-    state across steps; apply ``finished_ids`` first, then ``new_block_ids``:
-
-    - ``new_block_ids``: seq_id -> :class:`BlockIds`, for each scheduled sequence whose block table
-      changed since the last batch that scheduled it (a sequence scheduled for the first time or
-      resumed has its whole table, ``start`` 0).  A scheduled sequence without an entry has the table
-      it had when last scheduled.  Replaying every batch's entries gives each scheduled sequence's
-      ``KVCacheManager.block_table``.
-    - ``resumed_ids``: scheduled again after a preemption (its entry starts at 0).
-    - ``preempted``: preempted while this batch was scheduled (``preempted_ids``); their blocks are
-      freed and they come back later with a new table.
-    - ``finished_ids``: finished or aborted since the previous batch; their seq_ids are never
-      scheduled again, so their state can go.
-    """
-
-    seqs: list[Sequence]
-    num_new: list[int]
-    num_decodes: int
-    preempted: list[Sequence]
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> draft tokens verified this step
-    new_block_ids: dict[int, BlockIds] = field(default_factory=dict)
-    resumed_ids: frozenset[int] = frozenset()
-    finished_ids: frozenset[int] = frozenset()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
-    @property
-    def preempted_ids(self) -> frozenset[int]:
-        return frozenset(s.seq_id for s in self.preempted)
-
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -125,17 +75,22 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunked_prefill: bool = True,
-        propose: Callable[[Sequence, int], list[int]] | None = None,
+        max_model_len: int = 1 << 62,
+        eos_token_ids: frozenset[int] = frozenset(),
+        kv_name: str | None = None,
     ) -> None:
         self.kv = kv_cache
-        # speculative decoding: propose(seq, at_most) -> draft tokens for a decode (corerun.spec_decode)
-        self.propose = propose
+        self.kv_name = kv_name or getattr(kv_cache, "name", type(kv_cache).__name__)  # (for messages)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self._forks: dict[int, list[Sequence]] = {}  # n > 1: head seq_id -> samples queued once its prompt is computed
         self._current: Sequence | None = None  # the sequence the KV-cache manager is working on
         # what the runner is told (protocol version 2): per sequence holding blocks, its table's length
         # as reported; changes not yet handed out (its sequence not scheduled since); finished seq_ids
@@ -145,9 +100,14 @@ class Scheduler:
         # asynchronous scheduling: seq_id -> what the step still running does for it, not yet in the
         # sequence (see :meth:`set_in_flight`)
         self.in_flight: dict[int, InFlight] = {}
+        self._moved: set[int] = set()  # preempted while in flight: their K/V of that step are gone
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, forks: Iterable[Sequence] = ()) -> None:
+        """Queue ``seq``; ``forks``: the other samples of its ``n > 1`` request, queued once its prompt is computed."""
         self.waiting.append(seq)
+        forks = list(forks)
+        if forks:
+            self._forks[seq.seq_id] = forks
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -183,9 +143,9 @@ class Scheduler:
             n = min(seq.num_tokens + ahead.appended - computed, budget)
             if not self.chunked_prefill and n < seq.num_tokens + ahead.appended - computed:
                 break  # whole prefills only: wait for a step with room
-            if n == 1 and self.propose is not None and budget > 1:
-                d = self.propose(seq, budget - 1)  # drafts only where their slots are free: never a preemption
-                if d and self._allocate(seq, computed + 1 + len(d)):
+            if n == 1 and seq.draft_token_ids and budget > 1:
+                d = seq.draft_token_ids[: budget - 1]  # drafts only where their slots are free: never a preemption
+                if self._allocate(seq, computed + 1 + len(d)):
                     drafts[seq.seq_id] = d
                     scheduled[seq.seq_id] = 1 + len(d)
                     budget -= 1 + len(d)
@@ -241,17 +201,22 @@ class Scheduler:
             changes, frozenset(sid for sid in resumed if sid in by_id), finished,
         )
 
-    def set_in_flight(self, batch: ScheduledBatch, appends: list[bool], last: list[bool]) -> None:
+    def set_in_flight(self, batch: ScheduledBatch) -> None:
         """Asynchronous scheduling: ``batch`` runs while the next one is scheduled.  Each of its
-        sequences will have computed its ``num_new`` tokens, and one token more when ``appends[i]``
-        (a placeholder until the step's result comes); ``last[i]``: that token is certainly its last."""
-        self.in_flight = {
-            s.seq_id: InFlight(n, int(a), z) for s, n, a, z in zip(batch.seqs, batch.num_new, appends, last)
-        }
+        sequences will have computed its ``num_new`` tokens, and one token more (a placeholder until
+        the step's result comes) when they reach its last token; a placeholder that certainly ends
+        the request (its length limit) leaves nothing to schedule for it."""
+        flight = {}
+        for s, n in zip(batch.seqs, batch.num_new):
+            appends = s.num_computed_tokens + n >= s.num_tokens
+            flight[s.seq_id] = InFlight(n, int(appends), appends and s.tokens_left(self.max_model_len) <= 1)
+        self.in_flight = flight
 
-    def clear_in_flight(self) -> None:
-        """The step in flight has been collected: schedule from the sequences' own counts again."""
-        self.in_flight = {}
+    def update_draft_token_ids(self, drafts: dict[int, list[int]]) -> None:
+        """Speculative decoding: the drafts proposed for each running sequence (seq_id -> tokens); they
+        are verified when it is next scheduled as a decode.  A running sequence not named has none."""
+        for seq in self.running:
+            seq.draft_token_ids = drafts.get(seq.seq_id, [])
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """``allocate_slots``; when the table had to grow, the new entries are noted for the runner."""
@@ -302,18 +267,121 @@ class Scheduler:
         self._forget(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
+        if seq.seq_id in self.in_flight:
+            self._moved.add(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def stuck(self, batch: ScheduledBatch) -> tuple[Sequence, str] | None:
+        """After an empty ``batch``: with nothing running and nothing preempted, the head of the queue
+        can never be scheduled (the next call would see the same state); it and the reason, or None."""
+        if batch.preempted or self.running or not self.waiting:
+            return None
+        head, kv = self.waiting[0], self.kv
+        return head, (
+            f"request {head.request_id!r} ({head.num_tokens} tokens) cannot be scheduled although no other request "
+            f"holds blocks: KV-cache manager '{self.kv_name}' refused its slots "
+            f"({kv.num_free_blocks} of {kv.num_blocks} blocks of {kv.block_size} free), or it does not fit "
+            f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens} with chunked_prefill off"
+        )
+
+    # ------------------------------------------------------------- the step's result
+    def update_from_output(self, batch: ScheduledBatch, result: StepResult) -> tuple[list[Sequence], dict[int, str]]:
+        """Apply a step's result: computed counts and cached blocks, then each row's tokens one by one until
+        one ends the request (a stop token, the length limit, a logits processor's end), drafts' blocks
+        given back, and the other samples of an ``n > 1`` request queued once its prompt is computed.
+
+        Returns the sequences that got a token, and ``seq_id -> message`` for those the KV-cache manager
+        failed on (still running: the caller ends them with the message).  A sequence preempted while
+        the step ran (asynchronous scheduling) takes its token; its K/V are recomputed.
+        """
+        moved, self._moved, self.in_flight = self._moved, set(), {}
+        now = time.perf_counter()
+        emitted = {batch.seqs[r].seq_id: result.emitted(j) for j, r in enumerate(result.rows)} if batch.drafts else {}
+        failed: dict[int, str] = {}
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.seq_id in moved or seq.is_finished:
+                continue
+            kv_tokens = seq.token_ids
+            d = batch.drafts.get(seq.seq_id)
+            if d:  # K/V of rejected drafts stay in their slots, overwritten when those positions are computed
+                accepted = len(emitted.get(seq.seq_id, ())) - 1
+                n -= len(d) - max(accepted, 0)
+                if accepted > 0:
+                    kv_tokens = seq.token_ids + emitted[seq.seq_id][:accepted]
+            seq.num_computed_tokens += n
+            try:
+                self._current = seq
+                self.kv.cache_blocks(seq.seq_id, kv_tokens, seq.num_computed_tokens)
+            except Exception as exc:
+                failed[seq.seq_id] = f"caching the blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}"
+            forks = self._forks.get(seq.seq_id)
+            if forks and seq.seq_id not in failed and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                del self._forks[seq.seq_id]
+                self.waiting.extendleft(reversed(forks))
+        touched: list[Sequence] = []
+        for j, row in enumerate(result.rows):
+            seq = batch.seqs[row]
+            if seq.seq_id in failed or seq.is_finished:
+                continue
+            touched.append(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            for token in result.emitted(j):
+                reason = self._append(seq, token)
+                if reason is not None:
+                    break
+            else:
+                reason = result.ended.get(row)  # a logits processor's end (a grammar completed), or its error
+                if reason is not None and reason != "stop":
+                    seq.error, reason = reason, "error"
+            if reason is not None:
+                self.finish(seq, reason)
+        for seq in batch.seqs:
+            if seq.seq_id in batch.drafts and seq.seq_id not in failed and not seq.is_finished:
+                try:
+                    self.trim(seq, seq.num_tokens)
+                except Exception as exc:
+                    failed[seq.seq_id] = f"trimming the blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}"
+        return touched, failed
+
+    def _append(self, seq: Sequence, token: int) -> str | None:
+        """Append one sampled token; the reason it ends the request (a stop token, the length), if any."""
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        p = seq.params
+        if token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens - 1:
+            seq.stop_reason = token
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= max(p.min_tokens, 1):
+            return "stop"
+        if seq.tokens_left(self.max_model_len) <= 0:
+            return "length"
+        return None
+
     # ------------------------------------------------------------- finishing
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take ``seq`` out of the queues, mark it finished, then free its blocks.
+    def finish(self, seq: Sequence, reason: str, *, keep: int | None = None) -> None:
+        """Take ``seq`` out of the queues, mark it finished, then free its blocks; ``keep``: drop its
+        tokens past the first ``keep`` (a stop string met before its last token).  Already finished:
+        only its reason (and ``keep``) change.
 
         The blocks are freed last, so that a KV-cache manager raising in ``free`` leaves the
-        scheduler consistent (the exception propagates; ``seq`` is finished either way).
+        scheduler consistent: the error is logged, and ``seq`` is finished either way.
         """
+        if keep is not None and keep < seq.num_tokens:
+            self.num_generated_tokens -= seq.num_tokens - keep
+            del seq.token_ids[keep:]
+        if seq.is_finished:
+            seq.finish_reason = reason
+            return
+        seq.finish_time = time.perf_counter()
+        seq.draft_token_ids = []
+        forks = self._forks.pop(seq.seq_id, ())  # n > 1 samples never queued: they end the same way
+        for f in forks:
+            f.status, f.finish_reason, f.error, f.finish_time = SequenceStatus.FINISHED, reason, seq.error, seq.finish_time
         if seq in self.running:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -325,4 +393,8 @@ class Scheduler:
         seq.finish_reason = reason
         self._forget(seq.seq_id)
         self._finished.append(seq.seq_id)
-        self.kv.free(seq.seq_id)
+        try:
+            self.kv.free(seq.seq_id)
+        except Exception as exc:
+            logger.error("KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
+                         self.kv_name, seq.request_id, type(exc).__name__, exc)

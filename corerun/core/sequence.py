@@ -63,9 +63,9 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    text: str = ""  # output text decoded so far (LLMEngine.output)
-    detok_prefix: int = 0  # incremental detokenisation: first output token of the left context
-    detok_read: int = 0  # output tokens already turned into text
+    # speculative decoding: draft tokens proposed after the last step, verified when the request is next
+    # scheduled as a decode (set by Scheduler.update_draft_token_ids, dropped on preemption and finish)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -95,6 +95,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens this request may still get before ``max_tokens`` or ``max_model_len`` ends it."""
+        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
 
     @property
     def is_finished(self) -> bool:

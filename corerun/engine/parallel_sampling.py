@@ -1,8 +1,8 @@
 """``n > 1``: several samples of one prompt, forked after its prefill so they share its KV blocks.
 
-A request with ``SamplingParams(n=k)`` is queued as one sequence, its head.  Once the head's prompt
-is computed (its full blocks hashed into the prefix cache), the other ``k - 1`` sequences are put at
-the front of the waiting queue; with prefix caching on they find the prompt's blocks already
+A request with ``SamplingParams(n=k)`` is queued as one sequence, its head, with its ``k - 1`` forks
+(``Scheduler.add(head, forks)``).  Once the head's prompt is computed (its full blocks hashed into the
+prefix cache), the scheduler puts the forks at the front of the waiting queue; with prefix caching on they find the prompt's blocks already
 computed and only their own tokens cost anything.  Each child is a sequence of its own for the
 scheduler and the sampler (its own ``seq_id``; ``seed + i`` when the request has a seed, as vLLM
 does), and the request finishes when all of them have.
@@ -16,20 +16,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from corerun.core.sequence import Sequence, SequenceStatus
+from corerun.core.sequence import Sequence
 from corerun.outputs import RequestOutput
 
 
 class SequenceGroup:
-    """The ``n`` sequences of one request: ``seqs[0]`` is the head, queued first; ``pending`` the forks
-    not yet queued (until the head's prompt is computed)."""
+    """The ``n`` sequences of one request: ``seqs[0]`` is the head, queued first."""
 
-    __slots__ = ("request_id", "seqs", "pending")
+    __slots__ = ("request_id", "seqs")
 
     def __init__(self, head: Sequence, children: list[Sequence]) -> None:
         self.request_id = head.request_id
         self.seqs = [head, *children]
-        self.pending = list(children)
 
     @property
     def head(self) -> Sequence:
@@ -56,14 +54,6 @@ class SequenceGroup:
         """The head's generated tokens (what a front reporting one sample reads)."""
         return self.head.output_token_ids
 
-    def ready_forks(self) -> list[Sequence]:
-        """The forks to queue now: all of them once the head has computed its prompt (or is decoding)."""
-        head = self.head
-        if not self.pending or head.is_finished or head.num_computed_tokens < head.num_prompt_tokens:
-            return []
-        out, self.pending = self.pending, []
-        return out
-
 
 def fork(head: Sequence, next_seq_id: Callable[[], int]) -> SequenceGroup:
     """The group of ``head.params.n`` samples of ``head``'s prompt (children built, not queued)."""
@@ -78,13 +68,6 @@ def fork(head: Sequence, next_seq_id: Callable[[], int]) -> SequenceGroup:
             params=p.model_copy(update=update), prompt=head.prompt, arrival_time=head.arrival_time,
         ))
     return SequenceGroup(head, children)
-
-
-def finish_pending(group: SequenceGroup, reason: str, error: str | None, now: float) -> None:
-    """The head ended before its prompt was computed: the forks never queued end the same way."""
-    for seq in group.pending:
-        seq.status, seq.finish_reason, seq.error, seq.finish_time = SequenceStatus.FINISHED, reason, error, now
-    group.pending = []
 
 
 def as_requests(touched: list[Sequence], group_of: dict[int, SequenceGroup]) -> list[Sequence | SequenceGroup]:

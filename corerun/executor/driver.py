@@ -23,7 +23,8 @@ import torch
 
 from corerun.config import Config
 from corerun.core.scheduler import ScheduledBatch
-from corerun.runner.model_runner import ModelRunner, StepResult
+from corerun.core.batch import StepResult
+from corerun.runner.model_runner import ModelRunner
 from corerun.distributed.errors import Failure, RankFailedError, TensorParallelError, is_communication_failure
 from corerun.executor.step import LogitsHeader, pack_step
 from corerun.protocols.graph import ModelInputs
@@ -175,6 +176,7 @@ class TensorParallelRunner(ModelRunner):
         workers, self.workers = self.workers, None
         joined, self._joined = self._joined, False
         _release(workers, graceful, joined)
+        super().shutdown()
 
 
 def _rank_failed(found: Failure) -> RankFailedError:

@@ -22,7 +22,7 @@ import torch
 from corerun.capabilities import Need
 from corerun.config import Config
 from corerun.kv_cache.memory import check_kv_cache_fits
-from corerun.core.scheduler import ScheduledBatch
+from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.errors import ConfigError, StepError
 from corerun.forward_context import AttentionContext
 from corerun.runner.profile import StepMemory
@@ -53,20 +53,6 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: torch.dtype | No
     if device.type == "cpu":
         return torch.float32  # half-precision matmuls on CPU are slow and less exact
     return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-@dataclass
-class StepResult:
-    """What one step produced for the sequences that completed their scheduled tokens."""
-
-    sampled: list[int]  # next token per row of ``rows``
-    rows: list[int]  # indices into ScheduledBatch.seqs that were sampled
-    logprobs: LogprobsTensors | None
-    prompt_logprobs: dict[int, tuple[int, LogprobsTensors]]  # row -> (first target position, tensors)
-    ended: dict[int, str] = field(default_factory=dict)  # row -> "stop" or an error: a logits processor ended it
-    # speculative decoding: row -> the tokens it gets after sampled[j] (accepted drafts, then the token
-    # sampled after them); rows absent got one token
-    more: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -289,6 +275,20 @@ class ModelRunner:
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab_size]`` of the hidden rows ``[N, hidden_size]``."""
         return self.model.compute_logits(hidden)
+
+    def set_vocabulary(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        """The engine's tokenizer and end-of-sequence ids, which structured-output processors read."""
+        self.logits_processors.tokenizer, self.logits_processors.eos_token_ids = tokenizer, eos_token_ids
+
+    def release_requests(self, seq_ids: Any) -> None:
+        """Requests that ended (finished, aborted): the logits processors' state for them goes."""
+        for sid in seq_ids:
+            self.logits_processors.remove(sid)
+
+    def shutdown(self) -> None:
+        """Drop the KV cache and the graphs at once (the runner takes no step afterwards)."""
+        self.kv_caches = []
+        self.graph = None
 
     def describe(self) -> dict[str, str]:
         return {

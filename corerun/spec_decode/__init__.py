@@ -6,11 +6,14 @@
 - :mod:`corerun.spec_decode.verify`: one sampling row per verified position, each with the history it
   would have had without speculation, and the accepted prefix of the drafts.
 - :mod:`corerun.spec_decode.proposer`: :class:`Proposer`, what the engine asks of either proposer.
+- :mod:`corerun.spec_decode.policy`: :class:`SpecDecoder`, which requests get how many drafts, and
+  the acceptance counts.
 """
 
 from corerun.spec_decode.draft_model import DraftModelProposer
 from corerun.spec_decode.ngram import NgramProposer
+from corerun.spec_decode.policy import SpecDecoder
 from corerun.spec_decode.proposer import Proposer
 from corerun.spec_decode.verify import SpecStats, accept_drafts, expand_metadata
 
-__all__ = ["DraftModelProposer", "NgramProposer", "Proposer", "SpecStats", "accept_drafts", "expand_metadata"]
+__all__ = ["DraftModelProposer", "NgramProposer", "Proposer", "SpecDecoder", "SpecStats", "accept_drafts", "expand_metadata"]

@@ -14,7 +14,7 @@ verifier of :mod:`corerun.spec_decode.verify` stays the exact rejection sampler.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Sequence as SequenceT
+from typing import Any, Sequence as SequenceT
 
 from corerun.core.scheduler import Scheduler
 from corerun.core.sequence import Sequence, SequenceStatus
@@ -29,8 +29,8 @@ _GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 class DraftModelProposer(Proposer):
     """Up to ``num_tokens`` greedy tokens of the draft model per request and step.
 
-    :meth:`prepare` runs the draft for the requests about to decode; :meth:`draft` (or :meth:`take`)
-    hands out a request's drafts; :meth:`release` frees a request's draft state (its blocks in the draft's cache).
+    :meth:`propose` runs the draft for the requests about to decode and returns their drafts;
+    :meth:`release` frees a request's draft state (its blocks in the draft's cache).
     """
 
     def __init__(self, runner: Any, num_tokens: int, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -46,21 +46,17 @@ class DraftModelProposer(Proposer):
         self._seen: dict[int, int] = {}  # target seq_id -> its length at the last prepare
         self.num_draft_steps = 0  # draft model steps run
 
-    def prepare(self, seqs: Iterable[Sequence], room: Callable[[Sequence, int], int]) -> None:
-        """Draft for each of ``seqs`` about to decode, in one batch per draft token.  A draft step that
+    def propose(self, wanted: SequenceT[tuple[int, SequenceT[int], int]]) -> dict[int, list[int]]:
+        """Draft for each ``(seq_id, token_ids, k)``, in one batch per draft token.  A draft step that
         fails is logged and this step has no drafts (the draft's state is dropped and rebuilt from the
         requests' tokens)."""
-        wanted = []
-        for seq in seqs:
-            if seq.num_tokens - seq.num_computed_tokens == 1:
-                k = room(seq, self.num_tokens)
-                if k > 0:
-                    wanted.append((seq.seq_id, seq.token_ids, k))
         try:
             self.run(wanted)
         except Exception as exc:
             logger.error("the draft model's step failed, this step has no drafts: %s: %s", type(exc).__name__, exc)
             self.reset()
+            return {}
+        return {seq_id: d for seq_id, d in self.drafts.items() if d}
 
     def run(self, wanted: SequenceT[tuple[int, SequenceT[int], int]]) -> None:
         """Draft for each ``(seq_id, token_ids, k)``: at most ``k`` greedy tokens to follow ``token_ids``.
@@ -105,13 +101,6 @@ class DraftModelProposer(Proposer):
                 active = [(ds, k) for ds, k in active if ds in sched.running and len(self.drafts[ds.seq_id]) < k]
         finally:
             sched.running, sched.waiting = [], type(sched.waiting)()
-
-    def draft(self, seq: Sequence, at_most: int) -> list[int]:
-        return self.take(seq.seq_id, at_most)
-
-    def take(self, seq_id: int, max_tokens: int) -> list[int]:
-        """The drafts :meth:`prepare` made for ``seq_id``, at most ``max_tokens`` of them."""
-        return self.drafts.get(seq_id, [])[:max_tokens]
 
     def release(self, seq_id: int) -> None:
         """Forget ``seq_id`` (its request finished, was aborted or preempted): its draft blocks are freed."""

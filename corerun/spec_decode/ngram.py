@@ -7,7 +7,6 @@ from typing import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from corerun.core.sequence import Sequence
 from corerun.spec_decode.proposer import Proposer
 
 
@@ -29,10 +28,10 @@ class NgramProposer(Proposer):
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def draft(self, seq: Sequence, at_most: int) -> list[int]:
-        return self.propose(seq.token_ids, at_most)
+    def propose(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> dict[int, list[int]]:  # type: ignore[override]
+        return {seq_id: self.lookup(tokens, k) for seq_id, tokens, k in wanted}
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+    def lookup(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """Draft tokens to follow ``token_ids`` (at most ``min(num_tokens, max_tokens)``); ``[]`` when none match."""
         k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
         size = len(token_ids)

@@ -1,0 +1,182 @@
+"""Output processing: what a step's tokens mean to the user.
+
+Per request it keeps the incremental detokeniser's state (the text so far, decoding only new tokens
+with a few tokens of left context, as vLLM does), looks for stop strings in the text each new token
+adds (:mod:`corerun.engine.stop_strings`), turns logprob tensors into ``{token id: Logprob}`` dicts
+and builds :class:`~corerun.outputs.RequestOutput`.  It reads sequences and never changes what the
+scheduler owns: a stop string it finds is handed back to the engine, which ends the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+from corerun.core.batch import ScheduledBatch, StepResult
+from corerun.core.sequence import Sequence
+from corerun.engine import parallel_sampling
+from corerun.engine.parallel_sampling import SequenceGroup
+from corerun.engine.stop_strings import final_text, find_stop, running_text
+from corerun.outputs import CompletionOutput, Logprob, RequestOutput
+from corerun.protocols.sampler import LogprobsTensors
+
+
+@dataclass(slots=True)
+class _Detok:
+    """One request's incremental detokenisation: ``text`` of its first ``read`` output tokens, the left
+    context starting at output token ``prefix``."""
+
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+
+
+@dataclass(slots=True)
+class StepLogprobs:
+    """A step's logprob dicts, made before any sequence changes (a malformed tensor fails the step whole)."""
+
+    rows: dict[int, dict[int, Logprob]]  # seq_id -> the sampled token's dict
+    prompt: dict[int, list[dict[int, Logprob]]]  # seq_id -> prompt positions computed this step
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._detok: dict[int, _Detok] = {}  # seq_id -> its detokeniser state
+
+    # ------------------------------------------------------------- logprobs
+    def logprobs(self, batch: ScheduledBatch, result: StepResult) -> StepLogprobs:
+        """The step's logprob dicts; raises on a malformed sampler output."""
+        seqs = batch.seqs
+        prompt = {seqs[i].seq_id: logprob_dicts(lp, seqs[i].params.prompt_logprobs or 0)
+                  for i, (_, lp) in result.prompt_logprobs.items()}
+        rows: dict[int, dict[int, Logprob]] = {}
+        if result.logprobs is not None:
+            dicts = logprob_dicts(result.logprobs, [seqs[r].params.logprobs or 0 for r in result.rows])
+            rows = {seqs[r].seq_id: d for r, d in zip(result.rows, dicts)}
+        return StepLogprobs(rows, prompt)
+
+    @staticmethod
+    def add_logprobs(seqs: Seq[Sequence], lps: StepLogprobs, failed: dict[int, str]) -> None:
+        """Append the step's logprob dicts to the sequences that took the step's tokens."""
+        for seq in seqs:
+            sid = seq.seq_id
+            if sid in failed:
+                continue
+            if sid in lps.prompt:
+                if seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = [None]
+                seq.prompt_logprobs.extend(lps.prompt[sid])
+            if sid in lps.rows and seq.logprobs is not None:
+                seq.logprobs.append(lps.rows[sid])
+
+    # ---------------------------------------------------------- stop strings
+    def stop_strings(self, touched: Seq[Sequence], new: dict[int, int]) -> list[tuple[Sequence, str, int]]:
+        """``(seq, stop string, tokens to keep)`` for each touched sequence whose text gained one of its
+        stop strings; ``new[seq_id]``: output tokens it got this step, looked at one by one (the last
+        one only while the scheduler did not end the request there: a stop token or the length wins)."""
+        hits = []
+        for seq in touched:
+            stops = seq.params.stop
+            if not stops or self.tokenizer is None:
+                continue
+            ids = seq.output_token_ids
+            first = len(ids) - new.get(seq.seq_id, 1)
+            last = len(ids) - 1 if seq.is_finished else len(ids)
+            for m in range(first + 1, last + 1):
+                state = self._state(seq)
+                start = len(state.text)
+                text = self._advance(state, ids[:m])
+                if m < seq.params.min_tokens:
+                    continue
+                hit = find_stop(text, stops, start)
+                if hit is not None:
+                    hits.append((seq, hit[1], seq.num_prompt_tokens + m))
+                    break
+        return hits
+
+    # ---------------------------------------------------------------- output
+    def output(self, seq: Sequence | SequenceGroup) -> RequestOutput:
+        """The request's output so far (an ``n > 1`` group: every sample's)."""
+        if isinstance(seq, SequenceGroup):
+            return parallel_sampling.group_output(seq, self._output_one)
+        return self._output_one(seq)
+
+    def _output_one(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_token_ids
+        text = self._text(seq, ids) if self.tokenizer is not None else ""
+        p = seq.params
+        if p.stop and text and not seq.is_finished:
+            text = running_text(text, p.stop, p.include_stop_str_in_output)
+        elif p.stop and text and isinstance(seq.stop_reason, str):  # ended by a stop string: cut there
+            start = len(self.tokenizer.decode(ids[:-1], skip_special_tokens=True))
+            text = final_text(text, seq.stop_reason, start, p.include_stop_str_in_output)
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(ids), finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs, error=seq.error,
+        )
+        metrics = {"arrival_time": seq.arrival_time}
+        if seq.first_token_time is not None:
+            metrics["first_token_time"] = seq.first_token_time
+        if seq.finish_time is not None:
+            metrics["finish_time"] = seq.finish_time
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion], finished=seq.is_finished, prompt_logprobs=seq.prompt_logprobs, metrics=metrics,
+        )
+
+    def release(self, seq_ids: Seq[int]) -> None:
+        """Forget the detokeniser state of requests the engine no longer holds."""
+        for sid in seq_ids:
+            self._detok.pop(sid, None)
+
+    # ---------------------------------------------------------- detokenising
+    def _state(self, seq: Sequence) -> _Detok:
+        state = self._detok.get(seq.seq_id)
+        if state is None:
+            state = self._detok[seq.seq_id] = _Detok()
+        return state
+
+    def _text(self, seq: Sequence, ids: list[int]) -> str:
+        """The output text: exact full decode once finished, incremental before."""
+        if seq.is_finished:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._advance(self._state(seq), ids)
+
+    def _advance(self, state: _Detok, ids: Seq[int]) -> str:
+        """``state.text`` brought up to ``ids``, decoding only the new tokens (holding back half a character)."""
+        tok = self.tokenizer
+        prefix, read = state.prefix, state.read
+        if len(ids) > read:
+            before = tok.decode(ids[prefix:read], skip_special_tokens=True)
+            after = tok.decode(ids[prefix:], skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                state.text += after[len(before):]
+                state.prefix = max(read - 4, 0)
+                state.read = len(ids)
+        return state.text
+
+
+def logprob_dicts(lp: LogprobsTensors | None, k: int | Seq[int]) -> list[dict[int, Logprob]]:
+    """LogprobsTensors rows -> ``{token id: Logprob}`` dicts: column 0 (the chosen token) first, then the top ``k``.
+
+    ``k`` is one count for every row, or one per row: a batch carries as many top columns as its
+    most demanding row asked for, and each row keeps only its own (vLLM's rule: the top ``k``, plus
+    the chosen token when it is not among them).
+    """
+    if lp is None:
+        return []
+    ids = lp.token_ids.tolist()
+    vals = lp.logprobs.tolist()
+    ranks = lp.ranks.tolist()
+    ks = [k] * len(ids) if isinstance(k, int) else list(k)
+    if len(ks) > len(ids):
+        raise ValueError(f"{len(ids)} logprob rows for {len(ks)} requests")
+    out = []
+    for row_ids, row_vals, rank, row_k in zip(ids, vals, ranks, ks):
+        cols = min(len(row_ids), row_k + 1)
+        d: dict[int, Logprob] = {row_ids[0]: Logprob(row_vals[0], rank)}
+        for c in range(1, cols):
+            d.setdefault(row_ids[c], Logprob(row_vals[c], c))
+        out.append(d)
+    return out
