@@ -271,3 +271,107 @@ def test_structured_output_compile_errors_name_their_param(url: str, extra: dict
     assert status == 400, body
     assert body["error"]["param"] == param
     assert "does not compile" in body["error"]["message"]
+
+
+# ------------------------------------------------------------------ 5. web pages, DNS rebinding, API keys
+
+COMPLETION = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+
+
+def test_cross_origin_simple_post_is_refused(url: str) -> None:
+    """A page on another origin can POST text/plain without a preflight: it must not be served."""
+    resp, body = raw(url, "POST", "/v1/completions", COMPLETION,
+                     {"Content-Type": "text/plain", "Origin": "http://evil.example"})
+    assert resp.status == 403 and body["error"]["code"] == "origin_not_allowed", body
+    assert "'http://evil.example'" in body["error"]["message"] and "allowed_origins" in body["error"]["message"]
+    assert resp.getheader("Access-Control-Allow-Origin") is None
+    resp, body = raw(url, "POST", "/v1/completions", COMPLETION, {"Origin": "http://evil.example"})
+    assert resp.status == 403  # a JSON body does not make it allowed either
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
+def test_json_routes_need_a_json_content_type(url: str, kind: str | None) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp, body = raw(url, "POST", path, COMPLETION, {"Content-Type": kind} if kind else {"Content-Type": ""})
+        assert resp.status == 415, body
+        assert body["error"]["message"] == f"Content-Type: {kind or ''!r}; a JSON route takes 'application/json'"
+    resp, body = raw(url, "POST", "/v1/completions", COMPLETION, {"Content-Type": "application/json; charset=utf-8"})
+    assert resp.status == 200, body
+
+
+@pytest.mark.parametrize("host, status", [("evil.example", 403), ("evil.example:8000", 403), ("127.0.0.2", 403),
+                                          ("127.0.0.1", 200), ("localhost", 200)])
+def test_host_header_must_name_this_server(url: str, host: str, status: int) -> None:
+    port = url.rsplit(":", 1)[1]
+    resp, body = raw(url, "GET", "/v1/models", None, {"Host": f"{host}:{port}" if ":" not in host else host})
+    assert resp.status == status, body
+    if status == 403:
+        assert body["error"]["code"] == "host_not_allowed" and "allowed_hosts" in body["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def guarded(folder: Path) -> Iterator[str]:
+    llm = make_llm(folder, api_key="s3cret-key", allowed_origins=["http://app.example:3000"],
+                   allowed_hosts=["corerun.internal"])
+    try:
+        with running_server(llm) as u:
+            yield u
+    finally:
+        llm.shutdown()
+
+
+def test_api_key_on_every_v1_route(guarded: str) -> None:
+    good = openai.OpenAI(base_url=guarded + "/v1", api_key="s3cret-key", max_retries=0)
+    assert good.completions.create(model="tiny-llama", prompt="hi", max_tokens=2).choices[0].text is not None
+    assert good.models.retrieve("tiny-llama").id == "tiny-llama"
+    for key in ("wrong", "s3cret-key2", "s3cret-ke"):
+        bad = openai.OpenAI(base_url=guarded + "/v1", api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as err:
+            bad.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert err.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    for path in ("/v1/models", "/v1/models/tiny-llama", "/v1/nope"):
+        resp, body = raw(guarded, "GET", path)
+        assert resp.status == 401 and resp.getheader("WWW-Authenticate") == "Bearer", (path, body)
+    assert raw(guarded, "GET", "/health")[0].status == 200  # probes need no key, as with vLLM
+
+
+def test_allowed_origin_gets_cors_and_others_do_not(guarded: str) -> None:
+    auth = {"Authorization": "Bearer s3cret-key"}
+    resp, body = raw(guarded, "POST", "/v1/completions", COMPLETION, {"Origin": "http://app.example:3000", **auth})
+    assert resp.status == 200, body
+    assert resp.getheader("Access-Control-Allow-Origin") == "http://app.example:3000"
+    resp, _ = raw(guarded, "OPTIONS", "/v1/completions", None, {
+        "Origin": "http://app.example:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert resp.status == 204 and "POST" in resp.getheader("Access-Control-Allow-Methods")
+    assert "authorization" in resp.getheader("Access-Control-Allow-Headers")
+    for origin in ("http://app.example:3001", "https://app.example:3000", "null"):
+        resp, body = raw(guarded, "POST", "/v1/completions", COMPLETION, {"Origin": origin, **auth})
+        assert resp.status == 403, (origin, body)
+    port = guarded.rsplit(":", 1)[1]
+    resp, body = raw(guarded, "GET", "/v1/models", None, {"Host": f"corerun.internal:{port}", **auth})
+    assert resp.status == 200, body
+
+
+def test_cli_takes_the_key_from_the_environment(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    import corerun.server.run as run
+    from corerun.cli.serve import serve
+
+    seen: dict[str, Any] = {}
+
+    def fake_serve(llm: LLM, **_: Any) -> None:
+        seen.update(llm.config.server.model_dump())
+        llm.shutdown()
+
+    monkeypatch.setattr(run, "serve", fake_serve)
+    args = ["--model", str(folder), "--device", "cpu", "--dtype", "float32", "--attention", "torch",
+            "--allowed-origins", "http://a.example", "--allowed-origins", "http://b.example"]
+    result = CliRunner().invoke(serve, args, env={"CORERUN_API_KEY": "from-env"})
+    assert result.exit_code == 0, result.output
+    assert seen["api_key"] == "from-env" and seen["allowed_origins"] == ["http://a.example", "http://b.example"]
+    result = CliRunner().invoke(serve, [*args, "--api-key", "from-flag"], env={"CORERUN_API_KEY": "from-env"})
+    assert result.exit_code == 0 and seen["api_key"] == "from-flag"

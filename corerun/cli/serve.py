@@ -13,9 +13,17 @@ from corerun.errors import CorerunError
 @click.option("--host", default=None, help="Address to listen on (server.host; default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Port (server.port; default 8000).")
 @click.option("--served-model-name", default=None, help="The model name clients ask for (server.served_model_name).")
+@click.option("--api-key", envvar="CORERUN_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every /v1 route (server.api_key; env CORERUN_API_KEY).")
+@click.option("--allowed-origins", multiple=True,
+              help="A browser origin allowed to call the server, e.g. http://localhost:3000 (repeatable; '*': any; "
+                   "server.allowed_origins). Other cross-origin requests get 403.")
+@click.option("--allowed-hosts", multiple=True,
+              help="A Host name served besides the listening address (repeatable; '*': any; server.allowed_hosts).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level (info logs each request).")
-def serve(config_path, sets, model, attention, sampler, device, dtype, host, port, served_model_name, log_level) -> None:
+def serve(config_path, sets, model, attention, sampler, device, dtype, host, port, served_model_name, api_key,
+          allowed_origins, allowed_hosts, log_level) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics. SIGTERM or Ctrl-C stops it gracefully."""
     from corerun.server.run import check_installed
@@ -24,7 +32,9 @@ def serve(config_path, sets, model, attention, sampler, device, dtype, host, por
         check_installed()
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
-    server = {k: v for k, v in (("host", host), ("port", port), ("served_model_name", served_model_name)) if v is not None}
+    given = (("host", host), ("port", port), ("served_model_name", served_model_name), ("api_key", api_key),
+             ("allowed_origins", list(allowed_origins) or None), ("allowed_hosts", list(allowed_hosts) or None))
+    server = {k: v for k, v in given if v is not None}
     try:
         cfg = build_config(config_path, sets, model=model, attention=attention, sampler=sampler, device=device,
                            dtype=dtype, server=server or None)

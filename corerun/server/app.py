@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corerun.server import protocol as P
 
+from corerun.server.security import Guard
 from corerun.server.serving import Serving
 from corerun.server.streaming import collect, full_response, stream
 
@@ -37,6 +38,10 @@ def error_response(err: P.APIError) -> JSONResponse:
 
 
 async def read_json(request: Request, limit: int) -> Any:
+    kind = request.headers.get("content-type", "")
+    if kind.split(";", 1)[0].strip().lower() != "application/json":
+        raise P.APIError(415, f"Content-Type: {kind!r}; a JSON route takes 'application/json'",
+                         code="unsupported_media_type")
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise P.APIError(413, f"the request body is {size} bytes, above server.max_request_bytes={limit}",
@@ -93,10 +98,12 @@ def build_app(llm: Any) -> FastAPI:
 
     app = FastAPI(title="corerun", lifespan=lifespan)
     app.state.serving = state
+    cfg = llm.config.server
+    app.add_middleware(Guard, api_key=cfg.api_key, allowed_origins=cfg.allowed_origins, allowed_hosts=cfg.allowed_hosts)
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, exc: P.APIError) -> JSONResponse:
-        if exc.status in (400, 404, 413):
+        if exc.status in (400, 404, 413, 415):
             state.metrics.reject("invalid")
         return error_response(exc)
 
