@@ -375,3 +375,32 @@ def test_cli_takes_the_key_from_the_environment(folder: Path, monkeypatch: pytes
     assert seen["api_key"] == "from-env" and seen["allowed_origins"] == ["http://a.example", "http://b.example"]
     result = CliRunner().invoke(serve, [*args, "--api-key", "from-flag"], env={"CORERUN_API_KEY": "from-env"})
     assert result.exit_code == 0 and seen["api_key"] == "from-flag"
+
+
+# ------------------------------------------------------------------ 6. chat max_tokens default
+
+def test_chat_default_max_tokens_fits_a_small_cache(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """32 tokens of cache under a 64-token context: the default is what the cache can hold, as vLLM's."""
+    with caplog.at_level("WARNING", logger="corerun.server"):
+        llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 8, "block_size": 4},
+                  scheduler={"max_model_len": MAX_MODEL_LEN})
+        try:
+            with running_server(llm) as u:
+                messages = [{"role": "user", "content": "the cat"}]
+                ids = tok_ids(llm, messages)
+                c = openai.OpenAI(base_url=u + "/v1", api_key="-", max_retries=0)
+                r = c.chat.completions.create(model="tiny-llama", messages=messages, temperature=0,
+                                              extra_body={"ignore_eos": True})
+                assert r.choices[0].finish_reason == "length"
+                assert r.usage.completion_tokens == 8 * 4 + 1 - len(ids)  # K/V of prompt + output - 1 = 32 tokens
+                ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=33 - len(ids), ignore_eos=True),
+                                   use_tqdm=False)[0]
+                assert r.choices[0].message.content == ref.outputs[0].text
+                status, body = chat(u, "hi", max_tokens=40)  # asked for: still refused, naming what fits
+                assert status == 400 and body["error"]["param"] == "max_tokens", body
+        finally:
+            llm.shutdown()
+    warned = [r.getMessage() for r in caplog.records if r.name == "corerun.server" and "KV cache holds" in r.message]
+    assert warned == ["the KV cache holds 32 tokens, less than one request of max_model_len=64: chat requests without "
+                      "max_tokens get at most 33 tokens of prompt and output; raise kv_cache.num_blocks or memory to "
+                      "serve the whole context"]

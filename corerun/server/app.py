@@ -167,8 +167,8 @@ def build_app(llm: Any) -> FastAPI:
         P.unsupported(req)
         prompt = await asyncio.to_thread(state.chat_prompt, req)
         state.check_length([prompt], None, "messages")
-        default = state.max_model_len - len(prompt)  # OpenAI's chat default: as long as the context allows
-        params = P.sampling_params(req, default_max_tokens=default, max_logprobs=state.max_logprobs)
+        params = P.sampling_params(req, default_max_tokens=state.default_max_tokens(len(prompt)),
+                                   max_logprobs=state.max_logprobs)
         state.check_length([prompt], req.max_completion_tokens or req.max_tokens, "messages")
         return await _serve(request, state, req, [prompt], params, chat=True)
 

@@ -37,7 +37,14 @@ class Serving:
         self.tokenizer = llm.get_tokenizer()
         self.name = model_name(llm)
         self.cfg = llm.config.server
-        self.max_model_len = self.engine.runner.max_model_len
+        runner = self.engine.runner
+        self.max_model_len = runner.max_model_len
+        self.kv_tokens = runner.num_blocks * runner.block_size  # the most K/V the cache can ever hold for one request
+        if self.kv_tokens < self.max_model_len - 1:
+            logger.warning("the KV cache holds %d tokens, less than one request of max_model_len=%d: chat requests "
+                           "without max_tokens get at most %d tokens of prompt and output; raise kv_cache.num_blocks "
+                           "or memory to serve the whole context", self.kv_tokens, self.max_model_len,
+                           self.kv_tokens + 1)
         self.max_logprobs = llm.config.max_logprobs
         self.metrics = ServerMetrics(self.engine, self.name)
         self.admitting = 0  # requests between the queue check and the engine's waiting queue
@@ -97,6 +104,11 @@ class Serving:
             raise P.APIError(400, f"messages: the chat template refused them: {type(exc).__name__}: {exc}",
                              param="messages") from None
         return self.encode(text, "messages", special=False)  # the template wrote the special tokens
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """vLLM's default for a request without ``max_tokens``: the rest of the context, capped by what the KV
+        cache can ever hold (a request keeps ``prompt + max_tokens - 1`` tokens of K/V)."""
+        return max(1, min(self.max_model_len - prompt_len, self.kv_tokens + 1 - prompt_len))
 
     def check_length(self, prompts: list[list[int]], params_max: int | None, field: str) -> None:
         for ids in prompts:
