@@ -15,6 +15,7 @@ import triton.language as tl
 
 from corerun_attention_triton.kernels import INTERPRET
 from corerun_attention_triton.kernels.paged_tile import load_kv_tile
+from corerun_attention_triton.kernels.warps import decode_num_warps
 
 
 @triton.jit
@@ -163,7 +164,7 @@ def split_kv_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         TILE_N=tile_n,
         UPCAST=INTERPRET,
-        num_warps=4,
+        num_warps=decode_num_warps(head_pad),
         num_stages=2,
     )
     return part_out, part_lse

@@ -22,6 +22,7 @@ import triton.language as tl
 from corerun_attention_triton.kernels import INTERPRET
 from corerun_attention_triton.kernels.paged_tile import load_kv_tile
 from corerun_attention_triton.kernels.rounding import round_to_bf16
+from corerun_attention_triton.kernels.warps import decode_num_warps
 
 
 @triton.jit
@@ -221,4 +222,6 @@ def unified_attention(
     if autotune and _prefill_kernel is not None:
         _prefill_kernel[grid](*args, **constexprs)
     else:
-        unified_attention_kernel[grid](*args, **constexprs, num_warps=4, num_stages=2)
+        # decode-only batches (and the interpreter): fixed warps, a CUDA graph may capture the launch
+        warps = decode_num_warps(constexprs["HEAD_PAD"])
+        unified_attention_kernel[grid](*args, **constexprs, num_warps=warps, num_stages=2)
