@@ -95,6 +95,25 @@ class StructuredOutputsParams(_StructuredOutputsBase):
             )
         return self
 
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> "StructuredOutputsParams":
+        import json as _json
+
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "choice":
+            named = [(f"choice[{i}]", c) for i, c in enumerate(value)]
+        else:
+            named = [(kind, value if isinstance(value, str) else _json.dumps(value, ensure_ascii=False))]
+        for name, text in named:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no UTF-8 text (nor grammar) holds it
+                where = f" at character {exc.start}" if kind != "json" or isinstance(value, str) else ""
+                raise ValueError(
+                    f"structured_outputs.{name} must be valid Unicode text, got a lone surrogate {text[exc.start]!r}{where}"
+                ) from None
+        return self
+
     @property
     def kind(self) -> str:
         """The one field that is set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""

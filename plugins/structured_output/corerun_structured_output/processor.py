@@ -41,12 +41,14 @@ def spec_text(so: StructuredOutputsParams) -> tuple[str, str]:
     kind = so.kind
     if kind == "json":
         value = so.json
-        return kind, value if isinstance(value, str) else json.dumps(value)  # property order is kept: it is the output's
+        # property order is kept: it is the output's
+        return kind, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     if kind == "json_object":
         return kind, '{"type": "object"}'
     if kind == "choice":
-        # an EBNF alternative of JSON-escaped literals (xgrammar's string escapes are JSON's)
-        return kind, "root ::= " + " | ".join(json.dumps(c) for c in so.choice or ())
+        # an EBNF alternative of JSON-escaped literals (xgrammar's string escapes are JSON's, but a
+        # "\ud83d\ude00" pair would be read as two lone surrogates): characters past ASCII stay as they are
+        return kind, "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice or ())
     return kind, getattr(so, kind)
 
 
