@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from corerun.config import Config
-from corerun.runner import profile
+from corerun.runner import construction, profile
 from corerun.runner.model_runner import ModelRunner
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -94,7 +94,7 @@ def test_runner_keeps_the_profiled_peaks_out_of_the_kv_budget(tmp_path, monkeypa
         runs.append(run())
         return next(fake_peaks)
 
-    monkeypatch.setattr(ModelRunner, "_profiles_step_memory", lambda self: True)
+    monkeypatch.setattr(construction, "profiles_step_memory", lambda device: True)
     monkeypatch.setattr(profile, "peak_bytes", fake_peak)
     config = Config(
         model=str(model_dir), device="cpu", dtype="float32", attention="torch",
@@ -128,7 +128,7 @@ def test_generation_after_profiling_equals_generation_without(tmp_path, monkeypa
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [[3, 4, 5], list(range(10, 40))]
     plain = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sp, use_tqdm=False)]
-    monkeypatch.setattr(ModelRunner, "_profiles_step_memory", lambda self: True)
+    monkeypatch.setattr(construction, "profiles_step_memory", lambda device: True)
     profiled = LLM(**common)
     assert profiled.engine.runner.step_memory is not None
     assert [o.outputs[0].token_ids for o in profiled.generate(prompts, sp, use_tqdm=False)] == plain
@@ -140,7 +140,7 @@ def test_sampling_profile_switches_on_what_the_sampler_accepts(tmp_path, sampler
     config = Config(model=str(model_dir), device="cpu", dtype="float32", attention="torch", sampler=sampler,
                     kv_cache={"num_blocks": 8}, scheduler={"max_model_len": 64})
     runner = ModelRunner(config)
-    params, got = runner._widest_sampling(6)
+    params, got = construction.widest_sampling(runner.sampler, runner.config.max_logprobs, 6)
     assert got == what
     greedy = [p for p in params if p.temperature == 0.0]
     assert len(greedy) == 3  # greedy rows mixed with sampled ones: both paths run

@@ -93,7 +93,9 @@ class TensorParallelRunner(ModelRunner):
         from corerun.models.config import ModelConfig
         from corerun.distributed.sharding import check_model
 
-        model_dir = config.model if config.model else ModelRunner._default_model_dir()
+        from corerun.runner.construction import default_model_dir
+
+        model_dir = config.model if config.model else default_model_dir()
         check_model(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
 
     def _startup_failure(self, exc: BaseException) -> Failure | None:

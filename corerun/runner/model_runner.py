@@ -10,31 +10,23 @@ runner, computes logits for the rows that need them, and samples.
 from __future__ import annotations
 
 import logging
-import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from corerun.capabilities import Need
 from corerun.config import Config
-from corerun.kv_cache.memory import check_kv_cache_fits
 from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.errors import ConfigError, StepError
 from corerun.forward_context import AttentionContext
-from corerun.runner.profile import StepMemory
-from corerun.logits_processing import LogitsProcessors
 from corerun.protocols.attention import AttentionBatch
-from corerun.protocols.graph import GraphLimits, ModelInputs
+from corerun.protocols.graph import ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, get_registry
-from corerun.sdk.sampling import to_device
-from corerun.sampling_params import SamplingParams
 from corerun.runner.step_inputs import StepInputs
-from corerun.threads import apply_threads
+from corerun.sdk.sampling import to_device
 
 logger = logging.getLogger("corerun.runner")
 
@@ -80,189 +72,15 @@ class ExecuteModelState:
 
 
 class ModelRunner:
-    # tp: this process's tensor-parallel group (corerun.executor); the model holds this rank's shard
+    """Built by :mod:`corerun.runner.construction`; ``tp``: this process's tensor-parallel group
+    (corerun.executor), the model then holding this rank's shard."""
+
     def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
-        from corerun.kv_cache.sizing import num_blocks_for_budget
-        from corerun.models.loader import load_model
+        from corerun.runner.construction import build
 
         self.config = config
         self.registry = registry or get_registry()
-        self.registry.check_names(config)  # a wrong or duplicated name fails now, not after the model loads
-        self.device = resolve_device(config.device)
-        self.threads = apply_threads(config.threads, tp.world_size if tp is not None else 1)  # torch's intra-op pool
-        # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
-        torch.manual_seed(config.seed)
-        self.model_dir = Path(config.model) if config.model else self._default_model_dir()
-        self.model, self.model_config = load_model(
-            self.model_dir,
-            dtype=lambda model_dtype: resolve_dtype(config.dtype, self.device, model_dtype),
-            device=self.device,
-            allow_pickle=config.allow_pickle_weights,
-            tp=tp,
-        )
-        mc = self.model_config
-        self.dtype = next(self.model.parameters()).dtype
-        self.vocab_size = mc.vocab_size
-        self.block_size = config.kv_cache.block_size
-        ml = config.scheduler.max_model_len
-        self.max_model_len = mc.max_model_len if ml == "auto" else ml
-        if self.max_model_len > mc.max_model_len:
-            raise ConfigError(
-                f"scheduler.max_model_len: {self.max_model_len} is longer than the model's "
-                f"supported length {mc.max_model_len}"
-            )
-
-        # attention backend: the user's choice, or the best capable one for `auto`
-        spec = self.model.attention_spec(self.dtype, self.block_size, self.device)
-        select = self.registry.select  # explicit names as asked; `auto` by priority among what fits (registry.py)
-        self.attention_name = select("attention", config.attention.name, spec).name
-        self.attention = self.registry.create(
-            "attention", self.attention_name, spec, options=config.attention.options
-        )
-
-        # graph runner and sampler are chosen first: the KV budget leaves room for what they need
-        need = Need(self.device, attention=self.attention, tensor_parallel=tp is not None and tp.world_size > 1)
-        graph_name = self.graph_name = select("graph", config.graph.runner.name, need, "graph.runner").name
-        limits = GraphLimits(
-            max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            hidden_size=mc.hidden_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.sampler_name = select("sampler", config.sampler.name, need).name
-        self.sampler = self.registry.create("sampler", self.sampler_name, self.vocab_size, self.device, options=config.sampler.options)
-        # requests finished since the sampler was last called (SamplingMetadata.finished_seq_ids); read
-        # and written by sample_tokens only, which runs one step at a time
-        self._finished_for_sampler: set[int] = set()
-        self.logits_processors = LogitsProcessors(  # between logits and sampler (corerun.logits_processing)
-            self.registry, self.vocab_size, self.device, self.sampler_name, self.sampler.capabilities
-        )
-
-        # KV cache: blocks sized from the memory budget unless given
-        per_block = self.attention.kv_cache_bytes_per_block() * mc.num_layers
-        self.step_memory: StepMemory | None = None
-        if config.kv_cache.num_blocks == "auto":
-            if self._profiles_step_memory():
-                self.step_memory = self._profile_step_memory(limits)
-            self.num_blocks = num_blocks_for_budget(
-                per_block,
-                device=self.device,
-                memory_fraction=config.kv_cache.memory_fraction,
-                cpu_memory_gb=config.kv_cache.cpu_memory_gb,
-                reserved_bytes=self.step_memory.reserved_bytes if self.step_memory else 0,
-            )
-        else:
-            self.num_blocks = config.kv_cache.num_blocks
-            check_kv_cache_fits(self.num_blocks, per_block, self.device)
-        if tp is not None and tp.world_size > 1:  # every rank allocates (and the engine schedules into) the smallest count
-            self.num_blocks = tp.min_int(self.num_blocks)
-        self.kv_caches = [self.attention.allocate_kv_cache(self.num_blocks) for _ in range(mc.num_layers)]
-        self.kv_manager_name = select("kv_cache", config.kv_cache.manager.name, need, "kv_cache.manager").name
-        self.kv_manager = self.registry.create(
-            "kv_cache", self.kv_manager_name, self.num_blocks, self.block_size,
-            prefix_caching=config.kv_cache.prefix_caching, options=config.kv_cache.manager.options,
-        )
-
-        # graph runner around the composed model
-        self.graph = self.registry.create(
-            "graph", graph_name, _weak_model_fn(self), self.attention, limits, options=config.graph.runner.options
-        )
-        self.graph.capture()
-
-        logger.info(
-            "model %s (%s) on %s/%s: attention=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
-            self.model_dir, ",".join(mc.architectures), self.device, str(self.dtype).removeprefix("torch."),
-            self.attention_name, self.kv_manager_name, self.num_blocks, self.block_size, graph_name, self.sampler_name,
-        )
-
-    # ------------------------------------------------------ memory profile
-    def _profiles_step_memory(self) -> bool:
-        """Only CUDA measures its step memory; elsewhere ``kv_cache.cpu_memory_gb`` is the KV budget itself."""
-        return self.device.type == "cuda"
-
-    @torch.no_grad()  # not inference mode: a sampler may keep buffers it makes here and write them later
-    def _profile_step_memory(self, limits: GraphLimits) -> StepMemory:
-        """Run the worst prefill, the widest eager decode, the widest sampling and (when graphs are
-        captured) the largest captured decode once each on a one-block scratch cache, and measure their
-        peaks (see :mod:`corerun.runner.profile`).  Every rank of a tensor-parallel group runs the
-        same forwards in the same order; only the rank holding the logits samples."""
-        from corerun.runner import profile
-
-        sc, bs, dev = self.config.scheduler, self.block_size, self.device
-        prefill = profile.worst_prefill(sc.max_num_batched_tokens, self.max_model_len, sc.max_num_seqs, bs, dev)
-        decode_rows = min(sc.max_num_seqs, sc.max_num_batched_tokens)
-        decode = profile.widest_decode(decode_rows, self.max_model_len, bs, dev)
-        reg = self.registry.get("graph", self.graph_name)
-        captures = bool(getattr(reg.capabilities, "captures", False)) and bool(
-            getattr(self.attention.capabilities, "cuda_graph_decode", False)
-        )
-        captured = profile.captured_decode(limits) if captures else None
-        rows = sc.max_num_seqs
-        params, what = self._widest_sampling(rows)
-        self.kv_caches = [self.attention.allocate_kv_cache(1).zero_() for _ in range(self.model_config.num_layers)]
-        try:
-            def forward(inputs: ModelInputs) -> torch.Tensor:
-                return self._model_fn(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch))
-
-            # (the first prefill also compiles / autotunes the backend's kernels: triton's autotuner
-            # times candidates with a 256 MiB scratch buffer, which this peak then includes, and which
-            # a later autotune for another tile shape needs again)
-            prefill_bytes = profile.peak_bytes(lambda: forward(prefill), dev)
-            decode_bytes = profile.peak_bytes(lambda: forward(decode), dev)
-            hidden = torch.randn(rows, self.model_config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dev, self.dtype)
-
-            def sample() -> None:
-                # a real step still holds its hidden states [num_tokens, hidden] while it samples
-                held = torch.empty(prefill.batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=dev)
-                logits = self.model.compute_logits(hidden)
-                if logits is not None:  # tensor parallel: the rank holding the logits samples
-                    prompts = [list(range(1, 9))] * rows
-                    self.sampler.sample(logits, SamplingMetadata(params, prompts, [[1, 2]] * rows))
-                del held  # (only now: it was part of the peak)
-
-            sampling_bytes = profile.peak_bytes(sample, dev)
-            graph_bytes = profile.peak_bytes(lambda: forward(captured), dev) if captured is not None else 0
-        finally:
-            self.kv_caches = []
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        memory = profile.StepMemory(
-            prefill_bytes, decode_bytes, sampling_bytes, graph_bytes,
-            prefill.batch.num_tokens, prefill.batch.num_reqs, decode_rows,
-        )
-        mib = 2.0**20
-        logger.info(
-            "kv_cache: step memory kept out of the KV budget: %.1f MiB (prefill of %d tokens in %d requests at "
-            "max_model_len %d: %.1f MiB; eager decode of %d: %.1f MiB; sampling %d rows %s: %.1f MiB; captured "
-            "decode of %d: %.1f MiB)",
-            memory.reserved_bytes / mib, memory.prefill_tokens, memory.prefill_requests, self.max_model_len,
-            prefill_bytes / mib, decode_rows, decode_bytes / mib, rows, what, sampling_bytes / mib,
-            limits.max_batch_size if captures else 0, graph_bytes / mib,
-        )
-        return memory
-
-    def _widest_sampling(self, rows: int) -> tuple[list[SamplingParams], str]:
-        """Parameters for ``rows`` rows that take every path the sampler accepts: greedy rows mixed
-        with rows using all its other parameters (seeded, truncated, penalised, with logprobs)."""
-        everything = SamplingParams(
-            temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2,
-            presence_penalty=0.2, seed=1, logprobs=min(self.config.max_logprobs, 20) or None, logit_bias={0: 1.0},
-        )
-        for rich, what in ((everything, "with every parameter"), (SamplingParams(temperature=0.8, seed=1), "temperature, seed")):
-            try:
-                self.sampler.check(rich)
-            except Exception:
-                continue
-            return [SamplingParams(temperature=0.0) if i % 2 else rich for i in range(rows)], what
-        return [SamplingParams()] * rows, "defaults"
-
-    @staticmethod
-    def _default_model_dir() -> Path:
-        from corerun.models.default import default_model_dir
-
-        return default_model_dir()
+        build(self, tp)  # load -> select -> profile -> size -> allocate -> capture (corerun.runner.construction)
 
     def _model_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
         return self.model(input_ids, positions, AttentionContext(self.attention, metadata, self.kv_caches))
@@ -513,13 +331,3 @@ class ModelRunner:
             result[i] = (first + 1, lp)
         return result
 
-
-def _weak_model_fn(runner: ModelRunner) -> Any:
-    """``runner._model_fn`` without a reference to ``runner``: the graph runner keeps this, and a bound
-    method would make a cycle that holds the KV cache and graph pool until a full garbage collection."""
-    ref = weakref.ref(runner)
-
-    def model_fn(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-        return ref()._model_fn(input_ids, positions, metadata)  # type: ignore[union-attr]
-
-    return model_fn

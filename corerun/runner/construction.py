@@ -1,0 +1,256 @@
+"""A ModelRunner's construction, in order: load -> select -> profile -> size -> allocate -> capture.
+
+Each stage reads the configuration and what the stages before it set on the runner:
+
+- load:     the model's weights and config on the device, the runner's dtype and lengths
+- select:   attention backend, graph runner, sampler and logits processors from the registry
+- profile:  on CUDA, the peaks of the worst steps on a one-block scratch cache (returned, see
+            :func:`profile_step_memory`), kept out of the KV budget
+- size:     the KV cache's block count (given, or from the memory left); tensor-parallel ranks agree
+- allocate: the KV cache and its manager
+- capture:  the graph runner around the composed model (CUDA graphs where it captures)
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corerun.capabilities import Need
+from corerun.errors import ConfigError
+from corerun.kv_cache.memory import check_kv_cache_fits
+from corerun.logits_processing import LogitsProcessors
+from corerun.protocols.graph import GraphLimits, ModelInputs
+from corerun.protocols.sampler import SamplingMetadata
+from corerun.runner import profile
+from corerun.runner.profile import StepMemory
+from corerun.sampling_params import SamplingParams
+from corerun.threads import apply_threads
+
+logger = logging.getLogger("corerun.runner")
+
+
+def build(runner: Any, tp: Any) -> None:
+    """Construct ``runner`` (its ``config`` and ``registry`` set) for tensor-parallel group ``tp`` (None: one device)."""
+    runner.registry.check_names(runner.config)  # a wrong or duplicated name fails now, not after the model loads
+    load(runner, tp)
+    limits, need = select(runner, tp)
+    per_block = runner.attention.kv_cache_bytes_per_block() * runner.model_config.num_layers
+    runner.step_memory = profile_step_memory(runner, limits) if _sized_from_memory(runner) and profiles_step_memory(runner.device) else None
+    runner.num_blocks = size(runner, per_block, tp)
+    allocate(runner, need)
+    capture(runner, limits)
+    mc = runner.model_config
+    logger.info(
+        "model %s (%s) on %s/%s: attention=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
+        runner.model_dir, ",".join(mc.architectures), runner.device, str(runner.dtype).removeprefix("torch."),
+        runner.attention_name, runner.kv_manager_name, runner.num_blocks, runner.block_size, runner.graph_name,
+        runner.sampler_name,
+    )
+
+
+def load(runner: Any, tp: Any) -> None:
+    """The model on its device, with the runner's dtype, vocabulary, block size and max_model_len."""
+    from corerun.models.loader import load_model
+    from corerun.runner.model_runner import resolve_device, resolve_dtype
+
+    config = runner.config
+    runner.device = device = resolve_device(config.device)
+    runner.threads = apply_threads(config.threads, tp.world_size if tp is not None else 1)  # torch's intra-op pool
+    # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
+    torch.manual_seed(config.seed)
+    runner.model_dir = Path(config.model) if config.model else default_model_dir()
+    runner.model, runner.model_config = load_model(
+        runner.model_dir,
+        dtype=lambda model_dtype: resolve_dtype(config.dtype, device, model_dtype),
+        device=device,
+        allow_pickle=config.allow_pickle_weights,
+        tp=tp,
+    )
+    mc = runner.model_config
+    runner.dtype = next(runner.model.parameters()).dtype
+    runner.vocab_size = mc.vocab_size
+    runner.block_size = config.kv_cache.block_size
+    ml = config.scheduler.max_model_len
+    runner.max_model_len = mc.max_model_len if ml == "auto" else ml
+    if runner.max_model_len > mc.max_model_len:
+        raise ConfigError(
+            f"scheduler.max_model_len: {runner.max_model_len} is longer than the model's "
+            f"supported length {mc.max_model_len}"
+        )
+
+
+def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
+    """Attention backend (the user's choice, or the best capable one for ``auto``), graph runner, sampler and
+    logits processors; the graph runner and sampler are chosen before sizing, which leaves room for what they need."""
+    config, registry = runner.config, runner.registry
+    spec = runner.model.attention_spec(runner.dtype, runner.block_size, runner.device)
+    choose = registry.select  # explicit names as asked; `auto` by priority among what fits (registry.py)
+    runner.attention_name = choose("attention", config.attention.name, spec).name
+    runner.attention = registry.create("attention", runner.attention_name, spec, options=config.attention.options)
+    need = Need(runner.device, attention=runner.attention, tensor_parallel=tp is not None and tp.world_size > 1)
+    runner.graph_name = choose("graph", config.graph.runner.name, need, "graph.runner").name
+    limits = GraphLimits(
+        max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),
+        max_model_len=runner.max_model_len,
+        block_size=runner.block_size,
+        hidden_size=runner.model_config.hidden_size,
+        dtype=runner.dtype,
+        device=runner.device,
+    )
+    runner.sampler_name = choose("sampler", config.sampler.name, need).name
+    runner.sampler = registry.create("sampler", runner.sampler_name, runner.vocab_size, runner.device,
+                                     options=config.sampler.options)
+    # requests finished since the sampler was last called (SamplingMetadata.finished_seq_ids); read
+    # and written by sample_tokens only, which runs one step at a time
+    runner._finished_for_sampler = set()
+    runner.logits_processors = LogitsProcessors(  # between logits and sampler (corerun.logits_processing)
+        registry, runner.vocab_size, runner.device, runner.sampler_name, runner.sampler.capabilities
+    )
+    return limits, need
+
+
+def size(runner: Any, per_block: int, tp: Any) -> int:
+    """KV-cache blocks: sized from the memory budget (less the profiled step memory) unless given; every
+    tensor-parallel rank allocates (and the engine schedules into) the smallest count."""
+    from corerun.kv_cache.sizing import num_blocks_for_budget
+
+    kc = runner.config.kv_cache
+    if _sized_from_memory(runner):
+        num_blocks = num_blocks_for_budget(
+            per_block, device=runner.device, memory_fraction=kc.memory_fraction, cpu_memory_gb=kc.cpu_memory_gb,
+            reserved_bytes=runner.step_memory.reserved_bytes if runner.step_memory else 0,
+        )
+    else:
+        num_blocks = kc.num_blocks
+        check_kv_cache_fits(num_blocks, per_block, runner.device)
+    if tp is not None and tp.world_size > 1:
+        num_blocks = tp.min_int(num_blocks)
+    return num_blocks
+
+
+def allocate(runner: Any, need: Need) -> None:
+    """The KV cache of every layer, and the KV-cache manager that hands out its blocks."""
+    config = runner.config
+    runner.kv_caches = [runner.attention.allocate_kv_cache(runner.num_blocks) for _ in range(runner.model_config.num_layers)]
+    runner.kv_manager_name = runner.registry.select("kv_cache", config.kv_cache.manager.name, need, "kv_cache.manager").name
+    runner.kv_manager = runner.registry.create(
+        "kv_cache", runner.kv_manager_name, runner.num_blocks, runner.block_size,
+        prefix_caching=config.kv_cache.prefix_caching, options=config.kv_cache.manager.options,
+    )
+
+
+def capture(runner: Any, limits: GraphLimits) -> None:
+    """The graph runner around the composed model, captured now that the KV cache exists."""
+    runner.graph = runner.registry.create(
+        "graph", runner.graph_name, weak_model_fn(runner), runner.attention, limits,
+        options=runner.config.graph.runner.options,
+    )
+    runner.graph.capture()
+
+
+# ------------------------------------------------------------------ profile
+def _sized_from_memory(runner: Any) -> bool:
+    return runner.config.kv_cache.num_blocks == "auto"
+
+
+def profiles_step_memory(device: torch.device) -> bool:
+    """Only CUDA measures its step memory; elsewhere ``kv_cache.cpu_memory_gb`` is the KV budget itself."""
+    return device.type == "cuda"
+
+
+@torch.no_grad()  # not inference mode: a sampler may keep buffers it makes here and write them later
+def profile_step_memory(runner: Any, limits: GraphLimits) -> StepMemory:
+    """Run the worst prefill, the widest eager decode, the widest sampling and (when graphs are
+    captured) the largest captured decode once each on a one-block scratch cache, and return their
+    peaks (see :mod:`corerun.runner.profile`).  Every rank of a tensor-parallel group runs the same
+    forwards in the same order; only the rank holding the logits samples."""
+    sc, bs, dev, mc = runner.config.scheduler, runner.block_size, runner.device, runner.model_config
+    prefill = profile.worst_prefill(sc.max_num_batched_tokens, runner.max_model_len, sc.max_num_seqs, bs, dev)
+    decode_rows = min(sc.max_num_seqs, sc.max_num_batched_tokens)
+    decode = profile.widest_decode(decode_rows, runner.max_model_len, bs, dev)
+    reg = runner.registry.get("graph", runner.graph_name)
+    captures = bool(getattr(reg.capabilities, "captures", False)) and bool(
+        getattr(runner.attention.capabilities, "cuda_graph_decode", False)
+    )
+    captured = profile.captured_decode(limits) if captures else None
+    rows = sc.max_num_seqs
+    params, what = widest_sampling(runner.sampler, runner.config.max_logprobs, rows)
+    runner.kv_caches = [runner.attention.allocate_kv_cache(1).zero_() for _ in range(mc.num_layers)]
+    try:
+        def forward(inputs: ModelInputs) -> torch.Tensor:
+            return runner._model_fn(inputs.input_ids, inputs.positions, runner.attention.plan(inputs.batch))
+
+        # (the first prefill also compiles / autotunes the backend's kernels: triton's autotuner
+        # times candidates with a 256 MiB scratch buffer, which this peak then includes, and which
+        # a later autotune for another tile shape needs again)
+        prefill_bytes = profile.peak_bytes(lambda: forward(prefill), dev)
+        decode_bytes = profile.peak_bytes(lambda: forward(decode), dev)
+        hidden = torch.randn(rows, mc.hidden_size, generator=torch.Generator().manual_seed(0)).to(dev, runner.dtype)
+
+        def sample() -> None:
+            # a real step still holds its hidden states [num_tokens, hidden] while it samples
+            held = torch.empty(prefill.batch.num_tokens, mc.hidden_size, dtype=runner.dtype, device=dev)
+            logits = runner.model.compute_logits(hidden)
+            if logits is not None:  # tensor parallel: the rank holding the logits samples
+                prompts = [list(range(1, 9))] * rows
+                runner.sampler.sample(logits, SamplingMetadata(params, prompts, [[1, 2]] * rows))
+            del held  # (only now: it was part of the peak)
+
+        sampling_bytes = profile.peak_bytes(sample, dev)
+        graph_bytes = profile.peak_bytes(lambda: forward(captured), dev) if captured is not None else 0
+    finally:
+        runner.kv_caches = []
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    memory = profile.StepMemory(
+        prefill_bytes, decode_bytes, sampling_bytes, graph_bytes,
+        prefill.batch.num_tokens, prefill.batch.num_reqs, decode_rows,
+    )
+    mib = 2.0**20
+    logger.info(
+        "kv_cache: step memory kept out of the KV budget: %.1f MiB (prefill of %d tokens in %d requests at "
+        "max_model_len %d: %.1f MiB; eager decode of %d: %.1f MiB; sampling %d rows %s: %.1f MiB; captured "
+        "decode of %d: %.1f MiB)",
+        memory.reserved_bytes / mib, memory.prefill_tokens, memory.prefill_requests, runner.max_model_len,
+        prefill_bytes / mib, decode_rows, decode_bytes / mib, rows, what, sampling_bytes / mib,
+        limits.max_batch_size if captures else 0, graph_bytes / mib,
+    )
+    return memory
+
+
+def widest_sampling(sampler: Any, max_logprobs: int, rows: int) -> tuple[list[SamplingParams], str]:
+    """Parameters for ``rows`` rows that take every path ``sampler`` accepts: greedy rows mixed
+    with rows using all its other parameters (seeded, truncated, penalised, with logprobs)."""
+    everything = SamplingParams(
+        temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2,
+        presence_penalty=0.2, seed=1, logprobs=min(max_logprobs, 20) or None, logit_bias={0: 1.0},
+    )
+    for rich, what in ((everything, "with every parameter"), (SamplingParams(temperature=0.8, seed=1), "temperature, seed")):
+        try:
+            sampler.check(rich)
+        except Exception:
+            continue
+        return [SamplingParams(temperature=0.0) if i % 2 else rich for i in range(rows)], what
+    return [SamplingParams()] * rows, "defaults"
+
+
+def default_model_dir() -> Path:
+    from corerun.models.default import default_model_dir as default
+
+    return default()
+
+
+def weak_model_fn(runner: Any) -> Any:
+    """``runner._model_fn`` without a reference to ``runner``: the graph runner keeps this, and a bound
+    method would make a cycle that holds the KV cache and graph pool until a full garbage collection."""
+    ref = weakref.ref(runner)
+
+    def model_fn(input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        return ref()._model_fn(input_ids, positions, metadata)  # type: ignore[union-attr]
+
+    return model_fn
