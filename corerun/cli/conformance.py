@@ -5,8 +5,10 @@ The suite runs through pytest in this process, exactly as
 pytest's ``-k`` and the plugin's ``--corerun-*`` options; :mod:`corerun.conformance.runner`).
 Prints a table (check, case, result, reason) or, with ``--json``, a document with every result.
 Exit status: 0 when at least one check passed and none failed (expected failures with their reasons
-are fine); 1 when any check failed, errored or unexpectedly passed; 5 when nothing ran (every check
-skipped, e.g. the implementation is unavailable here, or ``-k`` selected nothing); 2 on usage errors.
+are fine); 1 when any check failed, errored or unexpectedly passed; 3 when the implementation's plugin
+or factory module fails to import (an error, with the traceback's last line); 5 when nothing ran
+(every check skipped, e.g. the implementation is unavailable here, or ``-k`` selected nothing); 2 on
+usage errors.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Iterator
 import click
 
 EXIT_NOTHING_RAN = 5
+EXIT_IMPORT_FAILED = 3  # the implementation's plugin or module cannot be imported: nothing was checked
 STYLES = {"passed": "green", "failed": "bold red", "error": "bold red", "xpassed": "bold red", "skipped": "yellow", "xfailed": "cyan"}
 
 
@@ -168,7 +171,9 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
 
             get_registry().get("attention", attention)  # an unknown name: the registry's did-you-mean
     except PluginError as exc:
+        _exit_if_a_plugin_failed_to_import(f"{kind}:{name}", None)
         raise click.UsageError(str(exc)) from None
+    _exit_if_a_plugin_failed_to_import(f"{kind}:{name}", target.registration)
     start = time.perf_counter()
     try:
         with nullcontext() if as_json else _status(f"running the {kind} suite against {name}") as status:
@@ -193,6 +198,42 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
     else:
         _render(doc, results)
     sys.exit(exit_code(results))
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _exit_if_a_plugin_failed_to_import(label: str, registration: Any) -> None:
+    """An implementation whose factory module fails to import, or (when ``registration`` is None, the
+    name being unknown) any plugin whose entry point failed to import, is an error, not a skip: print
+    each with its traceback's last line and exit with EXIT_IMPORT_FAILED."""
+    import traceback
+
+    from corerun.registry import get_registry, resolve
+
+    failures: list[str] = []
+    if registration is not None:
+        if registration.import_reasons() and isinstance(registration.factory, str):
+            try:
+                resolve(registration.factory)
+            except Exception as exc:
+                last = _last_line("".join(traceback.format_exception_only(type(exc), exc)))
+                failures.append(f"{registration.distribution} {registration.version}: import of {registration.factory} failed: {last}")
+    else:
+        for e in get_registry().load_errors:
+            if e.error.startswith("import of "):
+                failures.append(f"plugin '{e.plugin}' ({e.distribution}): {e.error.split(' failed: ')[0]} failed: "
+                                f"{_last_line(e.detail) or e.error}")
+    if not failures:
+        return
+    click.echo(f"error: {label} cannot be checked: its plugin fails to import", err=True)
+    for failure in failures:
+        click.echo(f"  {failure}", err=True)
+    click.echo("nothing was checked and no certificate changed; `python -c 'import MODULE'` shows the whole traceback",
+               err=True)
+    sys.exit(EXIT_IMPORT_FAILED)
 
 
 @contextmanager
