@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -161,18 +162,28 @@ def test_missing_packages_stop_the_script_with_one_line(tmp_path: Path) -> None:
     assert {p.name for p in results.iterdir()} == {"summary.txt", "preflight.json", "install-wheels.txt"}
 
 
-def _fake_wheel(folder: Path, name: str) -> Path:
+def _fake_wheel(folder: Path, name: str, requires: tuple[str, ...] = ()) -> Path:
+    """A wheel file holding only its metadata (name, version and ``Requires-Dist`` lines)."""
     folder.mkdir(exist_ok=True)
     path = folder / name
-    path.write_bytes(b"")
+    dist, version = name.split("-")[:2]
+    lines = ["Metadata-Version: 2.1", f"Name: {dist}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    with zipfile.ZipFile(path, "w") as whl:
+        whl.writestr(f"{dist}-{version}.dist-info/METADATA", "\n".join(lines) + "\n")
     return path
+
+
+def run_preflight(out: Path, wheels: Path, pretend: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CORERUN_GPU_PRETEND": pretend}
+    return subprocess.run([sys.executable, str(PREFLIGHT), "--out", str(out), "--dry-run", "--wheels", str(wheels)],
+                          capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_carried_wheels_satisfy_the_check_and_only_missing_ones_are_installed(tmp_path: Path) -> None:
     here = f"cp{sys.version_info.major}{sys.version_info.minor}"
     wheels = tmp_path / "wheels"
     wanted = {
-        _fake_wheel(wheels, "pydantic-2.14.4-py3-none-any.whl"),
+        _fake_wheel(wheels, "pydantic-2.14.4-py3-none-any.whl", ("pydantic-core==2.50.5", 'email-validator>=2; extra == "email"')),
         _fake_wheel(wheels, f"pydantic_core-2.50.5-{here}-{here}-manylinux_2_17_{platform.machine()}.manylinux2014_{platform.machine()}.whl"),
         _fake_wheel(wheels, "rich-15.0.0-py3-none-any.whl"),
         _fake_wheel(wheels, "setuptools-80.9.0-py3-none-any.whl"),
@@ -189,13 +200,34 @@ def test_carried_wheels_satisfy_the_check_and_only_missing_ones_are_installed(tm
     assert all(str(w) in pip_line for w in wanted) and "tqdm" not in pip_line
 
 
+def test_a_carried_wheel_needing_a_newer_installed_package_is_caught_and_a_carried_newer_one_installed(tmp_path: Path) -> None:
+    """Wheels install with --no-deps: what they require of other distributions is checked from their
+    Requires-Dist against the image (pydantic needs a typing-extensions newer than some images ship)."""
+    wheels = tmp_path / "wheels"
+    pydantic = _fake_wheel(wheels, "pydantic-2.14.4-py3-none-any.whl", (
+        "typing-extensions>=4.16", "annotated-types>=0.6.0", "pydantic-core==2.50.5",
+        'email-validator>=2.0.0; extra == "email"', 'exceptiongroup>=1; python_version < "3.0"'))
+    core = _fake_wheel(wheels, "pydantic_core-2.50.5-py3-none-any.whl", ("typing-extensions>=4.14.1",))
+    pretend = "pydantic=,pydantic-core=,typing-extensions=4.12.2,annotated-types=0.7.0,email-validator=,exceptiongroup="
+    proc = run_preflight(tmp_path, wheels, pretend)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    line = proc.stdout.strip()
+    missing = line.removeprefix("run.sh: cannot start: missing ").split(": no wheel for them")[0]
+    spec, why = re.fullmatch(r"typing-extensions(\S+) \((.*)\)", missing).groups()  # the one thing missing
+    assert set(spec.split(",")) == {">=4.16", ">=4.14.1"}
+    assert why == "have 4.12.2; needed by pydantic 2.14.4, pydantic-core 2.50.5"
+    assert "email-validator" not in line and "exceptiongroup" not in line  # an extra, a marker false here
+    newer = _fake_wheel(wheels, "typing_extensions-4.16.0-py3-none-any.whl")
+    proc = run_preflight(tmp_path, wheels, pretend)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set((tmp_path / "install-wheels.txt").read_text().split()) == {str(pydantic), str(core), str(newer)}
+
+
 def test_wheel_for_another_python_is_refused(tmp_path: Path) -> None:
     other = f"cp{sys.version_info.major}{sys.version_info.minor + 1}"
     wheels = tmp_path / "wheels"
     _fake_wheel(wheels, f"pydantic_core-2.50.5-{other}-{other}-manylinux_2_17_{platform.machine()}.whl")
-    env = {**os.environ, "CORERUN_GPU_PRETEND": "pydantic-core="}
-    proc = subprocess.run([sys.executable, str(PREFLIGHT), "--out", str(tmp_path), "--dry-run", "--wheels", str(wheels)],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = run_preflight(tmp_path, wheels, "pydantic-core=")
     assert proc.returncode == 3
     assert f"is for {other}, this is Python" in proc.stdout
     assert not load(tmp_path / "preflight.json")["ok"]

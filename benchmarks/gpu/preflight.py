@@ -4,6 +4,10 @@
   ``transformers`` (the GPU scripts write their random models with it) is installed at its minimum
   version, or has a wheel in the wheels folder (``benchmarks/gpu/wheels``: the device machine has no
   network; ``fetch_wheels.sh`` makes the folder, the run tool's ``carry`` brings it);
+- what each carried wheel to install requires of other distributions (its ``Requires-Dist``, markers
+  evaluated for this Python, extras left out) is installed at a version that fits, or carried too:
+  wheels are installed ``--no-deps``, so pydantic's ``typing-extensions>=4.16.0`` against an image's
+  older typing-extensions would otherwise only fail on first import;
 - each wheel there is for this Python and this machine;
 - pip can install (``pip`` importable, >= 21.3 for editable installs; site-packages writable or a
   user site; ``EXTERNALLY-MANAGED`` images are fine because ``run.sh`` sets
@@ -31,20 +35,23 @@ import re
 import subprocess
 import sys
 import sysconfig
+import zipfile
+from email.parser import Parser
 from importlib import metadata
 from pathlib import Path
+
+try:
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+except ImportError:  # a bare image: pip carries its own copy
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / "benchmarks" / "gpu" / "wheels"
 PRETEND_ENV = "CORERUN_GPU_PRETEND"
 SETUPTOOLS_MIN = "77"
 PIP_MIN = "21.3"
-# the wheels a dependency's own wheel needs (installed --no-deps, so they must be carried with it)
-TRANSITIVE = {
-    "pydantic": ["pydantic-core", "annotated-types", "typing-inspection", "typing-extensions"],
-    "rich": ["markdown-it-py", "mdurl", "pygments"],
-    "pytest": ["iniconfig", "packaging", "pluggy"],
-}
 FROM_IMAGE = ("torch", "triton")  # never carried: the image's CUDA build is the point of the run
 EXTRA = ["transformers>=4.45"]  # random_llama.py writes the GPU scripts' models with it
 
@@ -115,6 +122,33 @@ def wheel_files(folder: Path) -> dict[str, tuple[str, Path]]:
     return out
 
 
+def wheel_requires(path: Path) -> list[Requirement]:
+    """The ``Requires-Dist`` entries of a wheel that apply here: markers evaluated for this interpreter,
+    extras left out.  Raises ``ValueError`` naming the wheel when its metadata cannot be read."""
+    try:
+        with zipfile.ZipFile(path) as wheel:
+            names = [n for n in wheel.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(names) != 1:
+                raise ValueError(f"{len(names)} .dist-info/METADATA files, expected 1")
+            text = wheel.read(names[0]).decode("utf-8")
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        raise ValueError(f"cannot read the metadata of {path.name} ({exc})") from None
+    out = []
+    for line in Parser().parsestr(text).get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            out.append(req)
+    return out
+
+
+def fits(version: str, spec: SpecifierSet) -> bool:
+    """``version`` satisfies ``spec`` (pre-releases count: an image may ship one; an unreadable version does not)."""
+    try:
+        return spec.contains(version, prereleases=True)
+    except ValueError:  # packaging's InvalidVersion
+        return False
+
+
 def wheel_mismatch(path: Path) -> str | None:
     """Why the wheel cannot install on this interpreter and machine, or None."""
     python_tag, abi_tag, platform_tag = path.name[:-4].split("-")[-3:]
@@ -145,30 +179,43 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     facts: dict = {"python": sys.version.split()[0], "executable": sys.executable,
                    "wheels": sorted(p.name for _, p in wheels.values()), "install": install}
 
-    # dependencies: installed, or a wheel carried along (with the wheels it needs)
-    needed = [(n, m) for n, m in requirements(ROOT / "pyproject.toml") if n not in FROM_IMAGE]
-    needed += [parse_requirement(r) for r in EXTRA]
-    missing = []
-    seen = set()
+    # dependencies: installed, or a wheel carried along, with what that wheel requires in turn
+    needed = [(n, SpecifierSet(f">={m}" if m else ""), None)
+              for n, m in requirements(ROOT / "pyproject.toml") + [parse_requirement(r) for r in EXTRA]
+              if n not in FROM_IMAGE]
+    missing: dict[str, tuple[str, SpecifierSet, list[str]]] = {}  # normalised name -> (name, spec, needed by)
+    chosen: dict[str, str] = {}  # normalised name -> the version this run will have (installed or carried)
+    labels: list[str] = []
     queue = list(needed)
     while queue:
-        name, minimum = queue.pop(0)
-        if norm(name) in seen:
+        name, spec, needed_by = queue.pop(0)
+        key = norm(name)
+        if key in chosen and fits(chosen[key], spec):
             continue
-        seen.add(norm(name))
         have = image.version(name)
-        if have is not None and at_least(have, minimum):
+        wheel = wheels.get(key)
+        if key not in chosen and have is not None and fits(have, spec):
+            chosen[key] = have
             continue
-        wheel = wheels.get(norm(name))
-        if wheel is not None and at_least(wheel[0], minimum):
+        if wheel is not None and fits(wheel[0], spec) and str(wheel[1]) not in install:
+            chosen[key] = wheel[0]
             install.append(str(wheel[1]))
-            queue += [(dep, None) for dep in TRANSITIVE.get(norm(name).replace("_", "-"), [])]
+            try:
+                queue += [(r.name, r.specifier, f"{name} {wheel[0]}") for r in wheel_requires(wheel[1])]
+            except ValueError as exc:
+                problems.append(f"{exc}: rerun fetch_wheels.sh")
             continue
-        label = name + (f">={minimum}" if minimum else "")
-        missing.append(label + (f" (have {have})" if have else ""))
-    if missing:
+        _, before, needers = missing.get(key, (name, SpecifierSet(""), []))
+        missing[key] = (name, before & spec, needers + ([needed_by] if needed_by else []))
+    for key, (name, spec, needers) in missing.items():
+        have, wheel = image.version(name), wheels.get(key)
+        found = [f"have {have}"] if have else []
+        found += [f"carried {wheel[0]}"] if wheel is not None else []
+        found += [f"needed by {', '.join(needers)}"] if needers else []
+        labels.append(f"{name}{spec}" + (f" ({'; '.join(found)})" if found else ""))
+    if labels:
         problems.append(
-            f"missing {', '.join(missing)}: no wheel for them in {_rel(args.wheels)}; make it with "
+            f"missing {', '.join(labels)}: no wheel for them in {_rel(args.wheels)}; make it with "
             f"`bash benchmarks/gpu/fetch_wheels.sh` on a machine with network and name "
             f"{_rel(args.wheels)} in the run tool's carry list"
         )
