@@ -28,6 +28,8 @@ from corerun.outputs import RequestOutput
 from tests.helpers.engine_testing import deadline
 from tests.helpers.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.slow
+
 
 NUM_REQUESTS = int(os.environ.get("CORERUN_SOAK_REQUESTS", "2000"))
 NUM_REPEATED = min(NUM_REQUESTS, max(300, NUM_REQUESTS // 8))

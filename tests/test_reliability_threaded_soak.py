@@ -37,6 +37,8 @@ MAX_TOKENS = 12
 BS = 4
 NUM_BLOCKS = 24  # 96 token slots; the callers ask for up to ~30 sequences of up to 24 tokens
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
