@@ -166,9 +166,26 @@ def test_peak_memory_meter_keeps_the_mark_the_profile_reset(monkeypatch: pytest.
     meter = PeakMemoryMeter(cuda)
     meter.start()
     mark["value"] = 9 * GiB  # loading the weights peaks here
-    profile.peak_bytes(lambda: mark.update(value=2 * GiB), cuda)  # the profile resets the mark
+    before = profile.high_water(cuda)  # what the profile reads before it resets the mark
+    profile.peak_bytes(lambda: mark.update(value=2 * GiB), cuda)
     mark["value"] = 5 * GiB  # serving afterwards
-    assert meter.read().bytes == 9 * GiB
-    meter.start()  # a new measurement forgets the old mark
+    assert meter.read().bytes == 5 * GiB  # the reset hid the load's peak ...
+    assert meter.read(before).bytes == 9 * GiB  # ... which the profile's StepMemory.high_water_bytes gives back
+    meter.start()
     mark["value"] = 3 * GiB
     assert meter.read().bytes == 3 * GiB
+
+
+def test_the_profile_returns_the_high_water_mark_its_resets_hide(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each measurement resets the device's high-water mark; the mark read before each one comes back in
+    ``StepMemory.high_water_bytes`` (their maximum), so a meter started before the load still sees it."""
+    marks = iter([11 * MiB, 40 * MiB, 25 * MiB])  # before the prefill, the decode, the sampling
+    monkeypatch.setattr(construction, "profiles_step_memory", lambda device: True)
+    monkeypatch.setattr(profile, "peak_bytes", lambda run, device: (run(), MiB)[1])
+    monkeypatch.setattr(profile, "high_water", lambda device: next(marks))
+    config = Config(
+        model=str(make_tiny_model(tmp_path)), device="cpu", dtype="float32", attention="torch",
+        kv_cache={"block_size": 16, "num_blocks": "auto", "cpu_memory_gb": 0.0625},
+        scheduler={"max_model_len": 64, "max_num_batched_tokens": 64, "max_num_seqs": 2},
+    )
+    assert ModelRunner(config).step_memory.high_water_bytes == 40 * MiB

@@ -71,7 +71,7 @@ def run_corerun(
         elapsed_s=elapsed,
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
         output_tokens=sum(n_out),
-        peak_memory=meter.read(),
+        peak_memory=meter.read(runner.step_memory.high_water_bytes if runner.step_memory else 0),
         load_s=load_s,
         ttft_s=ttft,
         tpot_s=tpot,

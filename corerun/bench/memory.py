@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from corerun.runner import profile
-
 
 @dataclass
 class PeakMemory:
@@ -41,16 +39,16 @@ class PeakMemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-            profile.forget_peaks(self.device)
             self._reset = True
         else:
             self._reset = _reset_peak_rss()
 
-    def read(self) -> PeakMemory:
+    def read(self, reset_away: int = 0) -> PeakMemory:
+        """``reset_away``: a high-water mark the section reset meanwhile (the engine's startup profile
+        resets it to measure its steps: ``StepMemory.high_water_bytes``)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            # the engine's startup profile resets the mark to measure its steps: count what it had seen
-            peak = max(torch.cuda.max_memory_allocated(self.device), profile.peak_before_resets(self.device))
+            peak = max(torch.cuda.max_memory_allocated(self.device), reset_away)
             return PeakMemory(int(peak), "cuda_max_memory_allocated", self._reset)
         return PeakMemory(peak_rss_bytes(), "peak_rss", self._reset)
 

@@ -181,6 +181,12 @@ def profile_step_memory(runner: Any, limits: GraphLimits) -> StepMemory:
     rows = sc.max_num_seqs
     params, what = widest_sampling(runner.sampler, runner.config.max_logprobs, rows)
     runner.kv_caches = [runner.attention.allocate_kv_cache(1).zero_() for _ in range(mc.num_layers)]
+    marks: list[int] = []  # the high-water mark before each measurement resets it
+
+    def peak(run: Any) -> int:
+        marks.append(profile.high_water(dev))
+        return profile.peak_bytes(run, dev)
+
     try:
         def forward(inputs: ModelInputs) -> torch.Tensor:
             return runner._model_fn(inputs.input_ids, inputs.positions, runner.attention.plan(inputs.batch))
@@ -188,8 +194,8 @@ def profile_step_memory(runner: Any, limits: GraphLimits) -> StepMemory:
         # (the first prefill also compiles / autotunes the backend's kernels: triton's autotuner
         # times candidates with a 256 MiB scratch buffer, which this peak then includes, and which
         # a later autotune for another tile shape needs again)
-        prefill_bytes = profile.peak_bytes(lambda: forward(prefill), dev)
-        decode_bytes = profile.peak_bytes(lambda: forward(decode), dev)
+        prefill_bytes = peak(lambda: forward(prefill))
+        decode_bytes = peak(lambda: forward(decode))
         hidden = torch.randn(rows, mc.hidden_size, generator=torch.Generator().manual_seed(0)).to(dev, runner.dtype)
 
         def sample() -> None:
@@ -201,15 +207,15 @@ def profile_step_memory(runner: Any, limits: GraphLimits) -> StepMemory:
                 runner.sampler.sample(logits, SamplingMetadata(params, prompts, [[1, 2]] * rows))
             del held  # (only now: it was part of the peak)
 
-        sampling_bytes = profile.peak_bytes(sample, dev)
-        graph_bytes = profile.peak_bytes(lambda: forward(captured), dev) if captured is not None else 0
+        sampling_bytes = peak(sample)
+        graph_bytes = peak(lambda: forward(captured)) if captured is not None else 0
     finally:
         runner.kv_caches = []
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     memory = profile.StepMemory(
         prefill_bytes, decode_bytes, sampling_bytes, graph_bytes,
-        prefill.batch.num_tokens, prefill.batch.num_reqs, decode_rows,
+        prefill.batch.num_tokens, prefill.batch.num_reqs, decode_rows, max(marks),
     )
     mib = 2.0**20
     logger.info(

@@ -43,6 +43,7 @@ class StepMemory:
     prefill_tokens: int
     prefill_requests: int
     decode_requests: int
+    high_water_bytes: int = 0  # the device's high-water mark before the profile's resets (what a meter would lose)
 
     @property
     def reserved_bytes(self) -> int:
@@ -100,34 +101,22 @@ def captured_decode(limits: GraphLimits) -> ModelInputs:
     return StaticDecodeInputs(limits).inputs(limits.max_batch_size)
 
 
-# CUDA's high-water mark as it stood before each reset below, so that an outer measurement (the bench's
-# peak-memory meter) still sees a peak reached before the profile reset it
-_peaks_before_reset: dict[str, int] = {}
-
-
-def peak_before_resets(device: torch.device) -> int:
-    """The highest ``max_memory_allocated`` the profile saw on ``device`` before resetting it (0 if none)."""
-    return _peaks_before_reset.get(str(device), 0)
-
-
-def forget_peaks(device: torch.device) -> None:
-    """Start a new outer measurement: drop what :func:`peak_before_resets` remembers for ``device``."""
-    _peaks_before_reset.pop(str(device), None)
+def high_water(device: torch.device) -> int:
+    """The device's allocation high-water mark now (0 off CUDA): read before each reset, so the profile can
+    report the peak an outer measurement (the bench's peak-memory meter) would otherwise lose."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def peak_bytes(run: Callable[[], object], device: torch.device) -> int:
     """Run ``run()``; on CUDA return its peak allocation above what was allocated before (else 0).
 
     Whatever ``run`` returns is dropped before the measurement ends, so only its transient peak counts.
-    The device's high-water mark is reset for the measurement; the mark it had is kept for
-    :func:`peak_before_resets`.
+    The device's high-water mark is reset for the measurement (read :func:`high_water` first to keep it).
     """
     if device.type != "cuda":
         run()
         return 0
     torch.cuda.synchronize(device)
-    key = str(device)
-    _peaks_before_reset[key] = max(_peaks_before_reset.get(key, 0), torch.cuda.max_memory_allocated(device))
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     run()
