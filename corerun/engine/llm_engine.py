@@ -195,10 +195,8 @@ class LLMEngine:
         for seq, stop, keep in self.outputs.stop_strings(touched, new):
             seq.stop_reason = stop  # type: ignore[assignment]  # the string, as vLLM reports it
             self._end(seq, "stop", keep=keep)
-        kv_name = self.runner.kv_manager_name
-        for seq in batch.seqs:
-            if seq.seq_id in failed:
-                touched += self._fail([seq], f"KV-cache manager '{kv_name}' failed {failed[seq.seq_id]}")
+        for seq in (s for s in batch.seqs if s.seq_id in failed):
+            touched += self._fail([seq], f"KV-cache manager '{self.runner.kv_manager_name}' failed {failed[seq.seq_id]}")
         self._released(s for s in batch.seqs if s.is_finished)
         self._released(batch.preempted, ended=False)
         if self.spec is not None:
