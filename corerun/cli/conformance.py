@@ -66,11 +66,24 @@ def _wrap(text: str, width: int, indent: str) -> list[str]:
     return lines
 
 
-def _render(doc: dict[str, Any], results: list[Any]) -> None:
-    """Per check, one line of counts; then every failure (and grouped skips and expected failures) as
-    a block wrapped to the terminal, so it reads at 80 columns."""
+REASON_LINES = 8  # of each failure block without -v
+CASES_SHOWN = 6  # case ids listed in a block's header without -v
+
+
+def _shown(ids: list[str], verbose: bool, most: int) -> str:
+    if verbose or len(ids) <= most:
+        return ", ".join(ids)
+    return ", ".join(ids[:most]) + f" and {len(ids) - most} more"
+
+
+def _render(doc: dict[str, Any], results: list[Any], verbose: bool = False) -> None:
+    """Per check, one line of counts; a one-line diagnosis per failed check; then identical failures as
+    one block listing their cases (and grouped skips and expected failures), wrapped to the terminal
+    so it reads at 80 columns.  Without ``verbose`` a block keeps its first lines and first cases."""
     from rich.console import Console
     from rich.markup import escape
+
+    from corerun.conformance.report import diagnose, group_failures
 
     console = Console(highlight=False)
     width = max(40, min(console.width, 100))
@@ -83,18 +96,36 @@ def _render(doc: dict[str, Any], results: list[Any]) -> None:
     for check, counts in by_check.items():
         parts = ", ".join(f"[{STYLES[o]}]{n} {o}[/]" for o, n in counts.items())
         console.print(f"  {check:<{name_width}}  {parts}")
-    bad = [r for r in results if r.failed]
-    for r in bad:
-        console.print(f"\n[{STYLES[r.outcome]}]{r.outcome.upper()}[/] {escape(r.check)}\\[{escape(r.case)}]")
-        for line in _wrap(r.reason, width, "  "):
+    diagnosis = diagnose(results)
+    if diagnosis:
+        console.print("\n[bold]diagnosis[/bold]")
+        for line in diagnosis:
+            for wrapped in _wrap(line, width, "  "):
+                console.print(escape(wrapped))
+    hidden = 0
+    for group in group_failures(results):
+        cases = group.cases
+        where = f"{group.check}\\[{escape(cases[0])}]" if len(cases) == 1 else (
+            f"{group.check}, {len(cases)} cases alike: {escape(_shown(cases, verbose, CASES_SHOWN))}")
+        console.print(f"\n[{STYLES[group.outcome]}]{group.outcome.upper()}[/] {where}")
+        if not group.identical:
+            console.print(f"  (as {escape(cases[0])} says; the figures differ from case to case)", style="dim")
+        lines = _wrap(group.reason, width, "  ")
+        if not verbose and len(lines) > REASON_LINES:
+            hidden += 1
+            more = len(lines) - REASON_LINES
+            lines = lines[:REASON_LINES] + [f"  ... {more} more line{'s' if more > 1 else ''}"]
+        for line in lines:
             console.print(escape(line))
+    if hidden:
+        console.print(f"\n{hidden} failure block(s) cut short: `corerun conformance -v {doc['implementation']}` prints them whole.")
     for outcome in ("xfailed", "skipped"):
         grouped: dict[str, list[str]] = {}
         for r in results:
             if r.outcome == outcome:
                 grouped.setdefault(r.reason, []).append(f"{r.check}[{r.case}]")
         for reason, ids in grouped.items():
-            shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+            shown = _shown(ids, verbose, 3)
             console.print(f"\n[{STYLES[outcome]}]{outcome}[/] {escape(shown)}")
             for line in _wrap(reason, width, "  "):
                 console.print(escape(line))
@@ -146,7 +177,8 @@ def _certify(target: Any, results: list[Any], device: str, partial: str | None) 
 @click.option("--xfail", "xfails", multiple=True, metavar="PATTERN=REASON", help="Declare an expected failure: a pattern over 'check[case]' (* and ? wildcards) and why.")
 @click.option("--option", "option_items", multiple=True, metavar="KEY=VALUE", help="An option for the implementation, validated by its plugin (e.g. num_splits=4); repeatable.")
 @click.option("--attention", "attention", default=None, metavar="NAME", help="graph runners only: the attention backend the suite's model attends with (default torch), e.g. triton.")
-def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...], option_items: tuple[str, ...], attention: str | None) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Every failure block whole, with every case (also `corerun -v conformance`).")
+def conformance(implementation: str, as_json: bool, keyword: str | None, full_matrix: bool | None, device: str | None, xfails: tuple[str, ...], option_items: tuple[str, ...], attention: str | None, verbose: bool) -> None:
     """Run the conformance suite against KIND:NAME (attention:triton, sampler:full, kv_cache:paged, graph:eager)."""
     from corerun.conformance.runner import run_suite, suite_class
     from corerun.conformance.settings import parse_impl, parse_option, parse_xfail
@@ -196,7 +228,8 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        _render(doc, results)
+        root = click.get_current_context().find_root().params.get("verbose")
+        _render(doc, results, verbose=verbose or bool(root))
     sys.exit(exit_code(results))
 
 
