@@ -58,6 +58,9 @@ class AttentionCapabilities:
     gqa: bool = True  # num_kv_heads < num_heads (including MQA)
     cuda_graph_decode: bool = False  # a pure-decode step may be captured in a CUDA graph
     max_head_size: int | None = None  # for backends that take "any head size up to N"
+    # device types where it runs in an interpreter or emulator, not native code (Triton on CPU): named
+    # explicitly there, it is used as asked and corerun warns once that it is slow
+    emulated_on: frozenset[str] = frozenset()
 
     def check(self, spec: Any) -> list[str]:
         reasons: list[str] = []
@@ -94,6 +97,7 @@ class AttentionCapabilities:
             "devices": sorted(self.devices),
             "gqa": self.gqa,
             "cuda_graph_decode": self.cuda_graph_decode,
+            "emulated_on": sorted(self.emulated_on),
         }
 
 

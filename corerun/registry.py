@@ -512,6 +512,7 @@ class Registry:
                 raise PluginUnavailableError(KIND_TITLES[kind], name, reasons)
             announce("%s: '%s' as configured, from %s %s (%s on %s)", label, reg.name, reg.distribution, reg.version,
                      reg.trust_label(dev), dev)
+            _warn_if_emulated(reg, dev, label)
             return Selection(reg, "as configured", [])
         eligible, passed = self.auto_ranking(kind, need)
         why_not = [f"{r.name}: {why}" for r, why in passed]
@@ -541,6 +542,22 @@ class Selection:
     @property
     def name(self) -> str:
         return self.registration.name
+
+
+_warned_emulated: set[tuple[str, str, str]] = set()  # (kind, name, device type) warned about in this process
+
+
+def _warn_if_emulated(reg: Registration, dev: str, label: str) -> None:
+    """Warn once per process when an implementation named explicitly runs in an interpreter or emulator
+    on ``dev`` (its capabilities' ``emulated_on``): it works, many times slower than native code."""
+    key = (reg.kind, reg.name, dev)
+    if dev not in (getattr(reg.capabilities, "emulated_on", None) or ()) or key in _warned_emulated:
+        return
+    _warned_emulated.add(key)
+    logger.warning(
+        "%s: '%s' runs in an interpreter or emulator on %s, not as native code: expect it to be several times "
+        "slower than %s: auto, which picks the fastest backend that fits this device", label, reg.name, dev, reg.kind,
+    )
 
 
 def _device_type(device: Any) -> str:

@@ -12,4 +12,5 @@ CAPABILITIES = AttentionCapabilities(
     devices=frozenset({"cpu", "cuda"}),  # cuda: compiled kernels; cpu: Triton's interpreter
     gqa=True,
     cuda_graph_decode=True,
+    emulated_on=frozenset({"cpu"}),  # Triton's interpreter: corerun warns when it is named on CPU
 )
