@@ -190,6 +190,7 @@ def test_third_party_backend_is_listed_in_json(listing: dict) -> None:
             "devices": ["cpu"],
             "gqa": True,
             "cuda_graph_decode": False,
+            "emulated_on": [],
         },
         "available": True,
         "reasons": [],
