@@ -8,6 +8,8 @@ template renders, ``LLM.generate`` for what a request generates, and OpenAI's do
 from __future__ import annotations
 
 import json
+import threading
+import time
 from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,7 +22,7 @@ openai = pytest.importorskip("openai")
 from corerun import LLM, SamplingParams  # noqa: E402
 from corerun.server import chat_template as CT  # noqa: E402
 from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
-from tests.helpers.serving import ENGINE, http, running_server, tiny_chat_model, wait_idle  # noqa: E402
+from tests.helpers.serving import ENGINE, http, running_server, server_and_url, tiny_chat_model, wait_idle  # noqa: E402
 
 MAX_MODEL_LEN = 64
 
@@ -404,3 +406,79 @@ def test_chat_default_max_tokens_fits_a_small_cache(folder: Path, caplog: pytest
     assert warned == ["the KV cache holds 32 tokens, less than one request of max_model_len=64: chat requests without "
                       "max_tokens get at most 33 tokens of prompt and output; raise kv_cache.num_blocks or memory to "
                       "serve the whole context"]
+
+
+# ------------------------------------------------------------------ 3. shutdown past shutdown_timeout_s
+
+def slow_steps(llm: LLM, seconds: float) -> None:
+    """Every engine step takes at least ``seconds`` (a slow model), so requests are still running at shutdown."""
+    step = llm.engine.step
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    llm.engine.step = slow  # type: ignore[method-assign]
+
+
+def test_shutdown_past_timeout_ends_every_client_explicitly(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    llm = make_llm(folder, shutdown_timeout_s=1.0)
+    slow_steps(llm, 0.05)  # 50 tokens take 2.5 s: past the 1 s timeout
+    results: dict[str, Any] = {}
+    started = threading.Barrier(4)
+    body = {"model": "tiny-llama", "max_tokens": 50, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    def sdk_stream(url: str) -> None:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        text = ""
+        try:
+            for i, chunk in enumerate(c.completions.create(prompt="hi", stream=True, **body)):
+                text += chunk.choices[0].text if chunk.choices else ""
+                if i == 0:
+                    started.wait()
+            results["sdk_stream"] = ("finished", text)
+        except openai.APIError as exc:
+            results["sdk_stream"] = ("error", exc.message)
+
+    def sdk_chat(url: str) -> None:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        started.wait()
+        try:
+            r = c.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **body)
+            results["sdk_chat"] = ("finished", r.choices[0].finish_reason)
+        except openai.APIStatusError as exc:
+            results["sdk_chat"] = (exc.status_code, exc.body)
+
+    def raw_stream(url: str) -> None:
+        conn = HTTPConnection(url.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "the cat", "stream": True, "max_tokens": 50,
+                                                            "ignore_eos": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.readline()  # the first event: the stream is running
+        started.wait()
+        events = [line for line in resp.read().decode().split("\n\n") if line]
+        conn.close()
+        results["raw_stream"] = events
+
+    with caplog.at_level("INFO"):
+        with server_and_url(llm) as (server, url):
+            threads = [threading.Thread(target=f, args=(url,)) for f in (sdk_stream, sdk_chat, raw_stream)]
+            for t in threads:
+                t.start()
+            started.wait()
+            time.sleep(0.2)  # the chat request is queued too
+            server.should_exit = True  # as SIGTERM
+            for t in threads:
+                t.join(60)
+    assert results["sdk_stream"][0] == "error" and "shutdown_timeout_s" in results["sdk_stream"][1], results
+    status, err = results["sdk_chat"]
+    assert status == 503 and err["code"] == "shutting_down", results
+    events = results["raw_stream"]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert all('"finish_reason":"length"' not in e for e in events)  # not passed off as a whole answer
+    cut = [r.getMessage() for r in caplog.records if "cut off after server.shutdown_timeout_s=1.0" in r.getMessage()]
+    assert len(cut) == 3, cut
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info], "no traceback, no cancel"
+    assert not llm.engine.requests  # every request aborted, then the engine shut down

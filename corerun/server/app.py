@@ -179,7 +179,8 @@ async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     streams = await state.submit(prompts, params, rid, final_only=not req.stream, structured=P.structured_field(req))
     created = int(time.time())
-    if req.stream:
+    state.in_flight[rid] = streams
+    if req.stream:  # (the stream leaves in_flight when it ends)
         return StreamingResponse(stream(state, req, streams, prompts, rid, created, chat), media_type="text/event-stream")
     collecting = asyncio.ensure_future(collect(streams))
     watch = asyncio.ensure_future(_until_disconnect(request))
@@ -187,6 +188,7 @@ async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[
         await asyncio.wait({collecting, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
+        state.in_flight.pop(rid, None)
         if not collecting.done():  # the client went away (or this task was cancelled): free the engine
             collecting.cancel()
             state.abort(streams)
@@ -195,4 +197,7 @@ async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[
     finals = collecting.result()
     for out in finals:
         state.metrics.finished(out)
+    err = state.cut_off_error(finals)
+    if err is not None:
+        return error_response(err)
     return JSONResponse(full_response(state, req, finals, prompts, rid, created, chat))

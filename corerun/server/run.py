@@ -24,22 +24,32 @@ def check_installed() -> None:
         raise ImportError(f"{_MISSING} ({exc})") from None
 
 
+CUTOFF_GRACE_S = 5.0  # after the app has ended its clients' requests, uvicorn waits this long before cancelling
+
+
 def make_server(llm: Any, *, host: str | None = None, port: int | None = None, log_level: str = "warning") -> Any:
     """A ``uvicorn.Server`` for ``llm`` (not started). SIGTERM / SIGINT stop it gracefully: no new
-    connections, in-flight requests get ``server.shutdown_timeout_s`` to finish, then are aborted,
-    then the engine is shut down."""
+    connections or requests, in-flight requests get ``server.shutdown_timeout_s`` to finish, then each
+    client still waiting gets an explicit error (an error event then ``[DONE]`` on a stream, a JSON 503
+    otherwise) and its engine requests are aborted; then the engine is shut down."""
     check_installed()
     import uvicorn
 
     from corerun.server.app import build_app
 
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            app.state.serving.begin_shutdown(cfg.shutdown_timeout_s)
+            await super().shutdown(sockets)
+
     cfg = llm.config.server
+    app = build_app(llm)
     config = uvicorn.Config(
-        build_app(llm), host=host if host is not None else cfg.host, port=port if port is not None else cfg.port,
-        log_level=log_level, timeout_graceful_shutdown=cfg.shutdown_timeout_s, lifespan="on",
+        app, host=host if host is not None else cfg.host, port=port if port is not None else cfg.port,
+        log_level=log_level, timeout_graceful_shutdown=cfg.shutdown_timeout_s + CUTOFF_GRACE_S, lifespan="on",
         access_log=log_level in ("info", "debug"),
     )
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

@@ -48,7 +48,9 @@ class Serving:
         self.max_logprobs = llm.config.max_logprobs
         self.metrics = ServerMetrics(self.engine, self.name)
         self.admitting = 0  # requests between the queue check and the engine's waiting queue
-        self.closing = False
+        self.closing = False  # shutdown has begun: new requests get 503
+        self.cut_off = False  # shutdown_timeout_s has passed: what is still in flight was ended with an error
+        self.in_flight: dict[str, list[Any]] = {}  # request id -> its engine streams, while a client waits on them
         self._token_text: dict[int, str] = {}
         self._tasks: set[asyncio.Task] = set()  # recording the ends of aborted requests
 
@@ -153,6 +155,25 @@ class Serving:
         finally:
             self.admitting -= len(prompts)
         return streams
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Shutdown has begun (called on the server's loop): refuse new requests now, and after ``timeout_s``
+        end every request still in flight with an explicit error to its client (see ``cut_off_error``)."""
+        self.closing = True
+        asyncio.get_running_loop().call_later(timeout_s, self._cut_off, timeout_s)
+
+    def _cut_off(self, timeout_s: float) -> None:
+        self.cut_off = True
+        for rid, streams in list(self.in_flight.items()):
+            logger.warning("shutdown: %s cut off after server.shutdown_timeout_s=%s", rid, timeout_s)
+            self.abort(streams, record=False)  # its handler reads the abort outputs (and records them)
+
+    def cut_off_error(self, outputs: list[Any]) -> P.APIError | None:
+        """The 503 for a client whose request shutdown ended (its outputs finished as ``abort``), else None."""
+        if self.cut_off and any(c.finish_reason == "abort" for out in outputs for c in out.outputs):
+            return P.APIError(503, "the server is shutting down: this request was still running when "
+                              "server.shutdown_timeout_s ran out, and was ended; retry it", code="shutting_down")
+        return None
 
     def abort(self, streams: list[Any], record: bool = True) -> None:
         """Abort the requests not finished yet; with ``record``, their final (``abort``) outputs still go to /metrics."""

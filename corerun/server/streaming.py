@@ -117,6 +117,9 @@ async def stream(state: Serving, req: Any, streams: list[Any], prompts: list[lis
                 if out.finished:
                     finished += 1
                     state.metrics.finished(out)
+                cut = state.cut_off_error([out]) if out.finished else None
+                if cut is not None:
+                    raise cut
                 err = _error_of([out]) if out.finished else None
                 if err is not None:
                     raise P.APIError(500, f"the engine failed this request: {err}", code="engine_error")
@@ -140,6 +143,7 @@ async def stream(state: Serving, req: Any, streams: list[Any], prompts: list[lis
             yield chunk([], _usage(prompts, total))
         yield b"data: [DONE]\n\n"
     finally:
+        state.in_flight.pop(rid, None)
         if finished < len(streams):  # the client went away, or the server is stopping: free the engine
             state.abort(streams)
 

@@ -29,6 +29,13 @@ def tiny_chat_model(tmp_dir: Path) -> Path:
 @contextmanager
 def running_server(llm: Any) -> Iterator[str]:
     """Serve ``llm`` for the body; on exit the server stops as on SIGTERM (the engine loop is shut down)."""
+    with server_and_url(llm) as (_, url):
+        yield url
+
+
+@contextmanager
+def server_and_url(llm: Any) -> Iterator[tuple[Any, str]]:
+    """``running_server`` that also yields the ``uvicorn.Server`` (``server.should_exit = True``: as SIGTERM)."""
     from corerun.server.run import bind, make_server
 
     sock = bind()
@@ -40,7 +47,7 @@ def running_server(llm: Any) -> Iterator[str]:
             raise RuntimeError("the server thread died while starting")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield server, f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(60)
