@@ -169,8 +169,11 @@ class Registration:
         try:
             model = self.options.model_validate(options)
         except ValidationError as exc:
+            fields = sorted(getattr(self.options, "model_fields", {}))
             details = "; ".join(
-                f"{where}.options.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
+                f"{where}.options.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
+                + (_option_hint(str(e["loc"][-1]), fields) if e["type"] == "extra_forbidden" and e["loc"] else "")
+                for e in exc.errors()
             )
             raise PluginError(f"invalid options for {KIND_TITLES[self.kind]} '{self.name}': {details}") from None
         return model.model_dump()
@@ -214,6 +217,12 @@ class Registration:
             d["available"] = not reasons
             d["reasons"] = reasons
         return d
+
+
+def _option_hint(given: str, fields: list[str]) -> str:
+    """`` (did you mean 'num_splits'?; options are ...)`` for an option name no field has."""
+    close = difflib.get_close_matches(given, fields, n=1)
+    return (f" (did you mean '{close[0]}'?" if close else " (") + f"{'; ' if close else ''}options are {', '.join(fields) or 'none'})"
 
 
 @dataclass

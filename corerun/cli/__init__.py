@@ -8,6 +8,7 @@ import logging
 import click
 
 from corerun._version import __version__
+from corerun.scaffold import KINDS as SCAFFOLD_KINDS  # plain data: keeps `corerun --help` fast
 
 # subcommand -> "module:attr"; imported only when the subcommand runs (keeps `corerun --help` fast).
 SUBCOMMANDS = {
@@ -24,7 +25,7 @@ HELP = {
     "conformance": "Run the conformance suite against an installed implementation (KIND:NAME).",
     "bench": "Offline throughput / latency benchmark on a standard workload.",
     "serve": "Serve the model over HTTP with OpenAI's API (completions, chat, models, health, metrics).",
-    "new": "Write a ready pip distribution for a new plugin: corerun new attention|sampler|kv_cache|graph NAME.",
+    "new": f"Write a ready pip distribution for a new plugin: corerun new {'|'.join(SCAFFOLD_KINDS)} NAME.",
 }
 
 

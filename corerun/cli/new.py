@@ -6,9 +6,11 @@ from pathlib import Path
 
 import click
 
+from corerun.scaffold import KINDS
+
 
 @click.command("new")
-@click.argument("kind", type=click.Choice(["attention", "sampler", "kv_cache", "graph", "logits_processor"]))
+@click.argument("kind", type=click.Choice(list(KINDS)))
 @click.argument("name")
 @click.option("--dir", "parent", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
               help="Folder to write the distribution's folder into.")
