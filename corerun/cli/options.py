@@ -11,7 +11,7 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
     for opt in reversed(
         [
             click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML config file."),
-            click.option("--model", help="Hugging Face model folder (default: the built-in SmolLM2-135M-Instruct)."),
+            click.option("--model", help="Hugging Face model folder, or Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct (default: the built-in SmolLM2-135M-Instruct)."),
             click.option("--attention", help="Attention backend (auto, torch, triton, flash, ...)."),
             click.option("--sampler", help="Sampler (full, basic, ...)."),
             click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Device."),
@@ -24,6 +24,12 @@ def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def build_config(config_path: str | None, sets: tuple[str, ...], **overrides: Any) -> Any:
+    """The config from the YAML file, the flags and ``--set``; a ``model`` that is a Hugging Face Hub id
+    (``owner/name``, not a folder here) becomes its local snapshot folder (corerun.models.hub)."""
     from corerun.config import load_config
+    from corerun.models.hub import is_hub_id, resolve_model
 
-    return load_config(config_path, overrides={k: v for k, v in overrides.items() if v is not None}, sets=list(sets))
+    config = load_config(config_path, overrides={k: v for k, v in overrides.items() if v is not None}, sets=list(sets))
+    if config.model and is_hub_id(str(config.model)):
+        return config.model_copy(update={"model": resolve_model(str(config.model))})
+    return config
