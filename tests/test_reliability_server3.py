@@ -8,6 +8,7 @@ template renders, ``LLM.generate`` for what a request generates, and OpenAI's do
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from http.client import HTTPConnection
@@ -482,3 +483,66 @@ def test_shutdown_past_timeout_ends_every_client_explicitly(folder: Path, caplog
     assert len(cut) == 3, cut
     assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info], "no traceback, no cancel"
     assert not llm.engine.requests  # every request aborted, then the engine shut down
+
+
+# ------------------------------------------------------------------ slow and numerous clients
+
+@pytest.fixture(scope="module")
+def tight(folder: Path) -> Iterator[str]:
+    llm = make_llm(folder, max_connections=3, read_timeout_s=1.0)
+    try:
+        with running_server(llm) as u:
+            yield u
+    finally:
+        llm.shutdown()
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=20)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_trickled_headers_get_408_and_the_connection_closed(tight: str) -> None:
+    sock = connect(tight)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the rest
+    answer = read_all(sock)  # returns once the server closes (the socket's own timeout is 20 s)
+    sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer
+    assert json.loads(body)["error"]["message"] == "the request headers did not arrive within server.read_timeout_s=1.0"
+
+
+def test_trickled_body_gets_408(tight: str) -> None:
+    sock = connect(tight)
+    port = tight.rsplit(":", 1)[1]
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 100\r\n\r\n{\"prompt\": ".encode())
+    answer = read_all(sock)
+    sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer
+    assert json.loads(body)["error"]["message"] == ("the request body did not arrive within "
+                                                    "server.read_timeout_s=1.0 (11 bytes came)")
+
+
+def test_connections_past_the_limit_are_refused_clearly(tight: str) -> None:
+    held = [connect(tight) for _ in range(3)]  # three idle connections: the limit
+    try:
+        time.sleep(0.2)  # (accepted by the server)
+        resp, body = raw(tight, "POST", "/v1/completions", COMPLETION)
+        assert resp.status == 503 and body["error"]["code"] == "too_many_connections", body
+        assert "server.max_connections" in body["error"]["message"] and resp.getheader("Connection") == "close"
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.2)
+    resp, body = raw(tight, "POST", "/v1/completions", COMPLETION)
+    assert resp.status == 200, body

@@ -34,10 +34,14 @@ MAX_JSON_DEPTH = 64  # deeper bodies are refused before validation walks them
 
 def error_response(err: P.APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if err.status == 503 else None  # clients (openai's among them) back off and retry
+    if err.status in (408, 413):  # the rest of the body is not read: this connection cannot carry another request
+        headers = {"Connection": "close"}
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, cfg: Any) -> Any:
+    """The JSON body, read within ``cfg.read_timeout_s`` and ``cfg.max_request_bytes``."""
+    limit, timeout_s = cfg.max_request_bytes, cfg.read_timeout_s
     kind = request.headers.get("content-type", "")
     if kind.split(";", 1)[0].strip().lower() != "application/json":
         raise P.APIError(415, f"Content-Type: {kind!r}; a JSON route takes 'application/json'",
@@ -47,11 +51,17 @@ async def read_json(request: Request, limit: int) -> Any:
         raise P.APIError(413, f"the request body is {size} bytes, above server.max_request_bytes={limit}",
                          code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise P.APIError(413, f"the request body is above server.max_request_bytes={limit} bytes",
-                             code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise P.APIError(413, f"the request body is above server.max_request_bytes={limit} bytes",
+                                     code="request_too_large")
+    except TimeoutError:
+        logger.warning("request body from %s took longer than server.read_timeout_s=%s", request.client, timeout_s)
+        raise P.APIError(408, f"the request body did not arrive within server.read_timeout_s={timeout_s} "
+                         f"({len(body)} bytes came)", code="request_timeout") from None
     try:
         data = json.loads(body)
     except ValueError as exc:
@@ -152,7 +162,7 @@ def build_app(llm: Any) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = P.parse_body(P.CompletionRequest, await read_json(request, state.cfg.max_request_bytes))
+        req = P.parse_body(P.CompletionRequest, await read_json(request, state.cfg))
         state.check_model(req)
         P.unsupported(req)
         prompts = await asyncio.to_thread(state.completion_prompts, req)  # a long prompt must not stall the others
@@ -162,7 +172,7 @@ def build_app(llm: Any) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = P.parse_body(P.ChatCompletionRequest, await read_json(request, state.cfg.max_request_bytes))
+        req = P.parse_body(P.ChatCompletionRequest, await read_json(request, state.cfg))
         state.check_model(req)
         P.unsupported(req)
         prompt = await asyncio.to_thread(state.chat_prompt, req)

@@ -6,6 +6,7 @@ OpenAI client may send that mean nothing here (``user``, ``store``, ...) are acc
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -27,6 +28,14 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+async def send_error(send: Any, err: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+    """Answer ``err`` on a raw ASGI ``send`` (for guards that run before any route)."""
+    data = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": data})
 
 
 _TYPES = {403: "permission_error", 404: "not_found_error", 503: "service_unavailable_error"}

@@ -36,6 +36,7 @@ def make_server(llm: Any, *, host: str | None = None, port: int | None = None, l
     import uvicorn
 
     from corerun.server.app import build_app
+    from corerun.server.connections import guarded_protocol
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
@@ -47,7 +48,7 @@ def make_server(llm: Any, *, host: str | None = None, port: int | None = None, l
     config = uvicorn.Config(
         app, host=host if host is not None else cfg.host, port=port if port is not None else cfg.port,
         log_level=log_level, timeout_graceful_shutdown=cfg.shutdown_timeout_s + CUTOFF_GRACE_S, lifespan="on",
-        access_log=log_level in ("info", "debug"),
+        access_log=log_level in ("info", "debug"), http=guarded_protocol(cfg.max_connections, cfg.read_timeout_s),
     )
     return Server(config)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 from typing import Any, Awaitable, Callable
 
 from corerun.server import protocol as P
@@ -56,13 +55,14 @@ class Guard:
         cross = origin is not None and origin.rstrip("/").lower() != f"{scope.get('scheme', 'http')}://{host.lower()}"
         err = self._refusal(scope, headers, host, origin if cross else None)
         if err is not None:
-            await _answer(send, err.status, err.body(), _cors(origin) if cross and self._listed(origin) else [])
+            extra = [(b"www-authenticate", b"Bearer")] if err.status == 401 else []
+            await P.send_error(send, err, extra + (_cors(origin) if cross and self._listed(origin) else []))
             return
         if not cross:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:  # a preflight
-            await _answer(send, 204, None, _cors(origin) + [
+            await _no_content(send, _cors(origin) + [
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers", b"authorization, content-type"),
                 (b"access-control-max-age", b"600")])
@@ -105,10 +105,6 @@ def _cors(origin: str | None) -> list[tuple[bytes, bytes]]:
     return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
 
 
-async def _answer(send: Any, status: int, body: Any, headers: list[tuple[bytes, bytes]]) -> None:
-    data = b"" if body is None else json.dumps(body).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())] if body else []
-    if status == 401:
-        head.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": head + headers})
-    await send({"type": "http.response.body", "body": data})
+async def _no_content(send: Any, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": 204, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
