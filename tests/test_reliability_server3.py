@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from corerun import LLM, SamplingParams  # noqa: E402
+from corerun import LLM, SamplingParams, hookimpl  # noqa: E402
 from corerun.server import chat_template as CT  # noqa: E402
 from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
 from tests.helpers.serving import ENGINE, http, running_server, server_and_url, tiny_chat_model, wait_idle  # noqa: E402
@@ -546,3 +546,97 @@ def test_connections_past_the_limit_are_refused_clearly(tight: str) -> None:
     time.sleep(0.2)
     resp, body = raw(tight, "POST", "/v1/completions", COMPLETION)
     assert resp.status == 200, body
+
+
+# ------------------------------------------------------------------ the context's edge, plugins failing
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_prompt_of_max_model_len_refused_and_one_less_served(llm: LLM, url: str, client: Any, route: str) -> None:
+    tok = llm.get_tokenizer()
+    for length in (MAX_MODEL_LEN, MAX_MODEL_LEN - 1):
+        if route == "completions":
+            ids = [5 + i % 50 for i in range(length)]
+            status, body = http(url + "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0,
+                                                          "ignore_eos": True})
+        else:  # single digits are single tokens; the template adds <|user|>, "\n" and <|assistant|>
+            messages = [{"role": "user", "content": "7" * (length - 3)}]
+            ids = tok_ids(llm, messages)
+            assert len(ids) == length
+            status, body = http(url + "/v1/chat/completions", {"messages": messages, "temperature": 0,
+                                                               "ignore_eos": True})  # no max_tokens: what fits
+        if length == MAX_MODEL_LEN:
+            assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+            assert f"{MAX_MODEL_LEN} tokens" in body["error"]["message"]
+        else:
+            assert status == 200, body
+            assert body["usage"] == {"prompt_tokens": length, "completion_tokens": 1, "total_tokens": MAX_MODEL_LEN}
+            ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
+            text = body["choices"][0]["text"] if route == "completions" else body["choices"][0]["message"]["content"]
+            assert text == ref.outputs[0].text and body["choices"][0]["finish_reason"] == "length"
+    wait_idle(llm)
+
+
+@pytest.fixture
+def faulty_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
+    import corerun.registry as registry_module
+    from corerun.registry import Registry
+    from tests.helpers import faulty_plugins
+
+    reg = Registry.from_environment()
+    reg.register_module(faulty_plugins, plugin="faulty", distribution=faulty_plugins.DISTRIBUTION, version="0")
+    reg.register_module(_RaisingConstructor(), plugin="ctor", distribution="corerun-ctor", version="0")
+    monkeypatch.setattr(registry_module, "_default", reg)
+    return reg
+
+
+class _RaisingConstructor:
+    """A plugin whose attention backend raises in its constructor."""
+
+    @hookimpl
+    def corerun_attention_backends(self, register: Any) -> None:
+        from corerun.attention.torch_backend import CAPABILITIES, TorchAttentionBackend
+
+        class CtorRaises(TorchAttentionBackend):
+            def __init__(self, spec: Any) -> None:
+                raise RuntimeError("injected: the constructor fails")
+
+        register("ctor_raises", CtorRaises, capabilities=CAPABILITIES, priority=-100,
+                 description="raises in its constructor")
+
+
+def test_plugin_raising_in_its_constructor_stops_serve_with_one_line(folder: Path, faulty_registry: Any) -> None:
+    from click.testing import CliRunner
+
+    from corerun.cli.serve import serve
+
+    result = CliRunner().invoke(serve, ["--model", str(folder), "--device", "cpu", "--attention", "ctor_raises"])
+    assert result.exit_code == 1
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: attention backend 'ctor_raises'") and "RuntimeError: injected: the constructor " \
+        "fails" in last, result.output
+    assert "Traceback" not in result.output
+
+
+def test_plugin_raising_in_forward_under_the_server(folder: Path, faulty_registry: Any) -> None:
+    """Forward calls 2 and 3 raise (the first request's second layer, the next request's first): both requests
+    fail with an error their clients see (500 JSON, or an error event then [DONE]); the server serves on, exactly."""
+    llm = LLM(str(folder), **{**ENGINE, "attention": {"name": "faulty_attention", "options": {"fail_at": 2, "times": 2}}},
+              kv_cache={"num_blocks": 64, "block_size": 4}, scheduler={"max_model_len": MAX_MODEL_LEN})
+    try:
+        with running_server(llm) as u:
+            status, body = http(u + "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+            assert status == 500 and body["error"]["code"] == "engine_error", body
+            assert "injected" in body["error"]["message"] and "faulty_attention" in body["error"]["message"]
+            resp, text = raw(u, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 4,
+                                                                       "stream": True}).encode())
+            events = [e for e in text.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and "injected" in events[-2], events
+            c = openai.OpenAI(base_url=u + "/v1", api_key="-", max_retries=0)
+            r = c.completions.create(model="tiny-llama", prompt="hi", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            ids = llm.get_tokenizer().encode("hi")
+            ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+            assert r.choices[0].text == ref.outputs[0].text and r.choices[0].finish_reason == "length"
+            wait_idle(llm)
+    finally:
+        llm.shutdown()
