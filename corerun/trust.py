@@ -47,7 +47,8 @@ def normalize(distribution: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def first_party_distributions() -> frozenset[str]:
-    """The distributions corerun's own metadata requires under an extra (normalised names)."""
+    """The ``corerun-*`` distributions corerun's own metadata requires under an extra (normalised names);
+    the libraries an extra pulls in (transformers, fastapi, ...) are not plugins and are not trusted as such."""
     try:
         requires = md.distribution("corerun").requires or []
     except md.PackageNotFoundError:
@@ -56,7 +57,7 @@ def first_party_distributions() -> frozenset[str]:
     for req in requires:
         if "extra ==" in req.replace("extra==", "extra =="):
             match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
-            if match:
+            if match and normalize(match.group(1)).startswith("corerun-"):
                 names.add(normalize(match.group(1)))
     return frozenset(names)
 

