@@ -176,3 +176,17 @@ def test_a_failing_run_revokes_the_certificate(monkeypatch: pytest.MonkeyPatch, 
     assert "lastless" in " ".join(r.getMessage() for r in caplog.records)  # the selection log says it
     trust.record_certificate(lastless, "cpu", {"passed": 10})  # a passing run certifies it again
     assert reg.select("sampler", "auto", Need("cpu")).name == "lastless"
+
+
+def test_only_corerun_distributions_under_an_extra_are_first_party(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Metadata:  # what corerun's installed metadata requires
+        requires = ['numpy>=1.24', 'transformers>=4.45; extra == "hf"', 'fastapi>=0.110; extra == "default"',
+                    'corerun-attention-triton; extra == "triton"', 'Corerun_Sampler.Basic; extra == "samplers"']
+
+    monkeypatch.setattr(trust.md, "distribution", lambda name: Metadata)
+    trust.first_party_distributions.cache_clear()
+    try:
+        assert trust.first_party_distributions() == {"corerun-attention-triton", "corerun-sampler-basic"}
+        assert trust.origin("transformers", "transformers") == trust.THIRD_PARTY
+    finally:
+        trust.first_party_distributions.cache_clear()
