@@ -5,6 +5,10 @@ from __future__ import annotations
 from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities
 from corerun.hookspecs import Register, hookimpl
 from corerun.sampler.options import CAPABILITIES as FULL_SAMPLER_CAPABILITIES, FullSamplerOptions
+from corerun.tool_parsers.hermes import HermesToolParser
+from corerun.tool_parsers.llama3_json import Llama3JsonToolParser
+from corerun.tool_parsers.mistral import MistralToolParser
+from corerun.tool_parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
 
 @hookimpl
@@ -69,3 +73,21 @@ def corerun_samplers(register: Register) -> None:
         priority=10,
         description="vLLM's pipeline: logit bias, min_tokens, penalties, temperature, min-p, top-k, top-p, logprobs, seeds",
     )
+
+
+@hookimpl
+def corerun_tool_parsers(register: Register) -> None:
+    for parser, description in (
+        (HermesToolParser, "Hermes and Qwen 2.5/3: <tool_call>{json}</tool_call>"),
+        (Llama3JsonToolParser, "Llama 3.1-3.3: an answer that is {\"name\": ..., \"parameters\": ...} objects, ;-separated"),
+        (MistralToolParser, "Mistral: [TOOL_CALLS] then a JSON list, or name[ARGS]{json} per call"),
+    ):
+        register(parser.name, parser, capabilities=parser.capabilities, description=description)
+
+
+@hookimpl
+def corerun_reasoning_parsers(register: Register) -> None:
+    register("deepseek_r1", DeepSeekR1ReasoningParser, capabilities=DeepSeekR1ReasoningParser.capabilities,
+             description="<think>...</think>, opened by the chat template: the answer starts inside the thinking")
+    register("qwen3", Qwen3ReasoningParser, capabilities=Qwen3ReasoningParser.capabilities,
+             description="<think>...</think> when the answer opens with it (Qwen3's enable_thinking)")

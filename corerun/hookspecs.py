@@ -73,12 +73,30 @@ def corerun_logits_processors(register: Register) -> None:
     """
 
 
+@hookspec
+def corerun_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers: ``register(name, factory, capabilities=ToolParserCapabilities(formats=...), ...)``.
+
+    The factory is called as ``factory(**options)`` and returns a ``corerun.tool_parsers.ToolParser``.
+    """
+
+
+@hookspec
+def corerun_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers: ``register(name, factory, capabilities=ReasoningParserCapabilities(...), ...)``.
+
+    The factory is called as ``factory(**options)`` and returns a ``corerun.tool_parsers.ReasoningParser``.
+    """
+
+
 HOOKS: dict[str, str] = {
     "attention": "corerun_attention_backends",
     "kv_cache": "corerun_kv_cache_managers",
     "graph": "corerun_graph_runners",
     "sampler": "corerun_samplers",
     "logits_processor": "corerun_logits_processors",
+    "tool_parser": "corerun_tool_parsers",
+    "reasoning_parser": "corerun_reasoning_parsers",
 }
 
 __all__ = ["hookspec", "hookimpl", "HOOKS", "Register"]

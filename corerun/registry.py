@@ -54,7 +54,7 @@ ENV_ALLOW_LIST = "CORERUN_PLUGINS"
 KINDS = tuple(hookspecs.HOOKS)
 KIND_TITLES = {
     "attention": "attention backend", "kv_cache": "KV-cache manager", "graph": "graph runner", "sampler": "sampler",
-    "logits_processor": "logits processor",
+    "logits_processor": "logits processor", "tool_parser": "tool-call parser", "reasoning_parser": "reasoning parser",
 }
 BUILTIN_MODULE = "corerun.builtin_plugins"
 

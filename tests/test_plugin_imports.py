@@ -28,6 +28,7 @@ PUBLIC = (
     "corerun.errors",
     "corerun.sampling_params",
     "corerun.registry",
+    "corerun.tool_parsers",
 )
 
 

@@ -546,7 +546,9 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
         {"plugin": "crashes", "distribution": "corerun-crashes", "error": "hook corerun_samplers raised ImportError: no module named libfoo"}
     ]
     assert [(i["kind"], i["name"]) for i in doc["implementations"]] == [
-        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "compile"), ("graph", "cuda"), ("graph", "eager"), ("sampler", "full")
+        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "compile"), ("graph", "cuda"), ("graph", "eager"), ("sampler", "full"),
+        ("tool_parser", "hermes"), ("tool_parser", "llama3_json"), ("tool_parser", "mistral"),
+        ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
     ]
     assert doc["not_loaded"] == []  # CORERUN_PLUGINS is unset: nothing was left out on purpose
     render(doc)

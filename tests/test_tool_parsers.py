@@ -4,16 +4,22 @@ every point and in random chunkings), OpenAI's delta shape written out by hand, 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from corerun.conformance import run
 from corerun.conformance.tool_parser_suite import ReasoningParserSuite, ToolParserSuite
-from corerun.tool_parsers import ToolCallDelta, ToolDelta, assemble
+from corerun.tool_parsers import ReasoningDelta, ToolCallDelta, ToolDelta, assemble
 from corerun.tool_parsers.hermes import HermesToolParser
 from corerun.tool_parsers.json_scan import held_prefix, object_fields, value_end
 from corerun.tool_parsers.llama3_json import Llama3JsonToolParser
 from corerun.tool_parsers.mistral import MistralToolParser
 from corerun.tool_parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from tests.broken_impls.tool_parser import (
+    ArgumentsTwiceWhenStreamed, DropsLastCall, LosesContentBeforeCall, SharesOneStream,
+)
+from tests.test_conformance_rejects import _failed
 
 
 class TestHermes(ToolParserSuite):
@@ -100,3 +106,83 @@ def test_object_fields_so_far() -> None:
     with pytest.raises(ValueError, match="expected ':'"):
         object_fields('{"n" 5}', 0)
     assert held_prefix("abc <tool", "<tool_call>") == 5 and held_prefix("abc", "<tool_call>") == 0
+
+
+@pytest.mark.parametrize(
+    ("impl", "must_fail", "says"),
+    [
+        (DropsLastCall, {"whole"}, "calls ['get_weather'], the transcript means ['get_weather', 'get_time']"),
+        (ArgumentsTwiceWhenStreamed, {"every_split", "chunkings", "fresh_streams"}, "which are not JSON"),
+        (LosesContentBeforeCall, {"whole", "every_split"}, "the transcript means 'Let me check.\\n'"),
+        (SharesOneStream, {"every_split", "chunkings", "fresh_streams"}, "tool call index 1 skips 0"),
+    ],
+    ids=["drops-last-call", "arguments-twice", "loses-content", "shares-one-stream"],
+)
+def test_broken_tool_parser_rejected(impl: type, must_fail: set[str], says: str) -> None:
+    results = run("tool_parser", factory=impl)
+    failed = _failed(results)
+    assert must_fail <= set(failed), f"{impl.name}: expected {sorted(must_fail)} to fail, got {sorted(failed)}"
+    reasons = [r.reason for check in must_fail for r in failed[check]]
+    assert any(says in reason for reason in reasons), reasons[:3]
+    assert all(r.id.startswith(f"tool_parser-{impl.name}-") for r in results)
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "deepseek_r1", "qwen3"])
+def test_builtin_parsers_pass_through_the_runner(name: str) -> None:
+    kind = "reasoning_parser" if name in ("deepseek_r1", "qwen3") else "tool_parser"
+    results = run(kind, name)
+    assert results and not _failed(results), [(r.id, r.reason) for r in results if r.failed]
+    assert sum(r.outcome == "passed" for r in results) >= 9
+
+
+def test_hook_corerun_tool_parsers() -> None:
+    """A plugin object registering a parser through the hook is listed and built by name."""
+    from corerun import hookimpl
+    from corerun.registry import Registry
+
+    class Plugin:
+        @hookimpl
+        def corerun_tool_parsers(self, register: Any) -> None:
+            register("mine", HermesToolParser, capabilities=HermesToolParser.capabilities)
+
+    reg = Registry.from_environment(allow=[])
+    reg.register_module(Plugin(), plugin="mine", distribution="corerun-tool-parser-mine", version="0.1")
+    assert {"hermes", "llama3_json", "mistral", "mine"} <= set(reg.names("tool_parser"))
+    parser = reg.create("tool_parser", "mine")
+    got = parser.parse('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == [("f", {"a": 1})]
+    assert reg.get("tool_parser", "mine").to_dict(False)["capabilities"]["formats"] == ["hermes"]
+
+
+def test_hook_corerun_reasoning_parsers() -> None:
+    from corerun import hookimpl
+    from corerun.registry import Registry
+
+    class Plugin:
+        @hookimpl
+        def corerun_reasoning_parsers(self, register: Any) -> None:
+            register("mine", Qwen3ReasoningParser, capabilities=Qwen3ReasoningParser.capabilities)
+
+    reg = Registry.from_environment(allow=[])
+    reg.register_module(Plugin(), plugin="mine", distribution="corerun-reasoning-parser-mine", version="0.1")
+    assert set(reg.names("reasoning_parser")) >= {"deepseek_r1", "qwen3", "mine"}
+    assert reg.create("reasoning_parser", "mine").parse("<think>a</think>b") == ReasoningDelta("a", "b")
+
+
+@pytest.mark.parametrize("kind", ["tool_parser", "reasoning_parser"])
+def test_scaffolded_parser_passes_conformance_unedited(kind: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from corerun.scaffold import scaffold
+
+    root = scaffold(kind, "fresh", tmp_path)
+    monkeypatch.syspath_prepend(str(root))
+    package = f"corerun_{kind}_fresh"
+    plugin = __import__(f"{package}.plugin", fromlist=["CAPABILITIES"])
+    parser = __import__(f"{package}.parser", fromlist=["Parser"])
+    results = run(kind, factory=parser.Parser, capabilities=plugin.CAPABILITIES, name="fresh")
+    assert sum(r.outcome == "passed" for r in results) >= 9 and not _failed(results), [
+        (r.id, r.reason) for r in results if r.failed]
+    assert "corerun serve --" in (root / "README.md").read_text()
+    for module in [m for m in sys.modules if m.startswith(package)]:
+        monkeypatch.delitem(sys.modules, module)

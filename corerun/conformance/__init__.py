@@ -21,6 +21,9 @@ _LAZY = {
     "GraphRunnerSuite": "corerun.conformance.graph_suite",
     "SamplerSuite": "corerun.conformance.sampler_suite",
     "LogitsProcessorSuite": "corerun.conformance.logits_processor_suite",
+    "ToolParserSuite": "corerun.conformance.tool_parser_suite",
+    "ReasoningParserSuite": "corerun.conformance.tool_parser_suite",
+    "Transcript": "corerun.conformance.tool_parser_suite",
     "ConformanceSuite": "corerun.conformance.suite",
     "Case": "corerun.conformance.suite",
     "Target": "corerun.conformance.target",
@@ -37,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from corerun.conformance.sampler_suite import SamplerSuite
     from corerun.conformance.suite import Case, ConformanceSuite
     from corerun.conformance.target import Target
+    from corerun.conformance.tool_parser_suite import ReasoningParserSuite, ToolParserSuite, Transcript
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,8 @@ SUITES = {
     "graph": "corerun.conformance.graph_suite:GraphRunnerSuite",
     "sampler": "corerun.conformance.sampler_suite:SamplerSuite",
     "logits_processor": "corerun.conformance.logits_processor_suite:LogitsProcessorSuite",
+    "tool_parser": "corerun.conformance.tool_parser_suite:ToolParserSuite",
+    "reasoning_parser": "corerun.conformance.tool_parser_suite:ReasoningParserSuite",
 }
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 FAILING = ("failed", "error", "xpassed")

@@ -12,6 +12,7 @@ from corerun.capabilities import (
     LogitsProcessorCapabilities,
     SamplerCapabilities,
 )
+from corerun.tool_parsers.protocol import ReasoningParserCapabilities, ToolParserCapabilities
 
 
 def default_capabilities(kind: str) -> Any:
@@ -26,7 +27,12 @@ def default_capabilities(kind: str) -> Any:
         return SamplerCapabilities(params=frozenset())
     if kind == "logits_processor":
         return LogitsProcessorCapabilities(params=frozenset({"structured_outputs"}))
-    raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, logits_processor")
+    if kind == "tool_parser":
+        return ToolParserCapabilities(formats=frozenset({"hermes"}))
+    if kind == "reasoning_parser":
+        return ReasoningParserCapabilities()
+    raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, "
+                     "logits_processor, tool_parser, reasoning_parser")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
 from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
 from corerun.conformance.sampler_suite import SamplerSuite
 from corerun.conformance.suite import FROM_OPTION
+from corerun.conformance.tool_parser_suite import ReasoningParserSuite, ToolParserSuite
 
 
 class TestAttentionBackend(AttentionBackendSuite):
@@ -39,4 +40,12 @@ class TestSampler(SamplerSuite):
 
 
 class TestLogitsProcessor(LogitsProcessorSuite):
+    implementation = FROM_OPTION
+
+
+class TestToolParser(ToolParserSuite):
+    implementation = FROM_OPTION
+
+
+class TestReasoningParser(ReasoningParserSuite):
     implementation = FROM_OPTION

@@ -17,7 +17,10 @@ KINDS = {  # kind: (title, conformance suite, YAML that selects NAME)
     "kv_cache": ("KV-cache manager", "KVCacheManagerSuite", "kv_cache: {{manager: {name}}}"),
     "graph": ("graph runner", "GraphRunnerSuite", "graph: {{runner: {name}}}"),
     "logits_processor": ("logits processor", "LogitsProcessorSuite", ""),  # chosen by the fields it serves
+    "tool_parser": ("tool-call parser", "ToolParserSuite", ""),  # chosen by `corerun serve --tool-call-parser`
+    "reasoning_parser": ("reasoning parser", "ReasoningParserSuite", ""),  # by `--reasoning-parser`
 }
+SERVE_OPTION = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
@@ -30,6 +33,7 @@ def placeholders(kind: str, name: str) -> dict[str, str]:
         "suite": suite,
         "yaml": yaml.format(name=name),
         "select": f"Select it with `{yaml.format(name=name)}` in the YAML config." if yaml else (
+            f"Serve with it: `corerun serve {SERVE_OPTION[kind]} {name}`." if kind in SERVE_OPTION else
             "Requests that set a field it serves (`structured_outputs`) use it once it is certified "
             "(and has the highest priority among those serving that field)."),
         "plugin_id": f"{kind}_{name}",
