@@ -340,6 +340,21 @@ def test_api_key_on_every_v1_route(guarded: str) -> None:
     assert raw(guarded, "GET", "/health")[0].status == 200  # probes need no key, as with vLLM
 
 
+def test_online_bench_sends_the_api_key_from_the_environment(guarded: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from corerun.server.bench_client import run
+
+    work = dict(num_prompts=2, input_len=(4, 4), output_len=(2, 2), request_rate=float("inf"), max_concurrency=2,
+                seed=1, temperature=0.0, vocab=64)
+    monkeypatch.delenv("CORERUN_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="HTTP 401.*CORERUN_API_KEY"):  # no key: the model lookup is refused
+        asyncio.run(run(guarded, **work))
+    monkeypatch.setenv("CORERUN_API_KEY", "s3cret-key")
+    s = asyncio.run(run(guarded, **work))
+    assert (s["completed"], s["failed"], s["model"]) == (2, 0, "tiny-llama")
+
+
 def test_allowed_origin_gets_cors_and_others_do_not(guarded: str) -> None:
     auth = {"Authorization": "Bearer s3cret-key"}
     resp, body = raw(guarded, "POST", "/v1/completions", COMPLETION, {"Origin": "http://app.example:3000", **auth})

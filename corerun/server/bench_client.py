@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -39,6 +40,13 @@ class RequestResult:
     error: str = ""
 
 
+def _auth() -> str:
+    """The ``Authorization`` header line for a server started with ``--api-key``: the key is read from
+    ``CORERUN_API_KEY``, the variable ``corerun serve`` reads too; nothing when it is unset."""
+    key = os.environ.get("CORERUN_API_KEY")
+    return f"Authorization: Bearer {key}\r\n" if key else ""
+
+
 async def _sse(url: str, body: dict[str, Any]) -> AsyncIterator[str]:
     """POST ``body`` as JSON and yield the ``data:`` payloads of the server-sent-event reply."""
     u = urlsplit(url)
@@ -47,7 +55,8 @@ async def _sse(url: str, body: dict[str, Any]) -> AsyncIterator[str]:
         payload = json.dumps(body).encode()
         writer.write(
             f"POST {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n".encode() + payload
+            f"Content-Length: {len(payload)}\r\nAccept: text/event-stream\r\n{_auth()}Connection: close\r\n\r\n".encode()
+            + payload
         )
         await writer.drain()
         status = (await reader.readline()).decode().split(" ", 2)
@@ -114,7 +123,7 @@ async def one_request(url: str, model: str, prompt: list[int], output_len: int, 
 async def _model_name(url: str) -> str:
     u = urlsplit(url)
     reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
-    writer.write(f"GET /v1/models HTTP/1.1\r\nHost: {u.hostname}\r\nConnection: close\r\n\r\n".encode())
+    writer.write(f"GET /v1/models HTTP/1.1\r\nHost: {u.hostname}\r\n{_auth()}Connection: close\r\n\r\n".encode())
     await writer.drain()
     raw = await reader.read()
     writer.close()
@@ -128,6 +137,10 @@ async def _model_name(url: str) -> str:
                 break
             out, rest = out + rest[:size], rest[size + 2 :]
         body = out
+    status = head.split(b"\r\n", 1)[0].decode(errors="replace").split(" ", 2)
+    if len(status) < 2 or status[1] != "200":
+        hint = " (set CORERUN_API_KEY to the server's --api-key)" if status[1:2] == ["401"] else ""
+        raise RuntimeError(f"GET /v1/models: HTTP {' '.join(status[1:]).strip()}{hint}: {body[:2000].decode(errors='replace')}")
     return json.loads(body)["data"][0]["id"]
 
 
