@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities
+from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities
 from corerun.hookspecs import Register, hookimpl
 from corerun.sampler.options import CAPABILITIES as FULL_SAMPLER_CAPABILITIES, FullSamplerOptions
 from corerun.tool_parsers.hermes import HermesToolParser
@@ -91,3 +91,18 @@ def corerun_reasoning_parsers(register: Register) -> None:
              description="<think>...</think>, opened by the chat template: the answer starts inside the thinking")
     register("qwen3", Qwen3ReasoningParser, capabilities=Qwen3ReasoningParser.capabilities,
              description="<think>...</think> when the answer opens with it (Qwen3's enable_thinking)")
+
+
+# architecture (config.json) -> (class, what differs from Llama); every one splits over tensor-parallel ranks
+MODEL_FAMILIES = {
+    "LlamaForCausalLM": ("corerun.models.llama:LlamaForCausalLM", "Llama 2/3, SmolLM/SmolLM2, TinyLlama"),
+    "MistralForCausalLM": ("corerun.models.llama:MistralForCausalLM", "Mistral (dense); sequences capped at sliding_window"),
+    "Qwen2ForCausalLM": ("corerun.models.qwen2:Qwen2ForCausalLM", "Qwen2 / Qwen2.5: bias on q, k, v"),
+    "Qwen3ForCausalLM": ("corerun.models.qwen3:Qwen3ForCausalLM", "Qwen3 (dense): per-head RMSNorm of q and k"),
+}
+
+
+@hookimpl
+def corerun_models(register: Register) -> None:
+    for arch, (factory, description) in MODEL_FAMILIES.items():
+        register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True), description=description)

@@ -187,3 +187,42 @@ class LogitsProcessorCapabilities:
 
     def to_dict(self) -> dict[str, Any]:
         return {"params": sorted(self.params), "host_sync": self.host_sync, "devices": sorted(self.devices)}
+
+
+ATTENTION_KINDS = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What a model family (a ``model`` plugin, registered under an ``architectures`` name) runs.
+
+    - ``tensor_parallel``: the class takes ``tp=`` and holds one rank's heads, features and vocabulary.
+    - ``attention``: the attention kinds its layers may ask for, of :data:`ATTENTION_KINDS`: ``full``
+      (causal over the whole sequence) and ``sliding`` (causal over the last ``sliding_window``
+      tokens); which layer asks for which, for one config, is the class's ``layer_attention(config)``.
+    - ``experts``: it has mixture-of-experts layers.
+    - ``devices``: the device types it runs on.
+
+    ``fits(need)`` lists why it cannot serve a :class:`Need` (``tensor_parallel``, ``device``).
+    """
+
+    tensor_parallel: bool = False
+    attention: frozenset[str] = frozenset({"full"})
+    experts: bool = False
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+
+    def __post_init__(self) -> None:
+        unknown = set(self.attention) - set(ATTENTION_KINDS)
+        if unknown or not self.attention:
+            raise ValueError(f"ModelCapabilities.attention {_fmt(frozenset(self.attention))}: each must be one of "
+                             f"{', '.join(ATTENTION_KINDS)} (at least one)")
+
+    def fits(self, need: Any) -> list[str]:
+        reasons = device_reasons(self.devices, need.device)
+        if getattr(need, "tensor_parallel", False) and not self.tensor_parallel:
+            reasons.append("it does not support tensor parallelism (tensor_parallel=False); use tensor_parallel_size: 1")
+        return reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensor_parallel": self.tensor_parallel, "attention": sorted(self.attention), "experts": self.experts,
+                "devices": sorted(self.devices)}

@@ -89,6 +89,15 @@ def corerun_reasoning_parsers(register: Register) -> None:
     """
 
 
+@hookspec
+def corerun_models(register: Register) -> None:
+    """Register model families: ``register(ARCHITECTURE, factory, capabilities=ModelCapabilities(...), ...)``.
+
+    The name is an ``architectures`` entry of a ``config.json`` (``"LlamaForCausalLM"``); the factory is
+    the model class, called as ``factory(config: ModelConfig)`` or ``factory(config, tp=group)``.
+    """
+
+
 HOOKS: dict[str, str] = {
     "attention": "corerun_attention_backends",
     "kv_cache": "corerun_kv_cache_managers",
@@ -97,6 +106,7 @@ HOOKS: dict[str, str] = {
     "logits_processor": "corerun_logits_processors",
     "tool_parser": "corerun_tool_parsers",
     "reasoning_parser": "corerun_reasoning_parsers",
+    "model": "corerun_models",
 }
 
 __all__ = ["hookspec", "hookimpl", "HOOKS", "Register"]

@@ -10,11 +10,11 @@ from corerun.models.config import ModelConfig, RopeConfig
 from corerun.models.default import cache_dir, default_model_dir
 from corerun.models.errors import ModelLoadError, UnsupportedModelError
 from corerun.models.loader import load_model
-from corerun.models.registry import MODEL_CLASSES, get_model_class, supported_architectures
+from corerun.models.registry import ModelFamily, get_model_class, model_family, supported_architectures
 
 __all__ = [
-    "MODEL_CLASSES",
     "ModelConfig",
+    "ModelFamily",
     "ModelLoadError",
     "RopeConfig",
     "UnsupportedModelError",
@@ -22,5 +22,6 @@ __all__ = [
     "default_model_dir",
     "get_model_class",
     "load_model",
+    "model_family",
     "supported_architectures",
 ]

@@ -30,7 +30,7 @@ from torch import nn
 from corerun.models.config import ModelConfig, parse_dtype
 from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
 from corerun.models.layers import WeightShapeError, use_cpu_matvec_layout
-from corerun.models.registry import get_model_class
+from corerun.models.registry import model_family
 
 if TYPE_CHECKING:
     from corerun.distributed.group import TensorParallelGroup
@@ -60,14 +60,18 @@ def load_model(
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
-    model_cls = get_model_class(config)
+    family = model_family(config)
+    model_cls = family.cls
     files = find_weight_files(model_dir, allow_pickle=allow_pickle)
     check_size_against_weights(config, files, model_dir)
     if callable(dtype):
         dtype = dtype(config.torch_dtype)
     dtype = parse_dtype(dtype, "dtype argument") or config.torch_dtype or torch.float32
-    if tp is not None and not getattr(model_cls, "supports_tensor_parallel", False):
-        raise UnsupportedModelError(f"{model_cls.__name__} does not support tensor parallelism; use tensor_parallel_size: 1")
+    if tp is not None and not family.capabilities.tensor_parallel:
+        raise UnsupportedModelError(
+            f"model family {family.architecture} ({family.registration.distribution}) declares tensor_parallel=False: "
+            "it does not support tensor parallelism; use tensor_parallel_size: 1"
+        )
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config) if tp is None else model_cls(config, tp=tp)
     load_weights(model, iterate_weights(files, allow_pickle=allow_pickle), source=str(model_dir))

@@ -1,34 +1,82 @@
-"""Model classes by the ``architectures`` name in ``config.json``."""
+"""Model families by the ``architectures`` name in ``config.json``, as the installed ``model`` plugins register them.
+
+corerun's own families (Llama, Mistral, Qwen2, Qwen3, ...) register through the same hook,
+``corerun_models``, in :mod:`corerun.builtin_plugins`; a distribution adds architectures with::
+
+    @corerun.hookimpl
+    def corerun_models(register):
+        register("MyForCausalLM", "my_family.model:MyForCausalLM",
+                 capabilities=ModelCapabilities(tensor_parallel=False, attention=frozenset({"full"})))
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from corerun.models.config import ModelConfig
-from corerun.models.errors import UnsupportedModelError
-from corerun.models.llama import LlamaForCausalLM, MistralForCausalLM
-from corerun.models.qwen2 import Qwen2ForCausalLM
-from corerun.models.qwen3 import Qwen3ForCausalLM
+from corerun.models.errors import ModelLoadError, UnsupportedModelError
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3, SmolLM/SmolLM2, TinyLlama, ...
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
+if TYPE_CHECKING:
+    from corerun.registry import Registration, Registry
 
 
-def supported_architectures() -> list[str]:
-    return sorted(MODEL_CLASSES)
+@dataclass(frozen=True)
+class ModelFamily:
+    """The family serving one architecture: its class, its declared capabilities and who registered it."""
+
+    architecture: str
+    cls: type[nn.Module]
+    capabilities: Any  # corerun.capabilities.ModelCapabilities
+    registration: "Registration"
 
 
-def get_model_class(config: ModelConfig) -> type[nn.Module]:
-    """The class for the first of ``config.architectures`` that corerun supports."""
+def _registry(registry: "Registry | None") -> "Registry":
+    from corerun.registry import get_registry
+
+    return registry if registry is not None else get_registry()
+
+
+def supported_architectures(registry: "Registry | None" = None) -> list[str]:
+    """Every architecture an installed ``model`` plugin registers, sorted."""
+    return _registry(registry).names("model")
+
+
+def model_family(config: ModelConfig, registry: "Registry | None" = None) -> ModelFamily:
+    """The family of the first of ``config.architectures`` that an installed plugin registers.
+
+    Raises :class:`UnsupportedModelError` listing every installed architecture (with its distribution)
+    and the model plugins that failed to load, or :class:`ModelLoadError` when the family's module
+    does not import.
+    """
+    from corerun.capabilities import ModelCapabilities
+    from corerun.registry import resolve
+
+    reg = _registry(registry)
+    table = reg.registrations["model"]
     for arch in config.architectures:
-        if arch in MODEL_CLASSES:
-            return MODEL_CLASSES[arch]
+        if arch not in table:
+            continue
+        registration = table[arch]
+        try:
+            cls = resolve(registration.factory)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model family {arch!r} from {registration.distribution} {registration.version} cannot be imported "
+                f"({registration.factory}): {type(exc).__name__}: {exc}"
+            ) from exc
+        return ModelFamily(arch, cls, registration.capabilities or ModelCapabilities(), registration)
     got = ", ".join(config.architectures) if config.architectures else "none listed"
-    raise UnsupportedModelError(
-        f"config.json architectures [{got}] (model_type {config.model_type!r}) not supported; "
-        f"corerun supports: {', '.join(supported_architectures())}"
-    )
+    installed = ", ".join(f"{n} ({r.distribution})" for n, r in sorted(table.items())) or "none"
+    msg = (f"config.json architectures [{got}] (model_type {config.model_type!r}) not supported; "
+           f"installed model families: {installed}")
+    if reg.load_errors:
+        msg += ". Plugins that failed to load: " + "; ".join(f"'{e.plugin}' ({e.distribution}): {e.error}" for e in reg.load_errors)
+    raise UnsupportedModelError(msg + "; a model plugin adds an architecture (docs/models.md)")
+
+
+def get_model_class(config: ModelConfig, registry: "Registry | None" = None) -> type[nn.Module]:
+    """The class for the first of ``config.architectures`` that an installed plugin registers."""
+    return model_family(config, registry).cls
