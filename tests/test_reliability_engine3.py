@@ -8,13 +8,18 @@ batch with a poisoned one.
 
 from __future__ import annotations
 
+import math
 import random
+from typing import Any
 
 import pytest
+import torch
 
-from corerun import SamplingParams
+from corerun import LLM, SamplingParams
 from corerun.engine.stop_strings import StopMatcher, StopStrings
 from corerun.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from tests.helpers.engine_testing import no_hang  # noqa: F401
+from tests.helpers.serving import ENGINE, tiny_chat_model
 
 
 # ------------------------------------------------------------ stop strings: limits
@@ -102,3 +107,107 @@ def test_stop_matcher_holds_a_long_partial_match_and_completes_it_across_steps()
         assert m.held == 2 * (step + 1) and m.shown(text) == "xx"
     text += "abyy"
     assert m.scan(text) == (2, stop)
+
+
+# ------------------------------------------------------------ non-finite logits
+POISON_SEED = 4242  # marks the request whose logits the wrapper poisons (a seed changes nothing for greedy rows)
+POISONS = {
+    "nan_row": lambda row: row.fill_(math.nan),
+    "one_nan": lambda row: row.__setitem__(7, math.nan),
+    "pos_inf": lambda row: row.__setitem__(3, math.inf),
+    "all_banned": lambda row: row.fill_(-math.inf),
+}
+
+
+class PoisoningSampler:
+    """Wraps the engine's sampler: from output token ``after`` on, the logits row of the request seeded
+    ``POISON_SEED`` is poisoned (as a broken kernel, plugin or fp16 overflow would leave it)."""
+
+    def __init__(self, inner: Any, poison: str, after: int) -> None:
+        self.inner, self.poison, self.after = inner, POISONS[poison], after
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def sample(self, logits: torch.Tensor, metadata: Any) -> Any:
+        logits = logits.clone()
+        for i, (p, out) in enumerate(zip(metadata.params, metadata.output_token_ids)):
+            if p.seed == POISON_SEED and len(out) >= self.after:
+                self.poison(logits[i])
+        return self.inner.sample(logits, metadata)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tiny_chat_model(tmp_path_factory.mktemp("nan"))
+
+
+def _llm(model_dir: Any, sampler: str, **kw: Any) -> LLM:
+    return LLM(str(model_dir), **{**ENGINE, "sampler": sampler}, kv_cache={"num_blocks": 64, "block_size": 4}, **kw)
+
+
+PROMPTS = ["the cat sat on the mat", "a dog ran to the log and sat"]
+
+
+@pytest.mark.parametrize("sampler", ["full", "basic"])
+@pytest.mark.parametrize("poison", sorted(POISONS))
+def test_a_row_with_non_finite_logits_ends_in_error_and_the_others_go_on(tiny_dir: Any, sampler: str, poison: str) -> None:
+    logprobs = 2 if sampler == "full" else None
+    clean = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs)
+    with _llm(tiny_dir, sampler) as llm:
+        reference = [o.outputs[0] for o in llm.generate(PROMPTS, clean, use_tqdm=False)]
+        runner = llm.engine.runner
+        runner.sampler = PoisoningSampler(runner.sampler, poison, after=3)
+        poisoned = clean.model_copy(update={"seed": POISON_SEED})
+        bad, good = (o.outputs[0] for o in llm.generate(PROMPTS, [poisoned, clean], use_tqdm=False))
+        assert (good.token_ids, good.text, good.finish_reason) == (
+            reference[1].token_ids, reference[1].text, "length")
+        assert bad.finish_reason == "error" and "logits of this request were not finite" in (bad.error or "")
+        assert bad.token_ids == reference[0].token_ids[:3]  # the tokens before the fault, none after
+        if logprobs:
+            assert len(bad.logprobs) == 3 and len(good.logprobs) == 8
+            values = [lp.logprob for step in bad.logprobs + good.logprobs for lp in step.values()]
+            assert all(math.isfinite(v) for v in values)
+        assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+
+
+def test_a_sampled_row_with_nan_logits_ends_in_error_beside_a_seeded_one(tiny_dir: Any) -> None:
+    """Random rows too: the race's winning p / q is NaN for a poisoned row; a seeded row beside it
+    gets the tokens it gets alone."""
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
+    with _llm(tiny_dir, "full") as llm:
+        alone = llm.generate(PROMPTS[1:], seeded, use_tqdm=False)[0].outputs[0]
+        runner = llm.engine.runner
+        runner.sampler = PoisoningSampler(runner.sampler, "nan_row", after=0)
+        poisoned = SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=6, ignore_eos=True)
+        bad, good = (o.outputs[0] for o in llm.generate(PROMPTS, [poisoned, seeded], use_tqdm=False))
+        assert bad.finish_reason == "error" and bad.token_ids == []
+        assert (good.token_ids, good.finish_reason) == (alone.token_ids, "length")
+
+
+@pytest.mark.parametrize("sampler", ["full", "basic"])
+def test_samplers_mark_exactly_the_non_finite_rows(sampler: str) -> None:
+    """Sampler level, against a float64 argmax of the clean rows: NON_FINITE for the poisoned rows only."""
+    from corerun.protocols import SamplingMetadata
+    from corerun.registry import get_registry
+    from corerun.sdk.sampling import NON_FINITE
+
+    vocab = 50
+    s = get_registry().create("sampler", sampler, vocab, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, vocab, generator=g, dtype=torch.float64)
+    expect = logits.argmax(dim=-1).tolist()
+    poisoned = {1: "nan_row", 2: "one_nan", 4: "pos_inf", 6: "all_banned"}
+    x = logits.to(torch.float32)
+    for row, kind in poisoned.items():
+        POISONS[kind](x[row])
+    params = [SamplingParams(temperature=0) if i % 2 == 0 else SamplingParams(temperature=0.7, seed=i) for i in range(8)]
+    meta = SamplingMetadata(params=params, prompt_token_ids=[[1]] * 8, output_token_ids=[[]] * 8)
+    tokens = s.sample(x, meta).sampled_token_ids.tolist()
+    for i, t in enumerate(tokens):
+        if i in poisoned:
+            assert t == NON_FINITE, (i, poisoned[i], t)
+        elif params[i].greedy:
+            assert t == expect[i]
+        else:
+            assert 0 <= t < vocab

@@ -328,6 +328,11 @@ class Scheduler:
             if seq.seq_id in failed or seq.is_finished:
                 continue
             touched.append(seq)
+            why = result.ended.get(row)
+            if why is not None and why != "stop":  # an error (non-finite logits, a processor's): no token taken
+                seq.error = why
+                self.finish(seq, "error")
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             for token in result.emitted(j):
@@ -335,9 +340,7 @@ class Scheduler:
                 if reason is not None:
                     break
             else:
-                reason = result.ended.get(row)  # a logits processor's end (a grammar completed), or its error
-                if reason is not None and reason != "stop":
-                    seq.error, reason = reason, "error"
+                reason = why  # a logits processor's end (a grammar completed)
             if reason is not None:
                 self.finish(seq, reason)
         for seq in batch.seqs:

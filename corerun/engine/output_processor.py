@@ -61,7 +61,7 @@ class OutputProcessor:
         """Append the step's logprob dicts to the sequences that took the step's tokens."""
         for seq in seqs:
             sid = seq.seq_id
-            if sid in failed:
+            if sid in failed or seq.finish_reason == "error":  # (its step's token was not taken)
                 continue
             if sid in lps.prompt:
                 if seq.prompt_logprobs is None:

@@ -26,9 +26,11 @@ from corerun.protocols.graph import ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, get_registry
 from corerun.runner.step_inputs import StepInputs
-from corerun.sdk.sampling import to_device
+from corerun.sdk.sampling import NON_FINITE, to_device
 
 logger = logging.getLogger("corerun.runner")
+NON_FINITE_ERROR = ("the logits of this request were not finite (NaN, +inf, or -inf for every token): the model, "
+                    "a logits processor or the dtype's range produced them")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -230,17 +232,18 @@ class ModelRunner:
             at = torch.from_numpy(first).to(logprobs.token_ids.device)
             logprobs = LogprobsTensors(logprobs.token_ids[at], logprobs.logprobs[at], logprobs.ranks[at])
         row_ids = rows.tolist()
-        row_of = {int(f): row_ids[j] for j, f in enumerate(first)}
+        request_of = np.repeat(row_ids, [len(d) + 1 for d in drafts])  # logits row -> its request's row
         return StepResult(
             [e[0] for e in emitted], row_ids, logprobs, prompt_lp,
-            {row_of[r]: why for r, why in ended.items() if r in row_of},
+            {int(request_of[r]): why for r, why in ended.items()},
             {row_ids[j]: e[1:] for j, e in enumerate(emitted) if len(e) > 1},
         )
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, owners: list[Any]) -> tuple[SamplerOutput, list[int], dict[int, str]]:
         """The logits processors, the sampler and the step's one host sync, then the processors take
         the sampled tokens. ``owners[i]`` is the sequence of logits row ``i``. Returns the sampler's
-        output, the sampled ids and the rows a processor ended (row -> reason)."""
+        output, the sampled ids and the rows that end (row -> reason): a processor ended them, or their
+        logits were not finite (then no processor takes their token)."""
         try:
             masked = self.logits_processors.apply(logits, owners)
         except Exception as exc:
@@ -253,12 +256,14 @@ class ModelRunner:
             sampled = out.sampled_token_ids.tolist()  # the step's one host sync
         except Exception as exc:
             raise StepError(f"sampler '{self.sampler_name}' failed: {type(exc).__name__}: {exc}") from exc
-        self._check_sampled(out.sampled_token_ids, sampled, len(owners))
+        non_finite = self._check_sampled(out.sampled_token_ids, sampled, len(owners))
+        if masked:
+            masked.failed.update(non_finite)
         try:
             ended = self.logits_processors.accept(masked, sampled) if masked else {}
         except Exception as exc:
             raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
-        return out, sampled, ended
+        return out, sampled, {**ended, **non_finite}
 
     def _sampled_hidden(self, hidden: torch.Tensor, batch: AttentionBatch, logits_indices: np.ndarray) -> torch.Tensor:
         """The hidden rows to sample from, without a host sync or a per-step copy where it can:
@@ -281,15 +286,16 @@ class ModelRunner:
         t = torch.from_numpy(index)
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-    def _check_sampled(self, tokens: torch.Tensor, sampled: Any, batch_size: int) -> None:
-        """A sampler's tokens must be int ``[batch_size]`` inside the vocabulary, or nothing is appended."""
+    def _check_sampled(self, tokens: torch.Tensor, sampled: Any, batch_size: int) -> dict[int, str]:
+        """A sampler's tokens must be int ``[batch_size]`` inside the vocabulary, or nothing is appended;
+        returns the rows it marked ``NON_FINITE`` (row -> the error their requests end with)."""
         problem = ""
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             problem = f"dtype {tokens.dtype}"
         elif tokens.dim() != 1 or tokens.shape[0] != batch_size:
             problem = f"shape {list(tokens.shape)}"
         else:
-            bad = [t for t in sampled if not 0 <= t < self.vocab_size]
+            bad = [t for t in sampled if not 0 <= t < self.vocab_size and t != NON_FINITE]
             if bad:
                 problem = f"token ids outside the vocabulary: {bad[:8]}"
         if problem:
@@ -297,6 +303,7 @@ class ModelRunner:
                 f"sampler '{self.sampler_name}' returned {problem}; expected integer token ids "
                 f"[{batch_size}] in [0, {self.vocab_size})"
             )
+        return {i: NON_FINITE_ERROR for i, t in enumerate(sampled) if t == NON_FINITE} if NON_FINITE in sampled else {}
 
     def _prompt_logprob_plan(self, sched: ScheduledBatch, inputs: ModelInputs) -> list[tuple[int, int, int, int, Any]]:
         """``(row, first target position, first hidden row, last hidden row, sequence)`` per request whose

@@ -11,6 +11,7 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
     min-p, top-k, top-p -> -inf                           truncation.py
     random rows: exponential race on softmax(x)           corerun.sdk.sampling (seeded rows: own generator)
     logprobs of the sampled token, its rank, the top-k    logprobs.py
+    rows whose logits are not finite -> NON_FINITE        from the greedy max / the race's winning p/q
 
 Every stage is one tensor pass over the batch; per-request values become tensors once per step from
 the ``SamplingParams`` list, so nothing waits on the device (no ``.item()``, no branching on tensor values).
@@ -31,7 +32,7 @@ from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
 from corerun.sampler.logprobs import gather_logprobs
-from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, to_device
+from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, mark_non_finite, to_device
 from corerun.sampler.history_cache import HistoryCache
 from corerun.sampler.penalties import apply_penalties
 from corerun.sampler.options import CAPABILITIES, FullSamplerOptions
@@ -95,13 +96,13 @@ class FullSampler:
             self._histories,
             metadata.seq_ids,
         )
-        tokens = self._choose(x, metadata)
+        tokens, values = self._choose(x, metadata)
 
         logprobs = None
         if asked:
             source = raw if raw is not None else x.log_softmax(dim=-1)
             logprobs = gather_logprobs(source, tokens, max(asked))
-        return SamplerOutput(tokens, logprobs)
+        return SamplerOutput(mark_non_finite(tokens, values), logprobs)
 
     def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
         """Raw logprobs of ``token_ids`` int ``[N]`` under ``logits`` float ``[N, V]``, their ranks, and the top ``num_logprobs``."""
@@ -114,13 +115,16 @@ class FullSampler:
             raise ValueError(f"num_logprobs must be in [0, {self.vocab_size}], got {num_logprobs}")
         return gather_logprobs(logits.log_softmax(dim=-1, dtype=torch.float32), token_ids, num_logprobs)
 
-    def _choose(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Greedy and random rows of the processed logits ``x`` -> int64 ``[B]``; ``x`` ends as the logits sampled from."""
+    def _choose(self, x: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy and random rows of the processed logits ``x`` -> (int64 ``[B]`` tokens, float ``[B]`` the
+        value each row's token won with: finite exactly when the row's logits are); ``x`` ends as the
+        logits sampled from."""
         params = metadata.params
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return x.argmax(dim=-1)
-        greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
+            values, tokens = x.max(dim=-1)
+            return tokens, values
+        greedy_values, greedy_tokens = x.max(dim=-1) if any(greedy) else (None, None)
         temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         if any(t != 1.0 for t in temperature):
             x.div_(to_device(temperature, torch.float32, x.device)[:, None])
@@ -138,7 +142,11 @@ class FullSampler:
             if params[i].seed is not None
         ]
         if greedy_tokens is None:
-            return exponential_race(x.softmax(dim=-1), seeded, self._generators.get(x.device))
+            probs = x.softmax(dim=-1)
+            tokens = exponential_race(probs, seeded, self._generators.get(x.device))
+            return tokens, probs.gather(1, tokens[:, None])[:, 0]
         index = to_device(random_rows, torch.int64, x.device)
-        tokens = exponential_race(x[index].softmax(dim=-1), seeded, self._generators.get(x.device))
-        return greedy_tokens.index_copy_(0, index, tokens)
+        probs = x[index].softmax(dim=-1)
+        tokens = exponential_race(probs, seeded, self._generators.get(x.device))
+        values = greedy_values.index_copy_(0, index, probs.gather(1, tokens[:, None])[:, 0])
+        return greedy_tokens.index_copy_(0, index, tokens), values

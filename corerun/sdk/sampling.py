@@ -24,6 +24,19 @@ _MASK64 = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny
 
 
+# The token a sampler returns for a row whose logits are not finite (a NaN or +inf anywhere, or -inf for
+# every token): the runner ends that request with an error naming the cause; the other rows go on.
+NON_FINITE = -1
+
+
+def mark_non_finite(tokens: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (int64 ``[B]``) with :data:`NON_FINITE` where ``values`` (float ``[B]``) is not finite.
+    ``values`` is a reduction the sampler made anyway: each row's greedy maximum (``max`` propagates
+    NaN) or its race's winning ``p / q`` (a row of softmax over non-finite logits is all NaN).  Two
+    elementwise passes over ``[B]``, no host sync."""
+    return torch.where(values.isfinite(), tokens, NON_FINITE)
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -103,5 +116,6 @@ def check_logits(logits: torch.Tensor, batch_size: int, vocab_size: int) -> None
 
 
 __all__ = [
-    "GeneratorCache", "check_logits", "exponential_race", "row_seed", "seeded_generator", "seeded_rows", "to_device",
+    "NON_FINITE", "GeneratorCache", "check_logits", "exponential_race", "mark_non_finite", "row_seed", "seeded_generator",
+    "seeded_rows", "to_device",
 ]

@@ -9,7 +9,7 @@ import torch
 from corerun import ConfigError, SamplerCapabilities, UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
-from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, to_device
+from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, mark_non_finite, to_device
 from corerun_sampler_basic.plugin import CAPABILITIES
 
 FULL_HINT = "use `sampler: full` (built into corerun), which honours them"
@@ -20,7 +20,9 @@ class BasicSampler:
 
     Honours ``temperature`` and ``seed``; :meth:`check` refuses every other sampling parameter.
     ``sample`` makes no host sync: per-request values become tensors once per step, and the random
-    rows' draws are written into the greedy argmax with ``index_copy_``.
+    rows' draws are written into the greedy argmax with ``index_copy_``.  A row whose logits are not
+    finite gets ``NON_FINITE``, read from the reductions that pick the tokens (the greedy max, the
+    race's winning ``p / q``).
     """
 
     name: ClassVar[str] = "basic"
@@ -50,7 +52,8 @@ class BasicSampler:
         greedy = [p.greedy for p in params]
         x = logits.to(torch.float32)
         if all(greedy):
-            return SamplerOutput(x.argmax(dim=-1))
+            values, tokens = x.max(dim=-1)
+            return SamplerOutput(mark_non_finite(tokens, values))
         # the race runs on the random rows only; ``seeded`` rows index into them
         rows = [i for i, g in enumerate(greedy) if not g]
         temperature = to_device([params[i].temperature for i in rows], torch.float32, x.device)
@@ -61,10 +64,15 @@ class BasicSampler:
         ]
         generator = self._generators.get(x.device)
         if len(rows) == len(params):
-            return SamplerOutput(exponential_race(torch.softmax(x / temperature[:, None], dim=-1), seeded, generator))
+            probs = torch.softmax(x / temperature[:, None], dim=-1)
+            tokens = exponential_race(probs, seeded, generator)
+            return SamplerOutput(mark_non_finite(tokens, probs.gather(1, tokens[:, None])[:, 0]))
         index = to_device(rows, torch.int64, x.device)
-        tokens = exponential_race(torch.softmax(x[index] / temperature[:, None], dim=-1), seeded, generator)
-        return SamplerOutput(x.argmax(dim=-1).index_copy_(0, index, tokens))
+        probs = torch.softmax(x[index] / temperature[:, None], dim=-1)
+        tokens = exponential_race(probs, seeded, generator)
+        values, greedy_tokens = x.max(dim=-1)
+        values.index_copy_(0, index, probs.gather(1, tokens[:, None])[:, 0])
+        return SamplerOutput(mark_non_finite(greedy_tokens.index_copy_(0, index, tokens), values))
 
     def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
         """Not provided by ``basic``: raises :class:`UnsupportedError`."""
