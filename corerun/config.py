@@ -172,6 +172,8 @@ class ServerConfig(_Strict):
     read_timeout_s: float = Field(30.0, gt=0.0)  # a request's headers, then its body, must arrive within this
     chat_template_timeout_s: float = Field(5.0, gt=0.0)  # rendering one chat template may take this long
     chat_template_max_chars: int = Field(4 * 2**20, ge=1)  # a rendered chat (and any string in it) may be this long
+    tool_call_parser: str = "auto"  # reads tool calls (docs/tool-calling.md); auto: from the chat template; none
+    reasoning_parser: str | None = None  # splits the thinking into reasoning_content (deepseek_r1, qwen3, ...)
 
     @field_validator("api_key")
     @classmethod

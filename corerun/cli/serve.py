@@ -20,10 +20,15 @@ from corerun.errors import CorerunError
                    "server.allowed_origins). Other cross-origin requests get 403.")
 @click.option("--allowed-hosts", multiple=True,
               help="A Host name served besides the listening address (repeatable; '*': any; server.allowed_hosts).")
+@click.option("--tool-call-parser", default=None,
+              help="Reads the model's tool calls: hermes, llama3_json, mistral, ... (server.tool_call_parser; default "
+                   "auto: from the chat template; none: off).")
+@click.option("--reasoning-parser", default=None,
+              help="Splits the model's thinking into reasoning_content: deepseek_r1, qwen3, ... (server.reasoning_parser).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level (info logs each request).")
 def serve(config_path, sets, model, attention, sampler, device, dtype, host, port, served_model_name, api_key,
-          allowed_origins, allowed_hosts, log_level) -> None:
+          allowed_origins, allowed_hosts, tool_call_parser, reasoning_parser, log_level) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics. SIGTERM or Ctrl-C stops it gracefully."""
     from corerun.server.run import check_installed
@@ -33,7 +38,8 @@ def serve(config_path, sets, model, attention, sampler, device, dtype, host, por
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
     given = (("host", host), ("port", port), ("served_model_name", served_model_name), ("api_key", api_key),
-             ("allowed_origins", list(allowed_origins) or None), ("allowed_hosts", list(allowed_hosts) or None))
+             ("allowed_origins", list(allowed_origins) or None), ("allowed_hosts", list(allowed_hosts) or None),
+             ("tool_call_parser", tool_call_parser), ("reasoning_parser", reasoning_parser))
     server = {k: v for k, v in given if v is not None}
     try:
         cfg = build_config(config_path, sets, model=model, attention=attention, sampler=sampler, device=device,

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corerun.server import protocol as P
+from corerun.server import tool_calls
 
 from corerun.server.security import Guard
 from corerun.server.serving import Serving
@@ -175,23 +176,26 @@ def build_app(llm: Any) -> FastAPI:
         req = P.parse_body(P.ChatCompletionRequest, await read_json(request, state.cfg))
         state.check_model(req)
         P.unsupported(req)
-        prompt = await asyncio.to_thread(state.chat_prompt, req)
+        tools = tool_calls.plan(req, state.parsers)  # sets the structured output of required / named tool_choice
+        prompt = await asyncio.to_thread(state.chat_prompt, req, tools.tools if tools else None)
         state.check_length([prompt], None, "messages")
         params = P.sampling_params(req, default_max_tokens=state.default_max_tokens(len(prompt)),
                                    max_logprobs=state.max_logprobs)
         state.check_length([prompt], req.max_completion_tokens or req.max_tokens, "messages")
-        return await _serve(request, state, req, [prompt], params, chat=True)
+        return await _serve(request, state, req, [prompt], params, chat=True, tools=tools)
 
     return app
 
 
-async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[int]], params: Any, chat: bool) -> Response:
+async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[int]], params: Any, chat: bool,
+                 tools: tool_calls.ToolPlan | None = None) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     streams = await state.submit(prompts, params, rid, final_only=not req.stream, structured=P.structured_field(req))
     created = int(time.time())
     state.in_flight[rid] = streams
     if req.stream:  # (the stream leaves in_flight when it ends)
-        return StreamingResponse(stream(state, req, streams, prompts, rid, created, chat), media_type="text/event-stream")
+        return StreamingResponse(stream(state, req, streams, prompts, rid, created, chat, tools),
+                                 media_type="text/event-stream")
     collecting = asyncio.ensure_future(collect(streams))
     watch = asyncio.ensure_future(_until_disconnect(request))
     try:
@@ -210,4 +214,4 @@ async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[
     err = state.cut_off_error(finals)
     if err is not None:
         return error_response(err)
-    return JSONResponse(full_response(state, req, finals, prompts, rid, created, chat))
+    return JSONResponse(full_response(state, req, finals, prompts, rid, created, chat, tools))

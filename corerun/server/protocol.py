@@ -161,8 +161,7 @@ def unsupported(req: _Request) -> None:
                    ("best_of", req.best_of is not None and req.best_of != req.n)]
     else:
         assert isinstance(req, ChatCompletionRequest)
-        checks += [("tools", bool(req.tools)), ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-                   ("response_format", bool(req.response_format)
+        checks += [("response_format", bool(req.response_format)
                     and req.response_format.get("type") not in ("text", "json_object", "json_schema"))]
     for field, bad in checks:
         if bad:

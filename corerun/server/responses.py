@@ -16,6 +16,7 @@ class ChoiceState:
     text_sent: int = 0
     tokens_sent: int = 0
     finished: bool = False
+    parsed: Any = None  # a chat choice's ChoiceOutput (tool calls, thinking), when the request needs one
 
 
 def finish_reason(c: CompletionOutput) -> str | None:

@@ -11,6 +11,7 @@ from typing import Any
 from corerun.errors import EngineClosedError, RequestError
 from corerun.server import chat_template
 from corerun.server import protocol as P
+from corerun.server import tool_calls
 from corerun.server.metrics import ServerMetrics
 
 logger = logging.getLogger("corerun.server")
@@ -46,6 +47,7 @@ class Serving:
                            "or memory to serve the whole context", self.kv_tokens, self.max_model_len,
                            self.kv_tokens + 1)
         self.max_logprobs = llm.config.max_logprobs
+        self.parsers = tool_calls.choose_parsers(self.cfg, self.tokenizer)
         self.metrics = ServerMetrics(self.engine, self.name)
         self.admitting = 0  # requests between the queue check and the engine's waiting queue
         self.closing = False  # shutdown has begun: new requests get 503
@@ -88,13 +90,16 @@ class Serving:
             raise P.APIError(400, "prompt: must not be empty", param="prompt")
         return prompts
 
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: P.ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise P.APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
         kwargs = chat_template.check_kwargs(req.chat_template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
+        messages = tool_calls.template_messages(P.chat_text(req.messages))
         try:
-            text = chat_template.render(tok, P.chat_text(req.messages), add_generation_prompt=req.add_generation_prompt,
+            text = chat_template.render(tok, messages, add_generation_prompt=req.add_generation_prompt,
                                         kwargs=kwargs, max_chars=self.cfg.chat_template_max_chars,
                                         timeout_s=self.cfg.chat_template_timeout_s)
         except P.APIError:

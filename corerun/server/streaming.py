@@ -10,6 +10,7 @@ from corerun.outputs import CompletionOutput, RequestOutput
 from corerun.server import protocol as P
 from corerun.server.responses import ChoiceState, chat_logprobs, completion_logprobs, finish_reason
 from corerun.server.serving import Serving
+from corerun.server.tool_calls import ChoiceOutput, ToolPlan
 
 
 def sse(data: Any) -> bytes:
@@ -68,7 +69,7 @@ def _error_of(finals: list[RequestOutput]) -> str | None:
 
 
 def full_response(state: Serving, req: Any, finals: list[RequestOutput], prompts: list[list[int]], rid: str,
-                   created: int, chat: bool) -> dict[str, Any]:
+                   created: int, chat: bool, tools: ToolPlan | None = None) -> dict[str, Any]:
     err = _error_of(finals)
     if err is not None:  # a plugin failed inside a step: the server's fault, not the request's
         raise P.APIError(500, f"the engine failed this request: {err}", code="engine_error")
@@ -80,9 +81,12 @@ def full_response(state: Serving, req: Any, finals: list[RequestOutput], prompts
             total += len(c.token_ids)
             index = i * n + c.index
             if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": c.text},
+                parsed = tools.output() if tools else None
+                choice = {"index": index,
+                          "message": parsed.message(c.text) if parsed else {"role": "assistant", "content": c.text},
                           "logprobs": chat_logprobs(state, c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-                          "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+                          "finish_reason": parsed.finish_reason(finish_reason(c)) if parsed else finish_reason(c),
+                          "stop_reason": c.stop_reason}
             else:
                 choice = {"index": index, "text": c.text,
                           "logprobs": completion_logprobs(state, c.token_ids, c.logprobs, req.logprobs, 0) if req.logprobs is not None else None,
@@ -93,7 +97,7 @@ def full_response(state: Serving, req: Any, finals: list[RequestOutput], prompts
 
 
 async def stream(state: Serving, req: Any, streams: list[Any], prompts: list[list[int]], rid: str, created: int,
-                  chat: bool) -> AsyncIterator[bytes]:
+                  chat: bool, tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
     n = req.n
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -126,7 +130,7 @@ async def stream(state: Serving, req: Any, streams: list[Any], prompts: list[lis
                 parts = []
                 for c in out.outputs:
                     index = i * n + c.index
-                    st = choices.setdefault(index, ChoiceState())
+                    st = choices.setdefault(index, ChoiceState(parsed=tools.output() if tools else None))
                     part = _delta(state, req, st, c, chat, text_offsets, index)
                     if part is not None:
                         parts.append(part)
@@ -167,6 +171,13 @@ def _delta(state: Serving, req: Any, st: ChoiceState, c: CompletionOutput, chat:
     st.tokens_sent = len(c.token_ids)
     st.finished = c.finish_reason is not None
     reason = finish_reason(c) if st.finished else None
+    if chat and st.parsed is not None:  # tool calls or thinking in the text: the parser says what is new
+        fields = st.parsed.delta(new_text, st.finished)
+        if not fields and logprobs is None and not st.finished:
+            return None
+        return {"index": index, "delta": fields, "logprobs": logprobs,
+                "finish_reason": st.parsed.finish_reason(reason),
+                **({"stop_reason": c.stop_reason} if st.finished else {})}
     if chat:
         return {"index": index, "delta": {"content": new_text} if new_text or not st.finished else {},
                 "logprobs": logprobs, "finish_reason": reason, **({"stop_reason": c.stop_reason} if st.finished else {})}
