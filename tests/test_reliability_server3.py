@@ -655,3 +655,15 @@ def test_plugin_raising_in_forward_under_the_server(folder: Path, faulty_registr
             wait_idle(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("stop, names", [(["x"] * 129, "128"), (["y" * 1025], "stop[0]")])
+def test_stop_list_and_strings_are_bounded_with_a_400(url: str, stop: list[str], names: str) -> None:
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": stop}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                 "stop": stop})):
+        resp, err = raw(url, "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        assert resp.status == 400, (path, err)
+        assert err["error"]["param"] == "stop" and names in err["error"]["message"], err
+    resp, _ = raw(url, "POST", "/v1/completions", COMPLETION, {"Content-Type": "application/json"})
+    assert resp.status == 200  # and the server goes on
