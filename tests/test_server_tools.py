@@ -210,3 +210,48 @@ def test_tool_requests_refused_with_the_field() -> None:
         {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": SCHEMAS[name]},
          "required": ["name", "parameters"], "additionalProperties": False} for name in ("get_weather", "get_time")]}}
     assert plan(req(), ChatParsers()) is None  # no tools, no reasoning parser: the answer is served as before
+
+
+def test_auto_tool_parser_from_the_chat_template() -> None:
+    from types import SimpleNamespace
+
+    from corerun.server.tool_calls import choose_parsers
+
+    def chosen(template: Any, **cfg: Any) -> tuple[str | None, str | None]:
+        got = choose_parsers(SimpleNamespace(**cfg), SimpleNamespace(chat_template=template))
+        return got.tool_name, got.reasoning_name
+
+    assert chosen("{{ '<tool_call>' }}{{ '<think>' }}", tool_call_parser="auto") == ("hermes", None)
+    assert chosen({"default": "x", "tool_use": "<|python_tag|>"}, tool_call_parser="auto") == ("llama3_json", None)
+    assert chosen("[TOOL_CALLS] <tool_call>", tool_call_parser="auto") == (None, None)  # two formats: none chosen
+    assert chosen("plain", tool_call_parser="auto", reasoning_parser="deepseek_r1") == (None, "deepseek_r1")
+    assert chosen("<tool_call>", tool_call_parser="none") == (None, None)
+    assert chosen("plain", tool_call_parser="mistral") == ("mistral", None)
+
+
+def test_choice_output_whole_and_deltas_with_thinking_and_two_calls() -> None:
+    """Thinking, then content, then two Hermes calls with a newline between them: the whole message and
+    the deltas fed one character at a time say the same."""
+    from corerun.server.tool_calls import ToolPlan, choose_parsers
+    from types import SimpleNamespace
+
+    parsers = choose_parsers(SimpleNamespace(tool_call_parser="hermes", reasoning_parser="qwen3"), None)
+    text = ('<think>use tools</think>Checking.<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>')
+    whole = ToolPlan("auto", tools=TOOLS, parsers=parsers).output()
+    msg = whole.message(text)
+    assert msg["reasoning_content"] == "use tools" and msg["content"] == "Checking.\n"  # the text between the calls too
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("get_time", {}), ("get_weather", {"city": "Oslo", "unit": "c"})]
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
+    streamed = ToolPlan("auto", tools=TOOLS, parsers=parsers).output()
+    deltas = [streamed.delta(ch, i == len(text) - 1) for i, ch in enumerate(text)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "use tools"
+    assert "".join(d.get("content", "") for d in deltas) == "Checking.\n"
+    args = {}
+    for d in deltas:
+        for piece in d.get("tool_calls", ()):
+            args[piece["index"]] = args.get(piece["index"], "") + piece["function"]["arguments"]
+    assert [json.loads(args[i]) for i in (0, 1)] == [{}, {"city": "Oslo", "unit": "c"}]
+    single = ToolPlan("auto", tools=TOOLS, parallel=False, parsers=parsers).output().message(text)
+    assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_time"]  # parallel_tool_calls: false

@@ -273,7 +273,7 @@ class ChoiceOutput:
         pieces = [self.tools.feed(split.content)] + ([self.tools.finish()] if final else [])
         content = "".join(p.content for p in pieces)
         calls = [c for p in pieces for c in p.tool_calls if self.limit is None or c.index < self.limit]
-        if content and not (self.calls and not content.strip()):  # whitespace between calls is not content
+        if content:
             out["content"] = content
         if calls:
             self.calls = max(self.calls, max(c.index for c in calls) + 1)
