@@ -24,6 +24,7 @@ _LAZY = {
     "ToolParserSuite": "corerun.conformance.tool_parser_suite",
     "ReasoningParserSuite": "corerun.conformance.tool_parser_suite",
     "Transcript": "corerun.conformance.tool_parser_suite",
+    "ModelSuite": "corerun.conformance.model_suite",
     "ConformanceSuite": "corerun.conformance.suite",
     "Case": "corerun.conformance.suite",
     "Target": "corerun.conformance.target",
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
     from corerun.conformance.runner import CheckResult, run
     from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
+    from corerun.conformance.model_suite import ModelSuite
     from corerun.conformance.sampler_suite import SamplerSuite
     from corerun.conformance.suite import Case, ConformanceSuite
     from corerun.conformance.target import Target

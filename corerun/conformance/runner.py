@@ -31,6 +31,7 @@ SUITES = {
     "logits_processor": "corerun.conformance.logits_processor_suite:LogitsProcessorSuite",
     "tool_parser": "corerun.conformance.tool_parser_suite:ToolParserSuite",
     "reasoning_parser": "corerun.conformance.tool_parser_suite:ReasoningParserSuite",
+    "model": "corerun.conformance.model_suite:ModelSuite",
 }
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 FAILING = ("failed", "error", "xpassed")

@@ -10,6 +10,7 @@ from corerun.capabilities import (
     GraphRunnerCapabilities,
     KVCacheCapabilities,
     LogitsProcessorCapabilities,
+    ModelCapabilities,
     SamplerCapabilities,
 )
 from corerun.tool_parsers.protocol import ReasoningParserCapabilities, ToolParserCapabilities
@@ -31,8 +32,10 @@ def default_capabilities(kind: str) -> Any:
         return ToolParserCapabilities(formats=frozenset({"hermes"}))
     if kind == "reasoning_parser":
         return ReasoningParserCapabilities()
+    if kind == "model":
+        return ModelCapabilities()
     raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, "
-                     "logits_processor, tool_parser, reasoning_parser")
+                     "logits_processor, tool_parser, reasoning_parser, model")
 
 
 @dataclass
@@ -82,6 +85,14 @@ class Target:
             return self.registration.create(*args, options=self.options, **kwargs)
         assert self.factory is not None
         return self.factory(*args, **kwargs, **self.options)
+
+    def implementation_class(self) -> Any:
+        """The factory itself: the class a model family or a parser registered (imported now)."""
+        if self.factory is not None:
+            return self.factory
+        from corerun.registry import resolve
+
+        return resolve(self.registration.factory)
 
     @property
     def label(self) -> str:

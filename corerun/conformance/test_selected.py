@@ -11,6 +11,7 @@ from corerun.conformance.attention_suite import AttentionBackendSuite
 from corerun.conformance.graph_suite import GraphRunnerSuite
 from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
 from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
+from corerun.conformance.model_suite import ModelSuite
 from corerun.conformance.sampler_suite import SamplerSuite
 from corerun.conformance.suite import FROM_OPTION
 from corerun.conformance.tool_parser_suite import ReasoningParserSuite, ToolParserSuite
@@ -48,4 +49,8 @@ class TestToolParser(ToolParserSuite):
 
 
 class TestReasoningParser(ReasoningParserSuite):
+    implementation = FROM_OPTION
+
+
+class TestModel(ModelSuite):
     implementation = FROM_OPTION
