@@ -9,7 +9,11 @@ text is then known; the reference for the prompt is transformers' ``apply_chat_t
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -49,13 +53,20 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    folder = add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tools"), "llama", max_position_embeddings=2048))
+def tools_model(tmp: Path) -> Path:
+    """A tiny random Llama (2,048 positions: a prompt with tools is long in one-character tokens) whose chat
+    template shows the tools and renders calls and results as Hermes does."""
+    folder = add_tiny_tokenizer(make_tiny_model(tmp, "llama", max_position_embeddings=2048))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOLS_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    folder = tools_model(tmp_path_factory.mktemp("tools"))
     llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 256, "block_size": 8},
               scheduler={"max_model_len": 1024}, server={"reasoning_parser": "qwen3"})
     yield llm
@@ -255,3 +266,33 @@ def test_choice_output_whole_and_deltas_with_thinking_and_two_calls() -> None:
     assert [json.loads(args[i]) for i in (0, 1)] == [{}, {"city": "Oslo", "unit": "c"}]
     single = ToolPlan("auto", tools=TOOLS, parallel=False, parsers=parsers).output().message(text)
     assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_time"]  # parallel_tool_calls: false
+
+
+@pytest.mark.timeout(300)
+def test_corerun_serve_command_with_parser_options(tmp_path: Path) -> None:
+    """``corerun serve --tool-call-parser hermes --reasoning-parser deepseek_r1`` in its own process."""
+    from tests.test_server_cli import _free_port, _wait_healthy
+
+    folder = tools_model(tmp_path)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "corerun", "serve", "--model", str(folder), "--port", str(port), "--device", "cpu",
+           "--dtype", "float32", "--attention", "torch", "--served-model-name", "tiny", "--set", "kv_cache.num_blocks=128",
+           "--set", "scheduler.max_model_len=1024", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200, seed=1,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        _valid(r.choices[0].message.tool_calls[0])
+        steer = {"structured_outputs": {"regex": r'[a-z]{3}</think>Ok<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'}}
+        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+                                           extra_body=steer)
+        msg = r.choices[0].message
+        assert re.fullmatch("[a-z]{3}", msg.reasoning_content) and msg.content == "Ok"
+        assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_time", "{}")]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
