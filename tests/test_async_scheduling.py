@@ -296,13 +296,12 @@ def test_async_scheduling_is_off_by_default_and_refused_where_unsupported(tiny) 
 
 
 def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
-    """Protocol version 2 under asynchronous scheduling: replaying the launched batches' ``finished_ids``
-    and ``new_block_ids`` gives each scheduled sequence's table as the KV-cache manager has it, although
-    requests that ended in the step in flight are dropped from the next batch before its launch."""
+    """Protocol version 3 under asynchronous scheduling: replaying the launched batches (requests that
+    left, new ones' whole tables, the others' block-table changes) gives each scheduled request's table
+    as the KV-cache manager has it, although requests that ended in the step in flight are dropped from
+    the next batch before its launch."""
     from corerun.core.scheduler import ScheduledBatch
 
-    if "new_block_ids" not in ScheduledBatch.__dataclass_fields__:
-        pytest.skip("this scheduler does not state block-table changes")
     model_dir, prompts, _ = tiny
     llm = make_llm(model_dir, 9, True, max_num_batched_tokens=6)
     engine = llm.engine
@@ -312,14 +311,17 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
     prepare = engine.runner.prepare_step
 
     def replaying_prepare(sched: Any, eos: Any) -> Any:
-        for sid in sched.finished_ids:
+        for sid in sched.finished_ids | sched.preempted_ids:
             tables.pop(sid, None)
-            finished.add(sid)
-        for sid, change in sched.new_block_ids.items():
-            tables[sid] = change.apply(tables.get(sid, []) if sid not in sched.resumed_ids else [])
-        for s in sched.seqs:
-            assert s.seq_id not in finished and not s.is_finished
-            assert tables[s.seq_id] == list(engine.kv.block_table(s.seq_id))
+        finished.update(sched.finished_ids)
+        for r in sched.new_reqs:
+            tables[r.seq_id] = list(r.block_ids)
+        for c in sched.cached_reqs:
+            if c.new_block_ids is not None:
+                tables[c.seq_id] = c.new_block_ids.apply(tables[c.seq_id])
+        for sid, s in zip(sched.req_ids, engine.scheduler.seqs_of(sched)):
+            assert sid not in finished and s is not None and not s.is_finished
+            assert tables[sid] == list(engine.kv.block_table(sid))
             checked[0] += 1
         return prepare(sched, eos)
 
@@ -328,7 +330,7 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
     only = ScheduledBatch.only
 
     def counting_only(sched: Any, keep: list[int]) -> Any:
-        dropped[0] += len(sched.seqs) - len(keep)
+        dropped[0] += len(sched.req_ids) - len(keep)
         return only(sched, keep)
 
     # random stop tokens end requests at steps the scheduler cannot foresee: they are dropped before launch

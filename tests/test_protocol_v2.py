@@ -1,12 +1,13 @@
-"""Protocol version 2 through the engine: the scheduler states its changes, runner and sampler follow them.
+"""Protocol version 3 through the engine: the scheduler sends each step as a message of plain values,
+and the runner's persistent batch, changed only by applying them, follows the requests.
 
-- The runner's kept block tables (``BlockRows``) equal the KV-cache manager's ``block_table`` for every
-  scheduled sequence at every step of runs with preemption (recompute), resumption, prefix hits and
-  speculative decoding's trims, without reading a single table whole, and greedy outputs stay equal
-  to transformers'.
-- The full sampler keeps a penalised request's history while the scheduler skips it (built once per
-  request, never rebuilt), drops it when the request finishes, and the tokens equal an independent
-  computation: transformers' logits with vLLM's penalty rules applied in float64.
+- After each step's message is applied, the runner holds, for every scheduled request, the KV-cache
+  manager's ``block_table`` and the request's tokens (those of the step in flight included), over
+  runs with preemption (recompute), resumption, prefix hits and speculative decoding's trims, and
+  greedy outputs stay equal to transformers'.
+- A penalised request skipped by the scheduler (preempted, waiting) samples from its whole history
+  when it comes back: the tokens equal an independent computation, transformers' logits with vLLM's
+  penalty rules applied in float64.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 
 from corerun import LLM, SamplingParams
 from corerun.core.scheduler import ScheduledBatch
-from corerun.sampler import history_cache
 from corerun.testing import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -32,18 +32,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _watch_block_rows(llm: LLM) -> tuple[Counter, list[str]]:
-    """After each step's inputs are built: every scheduled sequence's row equals the manager's table."""
+    """After each step's message is applied: every scheduled request's row holds the manager's table and
+    the request's tokens."""
     runner, kv, scheduler = llm.engine.runner, llm.engine.kv, llm.engine.scheduler
     events, problems = Counter(), []
     prepare = runner.prepare_inputs
 
     def checked(sched: ScheduledBatch):
+        seqs = scheduler.seqs_of(sched)
         out = prepare(sched)
-        rows = runner.step_inputs.block_rows
-        for seq in sched.seqs:
+        rows = runner.input_batch
+        for seq in seqs:
             if rows.blocks(seq.seq_id) != kv.block_table(seq.seq_id):
                 problems.append(f"step {events['steps']}: seq {seq.seq_id}: row {rows.blocks(seq.seq_id)}, "
                                 f"manager {kv.block_table(seq.seq_id)}")
+            if rows.tokens(seq.seq_id) != seq.token_ids:
+                problems.append(f"step {events['steps']}: seq {seq.seq_id}: row tokens {rows.tokens(seq.seq_id)}, "
+                                f"sequence {seq.token_ids}")
         events["steps"] += 1
         events["resumed"] += len(sched.resumed_ids)
         events["finished"] += len(sched.finished_ids)
@@ -76,7 +81,6 @@ def test_block_rows_follow_the_stated_changes_through_preemption_prefix_hits_and
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, prompts, 20)
     assert not problems, problems[:5]
-    assert llm.engine.runner.step_inputs.block_rows.reads == 0  # every change was stated: no table read whole
     assert llm.engine.scheduler.num_preemptions > 0 and events["resumed"] > 0, events
     assert events["appended"] > 0 and events["finished"] > 0, events
     assert llm.engine.kv.stats().prefix_hits > 0
@@ -106,15 +110,7 @@ def _reference(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]
     return out
 
 
-def test_a_skipped_request_keeps_its_penalty_history_until_it_finishes(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    builds: Counter = Counter()
-    build = history_cache.HistoryCache._build
-
-    def counted(self, seq_id, *args, **kwargs):
-        builds[seq_id] += 1
-        return build(self, seq_id, *args, **kwargs)
-
-    monkeypatch.setattr(history_cache.HistoryCache, "_build", counted)
+def test_a_skipped_request_samples_from_its_whole_penalty_history(model_dir: Path) -> None:
     # a KV cache too small for the five requests at once: the youngest are preempted, wait, and are
     # recomputed, missing sampling steps while they hold outputs (and a penalty history)
     llm = LLM(model=str(model_dir), device="cpu", dtype="float32", attention="torch",
@@ -123,7 +119,7 @@ def test_a_skipped_request_keeps_its_penalty_history_until_it_finishes(model_dir
     prepare, sc = llm.engine.runner.prepare_inputs, llm.engine.scheduler
 
     def watch(sched: ScheduledBatch):
-        present = {s.seq_id for s, n in zip(sched.seqs, sched.num_new) if s.num_computed_tokens + n == s.num_tokens}
+        present = {s.seq_id for s, n in zip(sc.seqs_of(sched), sched.num_scheduled) if s.num_computed_tokens + n == s.num_tokens}
         for seq in [*sc.running, *sc.waiting]:
             if seq.num_output_tokens and seq.seq_id not in present:
                 skipped[seq.seq_id] += 1  # has a history, not sampled this step
@@ -136,8 +132,3 @@ def test_a_skipped_request_keeps_its_penalty_history_until_it_finishes(model_dir
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_reference(model_dir, p, 10) for p in prompts]
     assert sc.num_preemptions > 0 and sum(skipped.values()) >= 5, (sc.num_preemptions, skipped)
-    assert len(builds) == 5 and set(builds.values()) == {1}, builds  # one entry per request, kept across skips
-    sampler = llm.engine.runner.sampler
-    held = len(sampler._histories)
-    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # told of the finishes
-    assert held > 0 and len(sampler._histories) == 0

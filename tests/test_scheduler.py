@@ -26,13 +26,13 @@ def _run(sched: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> lis
         b = sched.schedule()
         assert b, "nothing schedulable while requests wait: a hang"
         # a sequence past its prompt computes exactly one token, among the leading num_decodes rows
-        for row, (s, n) in enumerate(zip(b.seqs, b.num_new)):
+        for row, (s, n) in enumerate(zip(sched.seqs_of(b), b.num_scheduled)):
             if s.seq_id in decoding:
                 assert n == 1 and row < b.num_decodes, (s.seq_id, n, row, b.num_decodes)
         assert b.num_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
-        log.append(([s.seq_id for s in b.seqs], list(b.num_new), b.num_decodes))
-        for s, n in zip(b.seqs, b.num_new):
+        log.append((list(b.req_ids), list(b.num_scheduled), b.num_decodes))
+        for s, n in zip(sched.seqs_of(b), b.num_scheduled):
             # every scheduled token has a slot
             assert len(sched.kv.block_table(s.seq_id)) * sched.kv.block_size >= s.num_computed_tokens + n
             s.num_computed_tokens += n
@@ -114,7 +114,7 @@ def test_prefix_stats_count_a_waiting_request_once():
     while sched.has_unfinished():
         b = sched.schedule()
         waited += second in sched.waiting
-        for s, n in zip(b.seqs, b.num_new):
+        for s, n in zip(sched.seqs_of(b), b.num_scheduled):
             s.num_computed_tokens += n
             kv.cache_blocks(s.seq_id, s.token_ids, s.num_computed_tokens)
             if s.num_computed_tokens == s.num_tokens:
@@ -128,7 +128,7 @@ def test_prefix_stats_count_a_waiting_request_once():
 
 
 def test_each_batch_states_what_changed_since_the_previous_one():
-    """Protocol version 2, step by step on a tiny cache (blocks of 4): a new sequence comes with its
+    """Protocol version 3, step by step on a tiny cache (blocks of 4): a new sequence comes with its
     whole table, a decode with no entry until it crosses into a new block (then that block only), a
     preempted one comes back with a whole new table among ``resumed_ids``, a finished one is named
     once in the next batch's ``finished_ids``.  Tables are the manager's own ``block_table``."""
@@ -140,26 +140,35 @@ def test_each_batch_states_what_changed_since_the_previous_one():
 
     def step():
         batch = sched.schedule()
-        for s, n in zip(batch.seqs, batch.num_new):
+        for s, n in zip(sched.seqs_of(batch), batch.num_scheduled):
             s.num_computed_tokens += n
             if s.num_computed_tokens == s.num_tokens:
                 s.token_ids.append(7)
         return batch
 
     first = step()  # a: 6 tokens (2 blocks), b: 7 tokens (2 blocks)
-    assert first.new_block_ids == {1: (0, kv.block_table(1)), 2: (0, kv.block_table(2))}
+    assert first.new_block_ids == {1: (0, tuple(kv.block_table(1))), 2: (0, tuple(kv.block_table(2)))}
     assert len(kv.block_table(1)) == 2 and not first.resumed_ids and not first.finished_ids
+    # new requests in full, nothing else: their prompts, parameters and computed counts
+    assert [(r.seq_id, r.prompt_token_ids, r.output_token_ids, r.num_computed_tokens) for r in first.new_reqs] == [
+        (1, tuple(range(100, 106)), (), 0), (2, tuple(range(200, 207)), (), 0)]
+    assert first.cached_reqs == () and first.num_scheduled == (6, 7)
     second = step()  # decodes at positions 6 and 7: no new block
     assert second.new_block_ids == {}
+    # the others as changes: the token each got since it was last scheduled (7, at the prompt's end)
+    assert [(c.seq_id, c.token_start, c.new_token_ids, c.num_tokens, c.num_computed_tokens) for c in second.cached_reqs] == [
+        (1, 6, (7,), 7, 6), (2, 7, (7,), 8, 7)]
     third = step()  # positions 7 (a) and 8 (b): b crosses into its third block, the last free one
-    assert third.new_block_ids == {2: (2, kv.block_table(2)[2:])} and len(kv.block_table(2)) == 3
+    assert third.new_block_ids == {2: (2, tuple(kv.block_table(2)[2:]))} and len(kv.block_table(2)) == 3
     fourth = step()  # a needs a third block at position 8: none free, b (the youngest) is preempted
-    assert fourth.preempted_ids == {2} and [s.seq_id for s in fourth.seqs] == [1]
-    assert fourth.new_block_ids == {1: (2, kv.block_table(1)[2:])}
+    assert fourth.preempted_ids == {2} and list(fourth.req_ids) == [1]
+    assert fourth.new_block_ids == {1: (2, tuple(kv.block_table(1)[2:]))}
     sched.finish(a, "stop")
     fifth = step()  # b recomputed from scratch into a new table, and a reported finished
     assert fifth.finished_ids == {1} and fifth.resumed_ids == {2}
-    assert fifth.new_block_ids == {2: (0, kv.block_table(2))}
+    assert fifth.new_block_ids == {2: (0, tuple(kv.block_table(2)))}
+    (back,) = fifth.new_reqs  # resumed: its prompt and the output it had, in full
+    assert back.resumed and back.prompt_token_ids == tuple(range(200, 207)) and back.output_token_ids == (7, 7, 7)
     assert step().finished_ids == frozenset()  # named once
 
 

@@ -179,7 +179,7 @@ def test_a_failing_draft_step_costs_only_that_steps_drafts(models, prompts, capl
     execute, calls = runner.execute, []
 
     def flaky(batch, eos):
-        calls.append(len(batch.seqs))
+        calls.append(len(batch.req_ids))
         if len(calls) in (3, 4):
             raise RuntimeError("draft device lost")
         return execute(batch, eos)

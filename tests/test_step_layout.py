@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from corerun.core.scheduler import ScheduledBatch
-from corerun.core.sequence import Sequence
+from corerun.core.batch import NewRequest, ScheduledBatch
 from corerun.executor.step import pack_step, unpack_step
 from corerun.graph.static_inputs import StaticDecodeInputs
 from corerun.protocols.attention import AttentionBatch
@@ -25,6 +24,7 @@ from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.step_layout import (
     ALIGN, BLOCK_TABLE, STEP_FIELDS, StepLayout, StepTensors, model_inputs, requests_step, step_tensors,
 )
+from corerun.runner.input_batch import InputBatch
 from corerun.runner.step_inputs import StepInputs
 from corerun.sampling_params import SamplingParams
 
@@ -102,27 +102,28 @@ def test_the_staging_buffer_holds_each_field_where_the_layout_says():
     rng = random.Random(5)
     bs, num_reqs = 16, 6
     si = StepInputs(bs, "cpu", max_num_tokens=256, max_num_reqs=8, max_blocks_per_seq=8)
-    seqs, num_new, tables = [], [], {}
+    reqs, num_new, tables = [], [], {}
     for i in range(num_reqs):
         prompt = rng.randrange(2, 40)
-        seq = Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=[rng.randrange(1000) for _ in range(prompt)], params=SamplingParams(max_tokens=4))
-        seq.num_computed_tokens = rng.randrange(0, prompt)
-        seqs.append(seq)
-        num_new.append(prompt - seq.num_computed_tokens)
         tables[i] = [rng.choice((0, 1, rng.randrange(2**20))) for _ in range(-(-prompt // bs))]  # block 0 anywhere
+        computed = rng.randrange(0, prompt)
+        reqs.append(NewRequest(i, tuple(rng.randrange(1000) for _ in range(prompt)), (), SamplingParams(max_tokens=4),
+                               tuple(tables[i]), computed))
+        num_new.append(prompt - computed)
     order = sorted(range(num_reqs), key=lambda i: num_new[i] != 1)
-    sched = ScheduledBatch(seqs=[seqs[i] for i in order], num_new=[num_new[i] for i in order],
-                           num_decodes=sum(n == 1 for n in num_new), preempted=[])
+    sched = ScheduledBatch(tuple(order), tuple(num_new[i] for i in order), sum(n == 1 for n in num_new), tuple(reqs))
+    batch = InputBatch(bs)
+    batch.apply(sched)
     si._host_np.fill(0xA5)
-    inputs, _, _ = si.build(sched, tables.__getitem__)
+    inputs, _, _ = si.build(sched, batch)
     dims = (sum(num_new), num_reqs, max(len(t) for t in tables.values()))
     lay = StepLayout.of(*dims)
     for f, offset, have in zip(STEP_FIELDS, lay.offsets, step_tensors(inputs)):
         assert have.dtype == f.dtype and tuple(have.shape) == f.shape(*dims), f.name
         staged = torch.from_numpy(si._host_np[offset : offset + have.numel() * f.dtype.itemsize].copy()).view(f.dtype)
         assert torch.equal(staged, have.reshape(-1)), f.name
-    want_slots = [tables[s.seq_id][p // bs] * bs + p % bs
-                  for s, n in zip(sched.seqs, sched.num_new) for p in range(s.num_computed_tokens, s.num_computed_tokens + n)]
+    want_slots = [tables[i][p // bs] * bs + p % bs
+                  for i in order for p in range(reqs[i].num_computed_tokens, reqs[i].num_computed_tokens + num_new[i])]
     assert inputs.batch.slot_mapping.tolist() == want_slots
 
 

@@ -19,7 +19,7 @@ def _prefill(sched: Scheduler, *seqs: Sequence) -> None:
     for s in seqs:
         sched.add(s)
     batch = sched.schedule()
-    rows = list(range(len(batch.seqs)))
+    rows = list(range(len(batch.req_ids)))
     sched.update_from_output(batch, StepResult([9] * len(rows), rows, None, {}))
 
 
@@ -48,7 +48,7 @@ def test_accepted_drafts_are_appended_and_the_rejected_ones_give_back_their_bloc
     _prefill(sched, a)  # tokens: 1 2 3 9, three computed
     sched.update_draft_token_ids({0: [4, 5, 6, 7, 8]})
     batch = sched.schedule()
-    assert batch.drafts == {0: [4, 5, 6, 7, 8]} and batch.num_new == [6]
+    assert batch.drafts == {0: (4, 5, 6, 7, 8)} and batch.num_scheduled == (6,)
     assert len(kv.block_table(0)) == 3  # room for 3 + 6 = 9 tokens
     # the verifier accepted 4 and 5, then sampled 20 where the draft said 6
     sched.update_from_output(batch, StepResult([4], [0], None, {}, more={0: [5, 20]}))

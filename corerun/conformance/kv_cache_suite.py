@@ -238,7 +238,8 @@ class KVCacheManagerSuite(ConformanceSuite):
         """``new_block_ids(seq_id, start)`` is ``block_table(seq_id)[start:]``; a ``trim`` (optional) returns
         the length kept; and corerun's scheduler, running 80 steps over the manager (chunked prefills,
         decodes, speculative drafts trimmed back, preemption by recompute, prefix hits, finishing),
-        states changes (``ScheduledBatch.new_block_ids`` / ``finished_ids``) whose replay equals the
+        states changes (``ScheduledBatch.new_block_ids``: new requests' whole tables, the others'
+        changes; ``finished_ids``) whose replay equals the
         ``block_table`` of every scheduled sequence at every step."""
         self.start(case)
         bs = case.config.block_size
@@ -247,11 +248,16 @@ class KVCacheManagerSuite(ConformanceSuite):
         what = "stated changes"
         drafting = [0]
 
-        def propose(seq: Any, at_most: int) -> list[int]:  # drafts on every third decode, all rejected below
-            drafting[0] += 1
-            return tok(min(at_most, bs + 1)) if drafting[0] % 3 == 0 else []
+        def propose() -> dict[int, list[int]]:  # drafts on every third decode, all rejected below
+            out = {}
+            for seq in sched.running:
+                if seq.num_tokens - seq.num_computed_tokens == 1:
+                    drafting[0] += 1
+                    if drafting[0] % 3 == 0:
+                        out[seq.seq_id] = tok(bs + 1)
+            return out
 
-        sched = Scheduler(m, max_num_seqs=6, max_num_batched_tokens=3 * bs + 8, propose=propose)
+        sched = Scheduler(m, max_num_seqs=6, max_num_batched_tokens=3 * bs + 8)
         shared = tok(2 * bs)  # a prefix several prompts start with (prefix hits when the manager shares)
         seqs: dict[int, Any] = {}
         mirror: dict[int, list[int]] = {}  # seq_id -> its table, from the stated changes only
@@ -262,7 +268,9 @@ class KVCacheManagerSuite(ConformanceSuite):
                 prompt = (shared if rng.random() < 0.5 else []) + tok(rng.randint(1, 3 * bs))
                 seqs[sid] = Seq(sid, str(sid), prompt, SamplingParams(max_tokens=64))
                 sched.add(seqs[sid])
+            sched.update_draft_token_ids(propose())
             batch = sched.schedule()
+            scheduled = [s for s in sched.seqs_of(batch) if s is not None]
             for sid in batch.finished_ids:
                 mirror.pop(sid, None)
             for sid, change in batch.new_block_ids.items():
@@ -270,7 +278,7 @@ class KVCacheManagerSuite(ConformanceSuite):
                     self._fail(case, what, f"step {step}: seq {sid}'s change starts at {change.start}, past its "
                                f"{len(mirror.get(sid, []))} blocks stated so far")
                 mirror[sid] = change.apply(mirror.get(sid, []))
-            for seq in batch.seqs:
+            for seq in scheduled:
                 table = self._table(m, seq.seq_id)
                 if mirror.get(seq.seq_id) != table:
                     self._fail(case, what, f"step {step}: seq {seq.seq_id}'s table is {table}, but the changes stated "
@@ -278,7 +286,7 @@ class KVCacheManagerSuite(ConformanceSuite):
                 for start in {0, len(table) // 2, len(table)}:
                     self._expect(case, what, list(m.new_block_ids(seq.seq_id, start)), table[start:],
                                  f"step {step}: new_block_ids({seq.seq_id}, {start}) of the table {table}")
-            for seq, n in zip(batch.seqs, batch.num_new):  # the step ran: drafts all rejected
+            for seq, n in zip(scheduled, batch.num_scheduled):  # the step ran: drafts all rejected
                 n -= len(batch.drafts.get(seq.seq_id, ()))
                 seq.num_computed_tokens += n
                 m.cache_blocks(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens)

@@ -1,90 +1,131 @@
-"""What crosses between the scheduler and the runner each step: :class:`ScheduledBatch` down,
-:class:`StepResult` up (vLLM v1's ``SchedulerOutput`` and ``ModelRunnerOutput``)."""
+"""What crosses between the scheduler and the runner each step, as plain immutable values:
+:class:`ScheduledBatch` down, :class:`StepResult` up (vLLM v1's ``SchedulerOutput`` and
+``ModelRunnerOutput``).  No live object crosses: the runner keeps its own per-request state
+(:mod:`corerun.runner.input_batch`) and changes it only by applying each batch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple
 
-from corerun.core.sequence import Sequence
+from corerun.sampling_params import SamplingParams
+
+_NO_DRAFTS: Mapping[int, tuple[int, ...]] = MappingProxyType({})
 
 
 class BlockIds(NamedTuple):
-    """A change to one sequence's block table: its entries from ``start`` on are now ``ids`` (whatever
-    lay at ``start`` or beyond is gone).  ``start`` 0: the whole table (a sequence scheduled for the first
-    time, or again after a preemption); ``start`` at the old length: blocks appended; a ``start``
-    below the old length: the table was trimmed (speculative decoding), then maybe grew again."""
+    """A change to one request's block table: its entries from ``start`` on are now ``ids`` (whatever
+    lay at ``start`` or beyond is gone).  ``start`` at the old length: blocks appended; a ``start``
+    below it: the table was trimmed (speculative decoding's rejected drafts), then maybe grew again."""
 
     start: int
-    ids: list[int]
+    ids: tuple[int, ...]
 
     def then(self, later: BlockIds) -> BlockIds:
         """This change followed by ``later``, as one change."""
         if later.start <= self.start:
             return later
-        return BlockIds(self.start, self.ids[: later.start - self.start] + later.ids)
+        return BlockIds(self.start, self.ids[: later.start - self.start] + tuple(later.ids))
 
     def apply(self, table: list[int]) -> list[int]:
         """``table`` after this change (a new list)."""
-        return table[: self.start] + self.ids
+        return list(table[: self.start]) + list(self.ids)
 
 
-@dataclass
-class ScheduledBatch:
-    """One step: ``seqs[i]`` computes ``num_new[i]`` tokens starting at ``seqs[i].num_computed_tokens``.
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request scheduled for the first time, or again after a preemption: everything the runner keeps.
 
-    Decodes (one new token) come first, as ``AttentionBatch.num_decodes`` expects.  A decode that
-    carries draft tokens (speculative decoding) computes ``1 + len(drafts[seq_id])`` tokens: its last
-    token, then the drafts, which are not in ``seq.token_ids`` (the step verifies them).
-
-    What changed since the previous batch (protocol version 2), for a runner that keeps per-request
-    state across steps; apply ``finished_ids`` first, then ``new_block_ids``:
-
-    - ``new_block_ids``: seq_id -> :class:`BlockIds`, for each scheduled sequence whose block table
-      changed since the last batch that scheduled it (a sequence scheduled for the first time or
-      resumed has its whole table, ``start`` 0).  A scheduled sequence without an entry has the table
-      it had when last scheduled.  Replaying every batch's entries gives each scheduled sequence's
-      ``KVCacheManager.block_table``.
-    - ``resumed_ids``: scheduled again after a preemption (its entry starts at 0).
-    - ``preempted``: preempted while this batch was scheduled (``preempted_ids``); their blocks are
-      freed and they come back later with a new table.
-    - ``finished_ids``: finished or aborted since the previous batch; their seq_ids are never
-      scheduled again, so their state can go.
+    ``num_prompt_logprobs``: prompt-logprob entries the request already holds (a resumed request's are
+    kept, so the runner computes only the positions after them).
     """
 
-    seqs: list[Sequence]
-    num_new: list[int]
+    seq_id: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    params: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_prompt_logprobs: int = 0
+    resumed: bool = False  # scheduled again after a preemption
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequest:
+    """A request the runner already holds, as changes: its tokens from ``token_start`` on are
+    ``new_token_ids`` (those appended since it was last scheduled, as far as the scheduler knows them)
+    and it has ``num_tokens`` in all; its block-table change (``None``: unchanged) and computed count.
+
+    Under asynchronous scheduling ``num_tokens`` and ``num_computed_tokens`` count the step in flight,
+    whose sampled token the scheduler does not know yet: the runner holds it (it sampled it).
+    """
+
+    seq_id: int
+    token_start: int
+    new_token_ids: tuple[int, ...]
+    num_tokens: int
+    new_block_ids: BlockIds | None
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step: row ``i`` is request ``req_ids[i]``, computing ``num_scheduled[i]`` tokens from its
+    computed count.  Decodes (one token) come first, as ``AttentionBatch.num_decodes`` expects; a
+    decode with drafts (``drafts[seq_id]``, speculative decoding) computes ``1 + len(drafts)`` tokens:
+    its last token, then the drafts, which the step verifies.
+
+    Apply in this order (:meth:`corerun.runner.input_batch.InputBatch.apply`): drop ``finished_ids``
+    and ``preempted_ids`` (gone for good; preempted: their blocks are freed and they come back as new
+    requests), add ``new_reqs`` (scheduled for the first time or resumed), update ``cached_reqs``.
+    Tokens the scheduler does not know yet (the step in flight under asynchronous scheduling) the
+    runner takes from what it sampled itself.
+    """
+
+    req_ids: tuple[int, ...]
+    num_scheduled: tuple[int, ...]
     num_decodes: int
-    preempted: list[Sequence]
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> draft tokens verified this step
-    new_block_ids: dict[int, BlockIds] = field(default_factory=dict)
-    resumed_ids: frozenset[int] = frozenset()
+    new_reqs: tuple[NewRequest, ...] = ()
+    cached_reqs: tuple[CachedRequest, ...] = ()
+    drafts: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: _NO_DRAFTS)
     finished_ids: frozenset[int] = frozenset()
+    preempted_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new)
+        return sum(self.num_scheduled)
 
     @property
-    def preempted_ids(self) -> frozenset[int]:
-        return frozenset(s.seq_id for s in self.preempted)
+    def resumed_ids(self) -> frozenset[int]:
+        """Requests scheduled again after a preemption (among ``new_reqs``)."""
+        return frozenset(r.seq_id for r in self.new_reqs if r.resumed)
+
+    @property
+    def new_block_ids(self) -> dict[int, BlockIds]:
+        """Each scheduled request's block-table change in this batch: a new or resumed one's whole table
+        (``start`` 0), the others' changes; a request without an entry kept its table."""
+        out = {r.seq_id: BlockIds(0, r.block_ids) for r in self.new_reqs}
+        out.update((c.seq_id, c.new_block_ids) for c in self.cached_reqs if c.new_block_ids is not None)
+        return out
 
     def __bool__(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.req_ids)
 
     def only(self, keep: list[int]) -> ScheduledBatch:
-        """This batch with only its sequences ``keep`` (indices, in order): the per-sequence fields follow."""
-        ids = {self.seqs[i].seq_id for i in keep}
+        """This batch with only its rows ``keep`` (indices, in order): the per-request fields follow."""
+        ids = frozenset(self.req_ids[i] for i in keep)
         return replace(
-            self, seqs=[self.seqs[i] for i in keep], num_new=[self.num_new[i] for i in keep],
+            self, req_ids=tuple(self.req_ids[i] for i in keep), num_scheduled=tuple(self.num_scheduled[i] for i in keep),
             num_decodes=sum(1 for i in keep if i < self.num_decodes),
-            drafts={k: v for k, v in self.drafts.items() if k in ids},
-            new_block_ids={k: v for k, v in self.new_block_ids.items() if k in ids},
-            resumed_ids=self.resumed_ids & ids,
+            new_reqs=tuple(r for r in self.new_reqs if r.seq_id in ids),
+            cached_reqs=tuple(r for r in self.cached_reqs if r.seq_id in ids),
+            drafts=MappingProxyType({k: v for k, v in self.drafts.items() if k in ids}),
         )
 
     def telling(self, earlier: ScheduledBatch) -> ScheduledBatch:
-        """This batch also telling what the unlaunched ``earlier`` told: the sequences finished before it."""
+        """This batch also telling what the unlaunched ``earlier`` told: the requests finished before it."""
         if not earlier.finished_ids:
             return self
         return replace(self, finished_ids=earlier.finished_ids | self.finished_ids)
@@ -92,10 +133,10 @@ class ScheduledBatch:
 
 @dataclass
 class StepResult:
-    """What one step produced for the sequences that completed their scheduled tokens."""
+    """What one step produced for the requests that completed their scheduled tokens."""
 
     sampled: list[int]  # next token per row of ``rows``
-    rows: list[int]  # indices into ScheduledBatch.seqs that were sampled
+    rows: list[int]  # rows of the ScheduledBatch (indices into req_ids) that were sampled
     logprobs: Any  # LogprobsTensors of the rows, or None
     prompt_logprobs: dict[int, tuple[int, Any]]  # row -> (first target position, LogprobsTensors)
     ended: dict[int, str] = field(default_factory=dict)  # row -> "stop" or an error: a logits processor ended it

@@ -8,11 +8,11 @@ recently arrived running sequence is preempted: its blocks are freed, its comput
 and it goes back to the front of the queue to be recomputed (prefix caching usually brings most of
 it back for free).  No request is lost, and the oldest always makes progress.
 
-The scheduler states what changed (protocol version 2, as vLLM v1's ``SchedulerOutput``): each batch
-carries, per scheduled sequence whose block table changed, the new entries (``new_block_ids``), the
-sequences resumed after a preemption, and the sequences finished or aborted since the previous
-batch, so the runner and the sampler keep their per-request state from what they are told instead
-of guessing.
+Each batch is a message of plain values (protocol version 3, vLLM v1's ``SchedulerOutput``): the
+requests scheduled for the first time or resumed in full (tokens, parameters, block table, computed
+count), the others as changes (tokens appended since they were last scheduled, new block ids, the
+computed count), the drafts, and the requests finished or preempted; no ``Sequence`` crosses, and the
+runner keeps its own per-request state by applying each message.
 
 The step's result comes back the same way (:meth:`Scheduler.update_from_output`, vLLM v1's name): the
 scheduler appends the sampled and accepted tokens, applies stop tokens and length limits, registers
@@ -28,14 +28,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Iterable
 
-from corerun.core.batch import BlockIds, ScheduledBatch, StepResult
+from corerun.core.batch import BlockIds, CachedRequest, NewRequest, ScheduledBatch, StepResult
 from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import StepError
 from corerun.protocols.kv_cache import KVCacheManager
 
-__all__ = ["BlockIds", "InFlight", "ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
+__all__ = ["BlockIds", "CachedRequest", "InFlight", "NewRequest", "ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
 
 logger = logging.getLogger("corerun.engine")
 
@@ -92,11 +93,14 @@ class Scheduler:
         self.num_generated_tokens = 0
         self._forks: dict[int, list[Sequence]] = {}  # n > 1: head seq_id -> samples queued once its prompt is computed
         self._current: Sequence | None = None  # the sequence the KV-cache manager is working on
-        # what the runner is told (protocol version 2): per sequence holding blocks, its table's length
-        # as reported; changes not yet handed out (its sequence not scheduled since); finished seq_ids
+        # what the runner is told (protocol version 3): per sequence holding blocks, its table's length
+        # as reported; changes not yet handed out (its sequence not scheduled since); finished seq_ids;
+        # per sequence the runner holds, how many of its tokens it was told
         self._reported: dict[int, int] = {}
         self._pending: dict[int, BlockIds] = {}
         self._finished: list[int] = []
+        self._told: dict[int, int] = {}
+        self._seqs: dict[int, Sequence] = {}  # seq_id -> every sequence queued, running or scheduled, until it finishes
         # asynchronous scheduling: seq_id -> what the step still running does for it, not yet in the
         # sequence (see :meth:`set_in_flight`)
         self.in_flight: dict[int, InFlight] = {}
@@ -105,9 +109,16 @@ class Scheduler:
     def add(self, seq: Sequence, forks: Iterable[Sequence] = ()) -> None:
         """Queue ``seq``; ``forks``: the other samples of its ``n > 1`` request, queued once its prompt is computed."""
         self.waiting.append(seq)
+        self._seqs[seq.seq_id] = seq
         forks = list(forks)
         if forks:
             self._forks[seq.seq_id] = forks
+            self._seqs.update((f.seq_id, f) for f in forks)
+
+    def seqs_of(self, batch: ScheduledBatch) -> list[Sequence | None]:
+        """The sequence of each row of ``batch``; ``None`` for one finished since."""
+        get = self._seqs.get
+        return [get(sid) for sid in batch.req_ids]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -189,17 +200,42 @@ class Scheduler:
         by_id = {s.seq_id: s for s in self.running}
         items = [(by_id[sid], n) for sid, n in scheduled.items()]
         items.sort(key=lambda it: it[1] != 1)  # decodes first (stable)
-        num_decodes = sum(1 for _, n in items if n == 1)
-        drafts = {sid: d for sid, d in drafts.items() if sid in by_id}  # (a drafting seq preempted later)
-        pending = self._pending
-        changes = {s.seq_id: pending.pop(s.seq_id) for s, _ in items if s.seq_id in pending}
         finished: frozenset[int] = frozenset()
         if items:  # (an empty batch reaches no runner: the finished ids wait for the next one)
             finished, self._finished = frozenset(self._finished), []
+        new_reqs, cached = self._describe(items, frozenset(resumed))
         return ScheduledBatch(
-            [s for s, _ in items], [n for _, n in items], num_decodes, preempted, drafts,
-            changes, frozenset(sid for sid in resumed if sid in by_id), finished,
+            tuple(s.seq_id for s, _ in items), tuple(n for _, n in items), sum(1 for _, n in items if n == 1),
+            tuple(new_reqs), tuple(cached),
+            MappingProxyType({sid: tuple(d) for sid, d in drafts.items() if sid in by_id}),  # (a drafting seq preempted later)
+            finished, frozenset(s.seq_id for s in preempted),
         )
+
+    def _describe(self, items: list[tuple[Sequence, int]], resumed: frozenset[int]) -> tuple[list[NewRequest], list[CachedRequest]]:
+        """The scheduled sequences as the runner is told them: in full when it holds nothing of theirs,
+        else what changed since they were last scheduled."""
+        pending, told = self._pending, self._told
+        new_reqs: list[NewRequest] = []
+        cached: list[CachedRequest] = []
+        for seq, _ in items:
+            sid = seq.seq_id
+            self._seqs[sid] = seq
+            change = pending.pop(sid, None)
+            start = told.get(sid)
+            told[sid] = seq.num_tokens
+            if start is None:
+                if change is not None and change.start != 0:
+                    raise RuntimeError(f"sequence {sid} is new to the runner but its block-table change starts at {change.start}")
+                new_reqs.append(NewRequest(
+                    sid, tuple(seq.prompt_token_ids), tuple(seq.token_ids[seq.num_prompt_tokens:]), seq.params,
+                    tuple(change.ids) if change is not None else (), seq.num_computed_tokens,
+                    len(seq.prompt_logprobs or ()), sid in resumed,
+                ))
+            else:
+                ahead = self.in_flight.get(sid, _NOTHING_IN_FLIGHT)
+                cached.append(CachedRequest(sid, start, tuple(seq.token_ids[start:]), seq.num_tokens + ahead.appended,
+                                            change, seq.num_computed_tokens + ahead.computed))
+        return new_reqs, cached
 
     def set_in_flight(self, batch: ScheduledBatch) -> None:
         """Asynchronous scheduling: ``batch`` runs while the next one is scheduled.  Each of its
@@ -207,10 +243,23 @@ class Scheduler:
         the step's result comes) when they reach its last token; a placeholder that certainly ends
         the request (its length limit) leaves nothing to schedule for it."""
         flight = {}
-        for s, n in zip(batch.seqs, batch.num_new):
+        for s, n in zip(self.seqs_of(batch), batch.num_scheduled):
+            if s is None:
+                continue
             appends = s.num_computed_tokens + n >= s.num_tokens
             flight[s.seq_id] = InFlight(n, int(appends), appends and s.tokens_left(self.max_model_len) <= 1)
         self.in_flight = flight
+
+    def clear_in_flight(self) -> None:
+        """The step in flight failed: nothing it was to do happened."""
+        self.in_flight, self._moved = {}, set()
+
+    def rewind(self, seq: Sequence, num_tokens: int) -> None:
+        """``seq``'s tokens past ``num_tokens`` were replaced (a draft model's copy of a request after the
+        target rejected its drafts): they are computed again and told to the runner again."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        if seq.seq_id in self._told:
+            self._told[seq.seq_id] = min(self._told[seq.seq_id], num_tokens)
 
     def update_draft_token_ids(self, drafts: dict[int, list[int]]) -> None:
         """Speculative decoding: the drafts proposed for each running sequence (seq_id -> tokens); they
@@ -226,7 +275,7 @@ class Scheduler:
         sid = seq.seq_id
         have = self._reported.get(sid, 0)
         if num_tokens > have * self.kv.block_size:
-            self._note(sid, BlockIds(have, list(self.kv.new_block_ids(sid, have))))
+            self._note(sid, BlockIds(have, tuple(self.kv.new_block_ids(sid, have))))
         return True
 
     def _note(self, seq_id: int, change: BlockIds) -> None:
@@ -235,9 +284,10 @@ class Scheduler:
         self._reported[seq_id] = change.start + len(change.ids)
 
     def _forget(self, seq_id: int) -> None:
-        """``seq_id``'s blocks were freed: its next table is reported whole."""
+        """``seq_id``'s blocks were freed: the runner drops it, and its next table is reported whole."""
         self._reported.pop(seq_id, None)
         self._pending.pop(seq_id, None)
+        self._told.pop(seq_id, None)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks ``seq`` holds beyond ``num_tokens`` tokens (``KVCacheManager.trim``, when the
@@ -252,7 +302,7 @@ class Scheduler:
                 "number of blocks the table keeps (an int)"
             )
         if kept < self._reported.get(seq.seq_id, 0):
-            self._note(seq.seq_id, BlockIds(kept, []))
+            self._note(seq.seq_id, BlockIds(kept, ()))
 
     def _release(self, seq: Sequence) -> None:
         """Undo a failed admission: drop the prefix blocks it claimed."""
@@ -278,7 +328,7 @@ class Scheduler:
     def stuck(self, batch: ScheduledBatch) -> tuple[Sequence, str] | None:
         """After an empty ``batch``: with nothing running and nothing preempted, the head of the queue
         can never be scheduled (the next call would see the same state); it and the reason, or None."""
-        if batch.preempted or self.running or not self.waiting:
+        if batch.preempted_ids or self.running or not self.waiting:
             return None
         head, kv = self.waiting[0], self.kv
         return head, (
@@ -300,10 +350,11 @@ class Scheduler:
         """
         moved, self._moved, self.in_flight = self._moved, set(), {}
         now = time.perf_counter()
-        emitted = {batch.seqs[r].seq_id: result.emitted(j) for j, r in enumerate(result.rows)} if batch.drafts else {}
+        seqs = self.seqs_of(batch)
+        emitted = {batch.req_ids[r]: result.emitted(j) for j, r in enumerate(result.rows)} if batch.drafts else {}
         failed: dict[int, str] = {}
-        for seq, n in zip(batch.seqs, batch.num_new):
-            if seq.seq_id in moved or seq.is_finished:
+        for seq, n in zip(seqs, batch.num_scheduled):
+            if seq is None or seq.seq_id in moved or seq.is_finished:
                 continue
             kv_tokens = seq.token_ids
             d = batch.drafts.get(seq.seq_id)
@@ -324,8 +375,8 @@ class Scheduler:
                 self.waiting.extendleft(reversed(forks))
         touched: list[Sequence] = []
         for j, row in enumerate(result.rows):
-            seq = batch.seqs[row]
-            if seq.seq_id in failed or seq.is_finished:
+            seq = seqs[row]
+            if seq is None or seq.seq_id in failed or seq.is_finished:
                 continue
             touched.append(seq)
             why = result.ended.get(row)
@@ -343,8 +394,8 @@ class Scheduler:
                 reason = why  # a logits processor's end (a grammar completed)
             if reason is not None:
                 self.finish(seq, reason)
-        for seq in batch.seqs:
-            if seq.seq_id in batch.drafts and seq.seq_id not in failed and not seq.is_finished:
+        for seq in seqs:
+            if seq is not None and seq.seq_id in batch.drafts and seq.seq_id not in failed and not seq.is_finished:
                 try:
                     self.trim(seq, seq.num_tokens)
                 except Exception as exc:
@@ -385,6 +436,7 @@ class Scheduler:
         forks = self._forks.pop(seq.seq_id, ())  # n > 1 samples never queued: they end the same way
         for f in forks:
             f.status, f.finish_reason, f.error, f.finish_time = SequenceStatus.FINISHED, reason, seq.error, seq.finish_time
+            self._seqs.pop(f.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -395,6 +447,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._forget(seq.seq_id)
+        self._seqs.pop(seq.seq_id, None)
         self._finished.append(seq.seq_id)
         try:
             self.kv.free(seq.seq_id)

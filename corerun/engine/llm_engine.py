@@ -181,24 +181,26 @@ class LLMEngine:
 
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         """Apply a step's result (the scheduler), then its outputs: logprobs, stop strings, the next drafts."""
+        rows = self.scheduler.seqs_of(batch)  # (None: finished since the batch was scheduled)
+        seqs = [s for s in rows if s is not None]
         try:  # everything that can fail on malformed sampler output first, before any sequence changes
-            lps = self.outputs.logprobs(batch, result)
+            lps = self.outputs.logprobs(rows, result)
         except Exception as exc:
-            return self._fail(batch.seqs, f"sampler '{self.runner.sampler_name}' returned malformed logprobs: "
-                              f"{type(exc).__name__}: {exc}")
+            return self._fail([s for s in seqs if not s.is_finished],
+                              f"sampler '{self.runner.sampler_name}' returned malformed logprobs: {type(exc).__name__}: {exc}")
         if self.spec is not None:
             self.spec.record(batch, result)
-        before = {s.seq_id: s.num_output_tokens for s in batch.seqs}
+        before = {s.seq_id: s.num_output_tokens for s in seqs}
         touched, failed = self.scheduler.update_from_output(batch, result)
-        self.outputs.add_logprobs(batch.seqs, lps, failed)
+        self.outputs.add_logprobs(seqs, lps, failed)
         new = {s.seq_id: s.num_output_tokens - before[s.seq_id] for s in touched}
         for seq, stop, keep in self.outputs.stop_strings(touched, new):
             seq.stop_reason = stop  # type: ignore[assignment]  # the string, as vLLM reports it
             self._end(seq, "stop", keep=keep)
-        for seq in (s for s in batch.seqs if s.seq_id in failed):
+        for seq in (s for s in seqs if s.seq_id in failed):
             touched += self._fail([seq], f"KV-cache manager '{self.runner.kv_manager_name}' failed {failed[seq.seq_id]}")
-        self._released(s for s in batch.seqs if s.is_finished)
-        self._released(batch.preempted, ended=False)
+        self._released(s.seq_id for s in seqs if s.is_finished)
+        self._released(batch.preempted_ids, ended=False)
         if self.spec is not None:
             self.scheduler.update_draft_token_ids(self.spec.propose(self.scheduler.running))
         return touched
@@ -216,8 +218,8 @@ class LLMEngine:
         touched += self._collect()
         if not batch:
             return touched if had_in_flight else touched + self._unschedulable(batch)
-        keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
-        if len(keep) < len(batch.seqs):  # ended by step N: never run, never emitted
+        keep = [i for i, s in enumerate(self.scheduler.seqs_of(batch)) if s is not None and not s.is_finished]
+        if len(keep) < len(batch.req_ids):  # ended by step N: never run, never emitted
             batch = batch.only(keep)
             if not batch:  # nothing left to launch: what the batch tells the runner goes with the next one
                 self._unsent = batch if self._unsent is None else batch.telling(self._unsent)
@@ -247,7 +249,7 @@ class LLMEngine:
     # ------------------------------------------------------------- failures
     def _step_failed(self, batch: ScheduledBatch, exc: BaseException) -> list[Sequence]:
         """End only the step's requests: a plugin's StepError as it reads, anything else (a bug outside the plugins) logged too."""
-        seqs = [s for s in batch.seqs if not s.is_finished]
+        seqs = [s for s in self.scheduler.seqs_of(batch) if s is not None and not s.is_finished]
         if isinstance(exc, StepError):
             return self._fail(seqs, str(exc))
         logger.exception("step failed outside any plugin", exc_info=exc)
@@ -274,11 +276,12 @@ class LLMEngine:
     def _end(self, seq: Sequence, reason: str, keep: int | None = None) -> None:
         """End ``seq`` (the scheduler frees its blocks) and forget its drafts."""
         self.scheduler.finish(seq, reason, keep=keep)
-        self._released([seq])
+        self._released([seq.seq_id])
 
-    def _released(self, seqs: Any, ended: bool = True) -> None:
-        """Forget what the runner and the proposer hold for ``seqs`` (``ended``: the runner's too)."""
-        ids = [s.seq_id for s in seqs]
+    def _released(self, seq_ids: Any, ended: bool = True) -> None:
+        """Forget what the runner's logits processors and the proposer hold for ``seq_ids`` (``ended``: the
+        processors' too; the runner's persistent batch learns it from the next batch's ``finished_ids``)."""
+        ids = list(seq_ids)
         if ended:
             self.runner.release_requests(ids)
         if self.spec is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
-from corerun.core.batch import ScheduledBatch, StepResult
+from corerun.core.batch import StepResult
 from corerun.core.sequence import Sequence
 from corerun.engine import parallel_sampling
 from corerun.engine.parallel_sampling import SequenceGroup
@@ -45,15 +45,16 @@ class OutputProcessor:
         self._detok: dict[int, _Detok] = {}  # seq_id -> its detokeniser state
 
     # ------------------------------------------------------------- logprobs
-    def logprobs(self, batch: ScheduledBatch, result: StepResult) -> StepLogprobs:
-        """The step's logprob dicts; raises on a malformed sampler output."""
-        seqs = batch.seqs
-        prompt = {seqs[i].seq_id: logprob_dicts(lp, seqs[i].params.prompt_logprobs or 0)
-                  for i, (_, lp) in result.prompt_logprobs.items()}
+    def logprobs(self, seqs: Seq[Sequence | None], result: StepResult) -> StepLogprobs:
+        """The step's logprob dicts (``seqs``: the batch's row's sequences, ``None`` for one finished since);
+        raises on a malformed sampler output."""
+        prompt = {seqs[i].seq_id: logprob_dicts(lp, seqs[i].params.prompt_logprobs or 0)  # type: ignore[union-attr]
+                  for i, (_, lp) in result.prompt_logprobs.items() if seqs[i] is not None}
         rows: dict[int, dict[int, Logprob]] = {}
         if result.logprobs is not None:
-            dicts = logprob_dicts(result.logprobs, [seqs[r].params.logprobs or 0 for r in result.rows])
-            rows = {seqs[r].seq_id: d for r, d in zip(result.rows, dicts)}
+            dicts = logprob_dicts(result.logprobs, [s.params.logprobs or 0 if s is not None else 0
+                                                    for s in (seqs[r] for r in result.rows)])
+            rows = {seqs[r].seq_id: d for r, d in zip(result.rows, dicts) if seqs[r] is not None}  # type: ignore[union-attr]
         return StepLogprobs(rows, prompt)
 
     @staticmethod

@@ -5,6 +5,10 @@ backend, cache manager, graph runner or sampler it got.  Per step it prepares th
 positions, slot mapping, block tables, query/sequence lengths, logits indices) in one host staging
 buffer copied to the device once (:mod:`corerun.runner.step_inputs`), runs the model through the graph
 runner, computes logits for the rows that need them, and samples.
+
+It reads no live object of the layers above: each step's :class:`ScheduledBatch` is a message of plain
+values that the runner applies to its persistent batch (:mod:`corerun.runner.input_batch`), and the
+step's inputs and sampling metadata are read from that batch alone.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.registry import Registry, get_registry
+from corerun.runner.input_batch import InputBatch
 from corerun.runner.step_inputs import StepInputs
 from corerun.sdk.sampling import NON_FINITE, to_device
 
@@ -55,9 +60,10 @@ class PreparedStep:
 
     sched: ScheduledBatch
     inputs: ModelInputs
-    rows: np.ndarray  # sampled rows, indices into sched.seqs
+    rows: np.ndarray  # sampled rows, indices into sched.req_ids
     logits_indices: np.ndarray  # their rows of the step's hidden states
-    seqs: list[Any]  # the sampled rows' sequences
+    batch_rows: list[int]  # the sampled rows' rows of the persistent batch
+    seqs: list[Any]  # the sampled rows as the sampling side reads them (InputBatch.view)
     meta: SamplingMetadata | None  # their sampling metadata (None with drafts: built per verified position)
     eos_token_ids: frozenset[int]
     has_drafts: bool
@@ -133,13 +139,23 @@ class ModelRunner:
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
         )
 
-    def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
-        """Flatten a scheduled batch (see :class:`corerun.runner.step_inputs.StepInputs`).
+    @cached_property
+    def input_batch(self) -> InputBatch:
+        """The live requests' persistent state, changed only by applying each step's batch."""
+        return InputBatch(self.block_size)
 
-        Returns the model inputs, the sampled rows (int64 ``[S]``, indices into ``sched.seqs``) and
+    def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
+        """Apply a scheduled batch to the persistent batch and flatten it (see
+        :class:`corerun.runner.step_inputs.StepInputs`); its drafts are written after each row's last token.
+
+        Returns the model inputs, the sampled rows (int64 ``[S]``, indices into ``sched.req_ids``) and
         their logits indices (int64 ``[S]``, rows of the step's hidden states).
         """
-        return self.step_inputs.build(sched, self.kv_manager.block_table)
+        ib = self.input_batch
+        ib.apply(sched)
+        for sid, d in sched.drafts.items():
+            ib.write_drafts(ib.index[sid], d)
+        return self.step_inputs.build(sched, ib)
 
     # ----------------------------------------------------------------- step
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
@@ -150,26 +166,23 @@ class ModelRunner:
     def prepare_step(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> PreparedStep:
         """The step's host work: inputs copied to the device, the sampled rows and their metadata.
 
-        Reads the sequences, the scheduler's and the KV-cache manager's state, so it runs on the thread
-        that schedules; what follows (:meth:`execute_model`, :meth:`sample_tokens`) reads only what it
-        returns and may run on another thread while the next step is scheduled.
+        Applies ``sched`` to the persistent batch; what follows (:meth:`execute_model`,
+        :meth:`sample_tokens`) reads only what it returns and the rows it names, and may run on another
+        thread while the next step is scheduled.
         """
-        extended = [(s, len(s.token_ids)) for s in sched.seqs if s.seq_id in sched.drafts]
         try:
-            for s, _ in extended:  # the drafts are inputs of this step only
-                s.token_ids.extend(sched.drafts[s.seq_id])
             inputs, rows, logits_indices = self.prepare_inputs(sched)
         except Exception as exc:
             raise StepError(
                 f"preparing the step's inputs failed (block tables from KV-cache manager '{self.kv_manager_name}'): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        finally:
-            for s, n in extended:
-                del s.token_ids[n:]
-        seqs = [sched.seqs[i] for i in rows.tolist()]
+        ib = self.input_batch
+        batch_rows = [ib.index[sched.req_ids[i]] for i in rows.tolist()]
+        seqs = [ib.view(r) for r in batch_rows]
+        has_drafts = bool(sched.drafts)
         meta = None
-        if seqs and not extended:
+        if seqs and not has_drafts:
             meta = SamplingMetadata(
                 params=[s.params for s in seqs],
                 prompt_token_ids=[s.prompt_token_ids for s in seqs],
@@ -178,7 +191,7 @@ class ModelRunner:
                 seq_ids=[s.seq_id for s in seqs],
             )
         return PreparedStep(
-            sched, inputs, rows, logits_indices, seqs, meta, eos_token_ids, bool(extended),
+            sched, inputs, rows, logits_indices, batch_rows, seqs, meta, eos_token_ids, has_drafts,
             self._prompt_logprob_plan(sched, inputs),
         )
 
@@ -201,11 +214,16 @@ class ModelRunner:
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
         if step.has_drafts:
-            return self._execute_drafts(step.sched, seqs, rows, logits_indices, hidden, step.eos_token_ids, prompt_lp)
-        logits = self._compute_logits(self._sampled_hidden(hidden, step.inputs.batch, logits_indices))
-        out, sampled, ended = self._sample(logits, step.meta, seqs)  # type: ignore[arg-type]
-        row_ids = rows.tolist()
-        return StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
+            result = self._execute_drafts(step.sched, seqs, rows, logits_indices, hidden, step.eos_token_ids, prompt_lp)
+        else:
+            logits = self._compute_logits(self._sampled_hidden(hidden, step.inputs.batch, logits_indices))
+            out, sampled, ended = self._sample(logits, step.meta, seqs)  # type: ignore[arg-type]
+            row_ids = rows.tolist()
+            result = StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
+        record = self.input_batch.record  # the sampled tokens stand in until the next batch states them
+        for j, r in enumerate(step.batch_rows):
+            record(r, result.emitted(j))
+        return result
 
     def _execute_drafts(
         self, sched: ScheduledBatch, seqs: list[Any], rows: np.ndarray, logits_indices: np.ndarray,
@@ -219,7 +237,7 @@ class ModelRunner:
         """
         from corerun.spec_decode import accept_drafts, expand_metadata
 
-        drafts = [sched.drafts.get(s.seq_id, []) for s in seqs]
+        drafts = [sched.drafts.get(s.seq_id, ()) for s in seqs]
         index = np.concatenate([np.arange(i - len(d), i + 1) for i, d in zip(logits_indices.tolist(), drafts)])
         first = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1]  # each request's first row
         logits = self._compute_logits(hidden[self._device_index(index)])
@@ -306,31 +324,38 @@ class ModelRunner:
         return {i: NON_FINITE_ERROR for i, t in enumerate(sampled) if t == NON_FINITE} if NON_FINITE in sampled else {}
 
     def _prompt_logprob_plan(self, sched: ScheduledBatch, inputs: ModelInputs) -> list[tuple[int, int, int, int, Any]]:
-        """``(row, first target position, first hidden row, last hidden row, sequence)`` per request whose
-        prompt logprobs this step computes (read now: the sequence may be preempted while the step runs)."""
+        """``(row, first target position, first hidden row, last hidden row, (prompt ids, count))`` per
+        request whose prompt logprobs this step computes (read now, from the persistent batch)."""
         plan: list[tuple[int, int, int, int, Any]] = []
-        wanted = [i for i, seq in enumerate(sched.seqs) if seq.wants_prompt_logprobs]
+        ib = self.input_batch
+        wanted = []
+        for i, sid in enumerate(sched.req_ids):
+            r = ib.index[sid]
+            p = ib.params[r]
+            if p is not None and p.prompt_logprobs is not None and ib.num_computed[r] < ib.num_prompt[r] - 1:
+                wanted.append((i, r, p))
         if not wanted:  # the usual step: no host work beyond this scan
             return plan
         qsl = inputs.batch.query_start_loc_cpu.tolist()  # type: ignore[union-attr]
-        for i in wanted:
-            seq = sched.seqs[i]
-            start = seq.num_computed_tokens  # position of the first token computed this step
+        for i, r, p in wanted:
+            start = int(ib.num_computed[r])  # position of the first token computed this step
+            num_prompt = int(ib.num_prompt[r])
             # hidden at position p predicts prompt token p + 1
-            first = max(start, len(seq.prompt_logprobs or []) - 1)
-            last = min(start + sched.num_new[i], seq.num_prompt_tokens - 1)
+            first = max(start, int(ib.prompt_logprobs_from[r]))
+            last = min(start + sched.num_scheduled[i], num_prompt - 1)
             if last > first:
-                plan.append((i, first, qsl[i] + first - start, qsl[i] + last - start, seq))
+                targets = ib.token_ids[r, first + 1 : last + 1].tolist()
+                plan.append((i, first, qsl[i] + first - start, qsl[i] + last - start, (targets, p.prompt_logprobs or 0)))
         return plan
 
     def _prompt_logprobs(self, plan: list[tuple[int, int, int, int, Any]], hidden: torch.Tensor) -> dict[int, tuple[int, LogprobsTensors]]:
         """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
         result: dict[int, tuple[int, LogprobsTensors]] = {}
-        for i, first, lo, hi, seq in plan:
-            targets = to_device(seq.prompt_token_ids[first + 1 : first + 1 + hi - lo], torch.int64, self.device)
+        for i, first, lo, hi, (target_ids, num_logprobs) in plan:
+            targets = to_device(target_ids, torch.int64, self.device)
             logits = self._compute_logits(hidden[lo:hi])  # the rows are contiguous: a view, no gather
             try:
-                lp = self.sampler.prompt_logprobs(logits, targets, seq.params.prompt_logprobs or 0)
+                lp = self.sampler.prompt_logprobs(logits, targets, num_logprobs)
             except Exception as exc:
                 raise StepError(
                     f"sampler '{self.sampler_name}' failed computing prompt logprobs: {type(exc).__name__}: {exc}"

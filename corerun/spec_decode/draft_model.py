@@ -76,7 +76,7 @@ class DraftModelProposer(Proposer):
                 same = _common_prefix(ds.token_ids, token_ids, self._seen.get(seq_id, 0))
                 del ds.token_ids[same:]  # the drafts the target rejected (their K/V get overwritten)
                 ds.token_ids += token_ids[same:]
-                ds.num_computed_tokens = min(ds.num_computed_tokens, same)
+                self.scheduler.rewind(ds, same)
             self._seen[seq_id] = len(token_ids)  # the target's tokens only grow: equal up to here next time
             self.drafts[seq_id] = []
             active.append((ds, k))
@@ -91,10 +91,11 @@ class DraftModelProposer(Proposer):
                     break
                 result = self.runner.execute(batch, frozenset())
                 self.num_draft_steps += 1
-                for ds, n in zip(batch.seqs, batch.num_new):
-                    ds.num_computed_tokens += n
+                seqs = sched.seqs_of(batch)
+                for ds, n in zip(seqs, batch.num_scheduled):
+                    ds.num_computed_tokens += n  # type: ignore[union-attr]
                 for row, token in zip(result.rows, result.sampled):
-                    ds = batch.seqs[row]
+                    ds = seqs[row]  # type: ignore[assignment]
                     ds.token_ids.append(token)
                     self.drafts[ds.seq_id].append(token)
                 # (a draft sequence preempted for room is in sched.waiting: no more drafts for it this step)

@@ -57,7 +57,7 @@ class SpecDecoder:
             return
         st, k = self.stats, self.proposer.num_tokens
         for j, row in enumerate(result.rows):
-            sid = batch.seqs[row].seq_id
+            sid = batch.req_ids[row]
             d = batch.drafts.get(sid)
             if not d:
                 continue
