@@ -2,6 +2,6 @@
 
 ``full.py`` holds :class:`~corerun.sampler.full.FullSampler`; ``options.py`` what it declares to the
 registry (imported without torch by :mod:`corerun.builtin_plugins`).  The stages live one per module:
-``processors.py`` (logit bias, min_tokens), ``penalties.py`` (with ``histories.py`` and the
-per-request ``history_cache.py``), ``truncation.py`` (min-p, top-k, top-p), ``logprobs.py``.
+``processors.py`` (logit bias, min_tokens), ``penalties.py`` (with ``histories.py``),
+``truncation.py`` (min-p, top-k, top-p), ``logprobs.py``.
 """

@@ -5,7 +5,7 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
     raw logprobs = log_softmax(logits) in float32         (only if a row asks for logprobs)
     x = float32 copy of logits
     logit_bias; min_tokens (EOS and stop ids -> -inf)    processors.py
-    repetition, frequency, presence penalties             penalties.py (histories: history_cache.py)
+    repetition, frequency, presence penalties             penalties.py (histories: histories.py)
     greedy rows: argmax(x)
     x /= temperature (greedy rows: 1)
     min-p, top-k, top-p -> -inf                           truncation.py
@@ -15,9 +15,8 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
 
 Every stage is one tensor pass over the batch; per-request values become tensors once per step from
 the ``SamplingParams`` list, so nothing waits on the device (no ``.item()``, no branching on tensor values).
-When the metadata names ``seq_ids``, the penalties read each request's history from device copies kept
-across steps (``HistoryCache``), so a step's host work follows the new tokens, not the whole history;
-a request's copy lives until the metadata names it in ``finished_seq_ids``.
+The penalties read each request's history from the metadata's lists (views of the runner's
+persistent batch), so the sampler keeps no per-request state.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from corerun.sampling_params import SamplingParams
 
 from corerun.sampler.logprobs import gather_logprobs
 from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, mark_non_finite, to_device
-from corerun.sampler.history_cache import HistoryCache
 from corerun.sampler.penalties import apply_penalties
 from corerun.sampler.options import CAPABILITIES, FullSamplerOptions
 from corerun.sampler.processors import apply_logit_bias, apply_min_tokens
@@ -56,7 +54,6 @@ class FullSampler:
         self.device = torch.device(device)
         self.options = FullSamplerOptions(**options)
         self._generators = GeneratorCache()
-        self._histories = HistoryCache()  # per-request device histories, used when the step names seq_ids
 
     def check(self, params: SamplingParams) -> None:
         """Raise :class:`UnsupportedError` for a parameter this sampler does not know; ``ValueError`` for ids outside the vocabulary."""
@@ -69,8 +66,6 @@ class FullSampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` float ``[B, V]`` (any float dtype; not modified) -> int64 ``[B]`` tokens and, if asked, logprobs."""
         check_logits(logits, metadata.batch_size, self.vocab_size)
-        if metadata.finished_seq_ids:
-            self._histories.forget(metadata.finished_seq_ids)
         params = metadata.params
         asked = [p.logprobs for p in params if p.logprobs is not None]
         raw = None
@@ -93,8 +88,6 @@ class FullSampler:
             [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
-            self._histories,
-            metadata.seq_ids,
         )
         tokens, values = self._choose(x, metadata)
 

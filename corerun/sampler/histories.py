@@ -1,9 +1,7 @@
 """Where the penalties get a step's token histories from, as flat positions ``row * V + token`` on the device.
 
-``ListHistories`` flattens the step's lists every time (host work proportional to the whole history);
-``corerun.sampler.history_cache.HistoryCache`` serves the same positions from per-request device
-copies (host work proportional to the batch and the new tokens).  Both answer ``seen`` and ``counted``,
-and the penalties computed from either are the same, bit for bit.
+``ListHistories`` flattens the step's lists (the runner hands them as views of its persistent
+batch) and answers ``seen`` and ``counted``.
 """
 
 from __future__ import annotations

@@ -12,10 +12,8 @@ Duplicate positions (a token seen twice) compute the same new value from the sam
 scatter is well defined.  Nothing waits on the device.
 
 The positions (and output counts) come from the step's lists (``ListHistories``: every occurrence,
-counted by a sort and two ``searchsorted`` calls), or, given a :class:`HistoryCache` and the step's
-``seq_ids``, from the cache's per-request device copies (distinct tokens with counts kept up to date;
-host work then follows the new tokens only).  Each position gets the same value either way, so the
-logits are the same, bit for bit.
+counted by a sort and two ``searchsorted`` calls); the runner hands the lists as views of its
+persistent batch, so nothing is copied before they are read.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import torch
 
 from corerun.sdk.sampling import to_device
 from corerun.sampler.histories import Histories, ListHistories
-from corerun.sampler.history_cache import HistoryCache
 
 
 def apply_penalties(
@@ -36,26 +33,15 @@ def apply_penalties(
     repetition: Sequence[float],
     frequency: Sequence[float],
     presence: Sequence[float],
-    cache: HistoryCache | None = None,
-    seq_ids: Sequence[int] | None = None,
 ) -> None:
-    """Apply the penalties in place to ``logits`` float32 ``[B, V]`` (contiguous); per-row lists of length ``B``.
-
-    With ``cache`` and ``seq_ids`` (one per row) the histories come from ``cache``, which this call
-    brings up to date (entries of requests absent from this step are kept); otherwise from the lists.
-    """
+    """Apply the penalties in place to ``logits`` float32 ``[B, V]`` (contiguous); per-row lists of length ``B``."""
     vocab_size = logits.shape[1]
     flat = logits.view(-1)
     device = logits.device
     rep_rows = [i for i, r in enumerate(repetition) if r != 1.0]
     out_rows = [i for i in range(len(frequency)) if frequency[i] != 0.0 or presence[i] != 0.0]
 
-    histories: Histories
-    if cache is not None and seq_ids is not None:
-        rows = sorted(set(rep_rows).union(out_rows))
-        histories = cache.sync(seq_ids, prompt_token_ids, output_token_ids, rows, rep_rows, device)
-    else:
-        histories = ListHistories(prompt_token_ids, output_token_ids)
+    histories: Histories = ListHistories(prompt_token_ids, output_token_ids)
 
     if rep_rows:
         index, row_ids = histories.seen(rep_rows, vocab_size, device)
