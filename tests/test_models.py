@@ -212,13 +212,13 @@ def test_generation_config_eos_ids_are_added(tmp_path):
     assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (2, 5)
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0}, {"type": "dynamic", "factor": 2.0}])
+@pytest.mark.parametrize("rope", [{"rope_type": "su", "factor": 4.0}, {"type": "proportional", "factor": 2.0}])
 def test_unsupported_rope_type(rope):
     with pytest.raises(UnsupportedModelError) as exc:
         ModelConfig.from_dict({**_BASE, "rope_scaling": rope})
     msg = str(exc.value)
     assert repr(rope.get("rope_type", rope.get("type"))) in msg
-    assert "default, linear, llama3" in msg
+    assert "default, linear, llama3, dynamic, yarn, longrope" in msg
 
 
 def test_bad_config_values():

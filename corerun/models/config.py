@@ -16,7 +16,7 @@ import torch
 
 from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -33,8 +33,13 @@ class RopeConfig:
     """Rotary embedding parameters.
 
     ``rope_type`` is one of :data:`ROPE_TYPES`: ``default`` (plain RoPE), ``linear`` (inverse
-    frequencies divided by ``factor``) or ``llama3`` (Llama 3.1's band-wise scaling, which also reads
-    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``).
+    frequencies divided by ``factor``), ``llama3`` (Llama 3.1's band-wise scaling, which also reads
+    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``), ``dynamic``
+    (NTK: plain RoPE up to ``max_position_embeddings``, the only lengths corerun runs), ``yarn``
+    (``beta_fast``/``beta_slow`` ramp between interpolated and kept frequencies, cos and sin scaled by
+    ``attention_factor``, by default from ``mscale``/``mscale_all_dim``) or ``longrope`` (Phi-3:
+    frequencies divided by ``short_factor`` per dimension, cos and sin scaled by ``attention_factor``;
+    sequences capped at ``original_max_position_embeddings``, see ``ModelConfig.max_model_len``).
     """
 
     theta: float = 10000.0
@@ -43,6 +48,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None  # yarn, longrope: None means the paper's default for ``factor``
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    short_factor: tuple[float, ...] = ()  # longrope, one per rotated pair
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +90,20 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence corerun runs exactly: ``max_position_embeddings``, capped at a sliding window.
+        """Longest sequence corerun runs exactly: ``max_position_embeddings``, capped at a sliding window
+        and, for ``longrope``, at ``original_max_position_embeddings``.
 
         corerun's attention is full (causal) attention, which equals sliding-window attention for
-        every sequence no longer than the window.
+        every sequence no longer than the window.  LongRoPE switches every position of a sequence to
+        its long factors once the sequence outgrows the original length (transformers recomputes the
+        whole sequence); corerun's cached keys keep their rotation, so it stops at that length.
         """
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)
+        if self.rope.rope_type == "longrope" and self.rope.original_max_position_embeddings:
+            limit = min(limit, self.rope.original_max_position_embeddings)
+        return limit
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -202,12 +221,20 @@ def parse_rope(cfg: Mapping[str, Any], max_position_embeddings: int, source: str
         raise UnsupportedModelError(
             f"{source}: rope type {rope_type!r} is not supported; corerun supports {', '.join(ROPE_TYPES)}"
         )
-    factor = float(merged.get("factor", 1.0) or 1.0)
+    original = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if rope_type in ("llama3", "yarn", "longrope") and original is None:
+        original = max_position_embeddings
+    factor = merged.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope"):
+        factor = max_position_embeddings / int(original)  # the ratio the checkpoint was extended by
+    factor = float(factor or 1.0)
     if rope_type == "default":
         factor = 1.0
-    original = merged.get("original_max_position_embeddings")
-    if rope_type == "llama3" and original is None:
-        original = max_position_embeddings
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(merged.get(key) or ()) != _head_dim(cfg) // 2:
+                raise ModelLoadError(f"{source}: rope {key} must list head_dim / 2 = {_head_dim(cfg) // 2} factors, "
+                                     f"got {merged.get(key)!r}")
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -215,7 +242,23 @@ def parse_rope(cfg: Mapping[str, Any], max_position_embeddings: int, source: str
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=None if original is None else int(original),
+        attention_factor=_optional_float(merged.get("attention_factor")),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=_optional_float(merged.get("mscale")),
+        mscale_all_dim=_optional_float(merged.get("mscale_all_dim")),
+        truncate=bool(merged.get("truncate", True)),
+        short_factor=tuple(float(f) for f in merged.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in merged.get("long_factor") or ()),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _head_dim(cfg: Mapping[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
 def _sliding_window(cfg: Mapping[str, Any]) -> int | None:

@@ -18,7 +18,48 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaling(inv_freq, rope)
-    return inv_freq
+    if rope.rope_type == "yarn":
+        return _yarn_scaling(inv_freq, head_dim, rope)
+    if rope.rope_type == "longrope":
+        return inv_freq / torch.tensor(rope.short_factor, dtype=torch.float64)
+    return inv_freq  # default; dynamic NTK changes nothing up to max_position_embeddings
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """What ``yarn`` and ``longrope`` multiply cos and sin by (1 for the other types)."""
+    if rope.rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.factor <= 1.0:
+        return 1.0
+    if rope.rope_type == "longrope":
+        return math.sqrt(1 + math.log(rope.factor) / math.log(float(rope.original_max_position_embeddings or 1)))
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor, 1.0)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_scaling(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: dimensions turning fewer than ``beta_slow`` times over the original length are divided by
+    ``factor``, those turning more than ``beta_fast`` times are kept, with a linear ramp between."""
+    length = float(rope.original_max_position_embeddings or 0)
+
+    def dim_of(turns: float) -> float:  # the dimension whose wavelength fits ``turns`` times in ``length``
+        return head_dim * math.log(length / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    lo, hi = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -47,7 +88,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
         angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inverse_frequencies(head_dim, rope)[None, :]
-        cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
+        cache = torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor(rope)
+        cache = cache.to(torch.float32)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def angles(self, positions: torch.Tensor) -> Rope:
