@@ -181,13 +181,13 @@ class LLMEngine:
 
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         """Apply a step's result (the scheduler), then its outputs: logprobs, stop strings, the next drafts."""
-        rows = self.scheduler.seqs_of(batch)  # (None: finished since the batch was scheduled)
-        seqs = [s for s in rows if s is not None]
+        rows = self.scheduler.seqs_of(batch)
+        seqs = [s for s in rows if s is not None]  # (None: finished since the batch was scheduled)
         try:  # everything that can fail on malformed sampler output first, before any sequence changes
             lps = self.outputs.logprobs(rows, result)
         except Exception as exc:
-            return self._fail([s for s in seqs if not s.is_finished],
-                              f"sampler '{self.runner.sampler_name}' returned malformed logprobs: {type(exc).__name__}: {exc}")
+            why = f"sampler '{self.runner.sampler_name}' returned malformed logprobs: {type(exc).__name__}: {exc}"
+            return self._fail([s for s in seqs if not s.is_finished], why)
         if self.spec is not None:
             self.spec.record(batch, result)
         before = {s.seq_id: s.num_output_tokens for s in seqs}
@@ -279,8 +279,7 @@ class LLMEngine:
         self._released([seq.seq_id])
 
     def _released(self, seq_ids: Any, ended: bool = True) -> None:
-        """Forget what the runner's logits processors and the proposer hold for ``seq_ids`` (``ended``: the
-        processors' too; the runner's persistent batch learns it from the next batch's ``finished_ids``)."""
+        """Forget what the logits processors (``ended``) and the proposer hold for ``seq_ids``."""
         ids = list(seq_ids)
         if ended:
             self.runner.release_requests(ids)
