@@ -189,6 +189,57 @@ class LogitsProcessorCapabilities:
         return {"params": sorted(self.params), "host_sync": self.host_sync, "devices": sorted(self.devices)}
 
 
+@dataclass(frozen=True)
+class QuantizationCapabilities:
+    """What a quantization method reads and runs (``corerun.quantization``).
+
+    - ``quant_methods``: the ``quantization_config.quant_method`` values of ``config.json`` it reads.
+    - ``gguf_types``: the GGML tensor types it reads from a ``.gguf`` file.
+    - ``dense``: reads checkpoints with no quantization (float safetensors).
+    - ``bits``, ``group_sizes``: weight bits and values per scale group of the formats it reads.
+    - ``zero_point``: its formats carry a zero point or minimum (asymmetric), besides symmetric ones.
+    - ``activation_dtypes``, ``devices``: what its layers take and where they run.
+
+    ``fits(checkpoint)`` lists why it cannot read a :class:`corerun.quantization.CheckpointFormat`.
+    """
+
+    quant_methods: frozenset[str] = frozenset()
+    gguf_types: frozenset[str] = frozenset()
+    dense: bool = False
+    bits: frozenset[float] = frozenset()
+    group_sizes: frozenset[int] = frozenset()
+    zero_point: bool = False
+    activation_dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+
+    def reads(self) -> str:
+        """What it reads, in words (for errors)."""
+        parts = [f"quantization_config.quant_method {_fmt(self.quant_methods)}"] if self.quant_methods else []
+        if self.gguf_types:
+            parts.append(f"GGUF tensor types {_fmt(self.gguf_types)}")
+        if self.dense:
+            parts.append("unquantized float checkpoints")
+        return " and ".join(parts) or "nothing"
+
+    def fits(self, need: Any) -> list[str]:
+        reasons = device_reasons(self.devices, need.device)
+        method, gguf_types = getattr(need, "quant_method", None), frozenset(getattr(need, "gguf_types", ()))
+        if method is not None and method not in self.quant_methods:
+            reasons.append(f"the checkpoint's quantization_config.quant_method is {method!r}; it reads {self.reads()}")
+        elif gguf_types - self.gguf_types:
+            reasons.append(f"the checkpoint holds GGUF tensor types {_fmt(gguf_types - self.gguf_types)}; it reads {self.reads()}")
+        elif method is None and not gguf_types and not self.dense:
+            reasons.append(f"the checkpoint is not quantized; it reads {self.reads()}")
+        return reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_methods": sorted(self.quant_methods), "gguf_types": sorted(self.gguf_types), "dense": self.dense,
+            "bits": sorted(self.bits), "group_sizes": sorted(self.group_sizes), "zero_point": self.zero_point,
+            "activation_dtypes": sorted(self.activation_dtypes), "devices": sorted(self.devices),
+        }
+
+
 ATTENTION_KINDS = ("full", "sliding")
 
 

@@ -21,16 +21,24 @@ weight stored column by column (``x @ W.T`` with ``W.T`` contiguous: 15 against 
 core of this project's CPU, docs/benchmarks.md), so :func:`use_cpu_matvec_layout` stores each float32
 CPU weight that way after loading (same shape and values, strides ``(1, out_features)``), and a
 one-token step calls ``F.linear`` on it; steps of two tokens or more keep the prepacked copy.
+
+A linear layer built with a quantization method (``quant``, :mod:`corerun.quantization`) hands its
+weight to the method: the method creates the storage, stores each checkpoint tensor once the layer
+has cut its shard and rank's slice, and computes ``x @ W.T``; the layer adds the bias.  A checkpoint
+tensor that arrives packed (a GGUF tensor) for a float parameter is dequantized on load.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Hashable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from corerun.quantization.base import QuantizationMethod
 
 
 class WeightShapeError(ValueError):
@@ -41,13 +49,24 @@ class WeightShapeError(ValueError):
         super().__init__(f"expected shape {expected}, checkpoint has {got}")
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
-    """Copy ``loaded_weight`` into ``param`` (any dtype / device; converted on copy)."""
+def as_dense(loaded: Any) -> torch.Tensor:
+    """A checkpoint tensor as float values: a packed one (anything with ``dequantize()`` that is not a
+    ``torch.Tensor``, such as a GGUF tensor) decoded, a plain one as it is."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.dequantize()
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: Any, shard_id: Hashable = None) -> None:
+    """Copy ``loaded_weight`` into ``param`` (any dtype / device; converted on copy; packed: dequantized)."""
     if shard_id is not None:
         raise ValueError(f"this parameter has no shards, got shard {shard_id!r}")
     if tuple(param.shape) != tuple(loaded_weight.shape):
         raise WeightShapeError(tuple(param.shape), tuple(loaded_weight.shape))
-    param.data.copy_(loaded_weight)
+    param.data.copy_(as_dense(loaded_weight))
+
+
+def _quantized(quant: "QuantizationMethod | None") -> "QuantizationMethod | None":
+    """The method a layer hands its weight to; ``None`` (the float path) for none or a dense method."""
+    return None if quant is None or quant.dense else quant
 
 
 def _parameter(*shape: int) -> nn.Parameter:
@@ -125,18 +144,42 @@ class PackedWeight:
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T + bias``; ``weight`` ``[out_features, in_features]``."""
+    """``y = x @ weight.T + bias``; ``weight`` ``[out_features, in_features]`` (with ``quant``: what the
+    method stores, see :mod:`corerun.quantization.base`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, quant: "QuantizationMethod | None" = None,
+        shard_sizes: Mapping[Hashable, int] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _parameter(out_features, in_features)
+        self.quant = _quantized(quant)
+        if self.quant is None:
+            self.weight = _parameter(out_features, in_features)
+        else:
+            self.quant.create_weights(self, in_features, dict(shard_sizes or {None: out_features}))
+            self.weight.weight_loader = self._load_quantized  # type: ignore[attr-defined]
         self.bias = _parameter(out_features) if bias else None
         self.packed = PackedWeight()
 
+    def _load_quantized(self, param: nn.Parameter, loaded_weight: Any, shard_id: Hashable = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"this parameter has no shards, got shard {shard_id!r}")
+        expected = (self.out_features, self.in_features)
+        if tuple(loaded_weight.shape) != expected:
+            raise WeightShapeError(expected, tuple(loaded_weight.shape))
+        self.quant.load_weight(self, loaded_weight, None)  # type: ignore[union-attr]
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` without the bias: ``[T, in_features]`` -> ``[T, out_features]``."""
+        return self.packed.linear(x, self.weight, None) if self.quant is None else self.quant.apply(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in_features]`` -> ``[T, out_features]``."""
-        return self.packed.linear(x, self.weight, self.bias)
+        if self.quant is None:
+            return self.packed.linear(x, self.weight, self.bias)
+        y = self.quant.apply(self, x)
+        return y if self.bias is None else y + self.bias
 
 
 class MergedLinear(Linear):
@@ -147,8 +190,11 @@ class MergedLinear(Linear):
     rows of ``weight`` (and ``bias``).
     """
 
-    def __init__(self, in_features: int, shard_sizes: Mapping[Hashable, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias)
+    def __init__(
+        self, in_features: int, shard_sizes: Mapping[Hashable, int], bias: bool = False,
+        quant: "QuantizationMethod | None" = None,
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias, quant, shard_sizes)
         self.shard_sizes = dict(shard_sizes)
         self.shard_offsets: dict[Hashable, int] = {}
         offset = 0
@@ -160,13 +206,19 @@ class MergedLinear(Linear):
                 param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
                 param.shard_ids = tuple(self.shard_sizes)  # type: ignore[attr-defined]  # each must be loaded
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Hashable = None) -> None:
         if shard_id not in self.shard_sizes:
             raise ValueError(f"unknown shard {shard_id!r}; this layer's shards are {list(self.shard_sizes)}")
+        if self.quant is not None and param is self.weight:
+            expected = (self.shard_sizes[shard_id], self.in_features)
+            if tuple(loaded_weight.shape) != expected:
+                raise WeightShapeError(expected, tuple(loaded_weight.shape))
+            self.quant.load_weight(self, loaded_weight, shard_id)
+            return
         rows = param.data.narrow(0, self.shard_offsets[shard_id], self.shard_sizes[shard_id])
         if tuple(rows.shape) != tuple(loaded_weight.shape):
             raise WeightShapeError(tuple(rows.shape), tuple(loaded_weight.shape))
-        rows.copy_(loaded_weight)
+        rows.copy_(as_dense(loaded_weight))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``y`` ``[T, out_features]`` -> one view per shard, in ``shard_sizes`` order."""

@@ -26,6 +26,7 @@ from corerun.protocols.attention import AttentionSpec
 
 if TYPE_CHECKING:
     from corerun.distributed.group import TensorParallelGroup
+    from corerun.quantization.base import QuantizationMethod
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,23 @@ class ArchOptions:
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
+        quant: "QuantizationMethod | None" = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         if tp is None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias)
-            self.o_proj = Linear(q_size, config.hidden_size, bias=opts.o_bias)
+            self.qkv_proj = MergedLinear(
+                config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias, quant=quant
+            )
+            self.o_proj = Linear(q_size, config.hidden_size, bias=opts.o_bias, quant=quant)
         else:  # tensor parallel: this rank's query heads and the KV heads they use
             heads = shard_heads(config.num_heads, config.num_kv_heads, tp.rank, tp.world_size)
             self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
             self.qkv_proj, self.o_proj = attention_projections(
-                config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, heads, opts.qkv_bias, opts.o_bias, tp
+                config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, heads, opts.qkv_bias, opts.o_bias, tp,
+                quant,
             )
         if opts.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -77,14 +82,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, opts: ArchOptions, tp: "TensorParallelGroup | None" = None) -> None:
+    def __init__(
+        self, config: ModelConfig, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
+        quant: "QuantizationMethod | None" = None,
+    ) -> None:
         super().__init__()
         size = config.intermediate_size
         if tp is None:
-            self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=opts.mlp_bias)
-            self.down_proj = Linear(size, config.hidden_size, bias=opts.mlp_bias)
+            self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=opts.mlp_bias, quant=quant)
+            self.down_proj = Linear(size, config.hidden_size, bias=opts.mlp_bias, quant=quant)
         else:  # tensor parallel: this rank's slice of the intermediate features
-            self.gate_up_proj, self.down_proj = mlp_projections(config.hidden_size, size, opts.mlp_bias, tp)
+            self.gate_up_proj, self.down_proj = mlp_projections(config.hidden_size, size, opts.mlp_bias, tp, quant)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,12 +103,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
+        quant: "QuantizationMethod | None" = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, opts, tp)
+        self.self_attn = LlamaAttention(config, layer_idx, opts, tp, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, opts, tp)
+        self.mlp = LlamaMLP(config, opts, tp, quant)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
@@ -108,14 +117,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, opts: ArchOptions, tp: "TensorParallelGroup | None" = None) -> None:
+    def __init__(
+        self, config: ModelConfig, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
+        quant: "QuantizationMethod | None" = None,
+    ) -> None:
         super().__init__()
         if tp is None:
             self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)  # one for every layer
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, tp, quant) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -134,6 +146,8 @@ class LlamaForCausalLM(nn.Module):
 
     ``tp``: this process's tensor-parallel group (:mod:`corerun.distributed`); the model then holds its
     rank's heads, MLP features and vocabulary rows, and ``attention_spec`` gives the per-rank head counts.
+    ``quant``: the quantization method of the attention and MLP projections (:mod:`corerun.quantization`);
+    ``None``: dense float weights.  Embeddings, norms and the LM head stay float.
     """
 
     supports_tensor_parallel: ClassVar[bool] = True
@@ -151,7 +165,9 @@ class LlamaForCausalLM(nn.Module):
     def arch_options(cls, config: ModelConfig) -> ArchOptions:
         return ArchOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias)
 
-    def __init__(self, config: ModelConfig, tp: "TensorParallelGroup | None" = None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: "TensorParallelGroup | None" = None, quant: "QuantizationMethod | None" = None,
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise UnsupportedModelError(
@@ -159,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.num_layers = config.num_layers
-        self.model = LlamaModel(config, self.arch_options(config), tp)
+        self.model = LlamaModel(config, self.arch_options(config), tp, quant)
         if tp is None:
             self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
             self.lm_head = LMHead(config.vocab_size, config.hidden_size)

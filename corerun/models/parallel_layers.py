@@ -15,17 +15,20 @@ rank, so that a model's ``tp is None`` path keeps corerun's plain layers untouch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corerun.models.layers import Linear, LMHead, MergedLinear, VocabEmbedding, WeightShapeError, default_weight_loader
+from corerun.models.layers import (
+    Linear, LMHead, MergedLinear, VocabEmbedding, WeightShapeError, as_dense, default_weight_loader,
+)
 from corerun.distributed.sharding import HeadShard, shard_range, shard_vocab
 
 if TYPE_CHECKING:
     from corerun.distributed.group import TensorParallelGroup
+    from corerun.quantization.base import QuantizationMethod
 
 
 class ColumnParallelMergedLinear(MergedLinear):
@@ -35,11 +38,14 @@ class ColumnParallelMergedLinear(MergedLinear):
     checkpoint tensor's row count (checked on load).  ``weight`` is ``[sum(size), in_features]``.
     """
 
-    def __init__(self, in_features: int, shard_ranges: Mapping[Hashable, tuple[int, int, int]], bias: bool = False) -> None:
-        super().__init__(in_features, {k: size for k, (_, size, _) in shard_ranges.items()}, bias)
+    def __init__(
+        self, in_features: int, shard_ranges: Mapping[Hashable, tuple[int, int, int]], bias: bool = False,
+        quant: "QuantizationMethod | None" = None,
+    ) -> None:
+        super().__init__(in_features, {k: size for k, (_, size, _) in shard_ranges.items()}, bias, quant)
         self.shard_ranges = dict(shard_ranges)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Hashable = None) -> None:
         if shard_id in self.shard_ranges:
             start, size, full = self.shard_ranges[shard_id]
             if loaded_weight.shape[0] != full:
@@ -54,20 +60,27 @@ class RowParallelLinear(Linear):
     ``x`` ``[T, in_features / n]`` (this rank's slice) -> ``[T, out_features]``, identical on every rank.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: "TensorParallelGroup") -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: "TensorParallelGroup",
+        quant: "QuantizationMethod | None" = None,
+    ) -> None:
         start, local_in = shard_range(in_features, tp.rank, tp.world_size, f"the input features ({in_features})")
-        super().__init__(local_in, out_features, bias)
+        super().__init__(local_in, out_features, bias, quant)
         self.tp, self.in_start, self.full_in_features = tp, start, in_features
         self.weight.weight_loader = self._load_weight  # type: ignore[attr-defined]
 
-    def _load_weight(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+    def _load_weight(self, param: nn.Parameter, loaded_weight: Any, shard_id: Hashable = None) -> None:
         expected = (self.out_features, self.full_in_features)
         if tuple(loaded_weight.shape) != expected:
             raise WeightShapeError(expected, tuple(loaded_weight.shape))
-        default_weight_loader(param, loaded_weight.narrow(1, self.in_start, self.in_features), shard_id)
+        mine = loaded_weight.narrow(1, self.in_start, self.in_features)
+        if self.quant is None:
+            default_weight_loader(param, mine, shard_id)
+        else:
+            self._load_quantized(param, mine, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.packed.linear(x, self.weight, None))
+        y = self.tp.all_reduce(self.product(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -75,15 +88,16 @@ def _load_vocab_rows(layer: "VocabParallelEmbedding | ParallelLMHead") -> Callab
     """A weight loader keeping rows ``[start, end)`` of a ``[vocab_size, hidden]`` tensor, zero past ``end``."""
     shard = layer.shard
 
-    def load(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Hashable = None) -> None:
+    def load(param: nn.Parameter, loaded_weight: Any, shard_id: Hashable = None) -> None:
         if shard_id is not None:
             raise ValueError(f"this parameter has no shards, got shard {shard_id!r}")
         expected = (shard.vocab_size, param.shape[1])
         if tuple(loaded_weight.shape) != expected:
             raise WeightShapeError(expected, tuple(loaded_weight.shape))
-        n = shard.end - shard.start
-        param.data[:n].copy_(loaded_weight[shard.start : shard.end])
-        param.data[n:].zero_()
+        loaded_weight = as_dense(loaded_weight.narrow(0, shard.start, shard.end - shard.start))
+        shard_rows = slice(0, shard.end - shard.start)
+        param.data[shard_rows].copy_(loaded_weight)
+        param.data[shard_rows.stop :].zero_()
 
     return load
 
@@ -127,22 +141,26 @@ class ParallelLMHead(LMHead):
 # ------------------------------------------------------------------ factories
 def attention_projections(
     hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, heads: HeadShard,
-    qkv_bias: bool, o_bias: bool, tp: "TensorParallelGroup",
+    qkv_bias: bool, o_bias: bool, tp: "TensorParallelGroup", quant: "QuantizationMethod | None" = None,
 ) -> tuple[ColumnParallelMergedLinear, RowParallelLinear]:
     """``(qkv_proj, o_proj)`` for the rank holding ``heads`` (see :func:`~corerun.distributed.sharding.shard_heads`)."""
     d = head_dim
     kv = (heads.kv_start * d, heads.num_kv_heads * d, num_kv_heads * d)
     ranges = {"q": (heads.q_start * d, heads.num_heads * d, num_heads * d), "k": kv, "v": kv}
-    return ColumnParallelMergedLinear(hidden_size, ranges, bias=qkv_bias), RowParallelLinear(num_heads * d, hidden_size, o_bias, tp)
+    return (
+        ColumnParallelMergedLinear(hidden_size, ranges, bias=qkv_bias, quant=quant),
+        RowParallelLinear(num_heads * d, hidden_size, o_bias, tp, quant),
+    )
 
 
 def mlp_projections(
     hidden_size: int, intermediate_size: int, bias: bool, tp: "TensorParallelGroup",
+    quant: "QuantizationMethod | None" = None,
 ) -> tuple[ColumnParallelMergedLinear, RowParallelLinear]:
     """``(gate_up_proj, down_proj)`` holding this rank's slice of the intermediate features."""
     start, size = shard_range(intermediate_size, tp.rank, tp.world_size, "intermediate_size")
     ranges = {"gate": (start, size, intermediate_size), "up": (start, size, intermediate_size)}
     return (
-        ColumnParallelMergedLinear(hidden_size, ranges, bias=bias),
-        RowParallelLinear(intermediate_size, hidden_size, bias, tp),
+        ColumnParallelMergedLinear(hidden_size, ranges, bias=bias, quant=quant),
+        RowParallelLinear(intermediate_size, hidden_size, bias, tp, quant),
     )

@@ -1,0 +1,55 @@
+"""The quantization method protocol: how a linear layer's weight is stored, loaded and applied.
+
+A method is built once per model (``factory(**options)``) and handed to every linear layer of it
+(:class:`corerun.models.layers.Linear` and its merged and tensor-parallel kinds).  The layer owns
+the geometry (its shards, its rank's slice) and the bias; the method owns the weight:
+
+1. ``create_weights(layer, in_features, shard_sizes)`` registers the weight's storage on ``layer``.
+   ``shard_sizes`` maps each shard id to its output rows, in order (``{"q": Hq*D, "k": Hkv*D,
+   "v": Hkv*D}``, ``{"gate": I, "up": I}``, ``{None: out_features}`` for a plain layer).  The layer
+   then attaches its own ``weight_loader`` to ``layer.weight``, which must exist (a placeholder is
+   fine when the storage lives elsewhere) so that the model loader finds it by name.
+2. ``load_weight(layer, loaded, shard_id)``: ``loaded`` is this rank's part of one checkpoint tensor
+   already cut by the layer (rows of its shard, columns of its input slice), logically
+   ``[shard_sizes[shard_id], in_features]``: a float ``torch.Tensor``, or a packed tensor such as
+   :class:`~corerun.quantization.gguf_tensor.GGUFTensor` (``shape``, ``narrow``, ``dequantize()``).
+   Errors name the checkpoint tensor and its type.
+3. ``apply(layer, x)``: ``x`` ``[T, in_features]`` in an activation dtype -> ``[T, out_features]``
+   (shards stacked in order), bias not added (the layer adds it).
+
+``capabilities`` (:class:`~corerun.capabilities.QuantizationCapabilities`) say what it reads and
+where it runs; ``quantization: auto`` picks from the checkpoint (:func:`corerun.quantization.select`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Hashable, Mapping
+
+import torch
+from torch import nn
+
+from corerun.capabilities import QuantizationCapabilities
+
+
+class QuantizationMethod(ABC):
+    name: ClassVar[str]
+    capabilities: ClassVar[QuantizationCapabilities]
+    dense: ClassVar[bool] = False  # True: the layers keep their plain float path (no per-call dispatch)
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None: ...
+
+    @abstractmethod
+    def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None: ...
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def shard_offsets(shard_sizes: Mapping[Hashable, int]) -> dict[Hashable, int]:
+    """Each shard's first output row, in ``shard_sizes`` order."""
+    offsets, at = {}, 0
+    for shard_id, size in shard_sizes.items():
+        offsets[shard_id], at = at, at + size
+    return offsets
