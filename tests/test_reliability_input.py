@@ -23,6 +23,7 @@ from corerun import LLM, SamplingParams
 from corerun.config import load_config
 from corerun.errors import ConfigError, PluginNotFoundError, RequestError
 from corerun.models.errors import ModelLoadError
+from corerun.testing import assert_idle, make_llm
 from tests.helpers.tiny_models import make_tiny_model
 from tests.helpers.engine_testing import hf_greedy, no_hang  # noqa: F401 (no_hang: a fixture)
 
@@ -32,7 +33,8 @@ NUM_BLOCKS = 40
 MAX_MODEL_LEN = 128
 VALID = [5, 17, 42, 99, 7, 61]
 VALID_TOKENS = 6
-COMMON: dict[str, Any] = dict(device="cpu", dtype="float32", attention="torch")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("reliability-input"), arch="llama")
@@ -45,16 +47,7 @@ def expected(model_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> LLM:
-    return LLM(model=model_dir, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS},
-               scheduler={"max_model_len": MAX_MODEL_LEN}, **COMMON)
-
-
-def assert_idle(llm: LLM) -> None:
-    """Nothing queued, nothing running, every block free."""
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    assert not engine.requests
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
+    return make_llm(model_dir, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS}, scheduler={"max_model_len": MAX_MODEL_LEN})
 
 
 def assert_serves(llm: LLM, expected: list[int]) -> None:
@@ -212,7 +205,7 @@ def test_engine_add_request_refuses_without_queueing(llm: LLM, expected: list[in
 
 def test_request_bigger_than_the_whole_cache_refused_up_front(model_dir: Path, expected: list[int]) -> None:
     """8 blocks of 4 hold 32 tokens of K/V; a request holds prompt + max_tokens - 1 of them at most."""
-    small = LLM(model=model_dir, kv_cache={"block_size": BS, "num_blocks": 8}, scheduler={"max_model_len": MAX_MODEL_LEN}, **COMMON)
+    small = make_llm(model_dir, kv_cache={"block_size": BS, "num_blocks": 8}, scheduler={"max_model_len": MAX_MODEL_LEN})
     prompt = list(range(10, 20))
     with pytest.raises(RequestError) as err:
         small.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -233,8 +226,8 @@ def test_request_bigger_than_the_whole_cache_refused_up_front(model_dir: Path, e
 
 def test_request_over_the_step_budget_without_chunked_prefill_refused(model_dir: Path, expected: list[int]) -> None:
     """Without chunked prefill a (re)computed sequence must fit one step: a longer one would wait forever."""
-    llm = LLM(model=model_dir, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS},
-              scheduler={"max_model_len": MAX_MODEL_LEN, "chunked_prefill": False, "max_num_batched_tokens": 16}, **COMMON)
+    llm = make_llm(model_dir, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS},
+                   scheduler={"max_model_len": MAX_MODEL_LEN, "chunked_prefill": False, "max_num_batched_tokens": 16})
     for prompt, max_tokens in ((list(range(3, 23)), 1), (list(range(3, 13)), 8)):
         with pytest.raises(RequestError) as err:
             llm.generate(prompt, SamplingParams(max_tokens=max_tokens))
@@ -291,7 +284,7 @@ def test_malformed_yaml_unknown_keys_and_wrong_types(tmp_path: Path, llm: LLM, e
 def test_unknown_backend_names(model_dir: Path, llm: LLM, expected: list[int], overrides: dict, fragments: list[str]) -> None:
     kv_cache = {"block_size": BS, "num_blocks": 8, **overrides.get("kv_cache", {})}
     with pytest.raises(PluginNotFoundError) as err:
-        LLM(model=model_dir, **{**COMMON, **overrides, "kv_cache": kv_cache})
+        make_llm(model_dir, **{**overrides, "kv_cache": kv_cache})
     for fragment in fragments:
         assert fragment in str(err.value)
     assert_serves(llm, expected)
@@ -329,7 +322,7 @@ def test_broken_model_folders(tmp_path: Path, model_dir: Path, llm: LLM, expecte
     cases.append((mixed, ModelLoadError, ["into Qwen3ForCausalLM", "shape mismatches", "corerun expects", "the checkpoint has", "missing weights"]))
     for folder, error, fragments in cases:
         with pytest.raises(error) as err:
-            LLM(model=folder, kv_cache={"block_size": BS, "num_blocks": 8}, **COMMON)
+            make_llm(folder, kv_cache={"block_size": BS, "num_blocks": 8})
         for fragment in fragments:
             assert fragment in str(err.value), (folder.name, str(err.value))
     assert_serves(llm, expected)
@@ -341,8 +334,8 @@ def test_pickle_weights_refused_unless_allowed(tmp_path: Path, model_dir: Path, 
     folder = _folder_with(tmp_path, "pickled", model_dir, ["config.json"])
     torch.save(load_file(str(model_dir / "model.safetensors")), folder / "pytorch_model.bin")
     with pytest.raises(ModelLoadError) as err:
-        LLM(model=folder, kv_cache={"block_size": BS, "num_blocks": 8}, **COMMON)
+        make_llm(folder, kv_cache={"block_size": BS, "num_blocks": 8})
     for fragment in ("only pickle weights (pytorch_model.bin)", "unpickling a file can run code", "allow_pickle_weights: true"):
         assert fragment in str(err.value)
-    allowed = LLM(model=folder, allow_pickle_weights=True, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS}, **COMMON)
+    allowed = make_llm(folder, allow_pickle_weights=True, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS})
     assert_serves(allowed, expected)
