@@ -15,7 +15,7 @@ from corerun.scaffold import KINDS
 @click.option("--dir", "parent", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
               help="Folder to write the distribution's folder into.")
 def new(kind: str, name: str, parent: Path) -> None:
-    """Write a plugin distribution for KIND (attention, sampler, kv_cache, graph, logits_processor) named NAME: entry point,
+    """Write a plugin distribution for KIND (one of the kinds listed above) named NAME: entry point,
     hook, capabilities, a working implementation that delegates to corerun's reference code, a tests/
     folder running the conformance suite, and a README.  Replace the part marked "the kernel"."""
     from corerun.scaffold import placeholders, scaffold
@@ -26,4 +26,4 @@ def new(kind: str, name: str, parent: Path) -> None:
         raise click.UsageError(str(exc)) from None
     values = placeholders(kind, name)
     click.echo(f"wrote {root}/ ({values['distribution']}, plugin id {values['plugin_id']})")
-    click.echo(f"next: pip install -e {root} && corerun conformance {kind}:{name}")
+    click.echo(f"next: pip install -e {root} && corerun conformance {kind}:{values['registered']}")

@@ -14,8 +14,8 @@ scrambled paged KV cache filled with NaN (a read of a block it was not given poi
   rest in the same step as the first request decodes; every row equals transformers'.
 - ``greedy``: 8 tokens decoded greedily one step at a time equal transformers' greedy tokens.
 
-The architecture transformers builds is the registered name, or the factory's ``hf_architecture``
-for an unregistered class; a family adds configuration keys its tiny configs need (expert counts,
+The architecture transformers builds is the class's ``hf_architecture`` when it has one, else the
+registered name; a family adds configuration keys its tiny configs need (expert counts,
 window sizes) as a class attribute ``conformance_config: dict``.
 """
 
@@ -55,10 +55,9 @@ def _fail(message: str) -> None:
 
 
 def architecture(target: Target) -> str:
-    """The transformers class the family is compared with."""
-    if target.registration is not None:
-        return target.name
-    return str(getattr(target.factory, "hf_architecture", target.name))
+    """The transformers class the family is compared with: the class's ``hf_architecture`` when it names one
+    (a new family built on a known one, say), else the registered architecture."""
+    return str(getattr(target.implementation_class(), "hf_architecture", None) or target.name)
 
 
 class ModelSuite(ConformanceSuite):

@@ -19,21 +19,31 @@ KINDS = {  # kind: (title, conformance suite, YAML that selects NAME)
     "logits_processor": ("logits processor", "LogitsProcessorSuite", ""),  # chosen by the fields it serves
     "tool_parser": ("tool-call parser", "ToolParserSuite", ""),  # chosen by `corerun serve --tool-call-parser`
     "reasoning_parser": ("reasoning parser", "ReasoningParserSuite", ""),  # by `--reasoning-parser`
+    "model": ("model family", "ModelSuite", ""),  # chosen by `architectures` in a model folder's config.json
 }
 SERVE_OPTION = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
+def architecture(name: str) -> str:
+    """The ``architectures`` name a model family ``name`` registers: ``my_llama`` -> ``MyLlamaForCausalLM``."""
+    return "".join(part.capitalize() for part in name.split("_") if part) + "ForCausalLM"
+
+
 def placeholders(kind: str, name: str) -> dict[str, str]:
     title, suite, yaml = KINDS[kind]
+    registered = architecture(name) if kind == "model" else name  # what `corerun conformance KIND:...` names
     return {
         "name": name,
+        "registered": registered,
         "kind": kind,
         "title": title,
         "suite": suite,
         "yaml": yaml.format(name=name),
         "select": f"Select it with `{yaml.format(name=name)}` in the YAML config." if yaml else (
             f"Serve with it: `corerun serve {SERVE_OPTION[kind]} {name}`." if kind in SERVE_OPTION else
+            f"A model folder whose `config.json` lists `{registered}` in `architectures` runs with it "
+            f"(`corerun serve --model FOLDER`)." if kind == "model" else
             "Requests that set a field it serves (`structured_outputs`) use it once it is certified "
             "(and has the highest priority among those serving that field)."),
         "plugin_id": f"{kind}_{name}",
