@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from corerun import LLM, SamplingParams
+from corerun import SamplingParams
+from corerun.testing import assert_idle, make_llm
 from tests.helpers.tiny_models import hf_logits, hf_model, make_tiny_model
 from tests.helpers.engine_testing import hf_greedy, no_hang  # noqa: F401 (no_hang: a fixture)
 
 BS = 4
 MAX_TOKENS = 10
-COMMON: dict[str, Any] = dict(device="cpu", dtype="float32", attention="torch")
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
     """Model folder, ten prompts (1 to 14 tokens, three sharing a prefix), their greedy references."""
@@ -34,17 +35,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]
     shared = rnd(2 * BS + 1)
     prompts = [rnd(1), rnd(14), rnd(BS), shared + rnd(3), rnd(7), shared + rnd(5), rnd(BS + 1), shared[:2 * BS] + rnd(2), rnd(12), rnd(2)]
     return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS)
-
-
-def make_llm(model_dir: Path, num_blocks: int, **scheduler: Any) -> LLM:
-    return LLM(model=model_dir, kv_cache={"block_size": BS, "num_blocks": num_blocks},
-               scheduler={"max_model_len": 128, **scheduler}, **COMMON)
-
-
-def assert_all_free(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
-    assert not engine.has_unfinished_requests() and not engine.requests
 
 
 def tokens(outs: list) -> list[list[int]]:
@@ -60,12 +50,12 @@ def tokens(outs: list) -> list[list[int]]:
 def test_preemption_by_recompute_loses_nothing(tiny, scheduler: dict) -> None:
     """7 blocks (28 slots) for ten requests of up to 23 tokens of K/V each."""
     model_dir, prompts, expected = tiny
-    small = make_llm(model_dir, 7, **scheduler)
+    small = make_llm(model_dir, kv_cache={"num_blocks": 7}, scheduler=scheduler)
     for run in range(2):  # the second run starts with cached prefixes left by the first
         outs = small.generate(prompts, GREEDY)
         assert tokens(outs) == expected, f"run {run}"
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
-        assert_all_free(small)
+        assert_idle(small)
     assert small.engine.scheduler.num_preemptions > 5
     assert small.engine.kv.stats().prefix_hits > 0
 
@@ -82,8 +72,8 @@ def test_seeded_sampling_and_logprobs_unchanged_by_preemption(tiny) -> None:
         SamplingParams(temperature=0.9, seed=5, min_tokens=4, max_tokens=MAX_TOKENS, stop_token_ids=[7, 9]),
     ] * 2
     prompts = (prompts * 2)[: len(params)]
-    small = make_llm(model_dir, 7, max_num_batched_tokens=6)
-    roomy = make_llm(model_dir, 256)
+    small = make_llm(model_dir, kv_cache={"num_blocks": 7}, scheduler={"max_num_batched_tokens": 6})
+    roomy = make_llm(model_dir, kv_cache={"num_blocks": 256})
     a, b = small.generate(prompts, params), roomy.generate(prompts, params)
     hf = hf_model(model_dir)
     assert small.engine.scheduler.num_preemptions > 0 and roomy.engine.scheduler.num_preemptions == 0
@@ -99,8 +89,8 @@ def test_seeded_sampling_and_logprobs_unchanged_by_preemption(tiny) -> None:
             for j in range(1, len(x.prompt_token_ids)):
                 t = x.prompt_token_ids[j]
                 assert abs(x.prompt_logprobs[j][t].logprob - ref[j - 1, t].item()) < 1e-4
-    assert_all_free(small)
-    assert_all_free(roomy)
+    assert_idle(small)
+    assert_idle(roomy)
 
 
 def _top_k_shape(tokens: list[int], logprobs: list | None, k: int | None) -> None:
@@ -132,30 +122,30 @@ def _same_logprobs(a: list | None, b: list | None) -> None:
 
 def test_closing_a_stream_early_frees_its_blocks_at_once(tiny) -> None:
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, 64)
+    llm = make_llm(model_dir)
     engine = llm.engine
     stream = llm.stream(prompts[:4], GREEDY)
     seen = [next(stream) for _ in range(6)]
     assert not any(o.finished for o in seen)
     assert engine.kv.num_free_blocks < engine.runner.num_blocks
     stream.close()
-    assert_all_free(llm)
+    assert_idle(llm)
     # a for-loop left with break: the abandoned generator is closed when dropped
     for out in llm.stream(prompts[4:6], GREEDY):
         assert engine.kv.num_free_blocks < engine.runner.num_blocks
         break
     del out
-    assert_all_free(llm)
+    assert_idle(llm)
     with contextlib.closing(llm.stream(prompts, GREEDY)) as stream:
         next(stream)
-    assert_all_free(llm)
+    assert_idle(llm)
     assert tokens(llm.generate(prompts, GREEDY)) == expected
-    assert_all_free(llm)
+    assert_idle(llm)
 
 
 def test_engine_abort_frees_at_once_and_spares_the_others(tiny) -> None:
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, 64, max_num_batched_tokens=5, max_num_seqs=2)
+    llm = make_llm(model_dir, scheduler={"max_num_batched_tokens": 5, "max_num_seqs": 2})
     engine = llm.engine
     running = engine.add_request(prompts[1], GREEDY)  # 14 tokens: prefilled in chunks of <= 5
     other = engine.add_request(prompts[4], GREEDY)
@@ -179,7 +169,7 @@ def test_engine_abort_frees_at_once_and_spares_the_others(tiny) -> None:
         assert engine.output(engine.requests[rid]).outputs[0].finish_reason == reason
         engine.abort(rid)  # finished: ignored
         engine.release(rid)
-    assert_all_free(llm)
+    assert_idle(llm)
     # mid-decode, with prefix blocks shared with another request
     a = engine.add_request(prompts[3], GREEDY)
     b = engine.add_request(prompts[5], GREEDY)
@@ -192,4 +182,4 @@ def test_engine_abort_frees_at_once_and_spares_the_others(tiny) -> None:
     assert engine.requests[a].num_output_tokens < MAX_TOKENS
     engine.release(a)
     engine.release(b)
-    assert_all_free(llm)
+    assert_idle(llm)
