@@ -27,11 +27,10 @@ from corerun import LLM, SamplingParams
 from corerun.config import load_config, parse_set
 from corerun.errors import ConfigError, RequestError
 from corerun.models.errors import ModelLoadError
+from corerun.testing import assert_idle, make_llm
 from tests.helpers.engine_testing import no_hang  # noqa: F401 (no_hang: a fixture)
 from tests.helpers.tiny_models import make_tiny_model
 
-COMMON: dict[str, Any] = dict(device="cpu", dtype="float32", attention="torch",
-                              kv_cache={"block_size": 4, "num_blocks": 64}, scheduler={"max_model_len": 64})
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
@@ -42,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> LLM:
-    return LLM(model=model_dir, **COMMON)
+    return make_llm(model_dir)
 
 
 def copy_model(model_dir: Path, dest: Path) -> Path:
@@ -61,18 +60,12 @@ def word_tokenizer(folder: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(folder))
 
 
-def assert_idle(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
-    assert not engine.requests and not engine.has_unfinished_requests()
-
-
 # ------------------------------------------------------------------ 4. vocabulary at admission
 
 def test_tokenizer_ids_beyond_the_model_vocab_refused_alone(model_dir: Path, tmp_path: Path) -> None:
     folder = copy_model(model_dir, tmp_path / "big-tokenizer")
     word_tokenizer(folder, vocab_size=300)  # the model has 256 ids
-    llm = LLM(model=folder, **COMMON)
+    llm = make_llm(folder)
     (ok,) = llm.generate([[5, 6, 7]], GREEDY)
     running = llm.stream("w5 w6 w7", GREEDY)  # a good text prompt in flight
     first = next(running)
@@ -136,7 +129,7 @@ def test_index_cannot_name_a_pickle(model_dir: Path, tmp_path: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "evil.bin"}}))
     for allow in (False, True):
         with pytest.raises(ModelLoadError, match=r"names 'evil.bin', which is not a .safetensors file"):
-            LLM(model=folder, allow_pickle_weights=allow, **COMMON)
+            make_llm(folder, allow_pickle_weights=allow)
     assert not marker.exists()
 
 
@@ -157,12 +150,12 @@ def test_index_cannot_reach_outside_the_folder(model_dir: Path, tmp_path: Path, 
         (folder / name).symlink_to(outside)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": name}}))
     with pytest.raises(ModelLoadError, match=r"resolves to .*elsewhere.*, outside the model folder"):
-        LLM(model=folder, **COMMON)
+        make_llm(folder)
     if how == "symlink":  # a lone model.safetensors linked out of the folder: the same
         (folder / "model.safetensors.index.json").unlink()
         (folder / "model.safetensors").symlink_to(outside)
         with pytest.raises(ModelLoadError, match="outside the model folder"):
-            LLM(model=folder, **COMMON)
+            make_llm(folder)
 
 
 def test_hub_cache_links_into_its_blobs_still_load(model_dir: Path, tmp_path: Path) -> None:
@@ -173,7 +166,7 @@ def test_hub_cache_links_into_its_blobs_still_load(model_dir: Path, tmp_path: Pa
     for name in ("config.json", "model.safetensors"):
         shutil.copy(model_dir / name, repo / "blobs" / f"sha-{name}")
         (snap / name).symlink_to(Path("../../blobs") / f"sha-{name}")
-    out = LLM(model=snap, **COMMON).generate([[5, 6]], GREEDY)[0]
+    out = make_llm(snap).generate([[5, 6]], GREEDY)[0]
     assert len(out.outputs[0].token_ids) == 6
 
 
@@ -202,7 +195,7 @@ def test_values_that_overflow_float32_are_refused(llm: LLM, fields: dict, messag
 
 def test_logprobs_above_the_vocabulary_refused(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path, arch="llama", vocab_size=16)
-    llm = LLM(model=folder, **COMMON)
+    llm = make_llm(folder)
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(RequestError, match=f"{field}=17 is above the model's vocabulary size 16"):
             llm.generate([[1, 2, 3]], {"max_tokens": 2, field: 17})
@@ -226,7 +219,7 @@ def test_bad_config_json_named(model_dir: Path, tmp_path: Path, edit: Any, messa
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(edit(cfg)))
     with pytest.raises(ModelLoadError, match=message):
-        LLM(model=folder, **COMMON)
+        make_llm(folder)
 
 
 def test_truncated_weights_and_corrupt_tokenizer_named(model_dir: Path, tmp_path: Path) -> None:
@@ -234,12 +227,12 @@ def test_truncated_weights_and_corrupt_tokenizer_named(model_dir: Path, tmp_path
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match=r"model.safetensors: cannot read it as safetensors .* truncated or corrupt"):
-        LLM(model=folder, **COMMON)
+        make_llm(folder)
     folder = copy_model(model_dir, tmp_path / "t")
     word_tokenizer(folder, 256)
     (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "nonsense"')
     with pytest.raises(ModelLoadError, match=r"cannot load the tokenizer in .*t \(tokenizer.json, tokenizer_config.json\)"):
-        LLM(model=folder, **COMMON)
+        make_llm(folder)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -258,7 +251,7 @@ def test_config_values_that_overflow_or_mislead_are_named(overrides: dict, messa
 def test_lone_surrogate_prompt_is_a_request_error(model_dir: Path, tmp_path: Path) -> None:
     folder = copy_model(model_dir, tmp_path / "m")
     word_tokenizer(folder, 256)
-    llm = LLM(model=folder, **COMMON)
+    llm = make_llm(folder)
     with pytest.raises(RequestError, match=r"prompt 0: prompt is not valid Unicode text: character 3 is a lone surrogate"):
         llm.generate(["w5 \ud800"], GREEDY)
     assert llm.generate("w5 w6", GREEDY)[0].prompt_token_ids == [5, 6]
@@ -270,7 +263,7 @@ def test_lone_surrogate_prompt_is_a_request_error(model_dir: Path, tmp_path: Pat
 def test_prompt_dicts_and_sampling_params_misuse(model_dir: Path, tmp_path: Path) -> None:
     folder = copy_model(model_dir, tmp_path / "m")
     word_tokenizer(folder, 256)
-    llm = LLM(model=folder, **COMMON)
+    llm = make_llm(folder)
     a, b = llm.generate([{"prompt": "w5 w6"}, {"prompt_token_ids": [5, 6]}], GREEDY)  # vLLM's prompt dicts
     assert a.prompt_token_ids == b.prompt_token_ids == [5, 6] and a.outputs[0].token_ids == b.outputs[0].token_ids
     with pytest.raises(RequestError, match=r"takes 'prompt' \(text\) or 'prompt_token_ids' .* got keys \['text'\]"):
@@ -300,4 +293,4 @@ def test_cli_empty_stdin_and_surrogates(model_dir: Path, tmp_path: Path) -> None
 
 def test_kv_cache_larger_than_memory_refused_before_allocating(model_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"kv_cache.num_blocks=2147483647 needs [\d.]+ GiB of KV cache .* lower num_blocks"):
-        LLM(model=model_dir, **{**COMMON, "kv_cache": {"block_size": 16, "num_blocks": 2**31 - 1}})
+        make_llm(model_dir, kv_cache={"block_size": 16, "num_blocks": 2**31 - 1})
