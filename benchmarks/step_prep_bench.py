@@ -3,8 +3,12 @@
 The measured code is corerun's own: an ``LLMEngine`` is built on a tiny random Llama (the model is
 never run, only its runner's ``prepare_inputs``), so the ``Scheduler``, the ``paged`` KV-cache
 manager and ``ModelRunner.prepare_inputs`` are the production objects with the production config.
-Between steps the benchmark does what the engine does after a forward pass (count the computed
-tokens, register full blocks for prefix caching, append a sampled token), untimed.
+A step is the scheduler's ``ScheduledBatch`` (a frozen message: new requests in full, the others as
+changes) applied to the runner's persistent ``InputBatch``, whose arrays the step's tensors are
+filled from; both are timed, as the engine runs them.  Between steps the benchmark does what the
+engine does after a forward pass, untimed: the runner records a sampled token per sampled row and
+the scheduler applies the step's result (``Scheduler.update_from_output``: computed tokens, full
+blocks registered for prefix caching, the token appended).
 
 Scenarios:
 
@@ -18,13 +22,15 @@ Scenarios:
 - ``prefill``: ``N`` fresh prompts of ``--context-len`` tokens scheduled in one step (``--prefill-seqs``).
 
 Every step, both input builders run on the same ``ScheduledBatch``, in alternating order: corerun's
-``prepare_inputs`` (``corerun.runner.step_inputs``: one persistent staging buffer filled from Python lists
-for small steps and with vectorised numpy for large ones, then one copy) and :func:`baseline_prepare`,
-written here the straightforward way (Python lists filled token by token, as nano-vllm's
-``prepare_decode`` / ``prepare_prefill``, then ``torch.tensor``).  Their outputs are compared for
-equality at every step, untimed (the staging buffer is reused, so later steps matter as much as the
-first).  The table gives medians over ``--steps`` steps, and the ratio baseline / corerun; the JSON
-adds the means (a step where sequences cross into a new block costs more than one where none does).
+``prepare_inputs`` (the message applied to ``corerun.runner.input_batch.InputBatch``, then
+``corerun.runner.step_inputs``: one vectorised numpy fill of a staging buffer from the persistent
+batch's arrays, then one copy) and :func:`baseline_prepare`, written here the straightforward way
+(reading the scheduler's live ``Sequence`` objects and the KV-cache manager's block tables, Python
+lists filled token by token, as nano-vllm's ``prepare_decode`` / ``prepare_prefill``, then
+``torch.tensor``).  Their outputs are compared for equality at every step, untimed (the persistent
+batch is only ever changed by the messages, so a drift would show on a later step).  The table gives
+medians over ``--steps`` steps, and the ratio baseline / corerun; the JSON adds the means (a step
+where sequences cross into a new block costs more than one where none does).
 
     python benchmarks/step_prep_bench.py                       # decode 1, 8, 64, 256 at context 512; long; prefill 1, 16
     python benchmarks/step_prep_bench.py --long 256x16384 --seqs '' --prefill-seqs ''
@@ -50,14 +56,16 @@ import torch  # noqa: E402
 
 from corerun.config import load_config  # noqa: E402
 from corerun.engine.llm_engine import LLMEngine  # noqa: E402
-from corerun.core.scheduler import ScheduledBatch, Scheduler  # noqa: E402
+from corerun.core.batch import ScheduledBatch, StepResult  # noqa: E402
 from corerun.core.sequence import Sequence  # noqa: E402
 from corerun.sampling_params import SamplingParams  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the baseline
-def baseline_prepare(sched: ScheduledBatch, kv: Any, block_size: int, device: torch.device) -> dict[str, Any]:
-    """The same inputs as ``ModelRunner.prepare_inputs``, built token by token in Python lists.
+def baseline_prepare(sched: ScheduledBatch, seqs: list[Sequence], kv: Any, block_size: int, device: torch.device) -> dict[str, Any]:
+    """The same inputs as ``ModelRunner.prepare_inputs``, built token by token in Python lists from the
+    live ``seqs`` (row ``i`` of ``sched``, as the scheduler holds them before the step runs) and the
+    KV-cache manager's block tables.
 
     Returns int64 ``input_ids`` / ``positions`` / ``slot_mapping`` ``[num_tokens]``, int32
     ``query_start_loc`` ``[R + 1]``, ``seq_lens`` / ``context_lens`` ``[R]``, ``block_tables``
@@ -72,7 +80,7 @@ def baseline_prepare(sched: ScheduledBatch, kv: Any, block_size: int, device: to
     tables: list[list[int]] = []
     sampled_rows: list[int] = []
     logits_indices: list[int] = []
-    for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new)):
+    for i, (seq, n) in enumerate(zip(seqs, sched.num_scheduled)):
         start = seq.num_computed_tokens
         table = kv.block_table(seq.seq_id)
         for pos in range(start, start + n):
@@ -140,28 +148,31 @@ def add_prompts(engine: LLMEngine, lengths: list[int], rng: random.Random, max_t
     seqs = []
     for n in lengths:
         seq = engine.make_sequence([rng.randrange(vocab) for _ in range(n)], params)
-        engine.requests[seq.request_id] = seq
-        engine.scheduler.add(seq)
+        engine.queue_sequence(seq)
         seqs.append(seq)
     return seqs
 
 
-def after_step(engine: LLMEngine, sched: ScheduledBatch, rng: random.Random) -> None:
-    """What the engine does once the model has run: computed tokens, prefix-cache blocks, sampled tokens."""
-    vocab = engine.runner.vocab_size
-    for seq, n in zip(sched.seqs, sched.num_new):
-        seq.num_computed_tokens += n
-        engine.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(rng.randrange(vocab))
+def after_step(engine: LLMEngine, sched: ScheduledBatch, sampled_rows: list[int], rng: random.Random) -> None:
+    """What the engine does once the model has run: the runner records a random token for each sampled
+    row, and the scheduler applies the step's result (computed tokens, prefix-cache blocks, the token)."""
+    vocab, ib = engine.runner.vocab_size, engine.runner.input_batch
+    tokens = [rng.randrange(vocab) for _ in sampled_rows]
+    for row, token in zip(sampled_rows, tokens):
+        ib.record(ib.index[sched.req_ids[row]], [token])
+    _, failed = engine.scheduler.update_from_output(sched, StepResult(tokens, list(sampled_rows), None, {}))
+    if failed:
+        raise AssertionError(f"the scheduler failed to apply a step's result: {failed}")
 
 
-def timed_step(engine: LLMEngine, step: int) -> tuple[ScheduledBatch, float, float, float]:
-    """One step's schedule, then both builders in alternating order; returns the batch and three times (s)."""
+def timed_step(engine: LLMEngine, step: int) -> tuple[ScheduledBatch, list[int], float, float, float]:
+    """One step's schedule, then both builders in alternating order; returns the batch, its sampled rows
+    and three times (s)."""
     runner = engine.runner
     t0 = time.perf_counter()
     sched = engine.scheduler.schedule()
     t1 = time.perf_counter()
+    seqs = engine.scheduler.seqs_of(sched)  # (the baseline's view: the live sequences, untimed)
     times = {}
     order = ("corerun", "baseline") if step % 2 == 0 else ("baseline", "corerun")
     outs: dict[str, Any] = {}
@@ -170,12 +181,12 @@ def timed_step(engine: LLMEngine, step: int) -> tuple[ScheduledBatch, float, flo
         if name == "corerun":
             outs[name] = runner.prepare_inputs(sched)
         else:
-            outs[name] = baseline_prepare(sched, engine.kv, runner.block_size, runner.device)
+            outs[name] = baseline_prepare(sched, seqs, engine.kv, runner.block_size, runner.device)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         times[name] = time.perf_counter() - s
-    check_same(outs["corerun"], outs["baseline"])  # every step: the staging buffer is reused
-    return sched, t1 - t0, times["corerun"], times["baseline"]
+    check_same(outs["corerun"], outs["baseline"])  # every step: the persistent batch must not drift
+    return sched, outs["baseline"]["sampled_rows"], t1 - t0, times["corerun"], times["baseline"]
 
 
 def bench_decode(model_dir: Path, num_seqs: int, context_len: int, args: argparse.Namespace, kind: str = "decode") -> dict[str, Any]:
@@ -184,21 +195,24 @@ def bench_decode(model_dir: Path, num_seqs: int, context_len: int, args: argpars
     engine = build_engine(model_dir, num_seqs, context_len, args.block_size, total + 1, args.device)
     lengths = [max(context_len - i % args.block_size, 1) for i in range(num_seqs)]  # staggered over one block
     seqs = add_prompts(engine, lengths, rng, max_tokens=total + 8)
-    # untimed: prefill every prompt in one step (a budget for all of them)
+    # untimed: prefill every prompt in one step (a budget for all of them), applied to the runner's
+    # persistent batch without building its inputs
     budget = engine.scheduler.max_num_batched_tokens
     engine.scheduler.max_num_batched_tokens = sum(lengths)
-    after_step(engine, engine.scheduler.schedule(), rng)
+    first = engine.scheduler.schedule()
+    engine.runner.input_batch.apply(first)
+    after_step(engine, first, list(range(len(first.req_ids))), rng)
     engine.scheduler.max_num_batched_tokens = budget
     if [s.num_computed_tokens for s in seqs] != lengths or engine.scheduler.waiting:
         raise AssertionError("the setup prefill did not bring every sequence to its context length")
     rows = []
     for step in range(total):
-        sched, t_sched, t_core, t_base = timed_step(engine, step)
-        if sched.num_decodes != num_seqs or len(sched.seqs) != num_seqs:
-            raise AssertionError(f"expected a decode step of {num_seqs} sequences, got {sched.num_decodes} decodes of {len(sched.seqs)}")
+        sched, sampled, t_sched, t_core, t_base = timed_step(engine, step)
+        if sched.num_decodes != num_seqs or len(sched.req_ids) != num_seqs:
+            raise AssertionError(f"expected a decode step of {num_seqs} sequences, got {sched.num_decodes} decodes of {len(sched.req_ids)}")
         if step >= args.warmup:
             rows.append((t_sched, t_core, t_base))
-        after_step(engine, sched, rng)
+        after_step(engine, sched, sampled, rng)
     return summarize(kind, num_seqs, num_seqs, context_len, rows)
 
 
@@ -207,17 +221,18 @@ def bench_prefill(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> d
     engine = build_engine(model_dir, num_seqs, args.context_len, args.block_size, 1, args.device)
     rows = []
     for step in range(args.warmup + args.steps):
-        engine.kv.reset()  # untimed: a fresh cache and queue, so each step is a first prefill
-        engine.scheduler = Scheduler(
-            engine.kv, max_num_seqs=engine.scheduler.max_num_seqs,
-            max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, chunked_prefill=engine.scheduler.chunked_prefill,
-        )
+        # each step a first prefill of fresh random prompts (no prefix-cache hits); the previous step's
+        # requests ended with their one token, so this step's message also drops their rows
         add_prompts(engine, [args.context_len] * num_seqs, rng, max_tokens=1)
-        sched, t_sched, t_core, t_base = timed_step(engine, step)
-        if sched.num_tokens != num_seqs * args.context_len:
-            raise AssertionError(f"expected one prefill step of {num_seqs * args.context_len} tokens, got {sched.num_tokens}")
+        sched, sampled, t_sched, t_core, t_base = timed_step(engine, step)
+        if sched.num_tokens != num_seqs * args.context_len or len(sched.new_reqs) != num_seqs:
+            raise AssertionError(f"expected one prefill step of {num_seqs} new requests, {num_seqs * args.context_len} "
+                                 f"tokens; got {len(sched.new_reqs)} new requests, {sched.num_tokens} tokens")
         if step >= args.warmup:
             rows.append((t_sched, t_core, t_base))
+        after_step(engine, sched, sampled, rng)
+        if engine.scheduler.has_unfinished():
+            raise AssertionError("a prefill step's requests (max_tokens=1) did not all finish")
     return summarize("prefill", num_seqs, num_seqs * args.context_len, args.context_len, rows)
 
 

@@ -1,0 +1,66 @@
+"""Every script in benchmarks/ runs end to end at its smallest size, so that a change to the engine
+cannot silently break a benchmark.
+
+Each script runs in its own process, as a user runs it, with a few steps on tiny shapes; the checks
+are on what it prints: the fields it promises, counts fixed by the arguments, and ratios that are
+finite and positive.  No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+# "1.23x" in a table cell
+RATIO = re.compile(r"(-?[\d.]+|nan|inf)x\b")
+
+
+def run_script(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 110) -> str:
+    """Run ``benchmarks/NAME`` with this interpreter from the repository root; its stdout (it must exit 0)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), *args], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{name} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def positive_finite(value: float, what: str) -> None:
+    assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"{what} = {value!r}; expected a finite positive number"
+
+
+def table_ratios(text: str, expected: int, what: str) -> list[float]:
+    """The ``NNx`` ratios in ``text``: exactly ``expected`` of them, each finite and positive."""
+    found = [float(m) for m in RATIO.findall(text)]
+    assert len(found) == expected, f"{what}: expected {expected} ratios, found {found} in:\n{text}"
+    for r in found:
+        positive_finite(r, f"{what} ratio")
+    return found
+
+
+# ------------------------------------------------------------------------------ step_prep_bench
+@pytest.mark.timeout(120)
+def test_step_prep_bench_smoke():
+    out = run_script(
+        "step_prep_bench.py", "--seqs", "4", "--long", "2x64", "--prefill-seqs", "2",
+        "--context-len", "32", "--block-size", "16", "--steps", "3", "--warmup", "1", "--json",
+    )
+    doc = json.loads(out)
+    assert doc["block_size"] == 16 and doc["device"] == "cpu"
+    got = [(r["scenario"], r["num_seqs"], r["num_tokens"], r["context_len"], r["steps"]) for r in doc["results"]]
+    # decode: one token per sequence; prefill: every prompt token in one step
+    assert got == [("decode", 4, 4, 32, 3), ("long decode", 2, 2, 64, 3), ("prefill", 2, 64, 32, 3)]
+    for r in doc["results"]:
+        for key in ("schedule_us", "prepare_corerun_us", "prepare_baseline_us", "prepare_ratio", "prepare_mean_ratio",
+                    "step_corerun_us", "step_baseline_us", "step_ratio"):
+            positive_finite(r[key], f"{r['scenario']} {key}")
+        assert r["prepare_ratio"] == pytest.approx(r["prepare_baseline_us"] / r["prepare_corerun_us"])
