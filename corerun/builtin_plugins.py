@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities
 from corerun.hookspecs import Register, hookimpl
+from corerun.quantization.capabilities import DENSE as DENSE_QUANTIZATION, GGUF as GGUF_QUANTIZATION
 from corerun.sampler.options import CAPABILITIES as FULL_SAMPLER_CAPABILITIES, FullSamplerOptions
 from corerun.tool_parsers.hermes import HermesToolParser
 from corerun.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -83,6 +84,15 @@ def corerun_tool_parsers(register: Register) -> None:
         (MistralToolParser, "Mistral: [TOOL_CALLS] then a JSON list, or name[ARGS]{json} per call"),
     ):
         register(parser.name, parser, capabilities=parser.capabilities, description=description)
+
+
+@hookimpl
+def corerun_quantization_methods(register: Register) -> None:
+    register("none", "corerun.quantization.dense:DenseMethod", capabilities=DENSE_QUANTIZATION,
+             description="dense float weights, as always; a GGUF file is dequantized once at load")
+    register("gguf", "corerun.quantization.gguf_method:GGUFMethod", capabilities=GGUF_QUANTIZATION,
+             priority=10,  # auto reads a GGUF file packed
+             description="GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) kept packed, dequantized per layer in torch")
 
 
 @hookimpl

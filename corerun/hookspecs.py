@@ -98,6 +98,14 @@ def corerun_models(register: Register) -> None:
     """
 
 
+@hookspec
+def corerun_quantization_methods(register: Register) -> None:
+    """Register quantization methods: ``register(name, factory, capabilities=QuantizationCapabilities(...), ...)``.
+
+    The factory is called as ``factory(**options)`` and returns a ``corerun.quantization.QuantizationMethod``.
+    """
+
+
 HOOKS: dict[str, str] = {
     "attention": "corerun_attention_backends",
     "kv_cache": "corerun_kv_cache_managers",
@@ -107,6 +115,7 @@ HOOKS: dict[str, str] = {
     "tool_parser": "corerun_tool_parsers",
     "reasoning_parser": "corerun_reasoning_parsers",
     "model": "corerun_models",
+    "quantization": "corerun_quantization_methods",
 }
 
 __all__ = ["hookspec", "hookimpl", "HOOKS", "Register"]

@@ -55,7 +55,7 @@ KINDS = tuple(hookspecs.HOOKS)
 KIND_TITLES = {
     "attention": "attention backend", "kv_cache": "KV-cache manager", "graph": "graph runner", "sampler": "sampler",
     "logits_processor": "logits processor", "tool_parser": "tool-call parser", "reasoning_parser": "reasoning parser",
-    "model": "model family",
+    "model": "model family", "quantization": "quantization method",
 }
 BUILTIN_MODULE = "corerun.builtin_plugins"
 

@@ -11,7 +11,7 @@ from typing import Any, Hashable, Mapping
 import torch
 from torch import nn
 
-from corerun.capabilities import QuantizationCapabilities
+from corerun.quantization.capabilities import DENSE
 from corerun.quantization.base import QuantizationMethod, shard_offsets
 from corerun.quantization.gguf_blocks import LAYOUTS
 from corerun.quantization.gguf_tensor import as_dense
@@ -20,10 +20,7 @@ from corerun.quantization.gguf_tensor import as_dense
 class DenseMethod(QuantizationMethod):
     name = "none"
     dense = True
-    capabilities = QuantizationCapabilities(
-        dense=True, gguf_types=frozenset(LAYOUTS), bits=frozenset({16.0, 32.0}),
-        activation_dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
-    )
+    capabilities = DENSE
 
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None:
         layer.weight = nn.Parameter(torch.empty(sum(shard_sizes.values()), in_features), requires_grad=False)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corerun.capabilities import QuantizationCapabilities
+from corerun.quantization.capabilities import GGUF
 from corerun.quantization.base import QuantizationMethod
 from corerun.quantization.gguf_blocks import LAYOUTS, QUANTIZED
 from corerun.quantization.gguf_tensor import GGUFLoadError, GGUFTensor
@@ -22,12 +22,7 @@ from corerun.quantization.gguf_tensor import GGUFLoadError, GGUFTensor
 
 class GGUFMethod(QuantizationMethod):
     name = "gguf"
-    capabilities = QuantizationCapabilities(
-        gguf_types=frozenset(LAYOUTS),
-        bits=frozenset(layout.bits for layout in LAYOUTS.values()),
-        group_sizes=frozenset({32, 256}),
-        zero_point=True,  # Q4_1's minimum, Q4_K / Q5_K's sub-block minimums
-    )
+    capabilities = GGUF
 
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None:
         # a placeholder the model loader finds by name; the blocks live in one buffer per shard

@@ -1,0 +1,67 @@
+"""The quantization kind: the hook, built-ins registered through it, `auto` from the checkpoint, refusals."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from corerun import hookimpl
+from corerun.capabilities import QuantizationCapabilities
+from corerun.errors import PluginUnavailableError
+from corerun.quantization.capabilities import GGUF_TYPES
+from corerun.quantization.checkpoint import CheckpointFormat, checkpoint_format
+from corerun.quantization.gguf_blocks import LAYOUTS
+from corerun.registry import Registry
+
+
+class MinePlugin:
+    @hookimpl
+    def corerun_quantization_methods(self, register: Any) -> None:
+        register("mine", "corerun.quantization.dense:DenseMethod",
+                 capabilities=QuantizationCapabilities(quant_methods=frozenset({"awq"}), bits=frozenset({4.0})))
+
+
+@pytest.fixture
+def registry() -> Registry:
+    reg = Registry.from_environment(allow=[])
+    reg.register_module(MinePlugin(), plugin="mine", distribution="corerun-quantization-mine", version="0.1")
+    return reg
+
+
+def test_hook_corerun_quantization_methods(registry: Registry) -> None:
+    assert registry.names("quantization") == ["gguf", "mine", "none"]
+    assert registry.get("quantization", "gguf").origin == "built-in"
+    awq = CheckpointFormat("cpu", quant_method="awq")
+    assert registry.get("quantization", "mine").capabilities.fits(awq) == []
+    assert registry.get("quantization", "gguf").capabilities.fits(awq) != []
+
+
+def test_gguf_types_listed_without_torch_are_the_decoded_ones() -> None:
+    assert GGUF_TYPES == frozenset(LAYOUTS)
+
+
+def test_auto_picks_from_the_checkpoint() -> None:
+    reg = Registry.from_environment(allow=[])
+    assert reg.select("quantization", "auto", CheckpointFormat("cpu", gguf_types=frozenset({"Q4_1", "F32"}))).name == "gguf"
+    assert reg.select("quantization", "auto", CheckpointFormat("cpu")).name == "none"
+    # a GGUF file read dense: every tensor dequantized at load
+    assert reg.select("quantization", "none", CheckpointFormat("cpu", gguf_types=frozenset({"Q6_K"}))).name == "none"
+
+
+def test_a_name_that_cannot_read_the_checkpoint_is_refused_naming_what_it_reads() -> None:
+    reg = Registry.from_environment(allow=[])
+    with pytest.raises(PluginUnavailableError, match=r"quant_method is 'gptq'; it reads GGUF tensor types \{BF16, F16, F32, Q4_0"):
+        reg.select("quantization", "gguf", CheckpointFormat("cpu", quant_method="gptq"))
+    with pytest.raises(PluginUnavailableError, match=r"the checkpoint is not quantized; it reads GGUF tensor types"):
+        reg.select("quantization", "gguf", CheckpointFormat("cpu"))
+    with pytest.raises(PluginUnavailableError, match=r"(?s)auto.*none: the checkpoint's quantization_config.quant_method is 'gptq'"):
+        reg.select("quantization", "auto", CheckpointFormat("cpu", quant_method="gptq"))
+
+
+def test_checkpoint_format_reads_config_json(tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    assert checkpoint_format(tmp_path, "cpu") == CheckpointFormat("cpu", quant_method="awq")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert checkpoint_format(tmp_path, "cpu") == CheckpointFormat("cpu")
