@@ -18,14 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from corerun import LLM, SamplingParams
+from corerun import SamplingParams
 from corerun.engine.loop import EngineLoop
 from corerun.errors import EngineClosedError, RequestError
+from corerun.testing import assert_idle, make_llm
 from tests.helpers.engine_testing import no_hang  # noqa: F401 (no_hang: a fixture)
 from tests.helpers.tiny_models import make_tiny_model
 
-BS = 4
-COMMON: dict[str, Any] = dict(device="cpu", dtype="float32", attention="torch")
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
@@ -40,7 +39,7 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (24,), generator=g)]
 
 
-SCHEDULER: dict[str, Any] = {}  # what every engine here gets (the fixture below sets async_scheduling)
+SCHEDULER: dict[str, Any] = {}  # every engine's scheduler= here (the fixture below sets async_scheduling)
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
@@ -50,22 +49,11 @@ def async_scheduling(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     return request.param
 
 
-def make_llm(model_dir: Path, num_blocks: int = 64, **scheduler: Any) -> LLM:
-    return LLM(model=model_dir, kv_cache={"block_size": BS, "num_blocks": num_blocks},
-               scheduler={"max_model_len": 128, **SCHEDULER, **scheduler}, **COMMON)
-
-
 @pytest.fixture(scope="module")
 def solo(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt's greedy tokens, run one at a time in a roomy engine."""
-    llm = make_llm(model_dir, 256)
+    llm = make_llm(model_dir, kv_cache={"num_blocks": 256})
     return [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
-
-
-def assert_idle(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks, "blocks leaked"
-    assert not engine.requests and not engine.has_unfinished_requests()
 
 
 def tokens(outs: list) -> list[list[int]]:
@@ -73,7 +61,7 @@ def tokens(outs: list) -> list[list[int]]:
 
 
 def test_generate_from_several_threads_gets_each_its_own_outputs(model_dir, prompts, solo) -> None:
-    llm = make_llm(model_dir, 24, max_num_seqs=8)  # small: preemption across the callers' requests
+    llm = make_llm(model_dir, kv_cache={"num_blocks": 24}, scheduler={**SCHEDULER, "max_num_seqs": 8})  # small: preemption across the callers' requests
     results: dict[int, Any] = {}
 
     def caller(k: int) -> None:
@@ -98,7 +86,7 @@ def test_generate_from_several_threads_gets_each_its_own_outputs(model_dir, prom
 
 
 def test_paused_stream_loses_nothing_while_generate_runs(model_dir, prompts, solo) -> None:
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     stream = llm.stream(prompts[0], GREEDY)
     first = next(stream)
     assert first.outputs[0].token_ids == solo[0][:1]
@@ -111,7 +99,7 @@ def test_paused_stream_loses_nothing_while_generate_runs(model_dir, prompts, sol
 
 
 def test_two_streams_consumed_with_zip_both_finish(model_dir, prompts, solo) -> None:
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     a = llm.stream(prompts[5], GREEDY)
     b = llm.stream(prompts[6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     pairs = list(zip(a, b))  # b ends first; zip then drops a's next output: a is left paused, not lost
@@ -122,7 +110,7 @@ def test_two_streams_consumed_with_zip_both_finish(model_dir, prompts, solo) -> 
 
 
 def test_abort_of_a_waiting_request_ends_it_alone(model_dir, prompts, solo) -> None:
-    llm = make_llm(model_dir, max_num_seqs=1)  # one at a time: the others wait
+    llm = make_llm(model_dir, scheduler={**SCHEDULER, "max_num_seqs": 1})  # one at a time: the others wait
     engine = llm.engine
     long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)  # keeps the others waiting a while
     stream = llm.stream(prompts[:4], [long, GREEDY, GREEDY, GREEDY])
@@ -143,7 +131,7 @@ def test_abort_of_a_waiting_request_ends_it_alone(model_dir, prompts, solo) -> N
 
 
 def test_abort_from_another_thread_during_steps_is_an_abort(model_dir, prompts, solo) -> None:
-    llm = make_llm(model_dir, max_num_seqs=4)
+    llm = make_llm(model_dir, scheduler={**SCHEDULER, "max_num_seqs": 4})
     long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     ids: list[str] = []
     seen = threading.Event()
@@ -171,7 +159,7 @@ def test_abort_from_another_thread_during_steps_is_an_abort(model_dir, prompts, 
 
 
 def test_interrupted_generate_aborts_its_own_requests_only(model_dir, prompts, solo) -> None:
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     other = llm.stream(prompts[9], GREEDY)
     next(other)
 
@@ -196,7 +184,7 @@ def test_interrupted_generate_aborts_its_own_requests_only(model_dir, prompts, s
 def test_generate_interrupted_while_its_requests_are_admitted_leaves_none_running(model_dir, prompts) -> None:
     """Ctrl-C while the loop is still admitting the batch (before generate knows the ids): the
     requests are aborted once admitted, not left running unread."""
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     loop = llm.engine_loop
     admit, entered, go = loop._admit, threading.Event(), threading.Event()
 
@@ -227,7 +215,7 @@ def test_generate_interrupted_while_its_requests_are_admitted_leaves_none_runnin
 
 
 def test_one_bad_request_in_a_batch_refuses_the_batch_and_spares_other_callers(model_dir, prompts, solo) -> None:
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     running = llm.stream(prompts[10], GREEDY)
     next(running)
     with pytest.raises(RequestError, match="prompt 1: prompt token 0 is 999"):
@@ -240,7 +228,7 @@ def test_loop_front_for_a_server(model_dir, prompts, solo) -> None:
     """``EngineLoop.add_request`` streams (sync and asyncio), request ids, abort through the stream, shutdown."""
     import asyncio
 
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     loop: EngineLoop = llm.engine_loop
     s = loop.add_request(prompts[11], GREEDY, request_id="mine")
     assert s.request_id == "mine"
@@ -274,7 +262,7 @@ def test_loop_front_for_a_server(model_dir, prompts, solo) -> None:
 
 @pytest.mark.parametrize("how", ["del", "shutdown"])
 def test_teardown_frees_the_engine_at_once(model_dir, prompts, how: str) -> None:
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     llm.generate(prompts[:3], GREEDY)  # the loop thread ran
     s = llm.stream(prompts[0], GREEDY)
     next(s)
@@ -303,7 +291,7 @@ def test_teardown_frees_the_engine_at_once(model_dir, prompts, how: str) -> None
 def test_a_failing_loop_fails_its_callers_and_recovers(model_dir, prompts, solo, monkeypatch) -> None:
     """A bug in the loop (here: building outputs raises outside any plugin) reaches the callers as an
     error instead of leaving them waiting; the next call starts a fresh loop."""
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=SCHEDULER)
     loop = llm.engine_loop
 
     def broken(*_: Any) -> None:
