@@ -145,6 +145,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one (corerun.engine.stop_strings)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # the output text leaves out the tokenizer's special tokens (vLLM's meaning)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None

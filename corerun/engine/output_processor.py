@@ -16,7 +16,7 @@ from corerun.core.batch import StepResult
 from corerun.core.sequence import Sequence
 from corerun.engine import parallel_sampling
 from corerun.engine.parallel_sampling import SequenceGroup
-from corerun.engine.stop_strings import final_text, find_stop, running_text
+from corerun.engine.stop_strings import StopMatcher, final_text, running_text
 from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
 
@@ -24,8 +24,11 @@ from corerun.protocols.sampler import LogprobsTensors
 @dataclass(slots=True)
 class _Detok:
     """One request's incremental detokenisation: ``text`` of its first ``read`` output tokens, the left
-    context starting at output token ``prefix``."""
+    context starting at output token ``prefix``; ``skip``: its ``skip_special_tokens``; ``stops``: its
+    place in the text for its stop strings (None without any)."""
 
+    skip: bool = True
+    stops: StopMatcher | None = None
     text: str = ""
     prefix: int = 0
     read: int = 0
@@ -84,14 +87,10 @@ class OutputProcessor:
             ids = seq.output_token_ids
             first = len(ids) - new.get(seq.seq_id, 1)
             last = len(ids) - 1 if seq.is_finished else len(ids)
+            state = self._state(seq)
             for m in range(first + 1, last + 1):
-                state = self._state(seq)
-                start = len(state.text)
-                text = self._advance(state, ids[:m])
-                if m < seq.params.min_tokens:
-                    continue
-                hit = find_stop(text, stops, start)
-                if hit is not None:
+                hit = state.stops.scan(self._advance(state, ids[:m]))  # type: ignore[union-attr]
+                if hit is not None and m >= seq.params.min_tokens:
                     hits.append((seq, hit[1], seq.num_prompt_tokens + m))
                     break
         return hits
@@ -108,9 +107,13 @@ class OutputProcessor:
         text = self._text(seq, ids) if self.tokenizer is not None else ""
         p = seq.params
         if p.stop and text and not seq.is_finished:
-            text = running_text(text, p.stop, p.include_stop_str_in_output)
+            matcher = self._state(seq).stops
+            if p.include_stop_str_in_output or matcher is None or matcher.scanned != len(text):
+                text = running_text(text, p.stop, p.include_stop_str_in_output)
+            else:  # (the held tail its last scan found)
+                text = matcher.shown(text)
         elif p.stop and text and isinstance(seq.stop_reason, str):  # ended by a stop string: cut there
-            start = len(self.tokenizer.decode(ids[:-1], skip_special_tokens=True))
+            start = len(self.tokenizer.decode(ids[:-1], skip_special_tokens=p.skip_special_tokens))
             text = final_text(text, seq.stop_reason, start, p.include_stop_str_in_output)
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(ids), finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
@@ -135,22 +138,23 @@ class OutputProcessor:
     def _state(self, seq: Sequence) -> _Detok:
         state = self._detok.get(seq.seq_id)
         if state is None:
-            state = self._detok[seq.seq_id] = _Detok()
+            p = seq.params
+            state = self._detok[seq.seq_id] = _Detok(p.skip_special_tokens, StopMatcher(p.stop) if p.stop else None)
         return state
 
     def _text(self, seq: Sequence, ids: list[int]) -> str:
         """The output text: exact full decode once finished, incremental before."""
         if seq.is_finished:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
         return self._advance(self._state(seq), ids)
 
     def _advance(self, state: _Detok, ids: Seq[int]) -> str:
         """``state.text`` brought up to ``ids``, decoding only the new tokens (holding back half a character)."""
         tok = self.tokenizer
-        prefix, read = state.prefix, state.read
+        prefix, read, skip = state.prefix, state.read, state.skip
         if len(ids) > read:
-            before = tok.decode(ids[prefix:read], skip_special_tokens=True)
-            after = tok.decode(ids[prefix:], skip_special_tokens=True)
+            before = tok.decode(ids[prefix:read], skip_special_tokens=skip)
+            after = tok.decode(ids[prefix:], skip_special_tokens=skip)
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 state.text += after[len(before):]
                 state.prefix = max(read - 4, 0)

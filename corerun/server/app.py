@@ -181,6 +181,7 @@ def build_app(llm: Any) -> FastAPI:
         state.check_length([prompt], None, "messages")
         params = P.sampling_params(req, default_max_tokens=state.default_max_tokens(len(prompt)),
                                    max_logprobs=state.max_logprobs)
+        params = tool_calls.with_special_tokens(params, tools)
         state.check_length([prompt], req.max_completion_tokens or req.max_tokens, "messages")
         return await _serve(request, state, req, [prompt], params, chat=True, tools=tools)
 

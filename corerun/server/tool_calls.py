@@ -32,6 +32,7 @@ class ChatParsers:
     tool_name: str | None = None
     reasoning: Any = None
     reasoning_name: str | None = None
+    keep_special: bool = False  # the tool parser's markers are special tokens: the text must keep them
 
 
 def _template_text(tokenizer: Any) -> str:
@@ -64,6 +65,8 @@ def choose_parsers(cfg: Any, tokenizer: Any, registry: Any = None) -> ChatParser
         announce("tool-call parser: %s (%s)", f"auto chose '{name}'" if name else "none", why)
     if name and name != "none":
         out.tool, out.tool_name = registry.create("tool_parser", name), name
+        markers = getattr(registry.get("tool_parser", name).capabilities, "template_markers", ())
+        out.keep_special = bool(set(markers) & set(getattr(tokenizer, "all_special_tokens", None) or ()))
     reasoning = getattr(cfg, "reasoning_parser", None)
     if reasoning and reasoning != "none":
         out.reasoning, out.reasoning_name = registry.create("reasoning_parser", reasoning), reasoning
@@ -157,6 +160,15 @@ def plan(req: P.ChatCompletionRequest, parsers: ChatParsers) -> ToolPlan | None:
                              f"be combined with {given}", param="tool_choice")
         req.structured_outputs = {"json": out.schema}
     return out
+
+
+def with_special_tokens(params: Any, tools: ToolPlan | None) -> Any:
+    """``params`` keeping special tokens in the text (``skip_special_tokens`` false) when the request may
+    call tools and the tool parser's markers are special tokens (Mistral's ``[TOOL_CALLS]``): a text
+    without them has no calls to find."""
+    if tools is None or tools.mode == "none" or not tools.parsers.keep_special:
+        return params
+    return params.model_copy(update={"skip_special_tokens": False})
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
