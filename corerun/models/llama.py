@@ -117,9 +117,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """``layer``: the decoder layer class, called as ``layer(config, layer_idx, opts, tp, quant)``."""
+
     def __init__(
         self, config: ModelConfig, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
-        quant: "QuantizationMethod | None" = None,
+        quant: "QuantizationMethod | None" = None, layer: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         if tp is None:
@@ -127,7 +129,7 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)  # one for every layer
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, opts, tp, quant) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layer(config, i, opts, tp, quant) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -151,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     supports_tensor_parallel: ClassVar[bool] = True
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer  # a family with other MLPs (experts) names its own
 
     # checkpoint module name -> (corerun module name, shard id)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
@@ -175,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.num_layers = config.num_layers
-        self.model = LlamaModel(config, self.arch_options(config), tp, quant)
+        self.model = LlamaModel(config, self.arch_options(config), tp, quant, self.decoder_layer)
         if tp is None:
             self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
             self.lm_head = LMHead(config.vocab_size, config.hidden_size)
