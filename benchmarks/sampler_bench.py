@@ -1,5 +1,5 @@
 """Time one sampling step of the ``full`` sampler against a straightforward sort-based sampler, and
-its penalties with per-request history caching (``seq_ids``) against without.
+its penalties on long histories as the runner hands them (views of its persistent batch).
 
     .venv/bin/python benchmarks/sampler_bench.py [--vocab 152064] [--batches 1 64 256] [--device cpu] [--threads N]
         [--cases pipeline penalties] [--penalty-batch 64] [--prompt-len 2000] [--output-len 500] [--steps 20]
@@ -15,12 +15,16 @@ softmax, an exponential race.  Greedy rows must agree between the two (checked).
 
 The penalties case runs ``--penalty-batch`` requests with ``--prompt-len``-token prompts and
 ``--output-len`` generated tokens, every one with repetition, frequency and presence penalties, in
-steady state: each step appends one token to every output (histories are ``TokenView``s over a growing
-list, as the engine passes them), and the same step is sampled by a ``full`` sampler given the
-requests' ``seq_ids`` (its history cache warm) and by one given ``seq_ids=None`` (stateless: the whole
-history goes from lists to the device every step).  It times the penalty stage alone
-(``apply_penalties``) and whole steps of greedy and of sampled (top-k 50, top-p 0.95) rows; greedy tokens and the penalised
-logits must agree between the two (checked).
+steady state.  The requests live in a ``corerun.runner.input_batch.InputBatch``, as in the runner:
+each step records one sampled token per row (``InputBatch.record``) and the ``SamplingMetadata``
+carries each row's prompt and output as views of the batch's arrays (``InputBatch.view``), exactly
+as ``ModelRunner.prepare_step`` builds it.  The same step is timed three ways, in rotating order:
+the ``full`` sampler given those views, the ``full`` sampler given the same histories as plain
+Python lists (what a caller without a persistent batch hands), and the dense textbook baseline.
+It times the penalty stage alone (``apply_penalties`` against the dense penalties) and whole steps
+of greedy and of sampled (top-k 50, top-p 0.95) rows.  Checked every step: the penalised logits are
+the same bit for bit from views and from lists and agree with the dense ones to float32 rounding,
+and greedy tokens are the same all three ways.
 
 The grammar case (``--cases grammar``) measures what structured output adds to a step on the default
 model's 49,152-token vocabulary: a ``full`` sampler step of greedy rows alone, against the same step
@@ -40,10 +44,10 @@ from datetime import date
 
 import torch
 
-from corerun.core.sequence import TokenView
+from corerun.core.batch import NewRequest, ScheduledBatch
 from corerun.protocols import SamplingMetadata
+from corerun.runner.input_batch import InputBatch
 from corerun.sampling_params import SamplingParams
-from corerun.sampler.history_cache import HistoryCache
 from corerun.sampler.penalties import apply_penalties
 from corerun.sampler.full import FullSampler
 
@@ -55,10 +59,10 @@ KINDS = [
 ]
 
 
-def baseline_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """The straightforward pipeline: dense penalties, softmax min-p, full sort for top-k / top-p."""
-    params, (batch, vocab), dev = md.params, logits.shape, logits.device
-    x = logits.to(torch.float32, copy=True)
+def baseline_penalties(x: torch.Tensor, md: SamplingMetadata) -> None:
+    """Repetition, frequency and presence penalties in place on float32 ``x`` ``[B, V]``, the dense way:
+    ``[B, V]`` token counts from padded histories."""
+    params, (batch, vocab), dev = md.params, x.shape, x.device
 
     def padded(seqs) -> torch.Tensor:
         width = max(1, max(len(s) for s in seqs))
@@ -76,6 +80,14 @@ def baseline_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     x *= torch.where(x > 0, 1.0 / rep, rep)
     x -= col([p.frequency_penalty for p in params]) * out_counts
     x -= col([p.presence_penalty for p in params]) * (out_counts > 0)
+
+
+def baseline_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The straightforward pipeline: dense penalties, softmax min-p, full sort for top-k / top-p."""
+    params, (batch, vocab), dev = md.params, logits.shape, logits.device
+    x = logits.to(torch.float32, copy=True)
+    col = lambda values: torch.tensor(values, dtype=torch.float32, device=dev)[:, None]  # noqa: E731
+    baseline_penalties(x, md)
 
     greedy = x.argmax(dim=-1)
     x /= col([p.temperature if not p.greedy else 1.0 for p in params])
@@ -124,63 +136,76 @@ def median_ms(fn, repeats: int, device: torch.device) -> float:
 
 
 def penalty_case(args: argparse.Namespace, device: torch.device) -> None:
-    """Steady-state steps with and without ``seq_ids``; see the module docstring."""
-    batch, vocab = args.penalty_batch, args.vocab
+    """Steady-state steps on histories held by an ``InputBatch``; see the module docstring."""
+    batch, vocab, prompt_len = args.penalty_batch, args.vocab, args.prompt_len
     gen = torch.Generator().manual_seed(7)
-    histories = torch.randint(0, vocab, (batch, args.prompt_len + args.output_len), generator=gen).tolist()
-    views = [TokenView(tokens, args.prompt_len) for tokens in histories]
-    prompts = [tokens[: args.prompt_len] for tokens in histories]
-    seq_ids = list(range(batch))
+    histories = torch.randint(0, vocab, (batch, prompt_len + args.output_len), generator=gen).tolist()
     penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.2}
     kinds = {
         "greedy step": SamplingParams(temperature=0.0, **penalties),
         "sampled step": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, **penalties),
     }
+    ib = InputBatch(block_size=16)
+    ib.apply(ScheduledBatch(
+        tuple(range(batch)), (1,) * batch, batch,
+        new_reqs=tuple(NewRequest(i, tuple(h[:prompt_len]), tuple(h[prompt_len:]), kinds["greedy step"], (), len(h) - 1)
+                       for i, h in enumerate(histories)),
+    ))
+    rows = [ib.index[i] for i in range(batch)]
+    prompts = [h[:prompt_len] for h in histories]  # the plain-list copies
+    outputs = [h[prompt_len:] for h in histories]
     rep, freq, pres = ([v] * batch for v in penalties.values())
-    print(f"\npenalties: batch {batch}, prompts {args.prompt_len}, outputs {args.output_len}+ tokens, "
-          f"one new token per step, {args.steps} timed steps")
-    print(f"{'':>16} {'seq_ids ms':>11} {'stateless ms':>13} {'ratio':>7}")
+    print(f"\npenalties: batch {batch}, prompts {prompt_len}, outputs {args.output_len}+ tokens, "
+          f"one new token per step, {args.steps} timed steps; histories from an InputBatch (views) as the runner hands them")
+    print(f"{'':>16} {'views ms':>9} {'lists ms':>9} {'dense ms':>9} {'lists/views':>12} {'dense/views':>12}")
 
-    def timed(fn) -> float:
-        return timed_ms(fn, device)
+    def rotated(fns: list, step: int) -> list[float]:
+        """Each function timed once, starting from a different one each step; times in the given order."""
+        times = [0.0] * len(fns)
+        for k in range(len(fns)):
+            j = (step + k) % len(fns)
+            times[j] = timed_ms(fns[j], device)
+        return times
 
-    def pair(cached, stateless, step: int) -> tuple[float, float]:
-        """Both timings, in alternating order from step to step."""
-        if step % 2:
-            plain_ms = timed(stateless)
-            return timed(cached), plain_ms
-        cached_ms = timed(cached)
-        return cached_ms, timed(stateless)
-
-    rows = ["penalty stage", *kinds]
-    times: dict[str, tuple[list[float], list[float]]] = {row: ([], []) for row in rows}
-    cache = HistoryCache()
-    samplers = {row: (FullSampler(vocab, device), FullSampler(vocab, device)) for row in kinds}  # (seq_ids, stateless)
-    for step in range(args.steps + 1):  # step 0 fills the caches, untimed
-        for tokens in histories:
-            tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+    names = ["penalty stage", *kinds]
+    times: dict[str, list[list[float]]] = {name: [[], [], []] for name in names}
+    samplers = {name: (FullSampler(vocab, device), FullSampler(vocab, device)) for name in kinds}  # (views, lists)
+    for step in range(args.steps + 1):  # step 0 warms up, untimed
+        for r, out in zip(rows, outputs):
+            token = int(torch.randint(0, vocab, (1,), generator=gen))
+            ib.record(r, [token])
+            out.append(token)
+        views = [ib.view(r) for r in rows]
+        view_prompts, view_outputs = [v.prompt_token_ids for v in views], [v.output_view() for v in views]
         logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
-        with_ids, without = logits.clone(), logits.clone()
-        results = [pair(lambda: apply_penalties(with_ids, prompts, views, rep, freq, pres, cache, seq_ids),
-                        lambda: apply_penalties(without, prompts, views, rep, freq, pres), step)]
-        if not torch.equal(with_ids, without):
-            raise SystemExit(f"step {step}: the penalty stage differs with and without seq_ids")
-        for row, params in kinds.items():
-            md = SamplingMetadata([params] * batch, prompts, views, frozenset({0}), seq_ids=seq_ids)
-            plain_md = SamplingMetadata([params] * batch, prompts, views, frozenset({0}))
-            ours, plain = samplers[row]
-            out: dict[str, torch.Tensor] = {}
-            results.append(pair(lambda: out.setdefault("ids", ours.sample(logits, md).sampled_token_ids),
-                                lambda: out.setdefault("none", plain.sample(logits, plain_md).sampled_token_ids), step))
-            if params.greedy and not torch.equal(out["ids"], out["none"]):
-                raise SystemExit(f"step {step}: greedy tokens differ with and without seq_ids")
+        from_views, from_lists, dense = logits.clone(), logits.clone(), logits.clone()
+        dense_md = SamplingMetadata([kinds["greedy step"]] * batch, prompts, outputs, frozenset({0}))
+        results = [rotated([lambda: apply_penalties(from_views, view_prompts, view_outputs, rep, freq, pres),
+                            lambda: apply_penalties(from_lists, prompts, outputs, rep, freq, pres),
+                            lambda: baseline_penalties(dense, dense_md)], step)]
+        if not torch.equal(from_views, from_lists):
+            raise SystemExit(f"step {step}: the penalty stage differs between views and lists of the same histories")
+        if not torch.allclose(from_views, dense, rtol=1e-5, atol=1e-4):
+            worst = (from_views - dense).abs().max().item()
+            raise SystemExit(f"step {step}: the penalty stage differs from the dense penalties by up to {worst:.3g}")
+        for name, params in kinds.items():
+            md = SamplingMetadata([params] * batch, view_prompts, view_outputs, frozenset({0}), seq_ids=list(range(batch)))
+            list_md = SamplingMetadata([params] * batch, prompts, outputs, frozenset({0}))
+            on_views, on_lists = samplers[name]
+            got: dict[str, torch.Tensor] = {}
+            results.append(rotated([lambda: got.setdefault("views", on_views.sample(logits, md).sampled_token_ids),
+                                    lambda: got.setdefault("lists", on_lists.sample(logits, list_md).sampled_token_ids),
+                                    lambda: got.setdefault("dense", baseline_sample(logits, list_md))], step))
+            if params.greedy and not (torch.equal(got["views"], got["lists"]) and torch.equal(got["views"], got["dense"])):
+                raise SystemExit(f"step {step}: greedy tokens differ between views, lists and the dense baseline")
         if step:
-            for row, (c, p) in zip(rows, results):
-                times[row][0].append(c)
-                times[row][1].append(p)
-    for row in rows:
-        cached_ms, plain_ms = (statistics.median(t) for t in times[row])
-        print(f"{row:>16} {cached_ms:>11.2f} {plain_ms:>13.2f} {plain_ms / cached_ms:>6.2f}x")
+            for name, measured in zip(names, results):
+                for column, t in zip(times[name], measured):
+                    column.append(t)
+    for name in names:
+        on_views, on_lists, dense_ms = (statistics.median(t) for t in times[name])
+        print(f"{name:>16} {on_views:>9.2f} {on_lists:>9.2f} {dense_ms:>9.2f} {on_lists / on_views:>11.2f}x "
+              f"{dense_ms / on_views:>11.2f}x")
 
 
 def grammar_case(args: argparse.Namespace, device: torch.device) -> None:

@@ -64,3 +64,31 @@ def test_step_prep_bench_smoke():
                     "step_corerun_us", "step_baseline_us", "step_ratio"):
             positive_finite(r[key], f"{r['scenario']} {key}")
         assert r["prepare_ratio"] == pytest.approx(r["prepare_baseline_us"] / r["prepare_corerun_us"])
+
+
+# ------------------------------------------------------------------------------ sampler_bench
+@pytest.mark.timeout(120)
+def test_sampler_bench_pipeline_and_penalties_smoke():
+    out = run_script(
+        "sampler_bench.py", "--vocab", "1000", "--batches", "1", "4", "--repeats", "1", "--threads", "1",
+        "--penalty-batch", "4", "--prompt-len", "16", "--output-len", "8", "--steps", "2",
+    )
+    penalties, pipeline = out.split("penalties:", 1)[1].split("\n\n", 1)
+    rows = {line[:16].strip(): line for line in penalties.splitlines()[2:] if line.strip()}  # names in 16 columns
+    assert set(rows) == {"penalty stage", "greedy step", "sampled step"}, penalties
+    for name, line in rows.items():
+        table_ratios(line, 2, f"penalties {name}")  # lists / views, dense / views
+    batches = [line.split()[0] for line in pipeline.splitlines()[1:] if line.strip()]
+    assert batches == ["1", "4"], pipeline
+    table_ratios(pipeline, 2, "pipeline")
+
+
+@pytest.mark.timeout(120)
+def test_sampler_bench_grammar_smoke():
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("corerun_structured_output")
+    out = run_script("sampler_bench.py", "--cases", "grammar", "--grammar-batches", "1", "--repeats", "1", "--threads", "1")
+    table = out.split("grammar:", 1)[1]
+    states = [line[:16].strip() for line in table.splitlines()[2:] if line.strip()]
+    assert states == ["inside a string", "after a key"], table
+    table_ratios(table, 2, "grammar overhead")
