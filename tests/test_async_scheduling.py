@@ -20,11 +20,12 @@ import pytest
 
 from corerun import LLM, SamplingParams
 from corerun.errors import ConfigError
+from corerun.testing import assert_idle, make_llm
 from tests.helpers.engine_testing import no_hang  # noqa: F401 (no_hang: a fixture)
 from tests.helpers.serving import tiny_chat_model
 from tests.helpers.tiny_models import make_tiny_model
 # the model, ten prompts (1 to 14 tokens, three sharing a prefix) and their transformers greedy references
-from tests.test_reliability_exhaustion import BS, COMMON, MAX_TOKENS, _same_logprobs, tiny  # noqa: F401 (tiny: a fixture)
+from tests.test_reliability_exhaustion import MAX_TOKENS, _same_logprobs, tiny  # noqa: F401 (tiny: a fixture)
 
 PROMPT = "the cat sat on the mat and the dog sat on the log"
 
@@ -34,29 +35,19 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_chat_model(tmp_path_factory.mktemp("async-chat"))
 
 
-def make_llm(model_dir: Path, num_blocks: int, async_scheduling: bool, **scheduler: Any) -> LLM:
-    return LLM(model=model_dir, kv_cache={"block_size": BS, "num_blocks": num_blocks},
-               scheduler={"max_model_len": 128, "async_scheduling": async_scheduling, **scheduler}, **COMMON)
-
-
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[Any]:
     """``pair(model_dir, num_blocks, **scheduler)`` -> (synchronous LLM, asynchronous LLM); shut down afterwards."""
     made: list[LLM] = []
 
     def build(model_dir: Path, num_blocks: int, **scheduler: Any) -> tuple[LLM, LLM]:
-        made.extend([make_llm(model_dir, num_blocks, False, **scheduler), make_llm(model_dir, num_blocks, True, **scheduler)])
+        made.extend(make_llm(model_dir, kv_cache={"num_blocks": num_blocks}, scheduler={**scheduler, "async_scheduling": on})
+                    for on in (False, True))
         return made[-2], made[-1]
 
     yield build
     for llm in made:
         llm.shutdown()
-
-
-def assert_idle(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
-    assert not engine.has_unfinished_requests() and not engine.requests and engine.queue.in_flight is None
 
 
 def completions(outs: list) -> list[tuple]:
@@ -234,7 +225,7 @@ def test_the_next_step_is_scheduled_while_the_current_one_samples(tiny) -> None:
     only an engine that schedules step N+1 while step N runs gets through (a synchronous one, which
     schedules again only after sampling, would time out)."""
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, 64, True)
+    llm = make_llm(model_dir, scheduler={"async_scheduling": True})
     engine = llm.engine
     cv = threading.Condition()
     calls = [0]  # scheduler calls so far
@@ -281,12 +272,12 @@ def test_async_scheduling_is_off_by_default_and_refused_where_unsupported(tiny) 
     assert Config().scheduler.async_scheduling is False
     model_dir = tiny[0]
     with pytest.raises(ConfigError, match=r"scheduler.async_scheduling.*speculative.method: 'ngram'"):
-        LLM(model=model_dir, scheduler={"async_scheduling": True}, speculative={"method": "ngram"}, **COMMON)
+        make_llm(model_dir, scheduler={"async_scheduling": True}, speculative={"method": "ngram"})
     with pytest.raises(ConfigError, match=r"scheduler.async_scheduling.*tensor_parallel_size is 2"):
-        LLM(model=model_dir, scheduler={"async_scheduling": True}, tensor_parallel_size=2, **COMMON)
+        make_llm(model_dir, scheduler={"async_scheduling": True}, tensor_parallel_size=2)
     with pytest.raises(Exception, match="async_scheduling"):
         Config(scheduler={"async_scheduling": "sometimes"})
-    with LLM(model=model_dir, speculative={"method": "ngram"}, **COMMON) as spec:  # switched on later: refused too
+    with make_llm(model_dir, speculative={"method": "ngram"}) as spec:  # switched on later: refused too
         with pytest.raises(ConfigError, match="speculative.method"):
             spec.engine.set_async_scheduling(True)
         assert spec.engine.async_scheduling is False
@@ -303,7 +294,7 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
     from corerun.core.scheduler import ScheduledBatch
 
     model_dir, prompts, _ = tiny
-    llm = make_llm(model_dir, 9, True, max_num_batched_tokens=6)
+    llm = make_llm(model_dir, kv_cache={"num_blocks": 9}, scheduler={"async_scheduling": True, "max_num_batched_tokens": 6})
     engine = llm.engine
     tables: dict[int, list[int]] = {}
     finished: set[int] = set()
