@@ -14,6 +14,7 @@ import pytest
 from corerun import LLM, SamplingParams
 from corerun.engine.stop_strings import final_text, find_stop, partial_stop_len, running_text
 from corerun.errors import RequestError
+from corerun.testing import assert_idle
 from tests.helpers.engine_testing import no_hang  # noqa: F401
 from tests.helpers.serving import ENGINE, tiny_chat_model
 from tests.helpers.tiny_models import make_tiny_model
@@ -27,11 +28,6 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
               kv_cache={"num_blocks": 96, "block_size": 4})
     yield llm
     llm.shutdown()
-
-
-def _idle(llm: LLM) -> None:
-    eng = llm.engine
-    assert not eng.requests and not eng._group_of and eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
 # ------------------------------------------------------------ helpers
@@ -84,7 +80,7 @@ def test_stop_string_streamed_shows_only_prefixes_of_the_result(llm: LLM) -> Non
     assert (out.text, out.finish_reason, out.stop_reason) == (expect, "stop", stop)
     assert out.token_ids == full.token_ids[: len(out.token_ids)]  # token ids: all generated, up to the stop
     assert len(tok.decode(out.token_ids)) >= full.text.index(stop) + len(stop)
-    _idle(llm)
+    assert_idle(llm)
 
 
 def test_stop_string_waits_for_min_tokens(llm: LLM) -> None:
@@ -127,19 +123,19 @@ def test_n_samples_are_seed_plus_i_and_share_the_prompt_blocks(llm: LLM) -> None
         assert (c.token_ids, c.text, c.finish_reason) == (alone.token_ids, alone.text, "length")
         assert len(c.logprobs) == 6
     assert len({tuple(c.token_ids) for c in out.outputs}) == n
-    _idle(llm)
+    assert_idle(llm)
 
 
 def test_n_streams_and_aborts_as_one_request(llm: LLM) -> None:
     outs = list(llm.stream([PROMPT], SamplingParams(n=3, temperature=1.0, max_tokens=5, ignore_eos=True)))
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
     assert [len(c.token_ids) for c in outs[-1].outputs] == [5, 5, 5]
-    _idle(llm)
+    assert_idle(llm)
     it = llm.stream([PROMPT], SamplingParams(n=3, temperature=1.0, max_tokens=200, ignore_eos=True))
     first = next(it)
     assert not first.finished
     it.close()  # abort: all three samples end, every block comes back
-    _idle(llm)
+    assert_idle(llm)
 
 
 def test_n_with_other_requests_and_stop(llm: LLM) -> None:
@@ -151,4 +147,4 @@ def test_n_with_other_requests_and_stop(llm: LLM) -> None:
     assert len(c.outputs) == 3
     for s in c.outputs:
         assert "e" not in s.text and (s.finish_reason == "length" or s.stop_reason == "e")
-    _idle(llm)
+    assert_idle(llm)
