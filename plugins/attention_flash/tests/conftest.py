@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
+from corerun.testing import assert_rel_err, max_rel_err
 
 TOLERANCE = {torch.float64: 1e-10, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 
@@ -164,10 +165,6 @@ def _accumulate(values: list[int]) -> list[int]:
     return out
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
-
-
 def run_step(backend, step: Step, *, plan=None) -> torch.Tensor:
     """``backend.forward`` into a NaN-filled ``out``; returns ``out``."""
     out = torch.full_like(step.query, float("nan"))
@@ -181,8 +178,7 @@ def check_step(backend, step: Step, out: torch.Tensor) -> None:
     """Every real row written and within tolerance of the reference; the cache holds exactly the expected K/V."""
     real = out[: step.num_real_tokens]
     assert not real.isnan().any(), "a real token's output row was not written (or read a NaN slot)"
-    err = relative_error(real, step.expected)
-    assert err < TOLERANCE[backend.spec.dtype], f"relative error {err:.2e}"
+    assert_rel_err(real, step.expected, TOLERANCE[backend.spec.dtype], what="attention output")
     torch.testing.assert_close(step.kv_cache, step.expected_cache, rtol=0, atol=0, equal_nan=True)
 
 
@@ -190,5 +186,5 @@ def check_step(backend, step: Step, out: torch.Tensor) -> None:
 def cases() -> SimpleNamespace:
     return SimpleNamespace(
         TOLERANCE=TOLERANCE, make_spec=make_spec, make_step=make_step, reference_attention=reference_attention,
-        relative_error=relative_error, run_step=run_step, check_step=check_step,
+        relative_error=max_rel_err, run_step=run_step, check_step=check_step,
     )
