@@ -22,7 +22,7 @@ from typing import Any
 
 def profile(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     """Seconds per part over one generate, the elapsed time, and (asynchronous) the step thread's idle gaps."""
-    import corerun.engine.llm_engine as le
+    import corerun.engine.batch_queue as bq  # (the step thread runs bq._run_step)
     from corerun import SamplingParams
 
     e = llm.engine
@@ -46,7 +46,7 @@ def profile(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, fl
     for owner, name in ((e.scheduler, "schedule"), (e.runner, "prepare_step"), (e.runner, "execute_model"),
                         (e.runner, "sample_tokens"), (e, "_update")):
         timed(owner, name, name)
-    run_step = le._run_step
+    run_step = bq._run_step
 
     def noted(runner: Any, prepared: Any) -> Any:
         t = time.perf_counter()
@@ -54,7 +54,7 @@ def profile(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, fl
         runs.append((t, time.perf_counter()))
         return out
 
-    le._run_step = noted
+    bq._run_step = noted
     try:
         steps0 = e.num_steps
         t0 = time.perf_counter()
@@ -62,7 +62,7 @@ def profile(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, fl
         spent["elapsed"] = time.perf_counter() - t0
         spent["steps"] = e.num_steps - steps0
     finally:
-        le._run_step = run_step
+        bq._run_step = run_step
         for owner, name in undo:
             delattr(owner, name)
     if len(runs) > 1:

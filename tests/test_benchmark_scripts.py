@@ -47,6 +47,15 @@ def table_ratios(text: str, expected: int, what: str) -> list[float]:
     return found
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama with a 256-id tokenizer (and a chat template)."""
+    from tests.helpers.tiny_models import make_tiny_model
+    from tests.helpers.tiny_tokenizer import add_tiny_tokenizer
+
+    return add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("bench"), "llama"))
+
+
 # ------------------------------------------------------------------------------ step_prep_bench
 @pytest.mark.timeout(120)
 def test_step_prep_bench_smoke():
@@ -92,3 +101,22 @@ def test_sampler_bench_grammar_smoke():
     states = [line[:16].strip() for line in table.splitlines()[2:] if line.strip()]
     assert states == ["inside a string", "after a key"], table
     table_ratios(table, 2, "grammar overhead")
+
+
+# ------------------------------------------------------------------------------ async_step_profile
+@pytest.mark.timeout(120)
+def test_async_step_profile_smoke(tiny_llama):
+    out = run_script("async_step_profile.py", "--model", str(tiny_llama), "--attention", "torch", "--num-seqs", "2",
+                     "--prompt-len", "6", "--max-tokens", "4", "--rounds", "2")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["sync"], ["async"])]
+    # interleaved: round 1 sync then async, round 2 async then sync
+    assert [(r[0], r[1]) for r in rows] == [("sync", "1"), ("async", "1"), ("async", "2"), ("sync", "2")], out
+    for mode, _, elapsed, steps, *ms, share, gap in rows:
+        assert int(steps) == 4, f"{mode}: both prompts fit one prefill step, then one token per step: 4 steps for 4 tokens"
+        for v in (elapsed, *ms):
+            positive_finite(float(v), f"{mode} column")
+        assert 0 < float(share.rstrip("%")) < 100, f"{mode} host share {share}"
+        if mode == "async":
+            positive_finite(float(gap), "async idle gap")
+        else:
+            assert gap == "-"
