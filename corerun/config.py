@@ -186,12 +186,15 @@ class ServerConfig(_Strict):
 class Config(_Strict):
     """Every knob of an engine. ``Config()`` is a working configuration (the built-in default model)."""
 
-    model: str | None = None  # a Hugging Face model folder; None: the built-in default model
+    model: str | None = None  # a Hugging Face model folder or a .gguf file; None: the built-in default model
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention: Choice = Choice(name="auto")
     sampler: Choice = Choice(name="full")
     kv_cache: KVCacheConfig = KVCacheConfig()
+    # how the linear layers' weights are stored (docs/quantization.md): auto picks from the checkpoint;
+    # gguf with no model runs the default model from its shipped Q4_1 file
+    quantization: Choice = Choice(name="auto")
     graph: GraphConfig = GraphConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()

@@ -57,6 +57,55 @@ def convert_gguf(
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
 
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def gguf_model_dir(gguf_path: str | Path) -> Path:
+    """A model folder for ``gguf_path`` whose weights are read from the file itself, natively.
+
+    ``config.json``, ``generation_config.json`` and the tokenizer are written once from the file's
+    metadata by transformers (no weights, a few MB) into ``cache_dir()/models/<stem>-gguf``, with a
+    marker naming the file (:data:`corerun.quantization.checkpoint.GGUF_MARKER`); the loader then
+    reads the tensors from the ``.gguf`` file.  Rewritten when the file's size or path changes.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from corerun.cache import cache_dir
+    from corerun.quantization.checkpoint import GGUF_MARKER
+
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"model: {gguf_path} is not a file; give a .gguf file or a model folder")
+    source = {"gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
+    target = cache_dir() / "models" / f"{gguf_path.stem}-gguf"
+    try:
+        if json.loads((target / GGUF_MARKER).read_text(encoding="utf-8")) == source:
+            return target
+    except (OSError, json.JSONDecodeError):
+        pass
+    try:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    except ImportError as exc:
+        raise ModelLoadError(f"reading {gguf_path.name}'s config and tokenizer needs transformers and gguf ({exc}); {_INSTALL}") from exc
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        folder, name = gguf_path.parent, gguf_path.name
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        config.architectures = config.architectures or [_ARCHITECTURES.get(config.model_type, config.model_type)]
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+        (tmp / GGUF_MARKER).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")  # last: complete
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 STEP_PREFIX = "corerun-step: "  # a stage announcement on the converting process's stdout
 
 

@@ -30,10 +30,13 @@ from torch import nn
 from corerun.models.config import ModelConfig, parse_dtype
 from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
 from corerun.models.layers import WeightShapeError, use_cpu_matvec_layout
+from corerun.quantization.checkpoint import gguf_file_of
+from corerun.quantization.gguf_file import gguf_weights
 from corerun.models.registry import model_family
 
 if TYPE_CHECKING:
     from corerun.distributed.group import TensorParallelGroup
+    from corerun.quantization.base import QuantizationMethod
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -49,6 +52,7 @@ def load_model(
     device: torch.device | str = "cpu",
     allow_pickle: bool = False,
     tp: "TensorParallelGroup | None" = None,
+    quant: "QuantizationMethod | None" = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model ``config.json`` names, on ``device`` in ``dtype``, and fill it from the folder's weights.
 
@@ -56,6 +60,7 @@ def load_model(
     / ``torch_dtype`` in ``config.json``), float32 when it does not say; or a callable given the
     checkpoint's dtype (``None`` when unknown) that returns the dtype to use.
     ``tp``: this process's tensor-parallel group; the model is built with, and loads, this rank's slices.
+    ``quant``: the quantization method of the model's linear layers (``None``: dense float weights).
     Returns ``(model, config)``, the model in eval mode with every parameter loaded.
     """
     model_dir = Path(model_dir)
@@ -73,14 +78,19 @@ def load_model(
             "it does not support tensor parallelism; use tensor_parallel_size: 1"
         )
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(config) if tp is None else model_cls(config, tp=tp)
+        extra = {} if quant is None else {"quant": quant}
+        model = model_cls(config, **extra) if tp is None else model_cls(config, tp=tp, **extra)
     load_weights(model, iterate_weights(files, allow_pickle=allow_pickle), source=str(model_dir))
     use_cpu_matvec_layout(model)  # one-token steps stream float32 CPU weights faster column by column
     return model.eval(), config
 
 
 def find_weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
-    """The weight files to read, by the rules in this module's docstring."""
+    """The weight files to read, by the rules in this module's docstring (a folder corerun made for a
+    ``.gguf`` file: that file)."""
+    gguf = gguf_file_of(model_dir)
+    if gguf is not None:
+        return [gguf]
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
         return _files_from_index(index, suffix=".safetensors")
@@ -163,6 +173,8 @@ def iterate_weights(files: Iterable[Path], allow_pickle: bool = False) -> Iterat
     for path in files:
         if path.suffix == ".safetensors":
             yield from _safetensors(path)
+        elif path.suffix == ".gguf":
+            yield from gguf_weights(path)
         elif not allow_pickle:
             raise ModelLoadError(
                 f"{path}: not a safetensors file, and pickle weights are not allowed (unpickling can run code); "

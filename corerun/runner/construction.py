@@ -63,13 +63,15 @@ def load(runner: Any, tp: Any) -> None:
     runner.threads = apply_threads(config.threads, tp.world_size if tp is not None else 1)  # torch's intra-op pool
     # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
     torch.manual_seed(config.seed)
-    runner.model_dir = Path(config.model) if config.model else default_model_dir()
+    runner.model_dir = model_dir_for(config)
+    quant = select_quantization(runner, device)
     runner.model, runner.model_config = load_model(
         runner.model_dir,
         dtype=lambda model_dtype: resolve_dtype(config.dtype, device, model_dtype),
         device=device,
         allow_pickle=config.allow_pickle_weights,
         tp=tp,
+        quant=quant,
     )
     mc = runner.model_config
     runner.dtype = next(runner.model.parameters()).dtype
@@ -243,6 +245,32 @@ def widest_sampling(sampler: Any, max_logprobs: int, rows: int) -> tuple[list[Sa
             continue
         return [SamplingParams(temperature=0.0) if i % 2 else rich for i in range(rows)], what
     return [SamplingParams()] * rows, "defaults"
+
+
+def model_dir_for(config: Any) -> Path:
+    """The folder to load: ``model`` itself, a folder made for a ``.gguf`` file, or the default model's
+    (its shipped Q4_1 file with ``quantization: gguf``, else its converted bfloat16 folder)."""
+    from corerun.models.gguf_convert import gguf_model_dir
+
+    if config.model:
+        return gguf_model_dir(config.model) if str(config.model).endswith(".gguf") else Path(config.model)
+    if config.quantization.name == "gguf":
+        from corerun.models.default import find_default_gguf
+
+        return gguf_model_dir(find_default_gguf())
+    return default_model_dir()
+
+
+def select_quantization(runner: Any, device: Any) -> Any:
+    """The quantization method for the checkpoint in ``runner.model_dir`` (``quantization: auto`` reads
+    it from there); ``None`` for dense weights."""
+    from corerun.quantization.checkpoint import checkpoint_format
+
+    choice = runner.config.quantization
+    found = checkpoint_format(runner.model_dir, device)
+    runner.quantization_name = runner.registry.select("quantization", choice.name, found).name
+    method = runner.registry.create("quantization", runner.quantization_name, options=choice.options)
+    return None if method.dense else method
 
 
 def default_model_dir() -> Path:
