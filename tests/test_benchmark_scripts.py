@@ -49,11 +49,12 @@ def table_ratios(text: str, expected: int, what: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    """A tiny random Llama with a 256-id tokenizer (and a chat template)."""
+    """A tiny random Llama with a 256-id tokenizer (and a chat template); 1024 positions, as
+    spec_decode_bench's fixed 256-token prompts and its repetitive workload need."""
     from tests.helpers.tiny_models import make_tiny_model
     from tests.helpers.tiny_tokenizer import add_tiny_tokenizer
 
-    return add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("bench"), "llama"))
+    return add_tiny_tokenizer(make_tiny_model(tmp_path_factory.mktemp("bench"), "llama", max_position_embeddings=1024))
 
 
 # ------------------------------------------------------------------------------ step_prep_bench
@@ -120,3 +121,70 @@ def test_async_step_profile_smoke(tiny_llama):
             positive_finite(float(gap), "async idle gap")
         else:
             assert gap == "-"
+
+
+# ------------------------------------------------------------------------------ serve_bench
+@pytest.mark.timeout(120)
+def test_serve_bench_self_smoke(tiny_llama):
+    out = run_script("serve_bench.py", "--self", "--model", str(tiny_llama), "--set", "attention=torch",
+                     "--num-prompts", "2", "--input-len", "4:8", "--output-len", "2:4", "--rounds", "1")
+    assert re.search(r"^completed 2\s+failed 0\b", out, re.M), out
+    for field in ("TTFT (ms)", "TPOT (ms)", "ITL (ms)", "E2E (ms)", "output throughput"):
+        assert field in out, f"{field!r} missing from:\n{out}"
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("best of 1: LLM.generate"), out
+    table_ratios(last, 2, "HTTP / generate, HTTP / stream")
+
+
+# ------------------------------------------------------------------------------ spec_decode_bench
+@pytest.mark.timeout(120)
+def test_spec_decode_bench_smoke(tiny_llama):
+    out = run_script("spec_decode_bench.py", "--max-tokens", "4", "--rounds", "1", "--",
+                     "--model", str(tiny_llama), "--attention", "torch", "--threads", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| workload", "| ---"))]
+    names = [r.split("|")[1].strip() for r in rows]
+    assert names == ["repetitive, greedy", "random tokens, greedy", "random tokens, T=1 seeded"], out
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        positive_finite(float(cells[1]), f"{cells[0]} off tok/s")
+        positive_finite(float(cells[2]), f"{cells[0]} on tok/s")
+        table_ratios(cells[3], 1, f"{cells[0]} on / off")
+        assert int(cells[5]) <= int(cells[4]), f"{cells[0]}: more drafts accepted than proposed"
+        # greedy, or seeded sampling: speculation must not change the tokens
+        assert cells[7] == "True", f"{cells[0]}: outputs with speculation on differ from off"
+
+
+# ------------------------------------------------------------------------------ dtype_greedy_check
+@pytest.mark.timeout(120)
+def test_dtype_greedy_check_smoke(tiny_llama):
+    out = run_script("dtype_greedy_check.py", "--model", str(tiny_llama), "--dtypes", "float32", "--tokens", "3",
+                     "--random", "2", "--attention", "torch", "--threads", "1")
+    m = re.search(r"^float32: (\d+)/(\d+) requests equal to transformers", out, re.M)
+    assert m, out
+    # 8 chat texts and 2 random prompts; in float32 corerun's greedy tokens are transformers' (the
+    # model conformance suite holds the logits to float64 references)
+    assert (int(m[1]), int(m[2])) == (10, 10), out
+
+
+# ------------------------------------------------------------------------------ CPU kernels
+@pytest.mark.timeout(120)
+def test_cpu_attention_bench_smoke():
+    pytest.importorskip("corerun_attention_cpu")
+    out = run_script("cpu_attention_bench.py", "--threads", "1", "--reps", "1", "-k", "1 row")
+    rows = [line for line in out.splitlines() if line.startswith("decode 1 row")]
+    assert len(rows) == 1, out
+    table_ratios(rows[0], 1, "torch / cpu")
+    diff = float(rows[0].split()[-1])
+    assert diff < 1e-4, f"the cpu kernel's output differs from the torch reference by {diff}"
+
+
+@pytest.mark.timeout(120)
+def test_linear_bench_smoke():
+    out = run_script("linear_bench.py", "--threads", "1", "--tokens", "1", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("T=")]
+    assert [r.split(":")[0] for r in rows] == ["T=1"], out
+    for row in rows:
+        for name in ("float32 plain", "float32 prepacked", "bfloat16 plain", "bfloat16 prepacked"):
+            assert name in row, f"{name!r} missing from {row!r}"
+        ratios = table_ratios(row.split("; load")[0], 4, row.split(":")[0])
+        assert ratios[0] == 1.0  # float32 plain against itself
