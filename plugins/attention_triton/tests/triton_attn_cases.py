@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
+from corerun.testing import assert_rel_err
 
 from corerun_attention_triton.backend import TritonAttentionBackend
 
@@ -154,10 +155,6 @@ def reference_attention(case: Case) -> torch.Tensor:
     return out
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).abs().max() / ref.abs().max())
-
-
 def run_and_check(backend: TritonAttentionBackend, case: Case, metadata=None) -> float:
     """Forward into a NaN-poisoned ``out``; check the cache writes exactly and the output; return the error."""
     out = torch.full_like(case.query, NAN)
@@ -169,6 +166,4 @@ def run_and_check(backend: TritonAttentionBackend, case: Case, metadata=None) ->
     torch.testing.assert_close(v_view.double(), case.expected_v, rtol=0, atol=0, equal_nan=True)
     real = out[: case.num_real_tokens]
     assert not real.isnan().any(), "some output rows of real tokens were not written (NaN poison left)"
-    err = relative_error(real, reference_attention(case))
-    assert err < TOLERANCE[case.spec.dtype], f"relative error {err:.3g} >= {TOLERANCE[case.spec.dtype]} for {case.reqs}"
-    return err
+    return assert_rel_err(real, reference_attention(case), TOLERANCE[case.spec.dtype], what=f"attention output for {case.reqs}")
