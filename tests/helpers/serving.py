@@ -19,6 +19,8 @@ from tests.helpers.tiny_models import make_tiny_model
 from tests.helpers.tiny_tokenizer import add_tiny_tokenizer
 
 ENGINE = dict(device="cpu", dtype="float32", attention="torch", sampler="full", seed=0)
+#: What the serving tests add to ``corerun.testing.make_llm``'s defaults: ``make_llm(folder, **SERVING, ...)``.
+SERVING = dict(sampler="full", seed=0)
 
 
 def tiny_chat_model(tmp_dir: Path) -> Path:
