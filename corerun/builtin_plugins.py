@@ -110,9 +110,17 @@ MODEL_FAMILIES = {
     "Qwen2ForCausalLM": ("corerun.models.qwen2:Qwen2ForCausalLM", "Qwen2 / Qwen2.5: bias on q, k, v"),
     "Qwen3ForCausalLM": ("corerun.models.qwen3:Qwen3ForCausalLM", "Qwen3 (dense): per-head RMSNorm of q and k"),
 }
+EXPERT_FAMILIES = {  # the same, with mixture-of-experts layers (corerun.models.moe)
+    "MixtralForCausalLM": ("corerun.models.mixtral:MixtralForCausalLM", "Mixtral: top-k experts renormalised"),
+    "Qwen2MoeForCausalLM": ("corerun.models.qwen_moe:Qwen2MoeForCausalLM",
+                            "Qwen1.5-MoE / Qwen2-MoE: experts (norm_topk_prob) and a sigmoid-gated shared expert"),
+    "Qwen3MoeForCausalLM": ("corerun.models.qwen_moe:Qwen3MoeForCausalLM", "Qwen3-MoE: experts, q/k norms"),
+}
 
 
 @hookimpl
 def corerun_models(register: Register) -> None:
     for arch, (factory, description) in MODEL_FAMILIES.items():
         register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True), description=description)
+    for arch, (factory, description) in EXPERT_FAMILIES.items():
+        register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True, experts=True), description=description)

@@ -239,7 +239,8 @@ def test_unsupported_architecture_lists_supported():
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert arch in msg
     assert supported_architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                                "Qwen3ForCausalLM"])
+                                                "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                                "Qwen3MoeForCausalLM"])
 
 
 def test_unsupported_activation():

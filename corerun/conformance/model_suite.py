@@ -14,6 +14,7 @@ scrambled paged KV cache filled with NaN (a read of a block it was not given poi
   rest in the same step as the first request decodes; every row equals transformers'.
 - ``greedy``: 8 tokens decoded greedily one step at a time equal transformers' greedy tokens.
 
+The checkpoint is what transformers' ``save_pretrained`` writes (experts one tensor each, as on the Hub).
 The architecture transformers builds is the class's ``hf_architecture`` when it has one, else the
 registered name; a family adds configuration keys its tiny configs need (expert counts,
 window sizes) as a class attribute ``conformance_config: dict``.
@@ -22,6 +23,7 @@ window sizes) as a class attribute ``conformance_config: dict``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,9 +92,7 @@ class ModelSuite(ConformanceSuite):
         self.start(case)
         mc: ModelCase = case.config
         hf_model = reference_model(mc)
-        state = {k: v for k, v in hf_model.state_dict().items() if not k.endswith("inv_freq")}
-        if mc.config.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
+        state = saved_checkpoint(hf_model)
         config = ModelConfig.from_dict({**hf_model.config.to_dict(), "architectures": [mc.architecture]}, "tiny config")
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
@@ -192,10 +192,23 @@ def reference_model(mc: ModelCase) -> Any:
         pytest.skip(f"transformers {transformers.__version__} has no class {mc.architecture}: no reference to compare with")
     config = cls.config_class(**mc.config)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # transformers' grouped products take no float64
     torch.manual_seed(0)
     model = cls(config).to(torch.float64)
     randomize_(model, seed=1)
     return model.eval()
+
+
+def saved_checkpoint(model: Any) -> dict[str, Any]:
+    """The tensors ``model.save_pretrained`` writes: the layout of checkpoints on disk (transformers 5 keeps
+    experts stacked in memory but saves them one tensor per expert; a tied ``lm_head`` is not saved)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return {k: v for name in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(name).items()}
 
 
 def hf_logits(model: Any, ids: list[int]) -> Any:

@@ -27,20 +27,68 @@ features (gate and up rows, down columns); the layer sums the ranks' partial out
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from corerun.distributed.sharding import shard_range
-from corerun.models.layers import Linear, MergedLinear, WeightShapeError, as_dense
+from corerun.models.config import ModelConfig
+from corerun.models.errors import ModelLoadError
+from corerun.forward_context import AttentionContext
+from corerun.models.layers import Linear, MergedLinear, RMSNorm, WeightShapeError, as_dense
+from corerun.models.llama import ArchOptions, LlamaAttention, LlamaDecoderLayer
 from corerun.models.parallel_layers import mlp_projections
 
 if TYPE_CHECKING:
     from corerun.distributed.group import TensorParallelGroup
+    from corerun.models.rotary import Rope
+    from corerun.quantization.base import QuantizationMethod
 
 EXPERT_SHARDS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A family's experts, read from ``config.json`` by :meth:`read`."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # of each expert
+    renormalize: bool  # the top-k weights divided by their sum
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+
+    @classmethod
+    def read(
+        cls, config: ModelConfig, experts_key: tuple[str, ...], size_key: str, renormalize: bool | str,
+        shared_key: str | None = None,
+    ) -> "MoeConfig":
+        """``experts_key``: the keys that may hold the expert count, first found wins; ``renormalize``: a
+        constant or the key that says (``norm_topk_prob``, false when absent)."""
+        raw = config.raw
+
+        def positive(key: str, value: Any) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
+            return value
+
+        key = next((k for k in experts_key if raw.get(k) is not None), None)
+        if key is None:
+            raise ModelLoadError(f"config.json: {' or '.join(experts_key)} (the number of experts) is missing")
+        num = positive(key, raw[key])
+        top_k = positive("num_experts_per_tok", raw.get("num_experts_per_tok"))
+        if top_k > num:
+            raise ModelLoadError(f"config.json: num_experts_per_tok {top_k} is more than the {num} experts ({key})")
+        size = positive(size_key, raw.get(size_key, config.intermediate_size))
+        shared = positive(shared_key, raw[shared_key]) if shared_key and raw.get(shared_key) else 0
+        norm = renormalize if isinstance(renormalize, bool) else bool(raw.get(renormalize, False))
+        return cls(num, top_k, size, norm, shared)
+
+    def block(self, hidden_size: int, tp: "TensorParallelGroup | None" = None) -> "SparseMoeBlock":
+        return SparseMoeBlock(hidden_size, self.num_experts, self.top_k, self.intermediate_size, self.renormalize,
+                              self.shared_intermediate_size, tp)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,3 +246,30 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer whose MLP the family builds (:meth:`make_mlp`: a :class:`SparseMoeBlock` or a
+    dense MLP) and keeps under its checkpoint's name (``mlp_attr``), so no dense MLP is allocated first."""
+
+    mlp_attr: ClassVar[str] = "mlp"
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
+        quant: "QuantizationMethod | None" = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, opts, tp, quant)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        setattr(self, self.mlp_attr, self.make_mlp(config, layer_idx, opts, tp, quant))
+
+    def make_mlp(
+        self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None",
+        quant: "QuantizationMethod | None",
+    ) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must build its MLP in make_mlp")
+
+    def forward(self, rope: "Rope", hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
+        return hidden + getattr(self, self.mlp_attr)(self.post_attention_layernorm(hidden))
