@@ -228,7 +228,7 @@ def test_bench_async_scheduling_option_is_checked(tiny_llama):
     result = CliRunner().invoke(cli, [*base, "--async-scheduling", "sometimes"])
     assert result.exit_code != 0 and "'on', 'off', 'both'" in result.output
     result = CliRunner().invoke(cli, [*base, "--async-scheduling", "on", "--set", "speculative.method=ngram", "--json"])
-    assert result.exit_code != 0 and "scheduler.async_scheduling" in result.output and "speculative.method" in result.output
+    assert result.exit_code == 0, result.output  # asynchronous scheduling runs with speculative decoding
     result = CliRunner().invoke(cli, [*base, "--async-scheduling", "on", "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["corerun"]["output_tokens"] == 4

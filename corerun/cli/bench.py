@@ -188,8 +188,8 @@ def _check_speculative(
             return []
     if async_mode not in (None, "off") and spec_mode != "off":
         raise click.BadParameter(
-            f"--speculative {spec_mode} and --async-scheduling {async_mode} cannot be combined (the engine refuses "
-            "speculative.method with scheduler.async_scheduling: true); give one of them, or set the other to off",
+            f"--speculative {spec_mode} and --async-scheduling {async_mode} cannot be combined (a run compares one "
+            "setting); give one of them, or set the other to off",
             param_hint="--speculative / --async-scheduling")
     if url is not None or (spec_mode == "both" and comparing):
         raise click.BadParameter(

@@ -27,12 +27,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Iterable
 
 from corerun.core.batch import BlockIds, CachedRequest, NewRequest, ScheduledBatch, StepResult
 from corerun.core.sequence import Sequence, SequenceStatus
+from corerun.core.told import _NOTHING_IN_FLIGHT, InFlight, Told, make_batch
 from corerun.errors import StepError
 from corerun.protocols.kv_cache import KVCacheManager
 
@@ -55,17 +54,6 @@ class SchedulingError(StepError):
         super().__init__(f"{type(cause).__name__}: {cause}")
 
 
-@dataclass(frozen=True)
-class InFlight:
-    """What the step in flight does for one sequence (asynchronous scheduling): computes ``computed``
-    tokens, appends ``appended`` (0 or 1) sampled tokens; ``last``: the appended token ends the request."""
-
-    computed: int = 0
-    appended: int = 0
-    last: bool = False
-
-
-_NOTHING_IN_FLIGHT = InFlight()
 
 
 class Scheduler:
@@ -79,6 +67,7 @@ class Scheduler:
         max_model_len: int = 1 << 62,
         eos_token_ids: frozenset[int] = frozenset(),
         kv_name: str | None = None,
+        num_spec_tokens: int = 0,
     ) -> None:
         self.kv = kv_cache
         self.kv_name = kv_name or getattr(kv_cache, "name", type(kv_cache).__name__)  # (for messages)
@@ -87,24 +76,21 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.num_spec_tokens = num_spec_tokens  # drafts a decode may carry: placeholders under asynchronous scheduling
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self._forks: dict[int, list[Sequence]] = {}  # n > 1: head seq_id -> samples queued once its prompt is computed
         self._current: Sequence | None = None  # the sequence the KV-cache manager is working on
-        # what the runner is told (protocol version 3): per sequence holding blocks, its table's length
-        # as reported; changes not yet handed out (its sequence not scheduled since); finished seq_ids;
-        # per sequence the runner holds, how many of its tokens it was told
-        self._reported: dict[int, int] = {}
-        self._pending: dict[int, BlockIds] = {}
-        self._finished: list[int] = []
-        self._told: dict[int, int] = {}
+        self.told = Told()  # what the runner was told of each request (protocol version 3)
+        self._finished: list[int] = []  # seq_ids finished since the last batch
         self._seqs: dict[int, Sequence] = {}  # seq_id -> every sequence queued, running or scheduled, until it finishes
         # asynchronous scheduling: seq_id -> what the step still running does for it, not yet in the
         # sequence (see :meth:`set_in_flight`)
         self.in_flight: dict[int, InFlight] = {}
         self._moved: set[int] = set()  # preempted while in flight: their K/V of that step are gone
+        self._guessed: dict[int, int] = {}  # scheduled from placeholder counts: seq_id -> draft slots held (see settle)
 
     def add(self, seq: Sequence, forks: Iterable[Sequence] = ()) -> None:
         """Queue ``seq``; ``forks``: the other samples of its ``n > 1`` request, queued once its prompt is computed."""
@@ -129,7 +115,7 @@ class Scheduler:
     # ----------------------------------------------------------------- step
     def schedule(self) -> ScheduledBatch:
         """The next step's batch. Raises :class:`SchedulingError` naming the sequence the KV-cache manager failed on."""
-        self._current = None
+        self._current, self._guessed = None, {}
         try:
             return self._schedule()
         except Exception as exc:
@@ -151,17 +137,25 @@ class Scheduler:
                 i += 1
                 continue
             computed = seq.num_computed_tokens + ahead.computed
-            n = min(seq.num_tokens + ahead.appended - computed, budget)
-            if not self.chunked_prefill and n < seq.num_tokens + ahead.appended - computed:
+            left = seq.num_tokens + ahead.appended - computed
+            n = min(left, budget)
+            if not self.chunked_prefill and n < left:
                 break  # whole prefills only: wait for a step with room
-            if n == 1 and seq.draft_token_ids and budget > 1:
+            guess = left == 1 and ahead.appended > 0 and self.num_spec_tokens > 0  # a decode after the step in flight
+            if guess:  # its drafts come after the step in flight: slots for as many as it may get
+                d = [-1] * max(min(self.num_spec_tokens, budget - 1, seq.tokens_left(self.max_model_len) - ahead.appended - 1), 0)
+                self._guessed[seq.seq_id] = 0
+            else:
                 d = seq.draft_token_ids[: budget - 1]  # drafts only where their slots are free: never a preemption
-                if self._allocate(seq, computed + 1 + len(d)):
+            if n == 1 and d and budget > 1 and self._allocate(seq, computed + 1 + len(d)):
+                if guess:
+                    self._guessed[seq.seq_id] = len(d)
+                else:
                     drafts[seq.seq_id] = d
-                    scheduled[seq.seq_id] = 1 + len(d)
-                    budget -= 1 + len(d)
-                    i += 1
-                    continue
+                scheduled[seq.seq_id] = 1 + len(d)
+                budget -= 1 + len(d)
+                i += 1
+                continue
             while not self._allocate(seq, computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -199,43 +193,44 @@ class Scheduler:
 
         by_id = {s.seq_id: s for s in self.running}
         items = [(by_id[sid], n) for sid, n in scheduled.items()]
-        items.sort(key=lambda it: it[1] != 1)  # decodes first (stable)
+        self._guessed = {sid: k for sid, k in self._guessed.items() if sid in scheduled}
         finished: frozenset[int] = frozenset()
         if items:  # (an empty batch reaches no runner: the finished ids wait for the next one)
             finished, self._finished = frozenset(self._finished), []
-        new_reqs, cached = self._describe(items, frozenset(resumed))
-        return ScheduledBatch(
-            tuple(s.seq_id for s, _ in items), tuple(n for _, n in items), sum(1 for _, n in items if n == 1),
-            tuple(new_reqs), tuple(cached),
-            MappingProxyType({sid: tuple(d) for sid, d in drafts.items() if sid in by_id}),  # (a drafting seq preempted later)
-            finished, frozenset(s.seq_id for s in preempted),
-        )
+        self._seqs.update((s.seq_id, s) for s, _ in items)
+        new_reqs, cached = self.told.describe(items, frozenset(resumed), self.in_flight)
+        return make_batch([(s.seq_id, n) for s, n in items], tuple(new_reqs), tuple(cached),
+                      {sid: tuple(d) for sid, d in drafts.items() if sid in by_id},  # (a drafting seq preempted later)
+                      finished, frozenset(s.seq_id for s in preempted))
 
-    def _describe(self, items: list[tuple[Sequence, int]], resumed: frozenset[int]) -> tuple[list[NewRequest], list[CachedRequest]]:
-        """The scheduled sequences as the runner is told them: in full when it holds nothing of theirs,
-        else what changed since they were last scheduled."""
-        pending, told = self._pending, self._told
-        new_reqs: list[NewRequest] = []
-        cached: list[CachedRequest] = []
-        for seq, _ in items:
-            sid = seq.seq_id
-            self._seqs[sid] = seq
-            change = pending.pop(sid, None)
-            start = told.get(sid)
-            told[sid] = seq.num_tokens
-            if start is None:
-                if change is not None and change.start != 0:
-                    raise RuntimeError(f"sequence {sid} is new to the runner but its block-table change starts at {change.start}")
-                new_reqs.append(NewRequest(
-                    sid, tuple(seq.prompt_token_ids), tuple(seq.token_ids[seq.num_prompt_tokens:]), seq.params,
-                    tuple(change.ids) if change is not None else (), seq.num_computed_tokens,
-                    len(seq.prompt_logprobs or ()), sid in resumed,
-                ))
-            else:
-                ahead = self.in_flight.get(sid, _NOTHING_IN_FLIGHT)
-                cached.append(CachedRequest(sid, start, tuple(seq.token_ids[start:]), seq.num_tokens + ahead.appended,
-                                            change, seq.num_computed_tokens + ahead.computed))
-        return new_reqs, cached
+    def settle(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Asynchronous scheduling with speculative decoding: ``batch`` was scheduled while the step before
+        it ran, its decodes of requests in that step from placeholder counts (every draft accepted, as many
+        draft slots as the request may get).  Now that the step's result and the drafts proposed after it
+        are in, those rows are told as they are: the tokens appended, the computed count, the drafts (at
+        most the slots held), and the blocks past them given back."""
+        guessed, self._guessed = self._guessed, {}
+        if not guessed:
+            return batch
+        num, drafts, cached = dict(zip(batch.req_ids, batch.num_scheduled)), dict(batch.drafts), []
+        for c in batch.cached_reqs:
+            seq, room = self._seqs.get(c.seq_id), guessed.get(c.seq_id)
+            if room is None or seq is None or seq.is_finished:  # (a finished one's row is dropped by the caller)
+                cached.append(c)
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, num[c.seq_id])
+            d = tuple(seq.draft_token_ids[:room]) if n == 1 else ()
+            self.trim(seq, seq.num_computed_tokens + n + len(d))
+            later = self.told.pending.pop(c.seq_id, None)
+            change = later if c.new_block_ids is None else c.new_block_ids if later is None else c.new_block_ids.then(later)
+            self.told.tokens[c.seq_id] = seq.num_tokens
+            cached.append(CachedRequest(c.seq_id, c.token_start, tuple(seq.token_ids[c.token_start:]), seq.num_tokens,
+                                        change, seq.num_computed_tokens))
+            num[c.seq_id] = n + len(d)
+            drafts.pop(c.seq_id, None)
+            if d:
+                drafts[c.seq_id] = d
+        return make_batch(list(num.items()), batch.new_reqs, tuple(cached), drafts, batch.finished_ids, batch.preempted_ids)
 
     def set_in_flight(self, batch: ScheduledBatch) -> None:
         """Asynchronous scheduling: ``batch`` runs while the next one is scheduled.  Each of its
@@ -244,22 +239,22 @@ class Scheduler:
         the request (its length limit) leaves nothing to schedule for it."""
         flight = {}
         for s, n in zip(self.seqs_of(batch), batch.num_scheduled):
-            if s is None:
-                continue
-            appends = s.num_computed_tokens + n >= s.num_tokens
-            flight[s.seq_id] = InFlight(n, int(appends), appends and s.tokens_left(self.max_model_len) <= 1)
+            if s is not None:
+                appends = s.num_computed_tokens + n >= s.num_tokens
+                flight[s.seq_id] = InFlight(n, appends * (1 + len(batch.drafts.get(s.seq_id, ()))),
+                                            appends and s.tokens_left(self.max_model_len) <= 1)
         self.in_flight = flight
 
     def clear_in_flight(self) -> None:
         """The step in flight failed: nothing it was to do happened."""
-        self.in_flight, self._moved = {}, set()
+        self.in_flight, self._moved, self._guessed = {}, set(), {}
 
     def rewind(self, seq: Sequence, num_tokens: int) -> None:
         """``seq``'s tokens past ``num_tokens`` were replaced (a draft model's copy of a request after the
         target rejected its drafts): they are computed again and told to the runner again."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
-        if seq.seq_id in self._told:
-            self._told[seq.seq_id] = min(self._told[seq.seq_id], num_tokens)
+        if seq.seq_id in self.told.tokens:
+            self.told.tokens[seq.seq_id] = min(self.told.tokens[seq.seq_id], num_tokens)
 
     def update_draft_token_ids(self, drafts: dict[int, list[int]]) -> None:
         """Speculative decoding: the drafts proposed for each running sequence (seq_id -> tokens); they
@@ -273,21 +268,10 @@ class Scheduler:
         if not self.kv.allocate_slots(seq.seq_id, num_tokens):
             return False
         sid = seq.seq_id
-        have = self._reported.get(sid, 0)
+        have = self.told.table_len.get(sid, 0)
         if num_tokens > have * self.kv.block_size:
-            self._note(sid, BlockIds(have, tuple(self.kv.new_block_ids(sid, have))))
+            self.told.note(sid, BlockIds(have, tuple(self.kv.new_block_ids(sid, have))))
         return True
-
-    def _note(self, seq_id: int, change: BlockIds) -> None:
-        before = self._pending.get(seq_id)
-        self._pending[seq_id] = change if before is None else before.then(change)
-        self._reported[seq_id] = change.start + len(change.ids)
-
-    def _forget(self, seq_id: int) -> None:
-        """``seq_id``'s blocks were freed: the runner drops it, and its next table is reported whole."""
-        self._reported.pop(seq_id, None)
-        self._pending.pop(seq_id, None)
-        self._told.pop(seq_id, None)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks ``seq`` holds beyond ``num_tokens`` tokens (``KVCacheManager.trim``, when the
@@ -301,20 +285,20 @@ class Scheduler:
                 f"KVCacheManager.trim({seq.seq_id}, {num_tokens}) returned {kept!r}; protocol version 2 wants the "
                 "number of blocks the table keeps (an int)"
             )
-        if kept < self._reported.get(seq.seq_id, 0):
-            self._note(seq.seq_id, BlockIds(kept, ()))
+        if kept < self.told.table_len.get(seq.seq_id, 0):
+            self.told.note(seq.seq_id, BlockIds(kept, ()))
 
     def _release(self, seq: Sequence) -> None:
         """Undo a failed admission: drop the prefix blocks it claimed."""
         self._current = seq
         self.kv.free(seq.seq_id)
-        self._forget(seq.seq_id)
+        self.told.forget(seq.seq_id)
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self._current = seq
         self.kv.free(seq.seq_id)  # first: if it raises, seq is still running, whole
-        self._forget(seq.seq_id)
+        self.told.forget(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
@@ -395,7 +379,8 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
         for seq in seqs:
-            if seq is not None and seq.seq_id in batch.drafts and seq.seq_id not in failed and not seq.is_finished:
+            if (seq is not None and seq.seq_id in batch.drafts and seq.seq_id not in failed and not seq.is_finished
+                    and seq.seq_id not in self._guessed):  # (the next batch's slots: trimmed when it is settled)
                 try:
                     self.trim(seq, seq.num_tokens)
                 except Exception as exc:
@@ -446,7 +431,7 @@ class Scheduler:
                 pass
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self._forget(seq.seq_id)
+        self.told.forget(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
         self._finished.append(seq.seq_id)
         try:
@@ -454,3 +439,4 @@ class Scheduler:
         except Exception as exc:
             logger.error("KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
                          self.kv_name, seq.request_id, type(exc).__name__, exc)
+

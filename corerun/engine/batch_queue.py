@@ -48,19 +48,13 @@ class BatchQueue:
 
 
 def check_async_scheduling(config: Any) -> bool:
-    """``scheduler.async_scheduling``, refused where the step's token count is not known ahead."""
+    """``scheduler.async_scheduling``, refused with tensor parallelism (its workers run the step in step)."""
     if not config.scheduler.async_scheduling:
         return False
     if config.tensor_parallel_size > 1:
         raise ConfigError(
             f"scheduler.async_scheduling: true runs on one device only (tensor_parallel_size is "
             f"{config.tensor_parallel_size}); use tensor_parallel_size: 1 or async_scheduling: false"
-        )
-    if config.speculative.method is not None:
-        raise ConfigError(
-            f"scheduler.async_scheduling: true cannot be combined with speculative.method: "
-            f"{config.speculative.method!r} (a step's number of accepted tokens is not known ahead); "
-            "leave speculative.method unset or use async_scheduling: false"
         )
     return True
 

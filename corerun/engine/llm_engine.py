@@ -66,7 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             chunked_prefill=sc.chunked_prefill, max_model_len=runner.max_model_len, eos_token_ids=eos,
-            kv_name=runner.kv_manager_name,
+            kv_name=runner.kv_manager_name, num_spec_tokens=self.spec.proposer.num_tokens if self.spec else 0,
         )
         self.requests: dict[str, Sequence] = {}
         self._group_of: dict[int, SequenceGroup] = {}  # seq_id -> its request's samples, for n > 1
@@ -76,8 +76,7 @@ class LLMEngine:
         self.closed = False  # after shutdown(): no more requests or steps
         self._seq_ids = itertools.count()
         self.num_steps = 0
-        # asynchronous scheduling: the step in flight; the outputs of one collected outside step() (an
-        # abort waits for it) that the next step() returns; a batch emptied before its launch (its finished ids)
+        # asynchronous scheduling: the step in flight, outputs collected outside step(), an emptied batch's finished ids
         self.queue = BatchQueue(runner)
         self._collected: list[Sequence] = []
         self._unsent: ScheduledBatch | None = None
@@ -216,6 +215,7 @@ class LLMEngine:
         except SchedulingError as exc:
             return touched + self._collect() + self._scheduling_failed(exc)
         touched += self._collect()
+        batch = self.scheduler.settle(batch)  # (rows scheduled from placeholder counts, now that N's result is in)
         if not batch:
             return touched if had_in_flight else touched + self._unschedulable(batch)
         keep = [i for i, s in enumerate(self.scheduler.seqs_of(batch)) if s is not None and not s.is_finished]
@@ -292,8 +292,7 @@ class LLMEngine:
             raise RuntimeError(f"{what} can be switched only while no request is running")
 
     def set_async_scheduling(self, on: bool) -> None:
-        """Switch asynchronous scheduling on or off while no request runs (``corerun bench
-        --async-scheduling both`` compares the two on one engine); on is refused where the config refuses it."""
+        """Switch asynchronous scheduling while no request runs (``corerun bench --async-scheduling both``)."""
         with self.lock:
             self._require_idle("asynchronous scheduling")
             if on:
@@ -311,7 +310,7 @@ class LLMEngine:
                 raise RuntimeError("speculative decoding can be switched on only in an engine built with "
                                    "speculative.method set")
             if self.spec is not None:
-                self.spec.enabled = on
+                self.spec.enabled, self.scheduler.num_spec_tokens = on, on * self.spec.proposer.num_tokens
 
     # -------------------------------------------------------------- output
     def output(self, seq: Sequence | SequenceGroup) -> RequestOutput:
