@@ -17,8 +17,9 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from corerun import LLM, SamplingParams  # noqa: E402
+from corerun.testing import assert_idle, make_llm  # noqa: E402
 from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
-from tests.helpers.serving import ENGINE, http, metric, running_server, tiny_chat_model, wait_idle  # noqa: E402
+from tests.helpers.serving import SERVING, http, metric, running_server, tiny_chat_model  # noqa: E402
 from tests.helpers.tiny_models import hf_logits  # noqa: E402
 
 PROMPTS = ["hello there", "the cat sat on the mat", "a"]
@@ -32,8 +33,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def llm(folder: Any) -> Iterator[LLM]:
-    llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 128, "block_size": 4},
-              scheduler={"max_model_len": MAX_MODEL_LEN}, server={"max_request_bytes": 20_000})
+    llm = make_llm(folder, **SERVING, kv_cache={"num_blocks": 128},
+                   scheduler={"max_model_len": MAX_MODEL_LEN}, server={"max_request_bytes": 20_000})
     yield llm
     llm.shutdown()
 
@@ -130,7 +131,7 @@ def test_n3_seeded_matches_llm_generate_and_repeats(llm: LLM, client: Any) -> No
         for c in ch.choices:
             streamed[c.index] += c.text
     assert streamed == texts
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
 
 
 def test_seed_reproduces_over_http_and_offline(llm: LLM, client: Any) -> None:
@@ -284,7 +285,7 @@ def test_other_refusals_and_the_engine_serves_on(llm: LLM, client: Any, url: str
     r = client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
     metrics = http(url + "/metrics")[1]
     assert metric(metrics, "corerun:requests_rejected_total", reason="invalid") >= 5
 
@@ -299,14 +300,14 @@ def test_disconnect_mid_stream_aborts_and_frees(llm: LLM, url: str) -> None:
         lines = resp.iter_lines()
         first = next(line for line in lines if line)
         assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
-    wait_idle(llm)  # aborted: its blocks are back
+    assert_idle(llm, timeout=30)  # aborted: its blocks are back
     after = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
     assert after == before + 1
 
 
 def test_overload_gives_503_at_once(folder: Any) -> None:
-    llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 64, "block_size": 4},
-              scheduler={"max_num_seqs": 1, "max_model_len": 256}, server={"max_waiting_requests": 1})
+    llm = make_llm(folder, **SERVING, scheduler={"max_num_seqs": 1, "max_model_len": 256},
+                   server={"max_waiting_requests": 1})
     try:
         with running_server(llm) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
@@ -324,7 +325,7 @@ def test_overload_gives_503_at_once(folder: Any) -> None:
             assert sum(1 for ch in waiting if ch.choices) >= 1  # the waiting one is then served, whole
             metrics = http(url + "/metrics")[1]
             assert metric(metrics, "corerun:requests_rejected_total", reason="overloaded") == 1
-            wait_idle(llm)
+            assert_idle(llm, timeout=30)
     finally:
         llm.shutdown()
 
@@ -332,7 +333,7 @@ def test_overload_gives_503_at_once(folder: Any) -> None:
 def test_online_bench_against_the_server(llm: LLM, url: str) -> None:
     from corerun.server.bench_client import report, run
 
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
     before = http(url + "/metrics")[1]
     s = asyncio.run(run(url, num_prompts=12, input_len=(6, 6), output_len=(5, 5), request_rate=float("inf"),
                         max_concurrency=4, seed=3, temperature=0.0, vocab=256))
@@ -349,13 +350,13 @@ def test_online_bench_against_the_server(llm: LLM, url: str) -> None:
 
 
 def test_non_streamed_request_aborted_when_the_client_leaves(llm: LLM, url: str) -> None:
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
     before = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
     impatient = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=0.3)
     with pytest.raises(openai.APITimeoutError):  # the client gives up long before 5000 tokens
         impatient.completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=MAX_MODEL_LEN - 3, n=40,
                                      temperature=1.0, extra_body={"ignore_eos": True})
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
     after = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
     assert after - before == 40  # every sample of it
 
@@ -368,8 +369,8 @@ def test_engine_fault_is_a_500_for_that_request_only(folder: Any, monkeypatch: p
     reg = Registry.from_environment()
     reg.register_module(faulty_plugins, plugin="faulty", distribution=faulty_plugins.DISTRIBUTION, version="0")
     monkeypatch.setattr(registry_module, "_default", reg)
-    llm = LLM(str(folder), **{**ENGINE, "sampler": {"name": "faulty_sampler", "options": {"fail_at": 3, "times": 2}}},
-              kv_cache={"num_blocks": 64, "block_size": 4}, scheduler={"max_model_len": MAX_MODEL_LEN})
+    llm = make_llm(folder, **{**SERVING, "sampler": {"name": "faulty_sampler", "options": {"fail_at": 3, "times": 2}}},
+                   scheduler={"max_model_len": MAX_MODEL_LEN})
     try:
         with running_server(llm) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
@@ -387,7 +388,7 @@ def test_engine_fault_is_a_500_for_that_request_only(folder: Any, monkeypatch: p
             assert status == 500 and "faulty_sampler" in answer["error"]["message"]
             r = client.completions.create(**kw)  # the engine serves on
             assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
-            wait_idle(llm)
+            assert_idle(llm, timeout=30)
     finally:
         llm.shutdown()
 
@@ -421,7 +422,7 @@ def test_random_bodies_never_get_a_500(llm: LLM, url: str) -> None:
         if status != 200:
             assert answer["error"]["message"], answer
     assert statuses.get(400, 0) > 30 and statuses.get(200, 0) > 5, statuses
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
 
 
 def test_sampling_fields_reach_the_engine(llm: LLM, client: Any) -> None:
@@ -468,16 +469,15 @@ def test_speculation_counters_in_metrics(folder: Any, url: str) -> None:
     """With n-gram speculation on, /metrics carries vLLM's spec_decode counters, equal to the engine's
     own counts after the requests finish; without it (the module's server) the series are absent."""
     assert "vllm:spec_decode_num_drafts_total" not in http(url + "/metrics")[1]
-    spec = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 128, "block_size": 4},
-               scheduler={"max_model_len": 256},
-               speculative={"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    spec = make_llm(folder, **SERVING, kv_cache={"num_blocks": 128}, scheduler={"max_model_len": 256},
+                    speculative={"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     try:
         with running_server(spec) as spec_url:
             repeated = list(range(3, 243))  # most ids the model may sample occur in the prompt: drafts follow them
             status, body = http(spec_url + "/v1/completions", {"model": body_model(spec_url), "prompt": repeated,
                                                                 "max_tokens": 12, "temperature": 0})
             assert status == 200, body
-            wait_idle(spec)
+            assert_idle(spec, timeout=30)
             stats = spec.engine.spec_stats
             text = http(spec_url + "/metrics")[1]
             assert stats.num_draft_tokens > 0
