@@ -23,6 +23,9 @@ Building blocks, each parameter with its ``weight_loader(param, tensor, shard_id
   calls the backend corerun selected, which writes this step's K/V into the paged cache first;
 - the Llama family's pieces to reuse or subclass: :class:`LlamaForCausalLM`, :class:`LlamaModel`,
   :class:`LlamaDecoderLayer`, :class:`LlamaAttention`, :class:`LlamaMLP`, :class:`ArchOptions`;
+- mixture of experts: :class:`SparseMoeBlock` (router, stacked experts, optional shared expert),
+  :class:`MoeConfig`, :class:`MoeDecoderLayer`, :func:`route`, :func:`grouped_experts`,
+  :func:`experts_reference`, :func:`expert_modules_mapping` (per-expert checkpoint tensors);
 - loading: :func:`load_weights` (every missing, unexpected and mis-shaped tensor in one error),
   :func:`default_weight_loader`, :class:`WeightShapeError`.
 """
@@ -53,6 +56,15 @@ from corerun.models.llama import (
     LlamaModel,
 )
 from corerun.models.loader import load_weights
+from corerun.models.moe import (
+    MoeConfig,
+    MoeDecoderLayer,
+    SparseMoeBlock,
+    expert_modules_mapping,
+    experts_reference,
+    grouped_experts,
+    route,
+)
 from corerun.models.parallel_layers import (
     ColumnParallelMergedLinear,
     ParallelLMHead,
@@ -81,6 +93,8 @@ __all__ = [
     "ModelCapabilities",
     "ModelConfig",
     "ModelLoadError",
+    "MoeConfig",
+    "MoeDecoderLayer",
     "ParallelLMHead",
     "RMSNorm",
     "Rope",
@@ -88,15 +102,20 @@ __all__ = [
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",
+    "SparseMoeBlock",
     "UnsupportedModelError",
     "VocabEmbedding",
     "VocabParallelEmbedding",
     "WeightShapeError",
     "attention_projections",
     "default_weight_loader",
+    "expert_modules_mapping",
+    "experts_reference",
+    "grouped_experts",
     "inverse_frequencies",
     "load_weights",
     "mlp_projections",
+    "route",
     "shard_heads",
     "shard_range",
 ]
