@@ -25,6 +25,7 @@ _LAZY = {
     "ReasoningParserSuite": "corerun.conformance.tool_parser_suite",
     "Transcript": "corerun.conformance.tool_parser_suite",
     "ModelSuite": "corerun.conformance.model_suite",
+    "QuantizationSuite": "corerun.conformance.quantization_suite",
     "ConformanceSuite": "corerun.conformance.suite",
     "Case": "corerun.conformance.suite",
     "Target": "corerun.conformance.target",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from corerun.conformance.runner import CheckResult, run
     from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
     from corerun.conformance.model_suite import ModelSuite
+    from corerun.conformance.quantization_suite import QuantizationSuite
     from corerun.conformance.sampler_suite import SamplerSuite
     from corerun.conformance.suite import Case, ConformanceSuite
     from corerun.conformance.target import Target

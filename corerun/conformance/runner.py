@@ -32,6 +32,7 @@ SUITES = {
     "tool_parser": "corerun.conformance.tool_parser_suite:ToolParserSuite",
     "reasoning_parser": "corerun.conformance.tool_parser_suite:ReasoningParserSuite",
     "model": "corerun.conformance.model_suite:ModelSuite",
+    "quantization": "corerun.conformance.quantization_suite:QuantizationSuite",
 }
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 FAILING = ("failed", "error", "xpassed")

@@ -11,6 +11,7 @@ from corerun.capabilities import (
     KVCacheCapabilities,
     LogitsProcessorCapabilities,
     ModelCapabilities,
+    QuantizationCapabilities,
     SamplerCapabilities,
 )
 from corerun.tool_parsers.protocol import ReasoningParserCapabilities, ToolParserCapabilities
@@ -34,8 +35,10 @@ def default_capabilities(kind: str) -> Any:
         return ReasoningParserCapabilities()
     if kind == "model":
         return ModelCapabilities()
+    if kind == "quantization":
+        return QuantizationCapabilities()
     raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, "
-                     "logits_processor, tool_parser, reasoning_parser, model")
+                     "logits_processor, tool_parser, reasoning_parser, model, quantization")
 
 
 @dataclass

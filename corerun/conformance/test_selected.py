@@ -12,6 +12,7 @@ from corerun.conformance.graph_suite import GraphRunnerSuite
 from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
 from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
 from corerun.conformance.model_suite import ModelSuite
+from corerun.conformance.quantization_suite import QuantizationSuite
 from corerun.conformance.sampler_suite import SamplerSuite
 from corerun.conformance.suite import FROM_OPTION
 from corerun.conformance.tool_parser_suite import ReasoningParserSuite, ToolParserSuite
@@ -53,4 +54,8 @@ class TestReasoningParser(ReasoningParserSuite):
 
 
 class TestModel(ModelSuite):
+    implementation = FROM_OPTION
+
+
+class TestQuantization(QuantizationSuite):
     implementation = FROM_OPTION

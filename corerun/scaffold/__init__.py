@@ -20,6 +20,7 @@ KINDS = {  # kind: (title, conformance suite, YAML that selects NAME)
     "tool_parser": ("tool-call parser", "ToolParserSuite", ""),  # chosen by `corerun serve --tool-call-parser`
     "reasoning_parser": ("reasoning parser", "ReasoningParserSuite", ""),  # by `--reasoning-parser`
     "model": ("model family", "ModelSuite", ""),  # chosen by `architectures` in a model folder's config.json
+    "quantization": ("quantization method", "QuantizationSuite", "quantization: {name}"),
 }
 SERVE_OPTION = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
