@@ -18,8 +18,9 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from corerun import LLM  # noqa: E402
+from corerun.testing import assert_idle, make_llm  # noqa: E402
 from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
-from tests.helpers.serving import ENGINE, http, metric, running_server, tiny_chat_model, wait_idle  # noqa: E402
+from tests.helpers.serving import SERVING, http, metric, running_server, tiny_chat_model  # noqa: E402
 
 CLIENTS, REQUESTS = 64, 8
 WORDS = "the cat sat on a mat and then the dog ran off to see what it had".split()
@@ -27,8 +28,7 @@ WORDS = "the cat sat on a mat and then the dog ran off to see what it had".split
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, str]]:
-    llm = LLM(str(tiny_chat_model(tmp_path_factory.mktemp("load"))), **ENGINE,
-              kv_cache={"num_blocks": 640, "block_size": 4}, scheduler={"max_model_len": 128})
+    llm = make_llm(tiny_chat_model(tmp_path_factory.mktemp("load")), **SERVING, kv_cache={"num_blocks": 640})
     with running_server(llm) as url:
         yield llm, url
     llm.shutdown()
@@ -99,7 +99,7 @@ def test_64_clients_x_8_streams_with_hang_ups(served: tuple[LLM, str]) -> None:
             generated += _check_complete(res["lines"], len(tok.encode(prompt)), max_tokens)
             complete += 1
     assert complete + hung == CLIENTS * REQUESTS and hung > 0
-    wait_idle(llm)  # every request over, every block back: nothing leaked
+    assert_idle(llm, timeout=30)  # every request over, every block back: nothing leaked
     after = http(url + "/metrics")[1]
 
     def delta(name: str, **labels: str) -> float:
