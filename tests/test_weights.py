@@ -185,5 +185,10 @@ def test_untied_config_without_lm_head(tmp_path, llama_dir):
 def test_unsupported_architecture_in_folder(tmp_path, llama_dir):
     folder = _copy(llama_dir, tmp_path / "gpt2")
     _edit_config(folder, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*corerun supports: LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"architectures \[GPT2LMHeadModel\] .*not supported") as info:
         load_model(folder)
+    from corerun.registry import get_registry
+
+    families = str(info.value).partition("installed model families: ")[2]
+    assert "LlamaForCausalLM (corerun)" in families, str(info.value)
+    assert all(f"{name} (" in families for name in get_registry().names("model")), str(info.value)
