@@ -109,6 +109,7 @@ MODEL_FAMILIES = {
     "MistralForCausalLM": ("corerun.models.llama:MistralForCausalLM", "Mistral (dense); sequences capped at sliding_window"),
     "Qwen2ForCausalLM": ("corerun.models.qwen2:Qwen2ForCausalLM", "Qwen2 / Qwen2.5: bias on q, k, v"),
     "Qwen3ForCausalLM": ("corerun.models.qwen3:Qwen3ForCausalLM", "Qwen3 (dense): per-head RMSNorm of q and k"),
+    "Phi3ForCausalLM": ("corerun.models.phi3:Phi3ForCausalLM", "Phi-3 (dense): fused qkv and gate-up in the checkpoint, LongRoPE"),
 }
 EXPERT_FAMILIES = {  # the same, with mixture-of-experts layers (corerun.models.moe)
     "MixtralForCausalLM": ("corerun.models.mixtral:MixtralForCausalLM", "Mixtral: top-k experts renormalised"),

@@ -240,7 +240,7 @@ def test_unsupported_architecture_lists_supported():
         assert arch in msg
     assert supported_architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                                 "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                                "Qwen3MoeForCausalLM"])
+                                                "Qwen3MoeForCausalLM", "Phi3ForCausalLM"])
 
 
 def test_unsupported_activation():

@@ -550,7 +550,7 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
         ("tool_parser", "hermes"), ("tool_parser", "llama3_json"), ("tool_parser", "mistral"),
         ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
         ("model", "LlamaForCausalLM"), ("model", "MistralForCausalLM"), ("model", "MixtralForCausalLM"),
-        ("model", "Qwen2ForCausalLM"), ("model", "Qwen2MoeForCausalLM"), ("model", "Qwen3ForCausalLM"),
+        ("model", "Phi3ForCausalLM"), ("model", "Qwen2ForCausalLM"), ("model", "Qwen2MoeForCausalLM"), ("model", "Qwen3ForCausalLM"),
         ("model", "Qwen3MoeForCausalLM"), ("quantization", "gguf"), ("quantization", "none"),
     ]
     assert doc["not_loaded"] == []  # CORERUN_PLUGINS is unset: nothing was left out on purpose
