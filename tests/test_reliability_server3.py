@@ -22,10 +22,14 @@ openai = pytest.importorskip("openai")
 
 from corerun import LLM, SamplingParams, hookimpl  # noqa: E402
 from corerun.server import chat_template as CT  # noqa: E402
+from corerun.testing import assert_idle, make_llm  # noqa: E402
 from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
-from tests.helpers.serving import ENGINE, http, running_server, server_and_url, tiny_chat_model, wait_idle  # noqa: E402
+from tests.helpers.serving import SERVING, http, running_server, server_and_url, tiny_chat_model  # noqa: E402
 
 MAX_MODEL_LEN = 64
+# make_llm's overrides for this file: a 64-token context, and the limits the hostile template meets
+OVERRIDES: dict[str, Any] = dict(SERVING, scheduler={"max_model_len": MAX_MODEL_LEN})
+TEMPLATE_LIMITS: dict[str, Any] = {"chat_template_max_chars": 10_000, "chat_template_timeout_s": 0.3}
 
 # The model's own template: plain for ordinary messages; a string bomb, a CPU burner or a doubling loop
 # when the first message asks for one (what a broken or hostile template in a model folder could do).
@@ -55,15 +59,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return set_template(tiny_chat_model(tmp_path_factory.mktemp("server3")), HOSTILE_TEMPLATE)
 
 
-def make_llm(folder: Path, **server: Any) -> LLM:
-    return LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 64, "block_size": 4},
-               scheduler={"max_model_len": MAX_MODEL_LEN},
-               server={"chat_template_max_chars": 10_000, "chat_template_timeout_s": 0.3, **server})
-
-
 @pytest.fixture(scope="module")
 def served(folder: Path) -> Iterator[tuple[LLM, str]]:
-    llm = make_llm(folder)
+    llm = make_llm(folder, **OVERRIDES, server=TEMPLATE_LIMITS)
     try:
         with running_server(llm) as u:
             yield llm, u
@@ -157,7 +155,7 @@ def test_model_template_limits(llm: LLM, url: str, client: Any, content: str, na
     assert named in body["error"]["message"]
     r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")  # the server serves on
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
 
 
 class _Tok:
@@ -314,8 +312,8 @@ def test_host_header_must_name_this_server(url: str, host: str, status: int) -> 
 
 @pytest.fixture(scope="module")
 def guarded(folder: Path) -> Iterator[str]:
-    llm = make_llm(folder, api_key="s3cret-key", allowed_origins=["http://app.example:3000"],
-                   allowed_hosts=["corerun.internal"])
+    llm = make_llm(folder, **OVERRIDES, server={**TEMPLATE_LIMITS, "api_key": "s3cret-key",
+                   "allowed_origins": ["http://app.example:3000"], "allowed_hosts": ["corerun.internal"]})
     try:
         with running_server(llm) as u:
             yield u
@@ -400,8 +398,7 @@ def test_cli_takes_the_key_from_the_environment(folder: Path, monkeypatch: pytes
 def test_chat_default_max_tokens_fits_a_small_cache(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
     """32 tokens of cache under a 64-token context: the default is what the cache can hold, as vLLM's."""
     with caplog.at_level("WARNING", logger="corerun.server"):
-        llm = LLM(str(folder), **ENGINE, kv_cache={"num_blocks": 8, "block_size": 4},
-                  scheduler={"max_model_len": MAX_MODEL_LEN})
+        llm = make_llm(folder, **OVERRIDES, kv_cache={"num_blocks": 8})
         try:
             with running_server(llm) as u:
                 messages = [{"role": "user", "content": "the cat"}]
@@ -438,7 +435,7 @@ def slow_steps(llm: LLM, seconds: float) -> None:
 
 
 def test_shutdown_past_timeout_ends_every_client_explicitly(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
-    llm = make_llm(folder, shutdown_timeout_s=1.0)
+    llm = make_llm(folder, **OVERRIDES, server={**TEMPLATE_LIMITS, "shutdown_timeout_s": 1.0})
     slow_steps(llm, 0.05)  # 50 tokens take 2.5 s: past the 1 s timeout
     results: dict[str, Any] = {}
     started = threading.Barrier(4)
@@ -504,7 +501,7 @@ def test_shutdown_past_timeout_ends_every_client_explicitly(folder: Path, caplog
 
 @pytest.fixture(scope="module")
 def tight(folder: Path) -> Iterator[str]:
-    llm = make_llm(folder, max_connections=3, read_timeout_s=1.0)
+    llm = make_llm(folder, **OVERRIDES, server={**TEMPLATE_LIMITS, "max_connections": 3, "read_timeout_s": 1.0})
     try:
         with running_server(llm) as u:
             yield u
@@ -588,7 +585,7 @@ def test_prompt_of_max_model_len_refused_and_one_less_served(llm: LLM, url: str,
             ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
             text = body["choices"][0]["text"] if route == "completions" else body["choices"][0]["message"]["content"]
             assert text == ref.outputs[0].text and body["choices"][0]["finish_reason"] == "length"
-    wait_idle(llm)
+    assert_idle(llm, timeout=30)
 
 
 @pytest.fixture
@@ -635,8 +632,7 @@ def test_plugin_raising_in_its_constructor_stops_serve_with_one_line(folder: Pat
 def test_plugin_raising_in_forward_under_the_server(folder: Path, faulty_registry: Any) -> None:
     """Forward calls 2 and 3 raise (the first request's second layer, the next request's first): both requests
     fail with an error their clients see (500 JSON, or an error event then [DONE]); the server serves on, exactly."""
-    llm = LLM(str(folder), **{**ENGINE, "attention": {"name": "faulty_attention", "options": {"fail_at": 2, "times": 2}}},
-              kv_cache={"num_blocks": 64, "block_size": 4}, scheduler={"max_model_len": MAX_MODEL_LEN})
+    llm = make_llm(folder, **OVERRIDES, attention={"name": "faulty_attention", "options": {"fail_at": 2, "times": 2}})
     try:
         with running_server(llm) as u:
             status, body = http(u + "/v1/completions", {"prompt": "hi", "max_tokens": 4})
@@ -652,7 +648,7 @@ def test_plugin_raising_in_forward_under_the_server(folder: Path, faulty_registr
             ids = llm.get_tokenizer().encode("hi")
             ref = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
             assert r.choices[0].text == ref.outputs[0].text and r.choices[0].finish_reason == "length"
-            wait_idle(llm)
+            assert_idle(llm, timeout=30)
     finally:
         llm.shutdown()
 
