@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
 
@@ -35,3 +37,17 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     done = _lint(tmp_path, tmp_path / "pyproject.toml")
     assert done.returncode != 0
     assert "corerun.core.sequence -> corerun.engine.llm_engine" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize(("module", "upward"), [
+    ("quantization/base.py", "corerun.models.layers"),  # quantization sits below the model layers that use it
+    ("tool_parsers/protocol.py", "corerun.server.tool_calls"),  # tool parsers are a leaf the server uses
+])
+def test_the_newer_packages_are_in_the_contract(tmp_path: Path, module: str, upward: str) -> None:
+    shutil.copytree(ROOT / "corerun", tmp_path / "corerun", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    path = tmp_path / "corerun" / module
+    path.write_text(path.read_text() + f"\nimport {upward}  # upward\n")
+    done = _lint(tmp_path, tmp_path / "pyproject.toml")
+    importer = "corerun." + module.removesuffix(".py").replace("/", ".")
+    assert done.returncode != 0 and f"{importer} -> {upward}" in done.stdout, done.stdout[-3000:]
