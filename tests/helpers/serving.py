@@ -90,14 +90,3 @@ def metric(text: str, name: str, **labels: str) -> float:
         raise KeyError(f"no sample {name}{labels} in /metrics")
     return total
 
-
-def wait_idle(llm: Any, timeout: float = 30.0) -> None:
-    """Until the engine holds no request and every KV block is free (raises if that never comes)."""
-    eng = llm.engine
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not eng.requests and not eng.has_unfinished_requests() and eng.kv.num_free_blocks == eng.kv.num_blocks:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle: {len(eng.requests)} requests, "
-                         f"{eng.kv.num_blocks - eng.kv.num_free_blocks} blocks held")
