@@ -25,6 +25,7 @@ import torch
 
 from corerun import LLM, SamplingParams
 from corerun.outputs import RequestOutput
+from corerun.testing import assert_idle, make_llm
 from tests.helpers.engine_testing import deadline
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -36,6 +37,7 @@ NUM_REPEATED = min(NUM_REQUESTS, max(300, NUM_REQUESTS // 8))
 VOCAB = 256
 BS = 4
 NUM_BLOCKS = 64  # 256 token slots; 64 running requests can want up to 64 * 6 blocks
+SCHEDULER = {"max_num_seqs": 64, "max_num_batched_tokens": 128}
 SAMPLE = 20
 
 
@@ -119,18 +121,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("reliability-soak"), arch="llama")
 
 
-def make_llm(model_dir: Path, num_blocks: int = NUM_BLOCKS) -> LLM:
-    return LLM(model=model_dir, device="cpu", dtype="float32", attention="torch",
-               kv_cache={"block_size": BS, "num_blocks": num_blocks},
-               scheduler={"max_model_len": 128, "max_num_seqs": 64, "max_num_batched_tokens": 128})
-
-
 def run(llm: LLM, requests: list[Request]) -> list[RequestOutput]:
     with deadline(900):
         outs = llm.generate([r.prompt for r in requests], [r.params for r in requests], use_tqdm=False)
-    engine = llm.engine
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks, "blocks leaked"
-    assert not engine.requests and not engine.has_unfinished_requests()
+    assert_idle(llm)
     return outs
 
 
@@ -160,7 +154,7 @@ def check_finished_as_asked(req: Request, out: RequestOutput, eos: frozenset[int
 
 def test_soak(model_dir: Path) -> None:
     requests = workload(NUM_REQUESTS, seed=2024)
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS}, scheduler=SCHEDULER)
     outs = run(llm, requests)
     engine = llm.engine
     eos = engine.eos_token_ids
@@ -180,7 +174,7 @@ def test_soak(model_dir: Path) -> None:
     # greedy with processors and seeded random requests equal their runs alone in a fresh engine
     solo_ids = rng.sample([i for i, r in enumerate(requests) if r.kind == "greedy+"], SAMPLE // 2)
     solo_ids += rng.sample([i for i, r in enumerate(requests) if r.kind == "seeded"], SAMPLE // 2)
-    alone = make_llm(model_dir, num_blocks=256)
+    alone = make_llm(model_dir, kv_cache={"block_size": BS, "num_blocks": 256}, scheduler=SCHEDULER)
     for i in solo_ids:
         (solo,) = alone.generate(requests[i].prompt, requests[i].params)
         assert solo.outputs[0].token_ids == outs[i].outputs[0].token_ids, (i, requests[i].params)
@@ -189,7 +183,7 @@ def test_soak(model_dir: Path) -> None:
 
 def test_same_workload_twice_gives_the_same_outputs(model_dir: Path) -> None:
     requests = workload(NUM_REPEATED, seed=77)
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, kv_cache={"block_size": BS, "num_blocks": NUM_BLOCKS}, scheduler=SCHEDULER)
     first = run(llm, requests)
     second = run(llm, requests)  # now with the first run's prefixes cached: other batches, other preemptions
     compared = 0
