@@ -78,15 +78,3 @@ def test_seeded_generator_depends_on_seed_and_step_only() -> None:
     assert seeded_generator(7, 2, generator=reused) is reused and torch.equal(torch.rand(6, generator=reused), draw(7, 2))
     params = [SamplingParams(seed=1), SamplingParams(), SamplingParams(seed=9)]
     assert seeded_rows(params, [[4, 5], [1], []]) == [(0, 1, 2), (2, 9, 0)]
-
-
-def test_old_import_paths_are_the_sdk() -> None:
-    import corerun.attention.dense_cache as dense_cache
-    import corerun.sampler_utils as sampler_utils
-    import corerun.sampling_noise as sampling_noise
-    import corerun.sdk.attention as sdk_attention
-    import corerun.sdk.sampling as sdk_sampling
-
-    assert dense_cache.DenseKVCache is sdk_attention.DenseKVCache
-    assert sampling_noise.row_seed is sdk_sampling.row_seed and sampling_noise.exponential_race is sdk_sampling.exponential_race
-    assert sampler_utils.GeneratorCache is sdk_sampling.GeneratorCache and sampler_utils.to_device is sdk_sampling.to_device
