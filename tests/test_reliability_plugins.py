@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata as md
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,14 +23,16 @@ import corerun.registry as registry_module
 from corerun import LLM, SamplingParams
 from corerun.outputs import RequestOutput
 from corerun.registry import Registry
+from corerun.testing import assert_idle, make_llm
 from tests.helpers import faulty_plugins
 from tests.helpers.tiny_models import make_tiny_model
 from tests.helpers.engine_testing import hf_greedy, no_hang  # noqa: F401 (no_hang: a fixture)
 
-BS = 4
 MAX_TOKENS = 8
 NUM_LAYERS = 2  # tiny_models' default: one attention forward per layer per step
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# two requests at a time, so that a fault in one step spares the two requests queued behind it
+TWO_AT_A_TIME = {"max_num_seqs": 2}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
     """The model folder, four prompts of one to four blocks, and their reference continuations."""
@@ -51,23 +52,12 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
     return reg
 
 
-def make_llm(model_dir: Path, **overrides: Any) -> LLM:
-    """Two requests at a time, so that a fault in one step spares the two requests queued behind it."""
-    config: dict[str, Any] = dict(
-        device="cpu", dtype="float32", attention="torch", sampler="full",
-        kv_cache={"block_size": BS, "num_blocks": 64}, scheduler={"max_model_len": 128, "max_num_seqs": 2},
-    )
-    return LLM(model=model_dir, **{**config, **overrides})
-
-
 def assert_recovered(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished_requests() and not engine.requests
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
+    assert_idle(llm)
     again = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in again] == expected
     assert all(o.outputs[0].finish_reason == "length" and o.outputs[0].error is None for o in again)
-    assert engine.kv.num_free_blocks == engine.runner.num_blocks
+    assert_idle(llm)
 
 
 def check_fault(outs: list[RequestOutput], expected: list[list[int]], failed: set[int], num_tokens: int, names: list[str]) -> None:
@@ -87,7 +77,7 @@ def check_fault(outs: list[RequestOutput], expected: list[list[int]], failed: se
 
 def test_clean_run_matches_transformers(registry: Registry, tiny) -> None:
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME)
     assert_recovered(llm, prompts, expected)
 
 
@@ -97,7 +87,7 @@ def test_attention_backend_raising_mid_step(registry: Registry, tiny, error: str
     model_dir, prompts, expected = tiny
     step = 4
     fail_at = NUM_LAYERS * (step - 1) + 2
-    llm = make_llm(model_dir, attention={"name": "faulty_attention", "options": {"fail_at": fail_at, "error": error}})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, attention={"name": "faulty_attention", "options": {"fail_at": fail_at, "error": error}})
     outs = llm.generate(prompts, GREEDY)
     check_fault(outs, expected, failed={0, 1}, num_tokens=step - 1, names=[
         "attention backend 'faulty_attention'", f"{raised}: injected fault in attention forward, call {fail_at}",
@@ -126,7 +116,7 @@ def test_kv_cache_manager_raising(registry: Registry, tiny, method: str, failed:
     model_dir, prompts, expected = tiny
     fail_at = {"get_computed_prefix": 2, "new_block_ids": 3}.get(method, 5)
     manager = {"name": "faulty_kv", "options": {"fail_at": fail_at, "method": method}}
-    llm = make_llm(model_dir, kv_cache={"manager": manager, "block_size": BS, "num_blocks": 64})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, kv_cache={"manager": manager})
     outs = llm.generate(prompts, GREEDY)
     check_fault(outs, expected, failed=failed, num_tokens=num_tokens,
                 names=[*names, f"InjectedFault: injected fault in KV-cache {method}, call {fail_at}"])
@@ -137,7 +127,7 @@ def test_kv_cache_manager_raising(registry: Registry, tiny, method: str, failed:
 def test_kv_cache_manager_raising_on_admission(registry: Registry, tiny) -> None:
     """Call 2 admits B, after get_computed_prefix claimed its cached blocks: those are given back."""
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, kv_cache={"manager": {"name": "faulty_kv", "options": {"fail_at": 0}}, "block_size": BS, "num_blocks": 64})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, kv_cache={"manager": {"name": "faulty_kv", "options": {"fail_at": 0}}})
     llm.generate(prompts[1:2], GREEDY)  # B's prefix is cached: its admission claims blocks first
     trigger = llm.engine.kv.trigger
     trigger.fail_at, trigger.calls = 2, 0
@@ -150,7 +140,7 @@ def test_kv_cache_manager_refusing_every_allocation_ends_requests_instead_of_spi
     """With the whole cache free, a refused allocation can never succeed later: the request ends with an error."""
     model_dir, prompts, _ = tiny
     manager = {"name": "faulty_kv", "options": {"fail_at": 1, "times": 10**6, "error": "refuse"}}
-    llm = make_llm(model_dir, kv_cache={"manager": manager, "block_size": BS, "num_blocks": 64})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, kv_cache={"manager": manager})
     outs = llm.generate(prompts, GREEDY)
     for out in outs:
         c = out.outputs[0]
@@ -163,7 +153,7 @@ def test_kv_cache_manager_refusing_every_allocation_ends_requests_instead_of_spi
 
 def test_sampler_raising(registry: Registry, tiny) -> None:
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, sampler={"name": "faulty_sampler", "options": {"fail_at": 3}})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, sampler={"name": "faulty_sampler", "options": {"fail_at": 3}})
     outs = llm.generate(prompts, GREEDY)
     check_fault(outs, expected, failed={0, 1}, num_tokens=2, names=[
         "sampler 'faulty_sampler' failed", "InjectedFault: injected fault in sampler sample, call 3",
@@ -173,7 +163,7 @@ def test_sampler_raising(registry: Registry, tiny) -> None:
 
 def test_sampler_returning_a_token_outside_the_vocabulary(registry: Registry, tiny) -> None:
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, sampler={"name": "lying_sampler", "options": {"fail_at": 2}})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, sampler={"name": "lying_sampler", "options": {"fail_at": 2}})
     outs = llm.generate(prompts, GREEDY)
     check_fault(outs, expected, failed={0, 1}, num_tokens=1, names=[
         "sampler 'lying_sampler' returned token ids outside the vocabulary: [256, 256]", "in [0, 256)",
@@ -183,7 +173,7 @@ def test_sampler_returning_a_token_outside_the_vocabulary(registry: Registry, ti
 
 def test_plugin_failing_every_step_ends_every_request_without_hanging(registry: Registry, tiny) -> None:
     model_dir, prompts, _ = tiny
-    llm = make_llm(model_dir, attention={"name": "faulty_attention", "options": {"fail_at": 1, "times": 10**6}})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, attention={"name": "faulty_attention", "options": {"fail_at": 1, "times": 10**6}})
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].finish_reason for o in outs] == ["error"] * 4
     assert all(o.outputs[0].token_ids == [] and "faulty_attention" in o.outputs[0].error for o in outs)
@@ -193,7 +183,7 @@ def test_plugin_failing_every_step_ends_every_request_without_hanging(registry: 
 
 def test_stream_reports_the_error_and_frees(registry: Registry, tiny) -> None:
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir, sampler={"name": "faulty_sampler", "options": {"fail_at": 4}})
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME, sampler={"name": "faulty_sampler", "options": {"fail_at": 4}})
     last = {}
     for out in llm.stream(prompts[:1], GREEDY):
         last[out.request_id] = out
@@ -237,5 +227,5 @@ def test_an_entry_point_that_fails_to_import_leaves_the_others_loading(monkeypat
     # the engine builds and serves from that registry
     monkeypatch.setattr(registry_module, "_default", reg)
     model_dir, prompts, expected = tiny
-    llm = make_llm(model_dir)
+    llm = make_llm(model_dir, scheduler=TWO_AT_A_TIME)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], GREEDY)] == expected[:2]
