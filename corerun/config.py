@@ -204,7 +204,7 @@ class Config(_Strict):
     skip_tokenizer_init: bool = False
     allow_pickle_weights: bool = False  # load pytorch_model.bin through torch.load (unsafe); safetensors otherwise
     max_logprobs: int = Field(20, ge=0)
-    threads: int | Literal["auto"] = "auto"  # torch's intra-op CPU threads; auto: the physical cores (corerun.threads)
+    threads: int | Literal["auto"] = "auto"  # torch's intra-op CPU threads; auto: the physical cores (corerun.platform.host)
     server: ServerConfig = ServerConfig()
 
     @field_validator("threads")

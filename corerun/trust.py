@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from corerun._version import PROTOCOL_VERSION, __version__
-from corerun.cache import cache_dir
+from corerun.platform.host import cache_dir
 
 BUILTIN, FIRST_PARTY, THIRD_PARTY = "built-in", "first-party", "third-party"
 RANK = {BUILTIN: 2, FIRST_PARTY: 1, THIRD_PARTY: 0}  # who keeps a name registered twice

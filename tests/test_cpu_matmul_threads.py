@@ -13,7 +13,7 @@ import torch
 from corerun.config import load_config
 from corerun.errors import ConfigError
 from corerun.models.layers import Linear, LMHead, PackedWeight
-from corerun.threads import physical_cores, resolve_threads
+from corerun.platform.host import physical_cores, resolve_threads
 from tests.helpers.tiny_models import make_tiny_model
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -131,7 +131,7 @@ def test_engine_applies_threads(tmp_path):
 
 
 def test_cpu_flags():
-    from corerun.cpu_features import BF16_FLAGS, cpu_flags
+    from corerun.platform.host import BF16_FLAGS, cpu_flags
 
     text = _cpuinfo([(0, 0, 0)]).replace("flags\t\t: avx2", "flags\t\t: fpu avx2 avx512f avx512_bf16")
     assert cpu_flags(text) == {"fpu", "avx2", "avx512f", "avx512_bf16"} and BF16_FLAGS & cpu_flags(text)

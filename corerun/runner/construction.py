@@ -29,7 +29,7 @@ from corerun.protocols.sampler import SamplingMetadata
 from corerun.runner import profile
 from corerun.runner.profile import StepMemory
 from corerun.sampling_params import SamplingParams
-from corerun.threads import apply_threads
+from corerun.platform.host import apply_threads
 
 logger = logging.getLogger("corerun.runner")
 

@@ -19,7 +19,7 @@ Importing ``corerun.sdk`` imports no torch; its submodules do.
 
 from __future__ import annotations
 
-from corerun.cache import cache_dir
+from corerun.platform.host import cache_dir
 from corerun.sdk.checks import require_params, require_spec
 
 __all__ = ["cache_dir", "require_params", "require_spec"]

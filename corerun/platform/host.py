@@ -1,0 +1,108 @@
+"""The host: its processors (read once from ``/proc/cpuinfo``), the ``threads`` setting, and the cache folder.
+
+``threads: auto`` (the default) is the number of physical cores this process may run on: hyper-threads
+share one core's vector units, so a second thread per core slows dense matmuls down rather than up.
+Tensor-parallel ranks on one host share the cores, so ``auto`` gives each of ``world_size`` ranks its
+share.  The engine applies the setting once at start (:func:`apply_threads`); the benchmark reports it.
+
+``native_bfloat16()``: the CPU has bfloat16 dot-product instructions (AVX512_BF16, or AMX's bfloat16
+tiles) and torch's oneDNN uses them.  There bfloat16 weights are multiplied at about twice to three
+times the float32 rate with float32 accumulation (``dtype: bfloat16``); without them torch emulates
+bfloat16 and it is slower than float32.  ``dtype: auto`` still picks float32 on CPU: why is in
+docs/benchmarks.md.
+
+Importing this module imports no torch; the functions that size or ask torch import it when called.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def processors(cpuinfo: str | None = None) -> list[dict[str, str]]:
+    """One ``{field: value}`` per processor block of ``cpuinfo`` (``/proc/cpuinfo`` when ``None``).
+
+    Empty where the file cannot be read; blocks without a ``processor`` field are left out.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return []
+    found = []
+    for block in cpuinfo.split("\n\n"):
+        fields = {}
+        for line in block.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip()] = value.strip()
+        if "processor" in fields:
+            found.append(fields)
+    return found
+
+
+def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) -> int:
+    """Physical cores among the CPUs this process may use (``os.sched_getaffinity``).
+
+    Counted as distinct ``(physical id, core id)`` pairs of the allowed processors; where the
+    processors or those fields are missing, the allowed CPUs themselves.
+    """
+    if allowed is None:
+        allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = {
+        (p.get("physical id", "0"), p["core id"])
+        for p in processors(cpuinfo)
+        if "core id" in p and int(p["processor"]) in allowed
+    }
+    return max(1, len(cores) if cores else len(allowed))
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The ``flags`` of the first processor (empty where there is no such field or file)."""
+    found = processors(cpuinfo)
+    return frozenset(found[0].get("flags", "").split()) if found else frozenset()
+
+
+@lru_cache(maxsize=1)
+def native_bfloat16() -> bool:
+    """The CPU multiplies bfloat16 natively (AVX512_BF16 or AMX-BF16) and torch's oneDNN has that path."""
+    if not BF16_FLAGS & cpu_flags():
+        return False
+    import torch
+
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_threads(setting: int | str, world_size: int = 1) -> int:
+    """The thread count for ``threads: setting`` (an integer, or ``"auto"``) in one of ``world_size`` ranks."""
+    if setting == "auto":
+        return max(1, physical_cores() // max(1, world_size))
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"threads must be an integer >= 1 or 'auto', got {setting!r}")
+    return setting
+
+
+def apply_threads(setting: int | str, world_size: int = 1) -> int:
+    """Size torch's intra-op pool for ``threads: setting``; returns the thread count now in force."""
+    import torch
+
+    n = resolve_threads(setting, world_size)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def cache_dir() -> Path:
+    """Where corerun keeps what it makes once per machine (the converted default model, certificates of
+    conformance runs, plugins' compiled kernels): ``$CORERUN_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/corerun``, else ``~/.cache/corerun``."""
+    if os.environ.get("CORERUN_CACHE_DIR"):
+        return Path(os.environ["CORERUN_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "corerun"
+    return Path.home() / ".cache" / "corerun"
