@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from corerun import LLM, SamplingParams
+from corerun import SamplingParams
 from corerun.engine.stop_strings import StopMatcher, StopStrings
 from corerun.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from corerun.testing import assert_idle, make_llm
 from tests.helpers.engine_testing import no_hang  # noqa: F401
-from tests.helpers.serving import ENGINE, tiny_chat_model
+from tests.helpers.serving import tiny_chat_model
 
 
 # ------------------------------------------------------------ stop strings: limits
@@ -142,10 +143,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tiny_chat_model(tmp_path_factory.mktemp("nan"))
 
 
-def _llm(model_dir: Any, sampler: str, **kw: Any) -> LLM:
-    return LLM(str(model_dir), **{**ENGINE, "sampler": sampler}, kv_cache={"num_blocks": 64, "block_size": 4}, **kw)
-
-
 PROMPTS = ["the cat sat on the mat", "a dog ran to the log and sat"]
 
 
@@ -154,7 +151,7 @@ PROMPTS = ["the cat sat on the mat", "a dog ran to the log and sat"]
 def test_a_row_with_non_finite_logits_ends_in_error_and_the_others_go_on(tiny_dir: Any, sampler: str, poison: str) -> None:
     logprobs = 2 if sampler == "full" else None
     clean = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs)
-    with _llm(tiny_dir, sampler) as llm:
+    with make_llm(tiny_dir, sampler=sampler, seed=0) as llm:
         reference = [o.outputs[0] for o in llm.generate(PROMPTS, clean, use_tqdm=False)]
         runner = llm.engine.runner
         runner.sampler = PoisoningSampler(runner.sampler, poison, after=3)
@@ -168,14 +165,14 @@ def test_a_row_with_non_finite_logits_ends_in_error_and_the_others_go_on(tiny_di
             assert len(bad.logprobs) == 3 and len(good.logprobs) == 8
             values = [lp.logprob for step in bad.logprobs + good.logprobs for lp in step.values()]
             assert all(math.isfinite(v) for v in values)
-        assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+        assert_idle(llm)
 
 
 def test_a_sampled_row_with_nan_logits_ends_in_error_beside_a_seeded_one(tiny_dir: Any) -> None:
     """Random rows too: the race's winning p / q is NaN for a poisoned row; a seeded row beside it
     gets the tokens it gets alone."""
     seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
-    with _llm(tiny_dir, "full") as llm:
+    with make_llm(tiny_dir, sampler="full", seed=0) as llm:
         alone = llm.generate(PROMPTS[1:], seeded, use_tqdm=False)[0].outputs[0]
         runner = llm.engine.runner
         runner.sampler = PoisoningSampler(runner.sampler, "nan_row", after=0)
