@@ -8,7 +8,7 @@ from typing import Any
 # Sampling fields the engine itself handles; every sampler "honours" them.
 ENGINE_PARAMS = frozenset({"n", "max_tokens", "ignore_eos", "stop_token_ids", "stop", "include_stop_str_in_output",
                            "skip_special_tokens"})
-# Sampling fields served by logits processors (corerun.logits_processing), before the sampler sees the logits.
+# Sampling fields served by logits processors (corerun.runner.logits_processing), before the sampler sees the logits.
 PROCESSOR_PARAMS = frozenset({"structured_outputs"})
 
 

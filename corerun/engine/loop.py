@@ -193,7 +193,7 @@ class EngineLoop:
 
     def _warm(self, params: Seq[Any]) -> None:
         """Compile structured-output grammars on the caller's thread, so admission on the loop's
-        thread finds them cached instead of compiling between two steps (corerun.logits_processing)."""
+        thread finds them cached instead of compiling between two steps (corerun.runner.logits_processing)."""
         if any(self._wants_processors(p) for p in params):
             self.engine.runner.logits_processors.warm(params)
 

@@ -1,6 +1,6 @@
 """The ``LogitsProcessor`` protocol: per-request state that edits the logits of its rows before the sampler.
 
-The runner (:mod:`corerun.logits_processing`) drives it.  Keys are the engine's ``seq_id``: one per
+The runner (:mod:`corerun.runner.logits_processing`) drives it.  Keys are the engine's ``seq_id``: one per
 sample (``n > 1`` gives each sample its own key and state), never reused, kept across preemption.
 
     prepare(params)                 admission, before the request is queued (may compile; raise to refuse it)

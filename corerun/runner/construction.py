@@ -23,7 +23,7 @@ import torch
 from corerun.capabilities import Need
 from corerun.errors import ConfigError
 from corerun.kv_cache.memory import check_kv_cache_fits
-from corerun.logits_processing import LogitsProcessors
+from corerun.runner.logits_processing import LogitsProcessors
 from corerun.protocols.graph import GraphLimits, ModelInputs
 from corerun.protocols.sampler import SamplingMetadata
 from corerun.runner import profile
@@ -110,7 +110,7 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
     # requests finished since the sampler was last called (SamplingMetadata.finished_seq_ids); read
     # and written by sample_tokens only, which runs one step at a time
     runner._finished_for_sampler = set()
-    runner.logits_processors = LogitsProcessors(  # between logits and sampler (corerun.logits_processing)
+    runner.logits_processors = LogitsProcessors(  # between logits and sampler (corerun.runner.logits_processing)
         registry, runner.vocab_size, runner.device, runner.sampler_name, runner.sampler.capabilities
     )
     return limits, need

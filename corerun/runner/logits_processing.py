@@ -26,7 +26,7 @@ import torch
 from corerun.capabilities import PROCESSOR_PARAMS, Need
 from corerun.registry import Registration, Registry
 
-logger = logging.getLogger("corerun.logits_processing")
+logger = logging.getLogger("corerun.runner.logits_processing")
 
 # What each field needs installed, for the error when nothing serves it.
 PROVIDERS = {"structured_outputs": "corerun-structured-output (pip install corerun-structured-output)"}
