@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corerun import LLM, SamplingParams
+from corerun import SamplingParams
 from corerun.capabilities import GraphRunnerCapabilities, Need
 from corerun.errors import ConfigError
 from corerun.graph.compiled import CompileGraphRunner, probe
 from corerun.registry import get_registry
+from corerun.testing import make_llm
 from corerun.testing.tiny_models import hf_model, make_tiny_model
 
 pytestmark = pytest.mark.skipif(bool(probe()), reason="; ".join(probe()) or "torch.compile available")
@@ -34,11 +35,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    # chunked prefill of 16 tokens: the long prompt is split, so steps mix prefill chunks and decodes
-    engine = LLM(
-        model=str(model_dir), graph={"runner": "compile"}, skip_tokenizer_init=True,
-        kv_cache={"num_blocks": 64, "block_size": 4}, scheduler={"max_num_batched_tokens": 16},
-    )
+    # chunked prefill of 16 tokens: the long prompt is split, so steps mix prefill chunks and decodes;
+    # attention as chosen for the CPU (kept out of the compiled graph)
+    engine = make_llm(model_dir, attention="auto", graph={"runner": "compile"}, skip_tokenizer_init=True,
+                      scheduler={"max_num_batched_tokens": 16})
     yield engine
     engine.shutdown()
 
