@@ -51,3 +51,21 @@ def test_the_newer_packages_are_in_the_contract(tmp_path: Path, module: str, upw
     done = _lint(tmp_path, tmp_path / "pyproject.toml")
     importer = "corerun." + module.removesuffix(".py").replace("/", ".")
     assert done.returncode != 0 and f"{importer} -> {upward}" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("module", "added", "chain"), [
+    # an import inside a function counts: the benchmark's corerun worker once reached up into the CLI this way
+    ("bench/peers/corerun_worker.py", "\ndef _options():\n    import corerun.cli.options\n",
+     "corerun.bench.peers.corerun_worker -> corerun.cli.options"),
+    # so does an import made only for type checking: sharding once named the models' config this way
+    ("distributed/sharding.py", "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from corerun.models.config import ModelConfig\n",
+     "corerun.distributed.sharding -> corerun.models.config"),
+])
+def test_lazy_and_type_only_upward_imports_break_the_contract(tmp_path: Path, module: str, added: str, chain: str) -> None:
+    shutil.copytree(ROOT / "corerun", tmp_path / "corerun", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    path = tmp_path / "corerun" / module
+    path.write_text(path.read_text() + added)
+    done = _lint(tmp_path, tmp_path / "pyproject.toml")
+    assert done.returncode != 0 and chain in done.stdout, done.stdout[-3000:]

@@ -27,9 +27,6 @@ def build_config(config_path: str | None, sets: tuple[str, ...], **overrides: An
     """The config from the YAML file, the flags and ``--set``; a ``model`` that is a Hugging Face Hub id
     (``owner/name``, not a folder here) becomes its local snapshot folder (corerun.models.hub)."""
     from corerun.config import load_config
-    from corerun.models.hub import is_hub_id, resolve_model
+    from corerun.models.hub import with_local_model
 
-    config = load_config(config_path, overrides={k: v for k, v in overrides.items() if v is not None}, sets=list(sets))
-    if config.model and is_hub_id(str(config.model)):
-        return config.model_copy(update={"model": resolve_model(str(config.model))})
-    return config
+    return with_local_model(load_config(config_path, overrides={k: v for k, v in overrides.items() if v is not None}, sets=list(sets)))

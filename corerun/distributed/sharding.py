@@ -11,12 +11,21 @@ rank's range padded with zero rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from corerun.errors import ConfigError
 
-if TYPE_CHECKING:
-    from corerun.models.config import ModelConfig
+
+class ModelShape(Protocol):
+    """The sizes of a model that sharding reads (``corerun.models.config.ModelConfig`` has them); this
+    layer sits below the models and names none of their classes."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +87,7 @@ def shard_vocab(vocab_size: int, rank: int, world_size: int) -> VocabShard:
     return VocabShard(vocab_size, start, min(start + per_rank, vocab_size), per_rank)
 
 
-def model_problems(config: "ModelConfig", world_size: int) -> list[str]:
+def model_problems(config: ModelShape, world_size: int) -> list[str]:
     """Every reason ``world_size`` ranks cannot split this model (empty when they can)."""
     problems = head_problems(config.num_heads, config.num_kv_heads, world_size)
     if config.intermediate_size % world_size:
@@ -86,12 +95,12 @@ def model_problems(config: "ModelConfig", world_size: int) -> list[str]:
     return problems
 
 
-def valid_sizes(config: "ModelConfig") -> list[int]:
+def valid_sizes(config: ModelShape) -> list[int]:
     """The tensor-parallel sizes this model can be split into."""
     return [n for n in range(1, config.num_heads + 1) if not model_problems(config, n)]
 
 
-def check_model(config: "ModelConfig", world_size: int) -> None:
+def check_model(config: ModelShape, world_size: int) -> None:
     """Raise ConfigError naming every problem and the sizes that would work."""
     problems = model_problems(config, world_size)
     if problems:

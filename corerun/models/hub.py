@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from corerun.models.errors import ModelLoadError
 
@@ -21,6 +22,13 @@ FILES = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.tiktoke
 def is_hub_id(model: str) -> bool:
     """``owner/name`` that is not a path on this machine."""
     return bool(HUB_ID.match(model)) and not Path(model).expanduser().exists()
+
+
+def with_local_model(config: Any) -> Any:
+    """``config`` (a :class:`corerun.config.Config`) with a Hub id in ``model`` replaced by its local snapshot folder."""
+    if config.model and is_hub_id(str(config.model)):
+        return config.model_copy(update={"model": resolve_model(str(config.model))})
+    return config
 
 
 def resolve_model(model: str) -> str:

@@ -17,11 +17,12 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     from corerun._version import __version__
     from corerun.bench.corerun_run import load_corerun, run_corerun
     from corerun.bench.workload import LengthRange, Workload
-    from corerun.cli.options import build_config
+    from corerun.config import load_config
+    from corerun.models.hub import with_local_model
 
     opts = req["options"]
     overrides = dict(opts.get("overrides") or {}, dtype=req["dtype"], threads=req["threads"])
-    cfg = build_config(opts.get("config_path"), tuple(opts.get("sets") or ()), **overrides)
+    cfg = with_local_model(load_config(opts.get("config_path"), overrides=overrides, sets=list(opts.get("sets") or ())))
     lens = [len(p) for p in req["prompts"]]
     workload = Workload(req["prompts"], req["output_lens"], 0, LengthRange(min(lens), max(lens)),
                         LengthRange(min(req["output_lens"]), max(req["output_lens"])))
