@@ -42,6 +42,7 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("module", "upward"), [
     ("quantization/base.py", "corerun.models.layers"),  # quantization sits below the model layers that use it
     ("tool_parsers/protocol.py", "corerun.server.tool_calls"),  # tool parsers are a leaf the server uses
+    ("platform/host.py", "corerun.protocols.attention"),  # host facts sit below every layer
 ])
 def test_the_newer_packages_are_in_the_contract(tmp_path: Path, module: str, upward: str) -> None:
     shutil.copytree(ROOT / "corerun", tmp_path / "corerun", ignore=shutil.ignore_patterns("__pycache__"))
