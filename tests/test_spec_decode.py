@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corerun import LLM, SamplingParams
+from corerun import SamplingParams
 from corerun.conformance.stats import chi_square_fit
 from corerun.core.sequence import Sequence
 from corerun.errors import ConfigError
 from corerun.spec_decode import NgramProposer, accept_drafts, expand_metadata
+from corerun.testing import assert_idle, make_llm
 from corerun.testing.reference import hf_greedy, second_token_fit
 from corerun.testing.tiny_models import make_tiny_model
 
@@ -103,13 +104,6 @@ def tiny(tmp_path_factory):
     return d, prompts, hf_greedy(d, prompts, 20)
 
 
-def _llm(model_dir, spec, **kw):
-    kw.setdefault("kv_cache", {"block_size": BS, "num_blocks": 64})
-    kw.setdefault("scheduler", {"max_model_len": 128})
-    extra = {"speculative": SPEC} if spec else {}
-    return LLM(model=model_dir, device="cpu", dtype="float32", attention="torch", **kw, **extra)
-
-
 @pytest.mark.parametrize(
     "scheduler,num_blocks",
     [
@@ -120,14 +114,12 @@ def _llm(model_dir, spec, **kw):
 def test_greedy_with_drafts_equals_hf(tiny, scheduler, num_blocks):
     model_dir, prompts, expected = tiny
     max_tokens = 20
-    llm = _llm(model_dir, True, kv_cache={"block_size": BS, "num_blocks": num_blocks},
-               scheduler={"max_model_len": 128, **scheduler})
+    llm = make_llm(model_dir, speculative=SPEC, kv_cache={"num_blocks": num_blocks}, scheduler=scheduler)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.spec_stats
     assert stats.num_accepted_tokens > 0 and stats.mean_accepted_length > 1.0, stats.to_dict()
-    kv = llm.engine.kv
-    assert kv.num_free_blocks == kv.num_blocks  # nothing kept for rejected drafts after the requests end
+    assert_idle(llm)  # nothing kept for rejected drafts after the requests end
     if num_blocks == 20:
         assert llm.engine.scheduler.num_preemptions > 0
 
@@ -140,8 +132,8 @@ def test_seeded_penalised_sampling_with_drafts_equals_without(tiny):
         for i in range(len(prompts))
     ] + [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True, presence_penalty=0.5)]
     prompts = prompts + [prompts[0]]
-    off = [o.outputs[0].token_ids for o in _llm(model_dir, False).generate(prompts, params)]
-    llm = _llm(model_dir, True)
+    off = [o.outputs[0].token_ids for o in make_llm(model_dir).generate(prompts, params)]
+    llm = make_llm(model_dir, speculative=SPEC)
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert on == off
     assert llm.engine.spec_stats.num_draft_tokens > 0
@@ -149,7 +141,7 @@ def test_seeded_penalised_sampling_with_drafts_equals_without(tiny):
 
 def test_accepted_tokens_stop_at_max_tokens_and_stop_tokens(tiny):
     model_dir, prompts, _ = tiny
-    llm_off, llm_on = _llm(model_dir, False), _llm(model_dir, True)
+    llm_off, llm_on = make_llm(model_dir), make_llm(model_dir, speculative=SPEC)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     full = llm_off.generate(prompts, greedy)
     for max_tokens in (2, 5, 7):
@@ -174,7 +166,7 @@ def test_a_sampler_that_cannot_verify_drafts_is_refused(tiny, monkeypatch):
 
     monkeypatch.setattr(BasicSampler, "capabilities", SamplerCapabilities(params=frozenset({"temperature", "seed"})))
     with pytest.raises(ConfigError, match="draft_verification"):
-        _llm(tiny[0], True, sampler="basic")
+        make_llm(tiny[0], speculative=SPEC, sampler="basic")
 
 
 def test_stop_strings_inside_accepted_runs(tmp_path):
@@ -182,7 +174,7 @@ def test_stop_strings_inside_accepted_runs(tmp_path):
 
     model_dir = make_tiny_model(tmp_path, arch="llama", seed=5)
     add_tiny_tokenizer(model_dir)
-    off, on = _llm(model_dir, False), _llm(model_dir, True)
+    off, on = make_llm(model_dir), make_llm(model_dir, speculative=SPEC)
     g = torch.Generator().manual_seed(9)
     base = torch.randint(3, 256, (5,), generator=g).tolist()
     prompts = [base * 4, torch.randint(3, 256, (7,), generator=g).tolist() * 2]
@@ -217,7 +209,7 @@ def test_paged_trim_frees_the_tail_but_never_a_registered_block():
 
 def test_rejected_draft_blocks_are_given_back_each_step(tiny):
     model_dir, prompts, expected = tiny
-    llm = _llm(model_dir, True)
+    llm = make_llm(model_dir, speculative=SPEC)
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), request_id=str(i))
@@ -243,9 +235,7 @@ def test_engine_sampled_tokens_with_drafts_follow_the_hf_law(tmp_path):
     prompt = (torch.randperm(253, generator=g)[:96] + 3).tolist()
     T, N = 0.7, 3000
     spec = {"method": "ngram", "num_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    llm = LLM(model=model_dir, device="cpu", dtype="float32", attention="torch",
-              kv_cache={"block_size": BS, "num_blocks": 4096}, scheduler={"max_model_len": 128, "max_num_seqs": 512},
-              speculative=spec)
+    llm = make_llm(model_dir, kv_cache={"num_blocks": 4096}, scheduler={"max_num_seqs": 512}, speculative=spec)
     fit = second_token_fit(llm, model_dir, prompt, T, N)
     assert fit.ok, fit.describe()
     assert llm.engine.spec_stats.num_drafts > N // 5
