@@ -90,13 +90,13 @@ class TensorParallelRunner(ModelRunner):
 
     @staticmethod
     def _check_model(config: Config) -> None:
-        from corerun.models.config import ModelConfig
+        """The model's heads and features split over the ranks, read from the folder the runner loads
+        (a ``.gguf`` file's folder is written here once, before the workers would race to write it)."""
         from corerun.distributed.sharding import check_model
+        from corerun.models.config import ModelConfig
+        from corerun.runner.construction import model_dir_for
 
-        from corerun.runner.construction import default_model_dir
-
-        model_dir = config.model if config.model else default_model_dir()
-        check_model(ModelConfig.from_model_dir(model_dir), config.tensor_parallel_size)
+        check_model(ModelConfig.from_model_dir(model_dir_for(config)), config.tensor_parallel_size)
 
     def _startup_failure(self, exc: BaseException) -> Failure | None:
         """The worker to blame when a collective of rank 0's construction broke (a worker failed while building)."""
