@@ -3,6 +3,7 @@ answers, each shown to raise where it must."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -106,5 +107,22 @@ def test_assert_idle_names_each_thing_left_until_the_request_is_released(model_d
         engine.abort(rid)
         with pytest.raises(AssertionError, match=rf"^engine not idle after waiting 0.05 s: 1 request\(s\) not released: '{rid}'$"):
             assert_idle(llm, timeout=0.05)
+        engine.release(rid)
+        assert_idle(llm)
+
+
+def test_assert_idle_counts_the_draft_models_cache_and_sequences(model_dir: Path) -> None:
+    draft = {"method": "draft_model", "model": str(model_dir), "num_tokens": 2}
+    with make_llm(model_dir, speculative=draft) as llm:
+        engine = llm.engine
+        rid = engine.add_request(list(range(3, 13)), GREEDY)  # 10 tokens: 3 blocks of 4 in each cache
+        engine.step()
+        with pytest.raises(AssertionError) as err:
+            assert_idle(llm)
+        assert "3 of 64 blocks of the KV cache in use" in str(err.value)
+        assert re.search(r"3 of \d+ blocks of the draft model's KV cache in use", str(err.value)), err.value
+        assert "1 draft-model sequence(s) kept, for seq id(s) 0" in str(err.value)
+        while engine.has_unfinished_requests():
+            engine.step()
         engine.release(rid)
         assert_idle(llm)

@@ -58,10 +58,10 @@ def leftovers(llm: Any) -> list[str]:
     """What ``llm`` (a :class:`corerun.LLM` or its ``LLMEngine``) still holds, one phrase each; ``[]`` when idle.
 
     Counted: requests running or waiting in the scheduler, requests the engine has not released
-    (their outputs not yet taken), a step launched and not collected (asynchronous scheduling), and
+    (their outputs not yet taken), a step launched and not collected (asynchronous scheduling),
     KV-cache blocks in use, in the target model's cache and in the draft model's (speculative decoding
-    with a draft model).  A block a finished request left in the prefix cache counts as free: the
-    next request may evict it.
+    with a draft model), and the draft model's copies of requests' tokens it still keeps.  A block a
+    finished request left in the prefix cache counts as free: the next request may evict it.
     """
     engine = getattr(llm, "engine", llm)
     found: list[str] = []
@@ -84,6 +84,9 @@ def leftovers(llm: Any) -> list[str]:
         used = stats.num_blocks - stats.num_free_blocks
         if used:
             found.append(f"{used} of {stats.num_blocks} blocks of the {name} in use")
+    kept = list(getattr(proposer, "seqs", None) or ())
+    if kept:
+        found.append(f"{len(kept)} draft-model sequence(s) kept, for seq id(s) {_ids(kept)}")
     return found
 
 
