@@ -2,7 +2,7 @@
 
 STEP_FIELDS is the single description of a step's arrays.  These tests check that each consumer
 follows it, field by field, so that a field added there and forgotten elsewhere fails here: the
-runner's staging buffer (StepInputs), the tensor-parallel pack/unpack, the CUDA-graph runner's static
+runner's staging buffer (StepInputs), the CUDA-graph runner's static
 inputs, and the plain builder (requests_step) the profile, tests and conformance suites use.  Values
 are random and buffers are poisoned first, so an element a consumer does not carry shows.
 """
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from corerun.core.batch import NewRequest, ScheduledBatch
-from corerun.executor.step import pack_step, unpack_step
 from corerun.graph.static_inputs import StaticDecodeInputs
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import GraphLimits, ModelInputs
@@ -77,24 +76,6 @@ def test_the_byte_layout_places_each_field_aligned_and_apart(dims):
 def test_a_layout_of_negative_counts_is_refused_by_name():
     with pytest.raises(ValueError, match=r"num_reqs=-1"):
         StepLayout.of(3, -1, 2)
-
-
-@pytest.mark.parametrize("dims", DIMS)
-def test_every_field_round_trips_through_the_tensor_parallel_pack(dims):
-    gen = torch.Generator().manual_seed(sum(dims))
-    inputs = random_inputs(gen, *dims)
-    header, packed = pack_step(inputs)
-    assert packed.dtype == torch.int64 and packed.numel() == header.packed_size
-    poisoned = torch.full_like(packed, -0x5A5A5A5A5A5A5A5B)  # what a worker receives into: overwritten whole
-    poisoned.copy_(packed)
-    got = unpack_step(header, poisoned)
-    for f, want, have in zip(STEP_FIELDS, step_tensors(inputs), step_tensors(got)):
-        assert have.dtype == f.dtype and tuple(have.shape) == f.shape(*dims), f.name
-        assert torch.equal(have, want), f.name
-    b, g = inputs.batch, got.batch
-    assert (g.num_tokens, g.num_reqs, g.max_query_len, g.max_seq_len, g.num_decodes) == (
-        b.num_tokens, b.num_reqs, b.max_query_len, b.max_seq_len, b.num_decodes)
-    assert torch.equal(g.query_start_loc_cpu, b.query_start_loc_cpu) and torch.equal(g.seq_lens_cpu, b.seq_lens_cpu)
 
 
 def test_the_staging_buffer_holds_each_field_where_the_layout_says():

@@ -22,6 +22,7 @@ import textwrap
 import time
 import weakref
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -136,6 +137,53 @@ def test_greedy_output_equals_hf_and_one_process(cases, arch, n):
         llm.engine.shutdown()
     assert not os.path.exists(f"/proc/{pids[0]}") and not _tp_children()
     llm.engine.shutdown()  # twice is harmless
+
+
+def test_every_rank_holds_the_same_persistent_batch_through_preemption_and_prefix_hits(cases):
+    """Each rank applies the scheduler's message to its own persistent batch: after every step the workers'
+    batches equal rank 0's row for row (tokens, computed counts, block tables), rank 0's holds what the
+    scheduler and the KV-cache manager hold, and the output stays HF's greedy tokens."""
+    case = cases["llama"]
+    llm = _tp_llm(case, 2, kv_cache={"block_size": 4, "num_blocks": 14})  # too few for every request at once
+    engine, runner = llm.engine, llm.engine.runner
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        order = [engine.add_request(p, params) for p in case.prompts]
+        done: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for seq in engine.step():
+                if seq.is_finished:
+                    done[seq.request_id] = seq.token_ids[seq.num_prompt_tokens:]
+            steps += 1
+            rank0, *others = runner.batch_snapshots()
+            assert all(o == rank0 for o in others), f"step {steps}: the ranks' persistent batches differ"
+            for seq in engine.scheduler.running:
+                row = rank0[seq.seq_id]
+                assert list(row[1]) == list(seq.token_ids), f"step {steps}: request {seq.seq_id}'s tokens"
+                assert list(row[4]) == engine.kv.block_table(seq.seq_id), f"step {steps}: request {seq.seq_id}'s blocks"
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.stats().prefix_hits > 0
+        assert [done[r] for r in order] == case.hf
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_message_pickles_whole_with_its_drafts():
+    """Rank 0 sends the ScheduledBatch as it is; its read-only drafts mapping survives the trip."""
+    import pickle
+
+    from corerun.core.batch import BlockIds, CachedRequest, NewRequest, ScheduledBatch
+
+    batch = ScheduledBatch(
+        req_ids=(7, 3), num_scheduled=(3, 5), num_decodes=1,
+        new_reqs=(NewRequest(3, (1, 2, 3, 4, 5), (), SamplingParams(max_tokens=4), (9, 2), 0),),
+        cached_reqs=(CachedRequest(7, 10, (42,), 11, BlockIds(2, (5,)), 10),),
+        drafts=MappingProxyType({7: (8, 9)}), finished_ids=frozenset({1}), preempted_ids=frozenset({2}),
+    )
+    got = pickle.loads(pickle.dumps(batch))
+    assert got == batch and dict(got.drafts) == {7: (8, 9)}
+    with pytest.raises(TypeError):
+        got.drafts[7] = ()  # still read-only
 
 
 def test_four_ranks_share_two_kv_heads_and_a_killed_worker_is_named(cases):

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
@@ -113,6 +113,13 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.req_ids)
 
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickles with its drafts as a plain dict (a read-only mapping view does not pickle): tensor-parallel
+        rank 0 sends the batch to its workers as it is."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["drafts"] = dict(self.drafts)
+        return _unpickled_batch, (values,)
+
     def only(self, keep: list[int]) -> ScheduledBatch:
         """This batch with only its rows ``keep`` (indices, in order): the per-request fields follow."""
         ids = frozenset(self.req_ids[i] for i in keep)
@@ -129,6 +136,10 @@ class ScheduledBatch:
         if not earlier.finished_ids:
             return self
         return replace(self, finished_ids=earlier.finished_ids | self.finished_ids)
+
+
+def _unpickled_batch(values: dict[str, Any]) -> ScheduledBatch:
+    return ScheduledBatch(**{**values, "drafts": MappingProxyType(values["drafts"])})
 
 
 @dataclass

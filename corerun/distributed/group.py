@@ -2,7 +2,8 @@
 
 The layers see only ``rank``, ``world_size``, ``all_reduce`` and ``gather_last_dim`` (anything with
 those works, as the tests' single-process stand-in shows); the driver and workers also use
-``broadcast``, and every rank's ModelRunner ``min_int`` (the KV cache's block count).  A failed collective raises :class:`CommunicationError`.
+``gather_object`` (comparing the ranks' persistent batches), and every rank's ModelRunner ``min_int``
+(the KV cache's block count).  A failed collective raises :class:`CommunicationError`.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class TensorParallelGroup:
         _collective("gather", lambda: dist.gather(x, parts, dst=0, group=self.group))
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype everywhere), in place; returns ``x``."""
-        _collective("broadcast", lambda: dist.broadcast(x, src=0, group=self.group))
-        return x
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Rank 0: every rank's picklable ``obj``, in rank order; other ranks: ``None`` (they only send)."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        _collective("gather_object", lambda: dist.gather_object(obj, out, dst=0, group=self.group))
+        return out
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks."""

@@ -1,11 +1,12 @@
 """``TensorParallelRunner``: rank 0 of a tensor-parallel group, a ModelRunner whose steps the workers mirror.
 
 Rank 0 does everything a ModelRunner does (it schedules nothing itself: the engine does, against
-rank 0's KV-cache manager).  It extends ModelRunner's two seams: ``_forward`` sends the step's inputs
-to ranks 1..N-1 before running its own forward, and ``_compute_logits`` announces and broadcasts the
-hidden rows, so that every rank takes part in the vocabulary gather.  Only rank 0 samples.  The KV
-cache's block count is agreed inside ModelRunner's construction (the smallest rank's), before any
-rank allocates it.
+rank 0's KV-cache manager).  Each step's :class:`ScheduledBatch` message goes to ranks 1..N-1 as it
+is (plain values, with the tokens rank 0 sampled since its last command); every rank applies it to
+its own persistent batch, builds its own step inputs and runs the same forward.  ``_compute_logits``
+tells the workers which rows of their hidden states to project, so that every rank takes part in
+the vocabulary gather.  Only rank 0 samples.  The KV cache's block count is agreed inside
+ModelRunner's construction (the smallest rank's), before any rank allocates it.
 
 A rank that fails mid-step takes the group down (the others may be waiting in a collective that
 will never complete): the step's requests end with :class:`RankFailedError` ("tensor-parallel rank 1
@@ -19,14 +20,15 @@ import logging
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from corerun.config import Config
-from corerun.core.scheduler import ScheduledBatch
-from corerun.core.batch import StepResult
-from corerun.runner.model_runner import ModelRunner
+from corerun.core.batch import ScheduledBatch, StepResult
+from corerun.runner.model_runner import ExecuteModelState, ModelRunner, PreparedStep
 from corerun.distributed.errors import Failure, RankFailedError, TensorParallelError, is_communication_failure
-from corerun.executor.step import LogitsHeader, pack_step
+from corerun.executor.step import CompareBatch, Logits, Recorded, Step
+from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
 from corerun.registry import Registry
 
@@ -61,6 +63,7 @@ class TensorParallelRunner(ModelRunner):
         self._check_model(config)  # before any process starts
         ensure_not_initialized()
         self._busy = False  # True while the workers may be waiting in a collective for rank 0
+        self._recorded: Recorded = {}  # tokens sampled since the workers' last command (seq_id -> tokens)
         self._broken: RankFailedError | None = None
         self.workers: Any = None
         self._joined = False  # this object joined (and so must leave) the default process group
@@ -113,33 +116,66 @@ class TensorParallelRunner(ModelRunner):
         return {**super().describe(), "tensor_parallel_size": str(self.config.tensor_parallel_size)}
 
     # ------------------------------------------------------------------ step
+    def prepare_step(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> PreparedStep:
+        """The message goes to the workers first, with the tokens rank 0 sampled since its last command;
+        every rank then applies both to its own persistent batch and builds its own step inputs."""
+        self._busy = True  # from here the workers wait in the step's collectives for rank 0
+        recorded, self._recorded = self._recorded, {}
+        self.workers.send(Step(sched, recorded))
+        return super().prepare_step(sched, eos_token_ids)
+
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The step's inputs go to the workers first (they run the same forward); once rank 0's forward
-        returns, every rank has left the step's collectives."""
-        header, packed = pack_step(inputs)
-        self._busy = True
-        self.workers.send(header)
-        self.tp.broadcast(packed)
+        """Once rank 0's forward returns, every rank has left the step's collectives."""
         hidden = super()._forward(inputs)
         self._busy = False
         return hidden
 
-    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The workers are told to project the same rows onto their vocabulary ranges; rank 0 gathers them."""
+    def _compute_logits(self, hidden: torch.Tensor, rows: slice | np.ndarray, batch: AttentionBatch) -> torch.Tensor:
+        """The workers are told which rows of their own hidden states to project onto their vocabulary
+        ranges (every rank holds the same hidden states); rank 0 gathers the slices."""
         self._busy = True
-        self.workers.send(LogitsHeader(hidden.shape[0]))
-        self.tp.broadcast(hidden.contiguous())
-        logits = super()._compute_logits(hidden)
+        self.workers.send(Logits(rows))
+        logits = super()._compute_logits(hidden, rows, batch)
         self._busy = False
         return logits
 
-    def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
+    def sample_tokens(self, state: ExecuteModelState) -> StepResult:
+        """Rank 0 samples alone; the tokens it records in its persistent batch go to the workers with
+        the next command, before that command's message, as rank 0 applied them."""
+        result = super().sample_tokens(state)
+        req_ids = state.step.sched.req_ids
+        self._recorded = {req_ids[i]: tuple(result.emitted(j)) for j, i in enumerate(state.step.rows.tolist())}
+        return result
+
+    def batch_snapshots(self) -> list[dict[int, Any]]:
+        """Every rank's persistent batch (:meth:`InputBatch.snapshot`), rank 0's first: equal when the ranks
+        agree.  Between steps only; the workers first take the tokens rank 0 recorded since its last step."""
+        self._check_up()
+        recorded, self._recorded = self._recorded, {}
+        self._busy = True
+        try:
+            self.workers.send(CompareBatch(recorded))
+            snaps = self.tp.gather_object(self.input_batch.snapshot())
+        except BaseException as exc:
+            failure = self._diagnose(exc)
+            self._go_down(failure)
+            if isinstance(exc, Exception):
+                raise failure from exc
+            raise
+        self._busy = False
+        return snaps
+
+    def _check_up(self) -> None:
+        """Raise RankFailedError when the group is down (or a worker is seen gone now)."""
         if self._broken is None and self.workers is not None:
             found = self.workers.quick_check()
             if found is not None:
                 self._go_down(_rank_failed(found))
         if self._broken is not None:
             raise RankFailedError(self._broken.rank, f"{self._broken} (the tensor-parallel group is down; create a new LLM)")
+
+    def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
+        self._check_up()
         try:
             return super().execute(sched, eos_token_ids)
         except BaseException as exc:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from corerun.config import Config
 from corerun.distributed.errors import TensorParallelError
 from corerun.distributed.group import TensorParallelGroup
-from corerun.executor.step import Command, LogitsHeader, Shutdown, StepHeader, unpack_step
+from corerun.executor.step import Command, CompareBatch, Logits, Recorded, Shutdown, Step
+from corerun.runner.input_batch import InputBatch
 
 logger = logging.getLogger("corerun.parallel")
 
@@ -40,8 +41,12 @@ class CommandSource(Protocol):
 def serve(config: Config, group: TensorParallelGroup, source: CommandSource) -> None:
     """Build this rank's ModelRunner, then run rank 0's commands until :class:`Shutdown`.
 
-    A failure raises :class:`TensorParallelError` whose message names the stage and the error (the
-    caller reports it to rank 0 through ``source.fail``); ``EOFError`` means rank 0 closed the channel.
+    A step is rank 0's message: the worker records the tokens rank 0 sampled since its last command,
+    applies the message to its own persistent batch (exactly the changes rank 0's batch went through,
+    in the same order), builds its step inputs from it and runs the same forward; it keeps the
+    step's hidden states for the logits rank 0 asks for.  A failure raises :class:`TensorParallelError`
+    whose message names the stage and the error (the caller reports it to rank 0 through
+    ``source.fail``); ``EOFError`` means rank 0 closed the channel.
     """
     from corerun.runner.model_runner import ModelRunner
 
@@ -49,19 +54,29 @@ def serve(config: Config, group: TensorParallelGroup, source: CommandSource) -> 
     try:
         runner = ModelRunner(config, tp=group)  # agrees on the KV block count with the other ranks before allocating
         source.ready()
-        hidden_size, dtype, device = runner.model_config.hidden_size, runner.dtype, runner.device
+        batch = runner.input_batch
+        hidden: torch.Tensor | None = None
+        step: Any = None  # the current step's AttentionBatch
         while True:
             stage = "reading rank 0's commands"
             cmd = source.recv()
-            if isinstance(cmd, StepHeader):
+            if isinstance(cmd, Step):
+                stage = "applying the step's message to the persistent batch"
+                hidden = None
+                _record(batch, cmd.recorded)
+                inputs, _, _ = runner.prepare_inputs(cmd.batch)
                 stage = "running the model forward"
-                packed = group.broadcast(torch.empty(cmd.packed_size, dtype=torch.int64, device=device))
-                runner.graph.run(unpack_step(cmd, packed))
-            elif isinstance(cmd, LogitsHeader):
+                hidden, step = runner.graph.run(inputs), inputs.batch
+            elif isinstance(cmd, Logits):
                 stage = "computing logits"
-                hidden = group.broadcast(torch.empty(cmd.num_rows, hidden_size, dtype=dtype, device=device))
+                if hidden is None:
+                    raise TensorParallelError("rank 0 asked for logits, but no step's hidden states are held")
                 with torch.no_grad():
-                    runner.model.compute_logits(hidden)
+                    runner.model.compute_logits(runner.hidden_rows(hidden, cmd.rows, step))
+            elif isinstance(cmd, CompareBatch):
+                stage = "sending the persistent batch to rank 0"
+                _record(batch, cmd.recorded)
+                group.gather_object(batch.snapshot())
             elif isinstance(cmd, Shutdown):
                 return
             else:
@@ -70,6 +85,15 @@ def serve(config: Config, group: TensorParallelGroup, source: CommandSource) -> 
         raise
     except Exception as exc:
         raise TensorParallelError(f"{stage}: {type(exc).__name__}: {exc}") from exc
+
+
+def _record(batch: InputBatch, recorded: Recorded) -> None:
+    """The tokens rank 0 recorded after sampling (its ``InputBatch.record``), into this rank's batch."""
+    for seq_id, tokens in recorded.items():
+        row = batch.index.get(seq_id)
+        if row is None:
+            raise TensorParallelError(f"rank 0 recorded tokens for request {seq_id}, which this rank's batch does not hold")
+        batch.record(row, list(tokens))
 
 
 def failure_message(exc: BaseException) -> str:

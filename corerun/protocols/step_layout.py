@@ -6,7 +6,6 @@ a padding row holds.  Everything that lays out a step takes it from here:
 
 - the runner's host staging buffer (:class:`corerun.runner.step_inputs.StepInputs`): one byte buffer
   in :class:`StepLayout`, each field on a 16-byte boundary, copied to the device once per step;
-- the tensor-parallel broadcast (:mod:`corerun.executor.step`): the same bytes, broadcast as one tensor;
 - the CUDA-graph runner's static inputs (:mod:`corerun.graph.static_inputs`): one tensor per field,
   sized for the largest bucket, padding rows as :attr:`StepField.pad` says;
 - the memory profile's dummy steps and the test and conformance batches (:func:`requests_step`).

@@ -144,6 +144,15 @@ class InputBatch:
         tokens = self.token_ids[row]
         return RowView(self.seq_ids[row], self.params[row], Tokens(tokens, 0, p), Tokens(tokens, p, n))  # type: ignore[arg-type]
 
+    def snapshot(self) -> dict[int, tuple[int, tuple[int, ...], int, int, tuple[int, ...]]]:
+        """Every live request as plain values: seq_id -> (row, token ids, prompt length, computed count,
+        block table); two batches fed the same messages give equal snapshots (tensor-parallel ranks)."""
+        return {
+            sid: (row, tuple(self.token_ids[row, : self.num_tokens[row]].tolist()), int(self.num_prompt[row]),
+                  int(self.num_computed[row]), tuple(self.block_table[row, : self.num_blocks[row]].tolist()))
+            for sid, row in self.index.items()
+        }
+
     def blocks(self, seq_id: int) -> list[int]:
         """``seq_id``'s block table as held (empty without a row)."""
         row = self.index.get(seq_id)

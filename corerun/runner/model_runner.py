@@ -98,9 +98,9 @@ class ModelRunner:
         """The step's hidden states ``[num_tokens, hidden_size]``."""
         return self.graph.run(inputs)
 
-    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab_size]`` of the hidden rows ``[N, hidden_size]``."""
-        return self.model.compute_logits(hidden)
+    def _compute_logits(self, hidden: torch.Tensor, rows: slice | np.ndarray, batch: AttentionBatch) -> torch.Tensor:
+        """float32 logits ``[N, vocab_size]`` of rows ``rows`` of the step's hidden states (:meth:`hidden_rows`)."""
+        return self.model.compute_logits(self.hidden_rows(hidden, rows, batch))
 
     def set_vocabulary(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         """The engine's tokenizer and end-of-sequence ids, which structured-output processors read."""
@@ -204,7 +204,7 @@ class ModelRunner:
                 f"model forward failed (attention backend '{self.attention_name}', graph runner '{self.graph_name}'): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return ExecuteModelState(step, hidden, self._prompt_logprobs(step.prompt_plan, hidden))
+        return ExecuteModelState(step, hidden, self._prompt_logprobs(step.prompt_plan, hidden, step.inputs.batch))
 
     def sample_tokens(self, state: ExecuteModelState) -> StepResult:
         """Logits of the sampled rows, the logits processors, the sampler and the step's one host sync."""
@@ -214,9 +214,9 @@ class ModelRunner:
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp)
         if step.has_drafts:
-            result = self._execute_drafts(step.sched, seqs, rows, logits_indices, hidden, step.eos_token_ids, prompt_lp)
+            result = self._execute_drafts(step, hidden, prompt_lp)
         else:
-            logits = self._compute_logits(self._sampled_hidden(hidden, step.inputs.batch, logits_indices))
+            logits = self._compute_logits(hidden, logits_indices, step.inputs.batch)
             out, sampled, ended = self._sample(logits, step.meta, seqs)  # type: ignore[arg-type]
             row_ids = rows.tolist()
             result = StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
@@ -225,10 +225,7 @@ class ModelRunner:
             record(r, result.emitted(j))
         return result
 
-    def _execute_drafts(
-        self, sched: ScheduledBatch, seqs: list[Any], rows: np.ndarray, logits_indices: np.ndarray,
-        hidden: torch.Tensor, eos_token_ids: frozenset[int], prompt_lp: dict[int, tuple[int, LogprobsTensors]],
-    ) -> StepResult:
+    def _execute_drafts(self, step: PreparedStep, hidden: torch.Tensor, prompt_lp: dict[int, tuple[int, LogprobsTensors]]) -> StepResult:
         """Sample a step whose decodes carry drafts: one logits row per verified position (corerun.spec_decode).
 
         Rows of requests with drafts come ``1 + k`` per request, each with its own history; a logits
@@ -237,10 +234,11 @@ class ModelRunner:
         """
         from corerun.spec_decode import accept_drafts, expand_metadata
 
+        sched, seqs, rows, eos_token_ids = step.sched, step.seqs, step.rows, step.eos_token_ids
         drafts = [sched.drafts.get(s.seq_id, ()) for s in seqs]
-        index = np.concatenate([np.arange(i - len(d), i + 1) for i, d in zip(logits_indices.tolist(), drafts)])
+        index = np.concatenate([np.arange(i - len(d), i + 1) for i, d in zip(step.logits_indices.tolist(), drafts)])
         first = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1]  # each request's first row
-        logits = self._compute_logits(hidden[self._device_index(index)])
+        logits = self._compute_logits(hidden, index, step.inputs.batch)
         meta = expand_metadata(seqs, drafts, eos_token_ids)  # (its finished_seq_ids: _sample adds them)
         owner = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
         out, targets, ended = self._sample(logits, meta, owner)
@@ -283,20 +281,27 @@ class ModelRunner:
             raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
         return out, sampled, {**ended, **non_finite}
 
-    def _sampled_hidden(self, hidden: torch.Tensor, batch: AttentionBatch, logits_indices: np.ndarray) -> torch.Tensor:
-        """The hidden rows to sample from, without a host sync or a per-step copy where it can:
+    def hidden_rows(self, hidden: torch.Tensor, rows: slice | np.ndarray, batch: AttentionBatch) -> torch.Tensor:
+        """Rows ``rows`` (a slice, or increasing int64 indices) of the step's hidden states ``[num_tokens,
+        hidden_size]``, without a host sync or a per-step copy where it can:
 
-        - every token sampled (a decode step): ``hidden`` as it is;
-        - every request sampled (whole prefills, with or without decodes): each request's last token,
+        - a slice (prompt logprobs' contiguous rows): a view;
+        - every token (a decode step): ``hidden`` as it is;
+        - one row per request (whole prefills, with or without decodes): each request's last token,
           indexed by the step's device ``query_start_loc``, already on the device;
-        - otherwise (a prefill chunk that does not end its prompt): a gather whose indices go through
-          pinned memory on CUDA (a blocking copy from pageable memory would wait for the whole forward).
+        - otherwise (a prefill chunk that does not end its prompt, verified drafts): a gather whose
+          indices go through pinned memory on CUDA (a blocking copy from pageable memory would wait
+          for the whole forward).
+
+        Tensor-parallel workers select their rows with it too, from the same step's ``rows``.
         """
-        if len(logits_indices) == hidden.shape[0]:  # increasing indices below num_tokens: all of them
+        if isinstance(rows, slice):
+            return hidden[rows]
+        if len(rows) == hidden.shape[0]:  # increasing indices below num_tokens: all of them
             return hidden
-        if len(logits_indices) == batch.num_reqs:
+        if len(rows) == batch.num_reqs and _each_last(rows, batch):
             return hidden[batch.query_start_loc[1:].long() - 1]
-        return hidden[self._device_index(logits_indices)]
+        return hidden[self._device_index(rows)]
 
     def _device_index(self, index: np.ndarray) -> torch.Tensor:
         """Row indices on the device, through pinned memory on CUDA (a copy from pageable memory would
@@ -348,12 +353,14 @@ class ModelRunner:
                 plan.append((i, first, qsl[i] + first - start, qsl[i] + last - start, (targets, p.prompt_logprobs or 0)))
         return plan
 
-    def _prompt_logprobs(self, plan: list[tuple[int, int, int, int, Any]], hidden: torch.Tensor) -> dict[int, tuple[int, LogprobsTensors]]:
+    def _prompt_logprobs(
+        self, plan: list[tuple[int, int, int, int, Any]], hidden: torch.Tensor, batch: AttentionBatch,
+    ) -> dict[int, tuple[int, LogprobsTensors]]:
         """Logprobs of prompt tokens scheduled in this step, for requests that asked for them."""
         result: dict[int, tuple[int, LogprobsTensors]] = {}
         for i, first, lo, hi, (target_ids, num_logprobs) in plan:
             targets = to_device(target_ids, torch.int64, self.device)
-            logits = self._compute_logits(hidden[lo:hi])  # the rows are contiguous: a view, no gather
+            logits = self._compute_logits(hidden, slice(lo, hi), batch)  # contiguous rows: a view, no gather
             try:
                 lp = self.sampler.prompt_logprobs(logits, targets, num_logprobs)
             except Exception as exc:
@@ -363,3 +370,8 @@ class ModelRunner:
             result[i] = (first + 1, lp)
         return result
 
+
+def _each_last(rows: np.ndarray, batch: AttentionBatch) -> bool:
+    """``rows`` are every request's last token (read from the host copy of ``query_start_loc``)."""
+    qsl = batch.query_start_loc_cpu
+    return qsl is not None and bool(np.array_equal(rows, qsl[1:].numpy() - 1))
