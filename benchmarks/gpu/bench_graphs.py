@@ -251,7 +251,7 @@ def bench_backend(name: str, args: argparse.Namespace, report: PartReport, devic
     """Capture, replay checks and timings of one backend; each step a named check of ``report``."""
     import torch
 
-    from corerun.forward_context import AttentionContext
+    from corerun.protocols.forward_context import AttentionContext
     from corerun.graph.capturer import EmulatedGraphCapturer
     from corerun.graph.cuda import CudaGraphRunner
     from corerun.graph.eager import EagerGraphRunner

@@ -260,7 +260,7 @@ class Driver:
         (decodes first), in blocks ``tables[i]`` (new ones when not given); returns each request's logits rows."""
         import torch
 
-        from corerun.forward_context import AttentionContext
+        from corerun.protocols.forward_context import AttentionContext
         from corerun.protocols.step_layout import requests_step
 
         if tables is None:

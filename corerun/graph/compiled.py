@@ -3,7 +3,7 @@
 The model (embedding, norms, projections, rotary embedding, MLP, residuals) is compiled once with
 dynamic token counts, so one compiled program serves decode, prefill and mixed steps.  Each layer's
 attention call stays outside the compiled code as the opaque operator ``corerun::attention``
-(:mod:`corerun.forward_context`): the compiled pieces between two attention calls are fused, and the
+(:mod:`corerun.protocols.forward_context`): the compiled pieces between two attention calls are fused, and the
 attention backend runs as it does eagerly, with the step's metadata planned outside, as in vLLM's
 piecewise compilation.
 
@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from corerun.errors import ConfigError, PluginUnavailableError
-from corerun.forward_context import compiled_step
+from corerun.protocols.forward_context import compiled_step
 from corerun.graph.static_inputs import StaticDecodeInputs
 from corerun.protocols.attention import AttentionBackend
 from corerun.protocols.graph import GraphLimits, GraphStats, ModelFn, ModelInputs

@@ -2,7 +2,7 @@
 
     from corerun.models import load_model, default_model_dir
     model, config = load_model(default_model_dir(), dtype="float32", device="cpu")
-    hidden = model(input_ids, positions, ctx)          # ctx: corerun.forward_context.AttentionContext
+    hidden = model(input_ids, positions, ctx)          # ctx: corerun.protocols.forward_context.AttentionContext
     logits = model.compute_logits(hidden[last_rows])   # float32 [N, vocab]
 """
 

@@ -1,7 +1,7 @@
 """The Llama family: Llama 2/3 (and SmolLM), Mistral, and, through :class:`ArchOptions`, Qwen2 and Qwen3.
 
 Tokens are laid out flat (``[T]``, no batch dimension); attention runs through the
-:class:`~corerun.forward_context.AttentionContext` handed to ``forward``, which owns the KV cache
+:class:`~corerun.protocols.forward_context.AttentionContext` handed to ``forward``, which owns the KV cache
 and the kernels.  Parameter names follow the Hugging Face checkpoints, except that ``q_proj`` /
 ``k_proj`` / ``v_proj`` are merged into ``qkv_proj`` and ``gate_proj`` / ``up_proj`` into
 ``gate_up_proj`` (see ``packed_modules_mapping``).
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from corerun.forward_context import AttentionContext
+from corerun.protocols.forward_context import AttentionContext
 from corerun.models.config import ModelConfig
 from corerun.models.errors import UnsupportedModelError
 from corerun.models.layers import LMHead, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding

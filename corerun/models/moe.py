@@ -37,7 +37,7 @@ from torch import nn
 from corerun.distributed.sharding import shard_range
 from corerun.models.config import ModelConfig
 from corerun.models.errors import ModelLoadError
-from corerun.forward_context import AttentionContext
+from corerun.protocols.forward_context import AttentionContext
 from corerun.models.layers import Linear, MergedLinear, RMSNorm, WeightShapeError, as_dense
 from corerun.models.llama import ArchOptions, LlamaAttention, LlamaDecoderLayer
 from corerun.models.parallel_layers import mlp_projections

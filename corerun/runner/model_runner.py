@@ -24,7 +24,7 @@ import torch
 from corerun.config import Config
 from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.errors import ConfigError, StepError
-from corerun.forward_context import AttentionContext
+from corerun.protocols.forward_context import AttentionContext
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from corerun.capabilities import ModelCapabilities
 from corerun.distributed.sharding import shard_heads, shard_range
-from corerun.forward_context import AttentionContext
+from corerun.protocols.forward_context import AttentionContext
 from corerun.models.config import ROPE_TYPES, ModelConfig, RopeConfig
 from corerun.models.errors import ModelLoadError, UnsupportedModelError
 from corerun.models.layers import (

@@ -134,7 +134,7 @@ def corerun_logits(
     is a decode step.  Blocks are assigned in a scrambled order so that a wrong slot mapping shows.
     """
     from corerun.attention.torch_backend import TorchAttentionBackend
-    from corerun.forward_context import AttentionContext
+    from corerun.protocols.forward_context import AttentionContext
     from corerun.protocols.step_layout import requests_step
 
     device = next(model.parameters()).device
