@@ -12,8 +12,9 @@ import shutil
 import pytest
 import torch
 
-from corerun import LLM, SamplingParams
+from corerun import SamplingParams
 from corerun.errors import ConfigError
+from corerun.testing import assert_idle, make_llm
 from corerun.testing.reference import hf_greedy, second_token_fit
 from corerun.testing.tiny_models import make_tiny_model
 
@@ -52,35 +53,25 @@ def prompts():
     return [base * 3, rnd(9), rnd(1), rnd(2 * BS + 1) * 2, rnd(30)]
 
 
-def _llm(target, draft=None, num_tokens=3, **kw):
-    kw.setdefault("kv_cache", {"block_size": BS, "num_blocks": 64})
-    kw.setdefault("scheduler", {"max_model_len": 128})
-    spec = {"speculative": {"method": "draft_model", "model": str(draft), "num_tokens": num_tokens}} if draft else {}
-    return LLM(model=target, device="cpu", dtype="float32", attention="torch", **kw, **spec)
+def _draft(model, num_tokens=3):
+    """The ``speculative`` section for drafting with ``model``."""
+    return {"method": "draft_model", "model": str(model), "num_tokens": num_tokens}
 
 
 def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _no_state_left(llm):
-    """Every block of the target's and the draft's caches free, no draft sequence kept."""
-    proposer = llm.engine.proposer
-    for kv in (llm.engine.kv, proposer.runner.kv_manager):
-        assert kv.num_free_blocks == kv.num_blocks
-    assert proposer.seqs == {} and proposer.scheduler.running == []
-
-
 def test_draft_equal_to_the_target_is_always_accepted(models, prompts):
     expected = hf_greedy(models["target"], prompts, GREEDY.max_tokens)
-    off = _ids(_llm(models["target"]).generate(prompts, GREEDY, use_tqdm=False))
-    llm = _llm(models["target"], models["target"])
+    off = _ids(make_llm(models["target"]).generate(prompts, GREEDY, use_tqdm=False))
+    llm = make_llm(models["target"], speculative=_draft(models["target"]))
     on = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert on == off == expected
     st = llm.engine.spec_stats
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens, st.to_dict()
     assert st.mean_accepted_length > 3.0  # up to K + 1 = 4 tokens a step
-    _no_state_left(llm)
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize(
@@ -92,9 +83,9 @@ def test_draft_equal_to_the_target_is_always_accepted(models, prompts):
 )
 @pytest.mark.parametrize("draft", ["near", "random"])
 def test_another_draft_keeps_greedy_output(models, prompts, draft, scheduler, num_blocks):
-    kw = {"kv_cache": {"block_size": BS, "num_blocks": num_blocks}, "scheduler": {"max_model_len": 128, **scheduler}}
-    off = _ids(_llm(models["target"], **kw).generate(prompts, GREEDY, use_tqdm=False))
-    llm = _llm(models["target"], models[draft], num_tokens=4, **kw)
+    kw = {"kv_cache": {"num_blocks": num_blocks}, "scheduler": scheduler}
+    off = _ids(make_llm(models["target"], **kw).generate(prompts, GREEDY, use_tqdm=False))
+    llm = make_llm(models["target"], speculative=_draft(models[draft], 4), **kw)
     on = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert on == off
     st = llm.engine.spec_stats
@@ -103,14 +94,14 @@ def test_another_draft_keeps_greedy_output(models, prompts, draft, scheduler, nu
         assert st.num_accepted_tokens > 0, st.to_dict()
     if num_blocks == 20:
         assert llm.engine.scheduler.num_preemptions > 0
-    _no_state_left(llm)
+    assert_idle(llm)
 
 
 def test_seeded_sampling_with_a_draft_model_equals_without(models, prompts):
     params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=16, ignore_eos=True, repetition_penalty=1.1)
               for i in range(len(prompts))]
-    off = _ids(_llm(models["target"]).generate(prompts, params, use_tqdm=False))
-    llm = _llm(models["target"], models["near"])
+    off = _ids(make_llm(models["target"]).generate(prompts, params, use_tqdm=False))
+    llm = make_llm(models["target"], speculative=_draft(models["near"]))
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == off
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
@@ -122,17 +113,17 @@ def test_sampled_tokens_with_a_draft_model_follow_the_hf_law(models):
     target = models["target"]
     prompt = (torch.randperm(253, generator=torch.Generator().manual_seed(4))[:12] + 3).tolist()
     T, N = 0.7, 2000
-    llm = _llm(target, models["near"], num_tokens=2, kv_cache={"block_size": BS, "num_blocks": 8192},
-               scheduler={"max_model_len": 64, "max_num_seqs": 512})
+    llm = make_llm(target, speculative=_draft(models["near"], 2), kv_cache={"num_blocks": 8192},
+                   scheduler={"max_model_len": 64, "max_num_seqs": 512})
     fit = second_token_fit(llm, target, prompt, T, N)
     assert fit.ok, fit.describe()
     st = llm.engine.spec_stats
     assert st.num_drafts > N // 2 and 0 < st.num_accepted_tokens < st.num_draft_tokens, st.to_dict()
-    _no_state_left(llm)
+    assert_idle(llm)
 
 
 def test_aborted_and_finished_requests_leave_no_draft_state(models, prompts):
-    llm = _llm(models["target"], models["near"])
+    llm = make_llm(models["target"], speculative=_draft(models["near"]))
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(p, GREEDY, request_id=str(i))
@@ -147,7 +138,9 @@ def test_aborted_and_finished_requests_leave_no_draft_state(models, prompts):
     assert proposer.runner.kv_manager.num_free_blocks > held
     while engine.has_unfinished_requests():
         engine.step()
-    _no_state_left(llm)
+    for i in range(len(prompts)):
+        engine.release(str(i))  # their outputs taken
+    assert_idle(llm)
 
 
 def test_config_errors_name_the_field(models, tmp_path):
@@ -163,18 +156,18 @@ def test_config_errors_name_the_field(models, tmp_path):
         Config(speculative={"method": "draft_model", "model": str(models["target"]), "num_tokens": 0})
     other_vocab = make_tiny_model(tmp_path, arch="llama", vocab_size=320)
     with pytest.raises(ConfigError, match=r"speculative.model .* vocabulary of 320 tokens and the model 256"):
-        _llm(models["target"], other_vocab)
+        make_llm(models["target"], speculative=_draft(other_vocab))
     with pytest.raises(ConfigError, match=r"speculative.model .*: the draft model cannot be loaded"):
-        _llm(models["target"], tmp_path / "missing")
+        make_llm(models["target"], speculative=_draft(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=r"speculative.method: 'draft_model' runs on one device only"):
-        _llm(models["target"], models["near"], tensor_parallel_size=2)
+        make_llm(models["target"], speculative=_draft(models["near"]), tensor_parallel_size=2)
 
 
 def test_a_failing_draft_step_costs_only_that_steps_drafts(models, prompts, caplog):
     """The draft runner raising in a step: that step has no drafts, the draft state is rebuilt, the
     output is still the greedy one and shutdown releases both caches."""
-    off = _ids(_llm(models["target"]).generate(prompts, GREEDY, use_tqdm=False))
-    llm = _llm(models["target"], models["target"])
+    off = _ids(make_llm(models["target"]).generate(prompts, GREEDY, use_tqdm=False))
+    llm = make_llm(models["target"], speculative=_draft(models["target"]))
     runner = llm.engine.proposer.runner
     execute, calls = runner.execute, []
 
@@ -190,6 +183,6 @@ def test_a_failing_draft_step_costs_only_that_steps_drafts(models, prompts, capl
     assert "draft model's step failed" in caplog.text and "draft device lost" in caplog.text
     st = llm.engine.spec_stats
     assert st.num_accepted_tokens == st.num_draft_tokens > 0
-    _no_state_left(llm)
+    assert_idle(llm)
     llm.engine.shutdown()
     assert runner.kv_caches == [] and runner.graph is None
