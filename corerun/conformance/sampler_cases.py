@@ -123,3 +123,38 @@ def base_logits(vocab: int = VOCAB) -> torch.Tensor:
     """Fixed float32 logits ``[vocab]`` (distinct values, several orders of probability)."""
     gen = torch.Generator().manual_seed(1234)
     return (torch.randn(vocab, generator=gen, dtype=torch.float64) * 1.6).to(torch.float32)
+
+
+# Rows of the non-finite check: what each row's logits hold, and whether the row must come back as
+# corerun.sdk.sampling.NON_FINITE.  "-inf some" is a logits processor's mask: a normal row.
+NON_FINITE_PATTERNS: tuple[tuple[str, bool], ...] = (
+    ("normal", False), ("all NaN", True), ("one +inf", True), ("all -inf", True), ("-inf some", False),
+    ("one NaN", True),
+)
+
+
+def row_kinds(declared: frozenset[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The kinds of row a sampler declaring ``declared`` takes: random at the defaults, and greedy,
+    seeded, top-k and top-p rows where declared (samplers often take a separate path for each)."""
+    kinds: list[tuple[str, dict[str, Any]]] = [("random", {})]
+    optional = [("temperature", "greedy", {"temperature": 0.0}), ("seed", "seeded", {"seed": 3}),
+                ("top_k", "top_k", {"top_k": 4}), ("top_p", "top_p", {"top_p": 0.7})]
+    kinds += [(label, params) for need, label, params in optional if need in declared]
+    return kinds
+
+
+def non_finite_logits(pattern: str, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """One float32 row ``[vocab]`` of ``pattern`` (see :data:`NON_FINITE_PATTERNS`)."""
+    row = torch.randn(vocab, generator=gen) * 2.0
+    spot = int(torch.randint(vocab, (1,), generator=gen))
+    if pattern == "all NaN":
+        row.fill_(float("nan"))
+    elif pattern == "one +inf":
+        row[spot] = float("inf")
+    elif pattern == "all -inf":
+        row.fill_(float("-inf"))
+    elif pattern == "-inf some":
+        row[torch.randperm(vocab, generator=gen)[: vocab // 2]] = float("-inf")
+    elif pattern == "one NaN":
+        row[spot] = float("nan")
+    return row

@@ -5,7 +5,8 @@ against the float64 reference distribution (:mod:`corerun.conformance.reference.
 chi-square test at significance 1e-4; tokens the reference gives probability 0 must never be drawn.
 Exact checks: greedy equals the argmax of the processed logits, logprobs equal ``log_softmax`` of the
 raw logits, and over steps with ``seq_ids`` (requests joining, leaving, returning, histories growing)
-greedy rows still follow each request's current history.  Only the parameters the sampler declares
+greedy rows still follow each request's current history, and rows whose logits are not finite come
+back as ``NON_FINITE`` while the rows beside them are sampled.  Only the parameters the sampler declares
 (``capabilities.params``) are exercised; every other one must be refused by ``check`` with a ``corerun.UnsupportedError`` naming it.
 """
 
@@ -20,8 +21,8 @@ import torch
 from corerun.capabilities import ENGINE_PARAMS, PROCESSOR_PARAMS
 from corerun.conformance.reference.sampling import boundary_margins, processed_logits
 from corerun.conformance.sampler_cases import (
-    MIXED_PREFERENCE, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable, base_logits, pair_cases,
-    seeded_cases,
+    MIXED_PREFERENCE, NON_FINITE_PATTERNS, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable,
+    base_logits, non_finite_logits, pair_cases, row_kinds, seeded_cases,
 )
 from corerun.conformance.sampler_compare import fit_problems, logprob_problems
 from corerun.conformance.sampler_steps import EOS, STEPS, history_steps
@@ -31,6 +32,7 @@ from corerun.conformance.target import Target
 from corerun.errors import UnsupportedError
 from corerun.protocols.sampler import SamplingMetadata
 from corerun.sampling_params import SamplingParams
+from corerun.sdk.sampling import NON_FINITE
 
 GREEDY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,6 +92,8 @@ class SamplerSuite(ConformanceSuite):
             return [(f, f) for f in missing]
         if check == "declared_accepted":
             return [("all", sorted(f for f in declared if f in PROBE_VALUES))]
+        if check == "non_finite":
+            return [(name, dt) for name, dt in GREEDY_DTYPES.items()]
         if check == "masked_logits":
             if not getattr(target.capabilities, "logits_mask", False):
                 return f"{target.name} does not declare logits_mask"
@@ -382,3 +386,40 @@ class SamplerSuite(ConformanceSuite):
             bad = [f"row {r} ({params[r].non_default_fields() or 'defaults'}) drew token {int(tokens[r])}"
                    for r in drawn.nonzero().flatten().tolist()[:5]]
             _fail(case, f"declares logits_mask but drew -inf tokens in {int(drawn.sum())} of {rows} rows", bad)
+
+    def test_non_finite(self, case: Case) -> None:
+        """Rows whose logits are not finite (all NaN, one NaN, one ``+inf``, all ``-inf``) come back as
+        ``corerun.sdk.sampling.NON_FINITE`` in every row kind the sampler declares, and only they: rows
+        beside them (normal, or partly ``-inf`` as a logits processor's mask leaves them) get token
+        ids in the vocabulary, greedy ones the argmax."""
+        self.start(case)
+        dtype, vocab = case.config, 32
+        gen = torch.Generator().manual_seed(zlib.crc32(case.key.encode()))
+        kinds = row_kinds(self.declared(case.target))
+        labels = [(kind, params, pattern, bad) for kind, params in kinds for pattern, bad in NON_FINITE_PATTERNS] * 2
+        labels = [labels[i] for i in torch.randperm(len(labels), generator=gen).tolist()]  # bad rows between good ones
+        logits = torch.stack([non_finite_logits(pattern, vocab, gen) for _, _, pattern, _ in labels]).to(dtype)
+        params = [SamplingParams(**p) for _, p, _, _ in labels]
+        meta = SamplingMetadata(params, [[1, 2]] * len(labels), [[3]] * len(labels))
+        try:
+            out = self._sampler(case, vocab).sample(logits.clone().to(case.device), meta)
+        except Exception as exc:
+            _fail(case, f"non-finite logits ({case.id} logits)", [
+                f"sample() raised {type(exc).__name__} ({exc}) on a batch with non-finite rows; it must return "
+                f"NON_FINITE ({NON_FINITE}) for those rows and sample the others"])
+        ids = getattr(out, "sampled_token_ids", None)
+        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (len(labels),) or ids.dtype != torch.int64:
+            self._tokens(case, out, len(labels), vocab)  # fails naming what came back
+        got = ids.cpu().tolist()
+        problems = []
+        for i, ((kind, _, pattern, bad), token) in enumerate(zip(labels, got)):
+            where = f"row {i} ({kind}, {pattern} logits)"
+            if bad and token != NON_FINITE:
+                problems.append(f"{where}: drew {token}; a row whose logits are not finite must come back as "
+                                f"NON_FINITE ({NON_FINITE}, corerun.sdk.sampling.mark_non_finite)")
+            elif not bad and not 0 <= token < vocab:
+                problems.append(f"{where}: drew {token}; its logits are usable, so a token id in [0, {vocab}) is right")
+            elif not bad and kind == "greedy" and logits[i, token] != logits[i].max():
+                problems.append(f"{where}: drew {token}, the argmax is {int(logits[i].argmax())}")
+        if problems:
+            _fail(case, f"non-finite logits ({case.id} logits): {len(problems)} of {len(labels)} rows wrong", problems)

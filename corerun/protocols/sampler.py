@@ -71,7 +71,16 @@ class LogprobsTensors:
 
 @dataclass
 class SamplerOutput:
-    """``sampled_token_ids`` int64 ``[B]``; ``logprobs`` when any row asked for them (rows that did not are padding)."""
+    """``sampled_token_ids`` int64 ``[B]``; ``logprobs`` when any row asked for them (rows that did not are padding).
+
+    A row whose logits are not finite (a NaN or ``+inf`` anywhere, or ``-inf`` for every token) gets
+    ``corerun.sdk.sampling.NON_FINITE`` (-1) instead of a token id; every other row gets an id in
+    ``[0, vocab_size)``, a row partly ``-inf`` (a logits processor's mask) included.  The engine ends the
+    marked rows' requests with ``finish_reason "error"`` and takes no token or logprob from them.
+    ``corerun.sdk.sampling.mark_non_finite(tokens, values)`` does it from a reduction the sampler makes
+    anyway (the greedy ``max``, the draw's winning probability); the conformance check ``non_finite``
+    holds every sampler to it.
+    """
 
     sampled_token_ids: torch.Tensor
     logprobs: LogprobsTensors | None = None

@@ -10,10 +10,12 @@ from corerun.capabilities import SamplerCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
+from corerun.sdk.sampling import mark_non_finite
 
 
 class TopPSampler:
-    """Correct: temperature, then top-k, then top-p on the renormalised top-k distribution; multinomial draw."""
+    """Correct: temperature, then top-k, then top-p on the renormalised top-k distribution; multinomial draw.
+    A row whose raw maximum is not finite (a NaN or ``+inf`` anywhere, ``-inf`` everywhere) is NON_FINITE."""
 
     name: ClassVar[str] = "top-p-sampler"
     capabilities: ClassVar[SamplerCapabilities] = SamplerCapabilities(params=frozenset({"temperature", "top_k", "top_p"}))
@@ -40,15 +42,19 @@ class TopPSampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         params = metadata.params
         x = logits.float()
-        greedy_tokens = x.argmax(dim=-1)
+        values, greedy_tokens = x.max(dim=-1)  # max propagates NaN: not finite exactly on the unusable rows
         temps = torch.tensor(self._temperatures(params), device=x.device) * self.temperature_factor
         x = x / torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
         ks = torch.tensor([p.top_k if 0 < p.top_k < x.shape[1] else x.shape[1] for p in params], device=x.device)
         kth = x.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
         x = self._top_p(x, torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype))
-        drawn = torch.multinomial(x.softmax(dim=-1), 1).squeeze(1)
-        return SamplerOutput(torch.where(temps > 0, drawn, greedy_tokens))
+        probs = torch.where(values.isfinite()[:, None], x.softmax(dim=-1), 1.0)  # multinomial refuses NaN rows
+        drawn = torch.multinomial(probs, 1).squeeze(1)
+        return SamplerOutput(self._mark(torch.where(temps > 0, drawn, greedy_tokens), values))
+
+    def _mark(self, tokens: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return mark_non_finite(tokens, values)
 
     def prompt_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
         lp = logits.float().log_softmax(dim=-1)
@@ -56,6 +62,16 @@ class TopPSampler:
         top = lp.topk(num_logprobs, dim=-1)
         ranks = (lp > chosen).sum(dim=-1) + 1
         return LogprobsTensors(torch.cat([token_ids[:, None], top.indices], 1), torch.cat([chosen, top.values], 1), ranks)
+
+
+class UnmarkedArgmax(TopPSampler):
+    """Broken: never marks a row NON_FINITE, so a greedy row of NaN logits comes back as the plain
+    argmax (token 0, or wherever the NaN is) and a random one as whatever the draw gave."""
+
+    name = "unmarked-argmax"
+
+    def _mark(self, tokens: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return tokens
 
 
 class IgnoresTopP(TopPSampler):
