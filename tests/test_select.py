@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from corerun import trust
 from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, Need, SamplerCapabilities
@@ -71,10 +72,11 @@ def test_a_capturing_graph_runner_needs_a_graph_safe_attention_backend_and_no_te
 
 
 def test_builtin_cuda_runner_outranks_eager_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as on a machine with a CUDA device: the cuda runner's own probe finds a CUDA build and a device
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     reg = builtins_only()
-    cuda = reg.get("graph", "cuda")
-    monkeypatch.setattr(cuda, "_reasons", [])  # as on a machine with a CUDA device
-    monkeypatch.setattr(cuda, "_import_reasons", [])
+    assert reg.get("graph", "cuda").unavailable_reasons() == []
     assert reg.select("graph", "auto", Need("cuda:0", attention=SAFE)).name == "cuda"
     assert reg.select("graph", "auto", Need("cuda", attention=UNSAFE)).name == "eager"
     assert reg.select("graph", "auto", Need("cpu", attention=SAFE)).name == "eager"
