@@ -445,11 +445,12 @@ def test_graph_runner_auto_goes_through_the_registry(monkeypatch: pytest.MonkeyP
     """``graph: {runner: auto}`` is ``Registry.select``: the built-in ``cuda`` runner (priority 10) on a
     CUDA device with a graph-safe backend (a backend or its capabilities), ``eager`` otherwise, with why."""
     from corerun.capabilities import Need
-    from corerun.registry import get_registry
+    from corerun.registry import Registry
 
-    reg = get_registry()
-    cuda = reg.get("graph", "cuda")
-    monkeypatch.setattr(cuda, "_reasons", [])  # as on a machine with a CUDA device
+    # as on a machine with a CUDA device: the cuda runner's own probe finds a CUDA build and a device
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reg = Registry.from_environment()  # a fresh one: the process-wide registry may have probed already
     safe, unsafe = AttentionCapabilities(cuda_graph_decode=True), AttentionCapabilities(cuda_graph_decode=False)
     assert reg.select("graph", "auto", Need(torch.device("cuda", 0), attention=safe)).name == "cuda"
     assert reg.select("graph", "auto", Need("cuda:1", attention=PassThroughAttention())).name == "cuda"
