@@ -135,16 +135,18 @@ def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
         default_model_dir()
 
 
-def test_conversion_runs_in_a_child_process_and_reports_its_failure(tmp_path):
-    """The child's error reaches the caller as a ModelLoadError naming the file (here: not a GGUF file)."""
+def test_conversion_runs_in_a_child_process_and_reports_its_failure(monkeypatch, tmp_path):
+    """The child's error reaches the caller of default_model_dir as a ModelLoadError naming the file
+    (here: not a GGUF file), and the cache keeps nothing of the failed conversion."""
     from corerun.models.errors import ModelLoadError
 
     bogus = tmp_path / "broken.gguf"
     bogus.write_bytes(b"not a gguf file")
-    out = tmp_path / "out"
-    out.mkdir()
+    monkeypatch.setattr(default, "find_default_gguf", lambda: bogus)
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match=r"converting broken\.gguf failed: \S"):
-        default._convert(bogus, out, progress=False)
+        default_model_dir(progress=False)
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
 def test_converter_entry_point_announces_each_stage(monkeypatch, capsys, tmp_path):
