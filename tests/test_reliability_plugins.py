@@ -178,7 +178,7 @@ def test_plugin_failing_every_step_ends_every_request_without_hanging(registry: 
     assert [o.outputs[0].finish_reason for o in outs] == ["error"] * 4
     assert all(o.outputs[0].token_ids == [] and "faulty_attention" in o.outputs[0].error for o in outs)
     assert llm.engine.num_steps == 2  # one failed step per pair of requests
-    assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks
+    assert_idle(llm)
 
 
 def test_stream_reports_the_error_and_frees(registry: Registry, tiny) -> None:
