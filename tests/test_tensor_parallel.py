@@ -43,6 +43,7 @@ BASE = dict(
     scheduler={"max_model_len": 128, "max_num_batched_tokens": 16, "max_num_seqs": 4},  # chunked prefill, mixed steps
 )
 FAST = {"distributed": {"start_method": "forkserver"}}
+NGRAM = {"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -139,12 +140,15 @@ def test_greedy_output_equals_hf_and_one_process(cases, arch, n):
     llm.engine.shutdown()  # twice is harmless
 
 
-def test_every_rank_holds_the_same_persistent_batch_through_preemption_and_prefix_hits(cases):
+@pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram-drafts"])
+def test_every_rank_holds_the_same_persistent_batch_through_preemption_and_prefix_hits(cases, speculative):
     """Each rank applies the scheduler's message to its own persistent batch: after every step the workers'
     batches equal rank 0's row for row (tokens, computed counts, block tables), rank 0's holds what the
-    scheduler and the KV-cache manager hold, and the output stays HF's greedy tokens."""
+    scheduler and the KV-cache manager hold, and the output stays HF's greedy tokens.  With n-gram drafts
+    the workers write each step's drafts and take the accepted ones from what rank 0 recorded."""
     case = cases["llama"]
-    llm = _tp_llm(case, 2, kv_cache={"block_size": 4, "num_blocks": 14})  # too few for every request at once
+    extra = {} if speculative is None else {"speculative": speculative}
+    llm = _tp_llm(case, 2, kv_cache={"block_size": 4, "num_blocks": 14}, **extra)  # too few for every request at once
     engine, runner = llm.engine, llm.engine.runner
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -164,6 +168,8 @@ def test_every_rank_holds_the_same_persistent_batch_through_preemption_and_prefi
                 assert list(row[4]) == engine.kv.block_table(seq.seq_id), f"step {steps}: request {seq.seq_id}'s blocks"
         assert engine.scheduler.num_preemptions > 0 and engine.kv.stats().prefix_hits > 0
         assert [done[r] for r in order] == case.hf
+        if speculative is not None:
+            assert engine.spec_stats.num_accepted_tokens > 0, engine.spec_stats.to_dict()
     finally:
         llm.engine.shutdown()
 

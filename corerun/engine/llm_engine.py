@@ -39,7 +39,7 @@ class LLMEngine:
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         self.config = config
         self.async_scheduling = check_async_scheduling(config)
-        if config.speculative.method is not None and config.tensor_parallel_size > 1:  # (before any rank starts)
+        if config.speculative.method not in (None, "ngram") and config.tensor_parallel_size > 1:  # (before any rank starts)
             raise ConfigError(
                 f"speculative.method: {config.speculative.method!r} runs on one device only; use "
                 "tensor_parallel_size: 1 or leave speculative.method unset"
