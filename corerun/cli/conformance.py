@@ -233,32 +233,13 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
     sys.exit(exit_code(results))
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
 def _exit_if_a_plugin_failed_to_import(label: str, registration: Any) -> None:
     """An implementation whose factory module fails to import, or (when ``registration`` is None, the
     name being unknown) any plugin whose entry point failed to import, is an error, not a skip: print
     each with its traceback's last line and exit with EXIT_IMPORT_FAILED."""
-    import traceback
+    from corerun.conformance.pytest_plugin import import_failures
 
-    from corerun.registry import get_registry, resolve
-
-    failures: list[str] = []
-    if registration is not None:
-        if registration.import_reasons() and isinstance(registration.factory, str):
-            try:
-                resolve(registration.factory)
-            except Exception as exc:
-                last = _last_line("".join(traceback.format_exception_only(type(exc), exc)))
-                failures.append(f"{registration.distribution} {registration.version}: import of {registration.factory} failed: {last}")
-    else:
-        for e in get_registry().load_errors:
-            if e.error.startswith("import of "):
-                failures.append(f"plugin '{e.plugin}' ({e.distribution}): {e.error.split(' failed: ')[0]} failed: "
-                                f"{_last_line(e.detail) or e.error}")
+    failures = import_failures(registration)
     if not failures:
         return
     click.echo(f"error: {label} cannot be checked: its plugin fails to import", err=True)

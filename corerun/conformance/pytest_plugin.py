@@ -64,8 +64,10 @@ def pytest_configure(config: Any) -> None:
 
 def selected_targets(config: Any, kind: str, options: dict[str, Any]) -> list[Any]:
     """The targets of ``kind`` that ``--corerun-impl`` names (none without a config), with ``options``
-    and ``--corerun-option`` handed to each registered one."""
+    and ``--corerun-option`` handed to each registered one.  A registered implementation whose plugin
+    fails to import is a collection error (pytest exits with 2), never a skip."""
     from corerun.conformance.target import Target
+    from corerun.errors import PluginError
 
     if config is None:
         return []
@@ -74,9 +76,57 @@ def selected_targets(config: Any, kind: str, options: dict[str, Any]) -> list[An
     targets = []
     for ref in config.getoption("corerun_impl", None) or []:
         ref_kind, name = parse_impl(ref)
-        if ref_kind == kind:
-            targets.append(given.get((kind, name)) or Target.registered(kind, name, merged))
+        if ref_kind != kind:
+            continue
+        target = given.get((kind, name))
+        if target is None:
+            try:
+                target = Target.registered(kind, name, merged)
+            except PluginError:
+                _raise_if_failed(f"{kind}:{name}", import_failures(None))  # the name may be one a broken plugin registers
+                raise
+        if target.registration is not None:
+            _raise_if_failed(f"{kind}:{name}", import_failures(target.registration))
+        targets.append(target)
     return targets
+
+
+def import_failures(registration: Any) -> list[str]:
+    """Why a plugin cannot be imported, one line each ending with its traceback's last line: the
+    factory module of ``registration``, or with ``None`` (a name not registered) every plugin entry
+    point that failed to import.  Empty when everything imports."""
+    import traceback
+
+    from corerun.registry import get_registry, resolve
+
+    failures: list[str] = []
+    if registration is not None:
+        if registration.import_reasons() and isinstance(registration.factory, str):
+            try:
+                resolve(registration.factory)
+            except Exception as exc:
+                last = _last_line("".join(traceback.format_exception_only(type(exc), exc)))
+                failures.append(f"{registration.distribution} {registration.version}: import of {registration.factory} failed: {last}")
+    else:
+        for e in get_registry().load_errors:
+            if e.error.startswith("import of "):
+                failures.append(f"plugin '{e.plugin}' ({e.distribution}): {e.error.split(' failed: ')[0]} failed: "
+                                f"{_last_line(e.detail) or e.error}")
+    return failures
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _raise_if_failed(label: str, failures: list[str]) -> None:
+    """A collection error (its message alone, no traceback) naming each import failure."""
+    if failures:
+        raise pytest.Collector.CollectError(
+            f"{label} cannot be checked: its plugin fails to import\n" + "\n".join(f"  {f}" for f in failures)
+            + "\nnothing was checked; `python -c 'import MODULE'` shows the whole traceback"
+        )
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
