@@ -198,6 +198,9 @@ class LLMEngine:
             self._end(seq, "stop", keep=keep)
         for seq in (s for s in seqs if s.seq_id in failed):
             touched += self._fail([seq], f"KV-cache manager '{self.runner.kv_manager_name}' failed {failed[seq.seq_id]}")
+        for seq in (s for s in seqs if s.seq_id in lps.non_finite and s.seq_id not in failed and s.finish_reason != "error"):
+            self._fail([seq], lps.non_finite[seq.seq_id])  # (a chunk that sampled nothing: not touched yet)
+            touched += [] if seq in touched else [seq]
         self._released(s.seq_id for s in seqs if s.is_finished)
         self._released(batch.preempted_ids, ended=False)
         if self.spec is not None:

@@ -9,6 +9,7 @@ scheduler owns: a stop string it finds is handed back to the engine, which ends 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
@@ -19,6 +20,9 @@ from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.stop_strings import StopMatcher, final_text, running_text
 from corerun.outputs import CompletionOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
+
+NON_FINITE_PROMPT = ("the prompt logprobs of this request were not finite (NaN, +inf or -inf) at prompt position "
+                     "{position}: the model or the dtype's range produced non-finite logits there")
 
 
 @dataclass(slots=True)
@@ -40,6 +44,7 @@ class StepLogprobs:
 
     rows: dict[int, dict[int, Logprob]]  # seq_id -> the sampled token's dict
     prompt: dict[int, list[dict[int, Logprob]]]  # seq_id -> prompt positions computed this step
+    non_finite: dict[int, str]  # seq_id -> the error it ends with: prompt logprobs not finite, never served
 
 
 class OutputProcessor:
@@ -53,19 +58,25 @@ class OutputProcessor:
         raises on a malformed sampler output."""
         prompt = {seqs[i].seq_id: logprob_dicts(lp, seqs[i].params.prompt_logprobs or 0)  # type: ignore[union-attr]
                   for i, (_, lp) in result.prompt_logprobs.items() if seqs[i] is not None}
+        starts = {seqs[i].seq_id: start for i, (start, _) in result.prompt_logprobs.items() if seqs[i] is not None}
+        non_finite = {}
+        for sid, dicts in prompt.items():  # host lists already: only requests asking for prompt logprobs pay
+            bad = next((j for j, d in enumerate(dicts) if not all(math.isfinite(v.logprob) for v in d.values())), None)
+            if bad is not None:
+                non_finite[sid] = NON_FINITE_PROMPT.format(position=starts[sid] + bad)
         rows: dict[int, dict[int, Logprob]] = {}
         if result.logprobs is not None:
             dicts = logprob_dicts(result.logprobs, [s.params.logprobs or 0 if s is not None else 0
                                                     for s in (seqs[r] for r in result.rows)])
             rows = {seqs[r].seq_id: d for r, d in zip(result.rows, dicts) if seqs[r] is not None}  # type: ignore[union-attr]
-        return StepLogprobs(rows, prompt)
+        return StepLogprobs(rows, prompt, non_finite)
 
     @staticmethod
     def add_logprobs(seqs: Seq[Sequence], lps: StepLogprobs, failed: dict[int, str]) -> None:
         """Append the step's logprob dicts to the sequences that took the step's tokens."""
         for seq in seqs:
             sid = seq.seq_id
-            if sid in failed or seq.finish_reason == "error":  # (its step's token was not taken)
+            if sid in failed or sid in lps.non_finite or seq.finish_reason == "error":  # (its step's token was not taken)
                 continue
             if sid in lps.prompt:
                 if seq.prompt_logprobs is None:
