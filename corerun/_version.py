@@ -6,4 +6,6 @@ __version__ = "0.1.0"
 #   2: the scheduler states its changes: KVCacheManager.new_block_ids (and trim returns the length
 #      kept), ScheduledBatch.new_block_ids / resumed_ids / finished_ids, SamplingMetadata.finished_seq_ids
 #      (a sampler's per-request state lives until its request finishes, not until it skips a step).
-PROTOCOL_VERSION = 2
+#   3: KVCacheManager.allocate_slots returns the block ids the table gained (None when blocks run out)
+#      instead of a bool, and new_block_ids is gone; ScheduledBatch is plain frozen data.
+PROTOCOL_VERSION = 3

@@ -10,7 +10,7 @@ from tests.broken_impls.attention import (
     DropsLastBlock, IgnoresCausalMask, IgnoresPrefix, NaiveAttentionBackend, ScaleOffBy0p2Percent, WritesSlotPlusOne,
 )
 from tests.broken_impls.graph import PaddingRunner, WritesPaddingKV
-from tests.broken_impls.kv_cache import HitsWholePrompt, InsertsBeforeTail, LeaksOnFree, ReportsBlocksFromZero
+from tests.broken_impls.kv_cache import HitsWholePrompt, InsertsBeforeTail, LeaksOnFree, OmitsClaimedPrefix, ReportsBlocksFromZero
 from tests.broken_impls.sampler import (
     IgnoresTemperatureWithTopK, IgnoresTopP, NeverSamplesLastId, PenaltySampler, StaleHistory, TemperatureOff, TopKSampler,
     TopPSampler,
@@ -136,19 +136,21 @@ def test_kv_cache_manager_hitting_the_whole_prompt_rejected() -> None:
 
 
 def test_kv_cache_manager_rewriting_a_held_table_rejected() -> None:
-    """The growth check sees it, and the stated-changes check (its replay of what was appended no
-    longer matches); every other check reads tables once, or at lengths under 4."""
+    """The growth check sees it, and the stated-changes check (the ids allocate_slots returned no longer
+    match the table); every other check reads tables once, or at lengths under 4."""
     failed = _failed(run("kv_cache", factory=InsertsBeforeTail))
     assert set(failed) == {"block_tables_only_grow", "new_block_ids"}, sorted(failed)
     assert "entries handed out must not change while the sequence holds blocks" in failed["block_tables_only_grow"][0].reason
-    assert "the changes stated from new_block_ids replay to" in failed["new_block_ids"][0].reason
+    assert "so it must return [" in failed["new_block_ids"][0].reason  # (the ids returned no longer match the table)
 
 
-def test_kv_cache_manager_misreporting_new_blocks_rejected() -> None:
-    """Protocol version 2: ``new_block_ids`` that ignores ``start`` fails only the stated-changes check."""
-    failed = _failed(run("kv_cache", factory=ReportsBlocksFromZero))
+@pytest.mark.parametrize("factory", [ReportsBlocksFromZero, OmitsClaimedPrefix])
+def test_kv_cache_manager_returning_wrong_ids_rejected(factory: type) -> None:
+    """Protocol version 3: ``allocate_slots`` returning the whole table each time, or leaving out the prefix
+    blocks claimed before the first allocation, fails only the returned-ids check, which names the ids due."""
+    failed = _failed(run("kv_cache", factory=factory))
     assert set(failed) == {"new_block_ids"}, sorted(failed)
-    assert "new_block_ids(" in failed["new_block_ids"][0].reason or "replay to" in failed["new_block_ids"][0].reason
+    assert "so it must return [" in failed["new_block_ids"][0].reason
 
 
 def test_graph_runner_padding_rows_must_not_write_kv() -> None:

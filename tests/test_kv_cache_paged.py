@@ -17,7 +17,7 @@ from corerun.protocols.kv_cache import KVCacheManager
 def prefill(m: PagedKVCacheManager, seq_id: int, tokens: list[int]) -> int:
     """What the engine does for a new sequence: look up, allocate the prompt, compute it, register blocks."""
     hit = m.get_computed_prefix(seq_id, tokens)
-    assert m.allocate_slots(seq_id, len(tokens))
+    assert m.allocate_slots(seq_id, len(tokens)) is not None
     m.cache_blocks(seq_id, tokens, len(tokens))
     return hit
 
@@ -34,13 +34,32 @@ def test_registered_and_satisfies_the_protocol() -> None:
     assert m.name == "paged" and (m.num_blocks, m.block_size, m.num_free_blocks) == (8, 16, 8)
 
 
+def test_allocate_slots_returns_what_the_table_gained() -> None:
+    m = PagedKVCacheManager(num_blocks=10, block_size=4)
+    a = list(range(100, 113))  # 13 tokens: 4 blocks, the first 3 full
+    got = m.allocate_slots(1, len(a))
+    assert got is not None and len(got) == 4 and len(set(got)) == 4
+    m.cache_blocks(1, a, len(a))
+    assert m.allocate_slots(1, 16) == [] and m.allocate_slots(1, 17) is not None  # room in block 4: nothing new; then 1
+    b = a[:8] + [7, 8, 9]  # shares a's first two blocks
+    assert m.get_computed_prefix(2, b) == 8
+    got = m.allocate_slots(2, len(b))  # the claimed prefix blocks first, then the one taken
+    assert got is not None and got[:2] == m.block_table(1)[:2] and len(got) == 3 and got[2] not in m.block_table(1)
+    nxt = m.allocate_slots(2, 13)  # grows by one block: only that one
+    assert nxt is not None and len(nxt) == 1 and nxt[0] not in got
+    free = m.num_free_blocks
+    assert m.allocate_slots(3, 4 * (free + 1)) is None and m.num_free_blocks == free
+    m.free(2)
+    assert m.get_computed_prefix(2, b) == 8 and m.allocate_slots(2, len(b))[:2] == got[:2]  # after free: whole again
+
+
 def test_allocate_slots_rounds_up_to_whole_blocks() -> None:
     m = PagedKVCacheManager(10, 4)
-    assert m.allocate_slots(1, 1) and len(m.block_table(1)) == 1
-    assert m.allocate_slots(1, 4) and len(m.block_table(1)) == 1
-    assert m.allocate_slots(1, 5) and len(m.block_table(1)) == 2
-    assert m.allocate_slots(1, 3) and len(m.block_table(1)) == 2  # never shrinks
-    assert m.allocate_slots(2, 0) and m.block_table(2) == []
+    assert m.allocate_slots(1, 1) is not None and len(m.block_table(1)) == 1
+    assert m.allocate_slots(1, 4) is not None and len(m.block_table(1)) == 1
+    assert m.allocate_slots(1, 5) is not None and len(m.block_table(1)) == 2
+    assert m.allocate_slots(1, 3) is not None and len(m.block_table(1)) == 2  # never shrinks
+    assert m.allocate_slots(2, 0) is not None and m.block_table(2) == []
     assert m.num_free_blocks == 8
     assert len(set(m.block_table(1))) == 2
 
@@ -63,23 +82,23 @@ def test_prompt_of_exactly_one_block_gets_no_hit() -> None:
 
 def test_exhaustion_returns_false_and_changes_nothing() -> None:
     m = PagedKVCacheManager(3, 4)
-    assert m.allocate_slots(1, 9)  # 3 blocks
+    assert m.allocate_slots(1, 9) is not None  # 3 blocks
     table = m.block_table(1)
     assert m.num_free_blocks == 0
-    assert m.allocate_slots(2, 1) is False
-    assert m.allocate_slots(1, 13) is False
+    assert m.allocate_slots(2, 1) is None
+    assert m.allocate_slots(1, 13) is None
     assert m.block_table(1) == table and m.num_free_blocks == 0
     with pytest.raises(ValueError, match="2"):
         m.block_table(2)  # the failed call did not create sequence 2
 
     m = PagedKVCacheManager(4, 4)
-    assert m.allocate_slots(1, 8)  # 2 blocks, 2 left
-    assert m.allocate_slots(2, 12) is False  # needs 3
+    assert m.allocate_slots(1, 8) is not None  # 2 blocks, 2 left
+    assert m.allocate_slots(2, 12) is None  # needs 3
     assert m.num_free_blocks == 2
-    assert m.allocate_slots(2, 4)  # 1 block
-    assert m.allocate_slots(2, 12) is False  # needs 2 more, 1 left
+    assert m.allocate_slots(2, 4) is not None  # 1 block
+    assert m.allocate_slots(2, 12) is None  # needs 2 more, 1 left
     assert len(m.block_table(2)) == 1 and m.num_free_blocks == 1
-    assert m.allocate_slots(2, 8) and m.num_free_blocks == 0
+    assert m.allocate_slots(2, 8) is not None and m.num_free_blocks == 0
 
 
 def test_freed_hashed_blocks_are_reused_by_a_later_prompt() -> None:
@@ -94,7 +113,7 @@ def test_freed_hashed_blocks_are_reused_by_a_later_prompt() -> None:
     assert m.get_computed_prefix(2, prompt[:8] + [99, 98]) == 8
     assert m.block_table(2) == first[:2]
     assert m.num_free_blocks == 4  # the two revived blocks left the free pool
-    assert m.allocate_slots(2, 10) and m.block_table(2)[:2] == first[:2]
+    assert m.allocate_slots(2, 10) is not None and m.block_table(2)[:2] == first[:2]
     st = m.stats()
     assert (st.prefix_queries, st.prefix_hits) == (9 + 10, 8)
 
@@ -111,7 +130,7 @@ def test_empty_blocks_are_taken_before_cached_ones() -> None:
     m = PagedKVCacheManager(3, 2)
     prefill(m, 1, [1, 2])
     m.free(1)
-    assert m.allocate_slots(2, 4)  # the two never-used blocks
+    assert m.allocate_slots(2, 4) is not None  # the two never-used blocks
     assert m.get_computed_prefix(3, [1, 2, 3]) == 2  # the cached block survived
 
 
@@ -125,11 +144,11 @@ def test_eviction_takes_the_least_recently_freed_block_first() -> None:
     m.free(2)  # frees b1, then b0
     m.free(1)  # then a1, a0: free order b1, b0, a1, a0
     assert m.num_free_blocks == 4 and m.stats().num_cached_blocks == 4
-    assert m.allocate_slots(10, 2) and m.block_table(10) == [b1]
+    assert m.allocate_slots(10, 2) is not None and m.block_table(10) == [b1]
     assert m.stats().num_cached_blocks == 3
     assert m.get_computed_prefix(11, b + [0]) == 2  # b0 still there, b1 gone
     m.free(11)  # b0 freed again: now the most recently freed
-    assert m.allocate_slots(12, 4) and m.block_table(12) == [a1, a0]
+    assert m.allocate_slots(12, 4) is not None and m.block_table(12) == [a1, a0]
     assert m.get_computed_prefix(13, a + [0]) == 0
     assert m.get_computed_prefix(14, b + [0]) == 2 and m.block_table(14) == [b0]
 
@@ -159,15 +178,15 @@ def test_shared_blocks_stay_allocated_until_the_last_reference_drops() -> None:
     prompt = list(range(100, 109))  # 9 tokens: 3 blocks, 2 full
     prefill(m, 1, prompt)
     assert m.get_computed_prefix(2, prompt) == 8
-    assert m.allocate_slots(2, 9)
+    assert m.allocate_slots(2, 9) is not None
     shared = m.block_table(1)[:2]
     assert m.block_table(2)[:2] == shared and m.block_table(2)[2] != m.block_table(1)[2]
     assert m.num_free_blocks == 8 - 4
     m.free(1)  # only sequence 1's own tail block is freed
     assert m.num_free_blocks == 5 and m.block_table(2)[:2] == shared
-    assert m.allocate_slots(3, 20)  # all five free blocks: none of sequence 2's
+    assert m.allocate_slots(3, 20) is not None  # all five free blocks: none of sequence 2's
     assert not set(m.block_table(3)) & set(m.block_table(2))
-    assert m.allocate_slots(4, 1) is False
+    assert m.allocate_slots(4, 1) is None
     m.free(3)
     m.free(2)
     assert m.num_free_blocks == 8
@@ -180,7 +199,7 @@ def test_output_blocks_are_cached_too() -> None:
     prefill(m, 1, tokens)
     for t in (4, 5, 6):  # decode: the new token's KV is written in the next step
         tokens.append(t)
-        assert m.allocate_slots(1, len(tokens))
+        assert m.allocate_slots(1, len(tokens)) is not None
         m.cache_blocks(1, tokens, len(tokens) - 1)
     # computed: 5 tokens -> blocks (1,2), (3,4) registered; (5,6) not yet computed
     assert m.stats().num_cached_blocks == 2
@@ -280,7 +299,7 @@ def test_random_workload_serves_right_tokens_and_never_leaks(hash_fn) -> None:
             assert len(table) == hit // bs
             for j in range(hit):
                 assert memory[table[j // bs]][j % bs] == tokens[j], "prefix hit serves other tokens"
-            if not m.allocate_slots(seq, len(tokens)):
+            if m.allocate_slots(seq, len(tokens)) is None:
                 m.free(seq)  # refused admission: its lookup is not counted
                 del live[seq]
                 check_accounting()
@@ -292,7 +311,7 @@ def test_random_workload_serves_right_tokens_and_never_leaks(hash_fn) -> None:
         elif op < 0.75:
             seq = rng.choice(list(live))
             live[seq].append(rng.randrange(6))
-            if not m.allocate_slots(seq, len(live[seq])):
+            if m.allocate_slots(seq, len(live[seq])) is None:
                 m.free(seq)
                 del live[seq]
                 check_accounting()
@@ -321,16 +340,16 @@ def test_prefix_stats_count_each_admission_once() -> None:
     prefill(m, 1, shared + [1, 2, 3])  # 3 blocks, 2 of them full and registered
     assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11, 0)
     m.free(1)  # the 2 registered blocks stay cached (evictable)
-    assert m.allocate_slots(9, 4 * bs)  # a hog takes 4 of the 6 blocks: the 2 cached ones survive
+    assert m.allocate_slots(9, 4 * bs) is not None  # a hog takes 4 of the 6 blocks: the 2 cached ones survive
     prompt = shared + list(range(500, 500 + 3 * bs))  # 2 cached blocks + 3 new ones: 1 too many
     for _ in range(3):  # the scheduler's failed admission, retried on later steps
         assert m.get_computed_prefix(2, prompt) == 2 * bs
-        assert m.allocate_slots(2, len(prompt)) is False
+        assert m.allocate_slots(2, len(prompt)) is None
         m.free(2)
     assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11, 0)
     m.free(9)
     assert m.get_computed_prefix(2, prompt) == 2 * bs
-    assert m.allocate_slots(2, len(prompt))
+    assert m.allocate_slots(2, len(prompt)) is not None
     assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11 + len(prompt), 2 * bs)
-    assert m.allocate_slots(2, len(prompt) + 1)  # later growth adds nothing to the lookup counts
+    assert m.allocate_slots(2, len(prompt) + 1) is not None  # later growth adds nothing to the lookup counts
     assert (m.stats().prefix_queries, m.stats().prefix_hits) == (11 + len(prompt), 2 * bs)

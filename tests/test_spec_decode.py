@@ -198,13 +198,29 @@ def test_paged_trim_frees_the_tail_but_never_a_registered_block():
     from corerun.kv_cache.paged import PagedKVCacheManager
 
     kv = PagedKVCacheManager(8, 4)
-    assert kv.allocate_slots(0, 13)  # 4 blocks
+    assert kv.allocate_slots(0, 13) is not None  # 4 blocks
     kv.cache_blocks(0, list(range(13)), 8)  # blocks 0, 1 registered
     kv.trim(0, 9)
     assert len(kv.block_table(0)) == 3 and kv.num_free_blocks == 5
     kv.trim(0, 1)  # would keep 1 block, but 2 are registered
     assert len(kv.block_table(0)) == 2 and kv.num_free_blocks == 6
     kv.trim(7, 1)  # unknown id: nothing
+    kept = kv.block_table(0)
+    grown = kv.allocate_slots(0, 16)  # after a trim: the entries from the kept length on, not only the block taken
+    assert grown is not None and len(grown) == 2 and kv.block_table(0) == kept + grown
+
+
+def test_paged_allocate_after_trim_returns_the_table_from_the_kept_length():
+    from corerun.kv_cache.paged import PagedKVCacheManager
+
+    kv = PagedKVCacheManager(8, 4)
+    first = kv.allocate_slots(0, 8)
+    assert first is not None and len(first) == 2
+    assert kv.allocate_slots(0, 13) is not None  # a draft's block: 3 blocks
+    assert kv.trim(0, 4) == 1  # drafts rejected, nothing registered: back to 1 block
+    again = kv.allocate_slots(0, 8)  # the kept block, then one new: the runner's row from index 1 on
+    assert again is not None and len(again) == 1 and kv.block_table(0) == [first[0], again[0]]
+    assert kv.allocate_slots(0, 8) == []  # nothing gained: an empty list, which is success
 
 
 def test_rejected_draft_blocks_are_given_back_each_step(tiny):

@@ -1,12 +1,13 @@
 """``KVCacheManagerSuite``: every KV-cache manager must pass it.
 
-Bookkeeping only (no tensors): block accounting never leaks, exhaustion is reported (``False``,
+Bookkeeping only (no tensors): block accounting never leaks, exhaustion is reported (``None``,
 state unchanged) not raised, prefix hits happen only on identical block-aligned token prefixes and
 never cover the whole prompt, shared blocks are reference counted, and cached blocks are evicted
 least recently freed first.  Sequences follow the protocol's order: ``get_computed_prefix`` on first
 scheduling, ``allocate_slots`` before a step, ``cache_blocks`` after it, ``free`` at the end.
-Protocol version 2: ``new_block_ids`` reports what a table gained, and the changes corerun's
-scheduler states from it replay, step by step, to every scheduled sequence's ``block_table``.
+Protocol version 3: ``allocate_slots`` returns what a table gained since its last call (the claimed
+prefix and any ``trim`` included), and the changes corerun's scheduler states from it replay, step
+by step, to every scheduled sequence's ``block_table``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,49 @@ class _Tokens:
 
     def __call__(self, n: int) -> list[int]:
         return [self.rng.randrange(10**6) for _ in range(n)]
+
+
+class _ReturnedIds:
+    """Hands the scheduler a manager and checks every id list its ``allocate_slots`` returns against the
+    manager's own ``block_table``: the entries from the table's length at the previous successful call
+    on (0 after ``get_computed_prefix`` or ``free``; lowered to what a ``trim`` kept).  ``problem``: the
+    first mismatch, for the check to report (the scheduler would wrap an exception raised here)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.returned: dict[int, int] = {}  # seq_id -> table length when allocate_slots last returned
+        self.problem = ""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "trim":
+            trim = getattr(self.inner, "trim")
+
+            def trimmed(seq_id: int, num_tokens: int) -> Any:
+                kept = trim(seq_id, num_tokens)
+                self.returned[seq_id] = min(self.returned.get(seq_id, 0), len(self.inner.block_table(seq_id)))
+                return kept
+            return trimmed
+        return getattr(self.inner, name)
+
+    def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        self.returned[seq_id] = 0
+        return self.inner.get_computed_prefix(seq_id, token_ids)
+
+    def free(self, seq_id: int) -> None:
+        self.returned.pop(seq_id, None)
+        self.inner.free(seq_id)
+
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> Any:
+        ids = self.inner.allocate_slots(seq_id, num_tokens)
+        if ids is None:
+            return None
+        table = self.inner.block_table(seq_id)
+        start = self.returned.get(seq_id, 0)
+        if list(ids) != table[start:] and not self.problem:
+            self.problem = (f"allocate_slots({seq_id}, {num_tokens}) returned {list(ids)!r}; the table is {table}, last "
+                            f"returned at length {start}, so it must return {table[start:]!r}")
+        self.returned[seq_id] = len(table)
+        return ids
 
 
 class KVCacheManagerSuite(ConformanceSuite):
@@ -99,7 +143,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         hit = m.get_computed_prefix(seq_id, list(tokens))
         if expect_hit is not None:
             self._expect(case, "prefix lookup", hit, expect_hit, f"get_computed_prefix of a {len(tokens)}-token prompt")
-        if not m.allocate_slots(seq_id, len(tokens)):
+        if m.allocate_slots(seq_id, len(tokens)) is None:
             self._fail(case, "allocation", f"allocate_slots({seq_id}, {len(tokens)}) failed with {m.num_free_blocks} free blocks")
         m.cache_blocks(seq_id, list(tokens), len(tokens))
         return hit
@@ -123,14 +167,14 @@ class KVCacheManagerSuite(ConformanceSuite):
         steps = [(1, 1), (bs, 1), (bs + 1, 2), (1, 2), (3 * bs, 3)]
         first = None
         for tokens, blocks in steps:
-            self._expect(case, what, m.allocate_slots(1, tokens), True, f"allocate_slots(1, {tokens}) with {m.num_free_blocks} free")
+            self._expect(case, what, m.allocate_slots(1, tokens) is not None, True, f"allocate_slots(1, {tokens}) with {m.num_free_blocks} free")
             table = self._table(m, 1)
             self._expect(case, what, len(table), blocks, f"block table length after allocate_slots(1, {tokens})")
             first = first if first is not None else table[0]
             self._expect(case, what, table[0], first, "first block after growing (tables only grow)")
             self._expect(case, what, m.num_free_blocks, n - blocks, f"num_free_blocks after allocate_slots(1, {tokens})")
         m.get_computed_prefix(2, tok(2 * bs))
-        self._expect(case, what, m.allocate_slots(2, 2 * bs), True, "allocate_slots(2, 2 * block_size)")
+        self._expect(case, what, m.allocate_slots(2, 2 * bs) is not None, True, "allocate_slots(2, 2 * block_size)")
         t1, t2 = self._table(m, 1), self._table(m, 2)
         if set(t1) & set(t2) or len(set(t1 + t2)) != len(t1 + t2) or not all(0 <= b < n for b in t1 + t2):
             self._fail(case, what, f"block tables overlap or leave [0, {n}): {t1} and {t2}")
@@ -156,7 +200,7 @@ class KVCacheManagerSuite(ConformanceSuite):
                 tokens = tok(rng.randint(1, 4 * bs))
                 seq, next_id = next_id, next_id + 1
                 self._expect(case, "random ops", m.get_computed_prefix(seq, tokens), 0, f"step {step}: prefix of an unrelated prompt")
-                ok, want = m.allocate_slots(seq, len(tokens)), _ceil(len(tokens), bs) <= free_before
+                ok, want = m.allocate_slots(seq, len(tokens)) is not None, _ceil(len(tokens), bs) <= free_before
                 self._expect(case, "random ops", ok, want, f"step {step}: allocate_slots({seq}, {len(tokens)}) with {free_before} free blocks")
                 if ok:
                     live[seq] = tokens
@@ -169,7 +213,7 @@ class KVCacheManagerSuite(ConformanceSuite):
                     m.cache_blocks(seq, old, len(old))
                 new = old + tok(rng.randint(1, 2 * bs))
                 table_before = self._table(m, seq)
-                ok = m.allocate_slots(seq, len(new))
+                ok = m.allocate_slots(seq, len(new)) is not None
                 want = _ceil(len(new), bs) - _ceil(len(old), bs) <= free_before
                 self._expect(case, "random ops", ok, want, f"step {step}: growing seq {seq} to {len(new)} tokens with {free_before} free blocks")
                 if ok:
@@ -221,7 +265,7 @@ class KVCacheManagerSuite(ConformanceSuite):
             grown = tokens[seq] + tok(rng.choice((1, 1, max(bs - 1, 1), bs, bs + 1)))
             if case.config.prefix_caching:
                 m.cache_blocks(seq, tokens[seq], len(tokens[seq]))
-            if m.allocate_slots(seq, len(grown)):
+            if m.allocate_slots(seq, len(grown)) is not None:
                 tokens[seq] = grown
             for s in sorted(held):  # every live table, not only the grown one
                 table = self._table(m, s)
@@ -235,15 +279,17 @@ class KVCacheManagerSuite(ConformanceSuite):
         self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing every sequence")
 
     def test_new_block_ids(self, case: Case) -> None:
-        """``new_block_ids(seq_id, start)`` is ``block_table(seq_id)[start:]``; a ``trim`` (optional) returns
-        the length kept; and corerun's scheduler, running 80 steps over the manager (chunked prefills,
+        """``allocate_slots`` returns ``block_table(seq_id)[start:]``, ``start`` the table's length when it
+        last returned (0 on a sequence's first call, the claimed prefix included; lowered by a ``trim``);
+        a ``trim`` (optional) returns the length kept; and corerun's scheduler, running 80 steps over the manager (chunked prefills,
         decodes, speculative drafts trimmed back, preemption by recompute, prefix hits, finishing),
         states changes (``ScheduledBatch.new_block_ids``: new requests' whole tables, the others'
         changes; ``finished_ids``) whose replay equals the
         ``block_table`` of every scheduled sequence at every step."""
         self.start(case)
         bs = case.config.block_size
-        m = self._manager(case, 14)  # room for two or three sequences: preemptions
+        checked = _ReturnedIds(self._manager(case, 14))  # room for two or three sequences: preemptions
+        m = checked.inner
         rng, tok = random.Random(21), _Tokens(22)
         what = "stated changes"
         drafting = [0]
@@ -257,7 +303,7 @@ class KVCacheManagerSuite(ConformanceSuite):
                         out[seq.seq_id] = tok(bs + 1)
             return out
 
-        sched = Scheduler(m, max_num_seqs=6, max_num_batched_tokens=3 * bs + 8)
+        sched = Scheduler(checked, max_num_seqs=6, max_num_batched_tokens=3 * bs + 8)
         shared = tok(2 * bs)  # a prefix several prompts start with (prefix hits when the manager shares)
         seqs: dict[int, Any] = {}
         mirror: dict[int, list[int]] = {}  # seq_id -> its table, from the stated changes only
@@ -270,6 +316,8 @@ class KVCacheManagerSuite(ConformanceSuite):
                 sched.add(seqs[sid])
             sched.update_draft_token_ids(propose())
             batch = sched.schedule()
+            if checked.problem:
+                self._fail(case, what, f"step {step}: {checked.problem}")
             scheduled = [s for s in sched.seqs_of(batch) if s is not None]
             for sid in batch.finished_ids:
                 mirror.pop(sid, None)
@@ -282,10 +330,7 @@ class KVCacheManagerSuite(ConformanceSuite):
                 table = self._table(m, seq.seq_id)
                 if mirror.get(seq.seq_id) != table:
                     self._fail(case, what, f"step {step}: seq {seq.seq_id}'s table is {table}, but the changes stated "
-                               f"from new_block_ids replay to {mirror.get(seq.seq_id)}")
-                for start in {0, len(table) // 2, len(table)}:
-                    self._expect(case, what, list(m.new_block_ids(seq.seq_id, start)), table[start:],
-                                 f"step {step}: new_block_ids({seq.seq_id}, {start}) of the table {table}")
+                               f"from allocate_slots' ids replay to {mirror.get(seq.seq_id)}")
             for seq, n in zip(scheduled, batch.num_scheduled):  # the step ran: drafts all rejected
                 n -= len(batch.drafts.get(seq.seq_id, ()))
                 seq.num_computed_tokens += n
@@ -297,6 +342,8 @@ class KVCacheManagerSuite(ConformanceSuite):
                         continue
                 if seq.seq_id in batch.drafts and hasattr(m, "trim"):
                     sched.trim(seq, seq.num_tokens)
+                    if checked.problem:
+                        self._fail(case, what, f"step {step}: {checked.problem}")
                     kept = len(self._table(m, seq.seq_id))
                     trims += 1
                     self._expect(case, what, kept >= _ceil(seq.num_tokens, bs), True,
@@ -305,7 +352,7 @@ class KVCacheManagerSuite(ConformanceSuite):
             raise RuntimeError(f"suite input: {sched.num_preemptions} preemptions and {trims} trims in the run")
 
     def test_exhaustion(self, case: Case) -> None:
-        """Running out of blocks returns False and changes nothing; freeing makes room again."""
+        """Running out of blocks returns None and changes nothing; freeing makes room again."""
         self.start(case)
         bs, n = case.config.block_size, 8
         m = self._manager(case, n)
@@ -317,14 +364,14 @@ class KVCacheManagerSuite(ConformanceSuite):
         try:
             refused = [m.allocate_slots(2, 4 * bs), m.allocate_slots(1, 8 * bs + 1)]
         except Exception as exc:
-            self._fail(case, what, f"allocate_slots raised {type(exc).__name__} ({exc}) when blocks ran out; it must return False")
-        self._expect(case, what, refused, [False, False], "allocate_slots needing 4 blocks with 3 free (new seq, growing seq)")
+            self._fail(case, what, f"allocate_slots raised {type(exc).__name__} ({exc}) when blocks ran out; it must return None")
+        self._expect(case, what, refused, [None, None], "allocate_slots needing 4 blocks with 3 free (new seq, growing seq)")
         after = (m.num_free_blocks, self._table(m, 1), self._table(m, 2), m.stats())
         self._expect(case, what, after, snapshot, "(num_free_blocks, tables, stats) after refused allocations")
-        self._expect(case, what, m.allocate_slots(2, 3 * bs), True, "allocate_slots of exactly the 3 free blocks")
-        self._expect(case, what, (m.num_free_blocks, m.allocate_slots(1, 5 * bs + 1)), (0, False), "(free, allocate one more block) when full")
+        self._expect(case, what, m.allocate_slots(2, 3 * bs) is not None, True, "allocate_slots of exactly the 3 free blocks")
+        self._expect(case, what, (m.num_free_blocks, m.allocate_slots(1, 5 * bs + 1)), (0, None), "(free, allocate one more block) when full")
         m.free(2)
-        self._expect(case, what, m.allocate_slots(1, 5 * bs + 1), True, "allocate_slots after freeing a sequence")
+        self._expect(case, what, m.allocate_slots(1, 5 * bs + 1) is not None, True, "allocate_slots after freeing a sequence")
         m.free(1)
         self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing everything")
 
@@ -339,7 +386,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         hits_before = m.stats().prefix_hits
         b = a[: 2 * bs] + tok(bs + 2)
         self._expect(case, "prefix", m.get_computed_prefix(2, b), 2 * bs, "prompt sharing the first two blocks")
-        self._expect(case, "prefix", m.allocate_slots(2, len(b)), True, f"allocate_slots(2, {len(b)}) with {m.num_free_blocks} free blocks")
+        self._expect(case, "prefix", m.allocate_slots(2, len(b)) is not None, True, f"allocate_slots(2, {len(b)}) with {m.num_free_blocks} free blocks")
         self._expect(case, "prefix", m.stats().prefix_hits - hits_before, 2 * bs, "stats().prefix_hits increase once admitted")
         ta, tb = self._table(m, 1), self._table(m, 2)
         if tb[:2] != ta[:2] or set(tb[2:]) & set(ta):
@@ -392,7 +439,7 @@ class KVCacheManagerSuite(ConformanceSuite):
             self._fail(case, what, f"blocks {sorted(set(self._table(m, 3)) & set(shared))} were handed out while seq 2 still uses them")
         self._expect(case, what, self._table(m, 2), shared, "table of the surviving sharer")
         m.get_computed_prefix(4, tok(1))
-        self._expect(case, what, m.allocate_slots(4, 1), False, "allocate_slots with no free block left")
+        self._expect(case, what, m.allocate_slots(4, 1), None, "allocate_slots with no free block left")
         m.free(4)
         m.free(3)
         self._expect(case, what, self._probe(m, 5, a[: 2 * bs] + [1]), 2 * bs, "prefix of the shared blocks while seq 2 holds them")
@@ -400,7 +447,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing everything")
         hit = m.get_computed_prefix(6, a[: 2 * bs] + [1])
         self._expect(case, what, (hit, m.num_free_blocks), (2 * bs, n - 2), "(prefix, num_free_blocks) after claiming 2 evictable cached blocks")
-        self._expect(case, what, m.allocate_slots(6, 2 * bs + 1), True, "allocate_slots after a claim")
+        self._expect(case, what, m.allocate_slots(6, 2 * bs + 1) is not None, True, "allocate_slots after a claim")
         self._expect(case, what, m.num_free_blocks, n - 3, "num_free_blocks after growing past the claimed blocks")
         m.free(6)
         self._expect(case, what, m.num_free_blocks, n, "num_free_blocks after freeing everything")

@@ -263,14 +263,14 @@ class Scheduler:
             seq.draft_token_ids = drafts.get(seq.seq_id, [])
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """``allocate_slots``; when the table had to grow, the new entries are noted for the runner."""
+        """``allocate_slots``; the ids it returns (the table's new entries) are noted for the runner."""
         self._current = seq
-        if not self.kv.allocate_slots(seq.seq_id, num_tokens):
-            return False
         sid = seq.seq_id
-        have = self.told.table_len.get(sid, 0)
-        if num_tokens > have * self.kv.block_size:
-            self.told.note(sid, BlockIds(have, tuple(self.kv.new_block_ids(sid, have))))
+        ids = self.kv.allocate_slots(sid, num_tokens)
+        if ids is None:
+            return False
+        if ids:
+            self.told.note(sid, BlockIds(self.told.table_len.get(sid, 0), tuple(ids)))
         return True
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:

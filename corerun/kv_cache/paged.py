@@ -46,6 +46,7 @@ class _SeqState:
     # (tokens looked up, tokens found) by get_computed_prefix, counted in stats() only once an
     # allocate_slots for the sequence succeeds: an admission that fails and is retried counts once
     pending_lookup: Optional[tuple[int, int]] = None
+    num_returned: int = 0  # table length when allocate_slots last returned (lowered by trim)
 
 
 class PagedKVCacheManager:
@@ -130,15 +131,6 @@ class PagedKVCacheManager:
             )
         return list(state.block_table)
 
-    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
-        """``block_table(seq_id)[start:]`` without copying the rest; raises ``ValueError`` for an unknown id."""
-        state = self._seqs.get(seq_id)
-        if state is None:
-            raise ValueError(
-                f"sequence {seq_id!r} has no blocks; call get_computed_prefix / allocate_slots for it first"
-            )
-        return state.block_table[start:]
-
     # ------------------------------------------------------------------ protocol
 
     def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
@@ -175,10 +167,12 @@ class PagedKVCacheManager:
         state.pending_lookup = (len(token_ids), num_hit_tokens)
         return num_hit_tokens
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
-        """Grow ``seq_id``'s table to ``ceil(num_tokens / block_size)`` blocks (never shrinks it).
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        """Grow ``seq_id``'s table to ``ceil(num_tokens / block_size)`` blocks (never shrinks it) and
+        return the ids it gained since the last successful call (first call: the whole table, the
+        prefix ``get_computed_prefix`` claimed included; after ``trim``: from the kept length on).
 
-        Returns ``False`` and changes nothing when too few blocks are free.  Empty blocks are taken
+        Returns ``None`` and changes nothing when too few blocks are free.  Empty blocks are taken
         first, then cached free blocks are evicted, least recently freed first.
         """
         if num_tokens < 0:
@@ -187,7 +181,7 @@ class PagedKVCacheManager:
         have = len(state.block_table) if state is not None else 0
         need = -(-num_tokens // self.block_size) - have
         if need > self.num_free_blocks:
-            return False
+            return None
         if state is None:
             state = self._seqs[seq_id] = _SeqState()
         for _ in range(need):
@@ -197,7 +191,8 @@ class PagedKVCacheManager:
             self._prefix_queries += queried
             self._prefix_hits += hit
             state.pending_lookup = None
-        return True
+        start, state.num_returned = state.num_returned, len(state.block_table)
+        return state.block_table[start:]
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register the keys of ``seq_id``'s full blocks within its first ``num_computed_tokens`` tokens.
@@ -250,6 +245,7 @@ class PagedKVCacheManager:
                     self._free_cached[block] = None
                 else:
                     self._free_empty.appendleft(block)  # taken again first (the next draft step wants one)
+        state.num_returned = min(state.num_returned, len(state.block_table))
         return len(state.block_table)
 
     def free(self, seq_id: int) -> None:

@@ -6,12 +6,15 @@ themselves belong to the attention backend.  A sequence goes through:
 1. ``get_computed_prefix(seq_id, token_ids)`` on its first scheduling: claims cached blocks holding a
    block-aligned prefix of ``token_ids`` (never the whole prompt: the last prompt token is always
    recomputed so its logits exist) and returns how many tokens they cover.
-2. ``allocate_slots(seq_id, num_tokens)`` before each step: grows the block table to hold
-   ``num_tokens`` tokens.  Returns ``False`` and changes nothing when free blocks run out
-   (exhaustion is reported, never raised); the scheduler then preempts.  After a growing call the
-   scheduler asks ``new_block_ids(seq_id, start)`` for what was appended and hands it to the runner
-   in the step's ``ScheduledBatch.new_block_ids`` (protocol version 2: the runner never reads a whole
-   table to find out what changed).
+2. ``allocate_slots(seq_id, num_tokens) -> list[int] | None`` before each step: grows the block
+   table to hold ``num_tokens`` tokens and returns the block ids the table gained since the last
+   successful ``allocate_slots`` for the sequence: on its first one (after ``get_computed_prefix``,
+   or after a ``free``) the whole table, the claimed prefix blocks first; after a ``trim`` every
+   entry from the kept length on.  Always ``block_table(seq_id)[start:]`` for that ``start``; an
+   empty list when nothing was added (success: check ``is None``, not falsiness).  Returns ``None``
+   and changes nothing when free blocks run out (exhaustion is reported, never raised); the
+   scheduler then preempts.  The scheduler hands the ids to the runner in the step's
+   ``ScheduledBatch`` (protocol version 3: nobody asks the manager again what it got).
 3. ``cache_blocks(seq_id, token_ids, num_computed)`` after a step: registers the hashes of blocks
    that became full so later sequences can share them.
 4. ``free(seq_id)`` when finished, aborted or preempted: drops references; freed blocks that hold
@@ -19,7 +22,8 @@ themselves belong to the attention backend.  A sequence goes through:
 
 Optional: ``trim(seq_id, num_tokens) -> int`` shrinks a table at the end (speculative decoding gives
 back the blocks it took only for rejected drafts) and returns the table's length after; the
-scheduler reports the shrink to the runner like any other change.
+scheduler reports the shrink to the runner like any other change, and the next ``allocate_slots``
+returns the table's entries from that length on.
 """
 
 from __future__ import annotations
@@ -53,7 +57,10 @@ class KVCacheManager(Protocol):
 
     def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int: ...
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool: ...
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        """The block ids ``seq_id``'s table gained since its last successful call (see the module
+        docstring: prefix blocks and ``trim`` included), ``[]`` when none; ``None`` on exhaustion."""
+        ...
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
 
@@ -66,14 +73,6 @@ class KVCacheManager(Protocol):
         after ``free(seq_id)``, or shrinks at the end by the optional ``trim``.  Entries handed out
         are never rewritten while the sequence holds them; after ``free`` and a new admission under
         the same ``seq_id`` (a preemption) the table is a new one, reported whole.
-        """
-        ...
-
-    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
-        """``block_table(seq_id)[start:]``: the blocks appended since the table held ``start`` (protocol version 2).
-
-        The scheduler calls it after each ``allocate_slots`` that needed blocks, with the length it
-        last reported, so its cost should follow what is new, not the whole table.
         """
         ...
 

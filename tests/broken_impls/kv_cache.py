@@ -23,7 +23,7 @@ class _Wrapped:
     def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
         return self.inner.get_computed_prefix(seq_id, token_ids)
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
         return self.inner.allocate_slots(seq_id, num_tokens)
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -31,9 +31,6 @@ class _Wrapped:
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.inner.block_table(seq_id)
-
-    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
-        return self.inner.new_block_ids(seq_id, start)
 
     def free(self, seq_id: int) -> None:
         self.inner.free(seq_id)
@@ -78,10 +75,28 @@ class InsertsBeforeTail(_Wrapped):
 
 
 class ReportsBlocksFromZero(_Wrapped):
-    """Broken (protocol version 2): ``new_block_ids`` ignores ``start`` and returns the whole table, so
-    the blocks a sequence already had are stated again as appended (its row would repeat them)."""
+    """Broken (protocol version 3): ``allocate_slots`` returns the whole table every time, so the blocks a
+    sequence already had are stated again as appended (its row would repeat them)."""
 
     name = "reports-blocks-from-zero"
 
-    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        if self.inner.allocate_slots(seq_id, num_tokens) is None:
+            return None
         return self.inner.block_table(seq_id)
+
+
+class OmitsClaimedPrefix(_Wrapped):
+    """Broken (protocol version 3): ``allocate_slots`` returns only the blocks that call took, leaving out
+    the prefix blocks ``get_computed_prefix`` claimed before a sequence's first allocation (a row with a
+    prefix hit would start at the wrong block)."""
+
+    name = "omits-claimed-prefix"
+
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        try:
+            before = len(self.inner.block_table(seq_id))
+        except ValueError:  # (no blocks yet)
+            before = 0
+        ids = self.inner.allocate_slots(seq_id, num_tokens)
+        return None if ids is None else self.inner.block_table(seq_id)[before:]

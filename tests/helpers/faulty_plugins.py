@@ -8,7 +8,7 @@ Each wraps a real implementation and delegates everything to it, except that one
   comes in the *second* layer of step ``s``, after the first one wrote that step's K/V into the cache;
 - KV-cache manager ``faulty_kv``: ``paged``; its ``fail_at``-th call of ``method`` (``allocate_slots``,
   the default, ``get_computed_prefix``, ``block_table`` or ``cache_blocks``) raises, or with
-  ``error="refuse"`` ``allocate_slots`` reports no room (``False``) however many blocks are free;
+  ``error="refuse"`` ``allocate_slots`` reports no room (``None``) however many blocks are free;
 - sampler ``faulty_sampler``: ``full``; its ``fail_at``-th ``sample`` call raises;
 - sampler ``lying_sampler``: ``full``, but its ``fail_at``-th ``sample`` call returns a token id
   outside the vocabulary instead of raising.
@@ -60,9 +60,9 @@ class FaultOptions(BaseModel):
 
 class KVFaultOptions(FaultOptions):
     """``method``: the KV-cache manager call that fails; ``error="refuse"``: ``allocate_slots`` returns
-    ``False`` (no room) instead of raising, even with the whole cache free."""
+    ``None`` (no room) instead of raising, even with the whole cache free."""
 
-    method: Literal["allocate_slots", "get_computed_prefix", "block_table", "new_block_ids", "cache_blocks"] = "allocate_slots"
+    method: Literal["allocate_slots", "get_computed_prefix", "block_table", "cache_blocks"] = "allocate_slots"
     error: Literal["runtime", "oom", "refuse"] = "runtime"
 
 
@@ -128,9 +128,9 @@ class FaultyKVCache(PagedKVCacheManager):
             raise self.trigger.fault()
         return False
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
         if self._maybe_fail("allocate_slots", seq_id):
-            return False
+            return None
         return super().allocate_slots(seq_id, num_tokens)
 
     def get_computed_prefix(self, seq_id: int, token_ids: Any) -> int:
@@ -140,10 +140,6 @@ class FaultyKVCache(PagedKVCacheManager):
     def block_table(self, seq_id: int) -> list[int]:
         self._maybe_fail("block_table", seq_id)
         return super().block_table(seq_id)
-
-    def new_block_ids(self, seq_id: int, start: int) -> list[int]:
-        self._maybe_fail("new_block_ids", seq_id)
-        return super().new_block_ids(seq_id, start)
 
     def cache_blocks(self, seq_id: int, token_ids: Any, num_computed_tokens: int) -> None:
         self._maybe_fail("cache_blocks", seq_id)
