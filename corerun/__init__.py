@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from corerun._version import PROTOCOL_VERSION, __version__
-from corerun.capabilities import (
+from corerun.plugin.capabilities import (
     AttentionCapabilities,
     GraphRunnerCapabilities,
     KVCacheCapabilities,
@@ -29,7 +29,7 @@ from corerun.errors import (
     RequestError,
     UnsupportedError,
 )
-from corerun.hookspecs import hookimpl
+from corerun.plugin.hookspecs import hookimpl
 
 _LAZY = {
     "LLM": "corerun.llm",
@@ -40,14 +40,14 @@ _LAZY = {
     "StructuredOutputsParams": "corerun.sampling_params",
     "Config": "corerun.config",
     "load_config": "corerun.config",
-    "get_registry": "corerun.registry",
+    "get_registry": "corerun.plugin.registry",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from corerun.config import Config, load_config
     from corerun.llm import LLM
     from corerun.outputs import CompletionOutput, Logprob, RequestOutput
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
     from corerun.sampling_params import SamplingParams, StructuredOutputsParams
 
 

@@ -1,4 +1,4 @@
-"""A certificate names the code it proved (corerun.trust): the installed files' digest (wheel RECORD, or
+"""A certificate names the code it proved (corerun.plugin.trust): the installed files' digest (wheel RECORD, or
 an editable install's package sources), the distribution, corerun and protocol versions, torch's version
 and the device kind.  Any difference, and ``auto`` passes the implementation over saying why; a failing
 run of ``corerun conformance`` revokes it."""
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from corerun import hookimpl, trust
-from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, Need
+from corerun import hookimpl
+from corerun.plugin import trust
+from corerun.plugin.capabilities import AttentionCapabilities, GraphRunnerCapabilities, Need
 from corerun.cli import cli
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from tests.test_registry import Provides, Recorder, builtins_only
 
 NEED = Need("cpu", attention=AttentionCapabilities(cuda_graph_decode=True))
@@ -150,7 +151,7 @@ def test_another_corerun_torch_device_or_version_is_not_certified(change: str, e
 def test_a_failing_run_revokes_the_certificate(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A certified sampler that now fails the suite: the run revokes its certificate and ``auto``,
     which chose it before, passes it over saying so."""
-    import corerun.registry as registry_module
+    import corerun.plugin.registry as registry_module
     from tests.broken_impls.sampler import IgnoresTemperatureWithTopK as Broken
 
     class Plugin:

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from corerun import SamplingParams
-from corerun.capabilities import GraphRunnerCapabilities, Need
+from corerun.plugin.capabilities import GraphRunnerCapabilities, Need
 from corerun.errors import ConfigError
 from corerun.graph.compiled import CompileGraphRunner, probe
-from corerun.registry import get_registry
+from corerun.plugin.registry import get_registry
 from corerun.testing import make_llm
 from corerun.testing.tiny_models import hf_model, make_tiny_model
 

@@ -8,7 +8,7 @@ import pytest
 
 from corerun.config import Choice, Config, load_config, parse_set
 from corerun.errors import ConfigError, PluginError
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 
 # The configuration of the design document, verbatim: every value there is a default.
 DESIGN_YAML = """\

@@ -102,9 +102,9 @@ def test_package_suites_skip_without_an_implementation() -> None:
 def _install(monkeypatch, hook: str, name: str, impl: type) -> None:
     """Register ``impl`` as the third-party implementation ``name`` (through the plugin hook ``hook``)
     in the process-wide registry, for this test only."""
-    import corerun.registry as registry_module
+    import corerun.plugin.registry as registry_module
     from corerun import hookimpl
-    from corerun.registry import Registry
+    from corerun.plugin.registry import Registry
 
     def register_it(self, register) -> None:
         register(name, impl, capabilities=getattr(impl, "capabilities", None))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun.cli import cli
 from corerun.cli.conformance import EXIT_IMPORT_FAILED, EXIT_NOTHING_RAN
-from corerun.registry import LoadError, Registry
+from corerun.plugin.registry import LoadError, Registry
 from tests.test_registry import Provides
 
 

@@ -8,7 +8,7 @@ from itertools import product
 import pytest
 import torch
 
-from corerun.capabilities import AttentionCapabilities, SamplerCapabilities
+from corerun.plugin.capabilities import AttentionCapabilities, SamplerCapabilities
 from corerun.conformance.attention_matrix import attention_configs, unsupported_configs
 from corerun.conformance.reference.attention import paged_attention_reference
 from corerun.conformance.reference.sampling import sampling_distribution

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import corerun.conformance as package
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun.conformance import run
-from corerun.registry import LoadError, Registry
+from corerun.plugin.registry import LoadError, Registry
 from tests.test_registry import Provides
 
 ISOLATED = ["-c", os.devnull, "--rootdir", os.path.dirname(package.__file__), "--noconftest",

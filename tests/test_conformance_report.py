@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun import hookimpl
 from corerun.cli import cli
 from corerun.conformance.report import diagnose, group_failures
 from corerun.conformance.runner import CheckResult
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from tests.broken_impls.attention import WritesSlotPlusOne, factory
 
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun import LLM, SamplingParams
 from corerun.config import Config
 from corerun.engine.input_processor import load_tokenizer as _load_tokenizer
 from corerun.models.errors import ModelLoadError
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from corerun.testing import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 

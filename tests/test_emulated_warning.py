@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.plugin.capabilities import AttentionCapabilities
 from tests.test_registry import Provides, Recorder, builtins_only, spec
 
 SLOW = AttentionCapabilities(devices=frozenset({"cpu", "cuda", "meta"}), emulated_on=frozenset({"cpu"}))

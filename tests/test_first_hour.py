@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from corerun.capabilities import SamplerCapabilities
+from corerun.plugin.capabilities import SamplerCapabilities
 from corerun.cli import cli
 from corerun.errors import PluginError
-from corerun.registry import KINDS, Registry
+from corerun.plugin.registry import KINDS, Registry
 from corerun.scaffold import scaffold
 from tests.test_plugin_imports import is_public
 from tests.test_registry import Provides, Recorder

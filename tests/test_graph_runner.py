@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.plugin.capabilities import AttentionCapabilities
 from corerun.errors import ConfigError
 from corerun.graph.buckets import bucket_for, capture_sizes
 from corerun.graph.capturer import EmulatedGraphCapturer, GraphCapturer
@@ -424,7 +424,7 @@ def test_cuda_probe_reports_unavailable_without_a_device(monkeypatch: pytest.Mon
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
 def test_registry_lists_cuda_as_unavailable_and_builds_eager() -> None:
     from corerun.errors import PluginUnavailableError
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
 
     reg = get_registry()
     assert "needs a CUDA device (torch.cuda.is_available() is False)" in reg.get("graph", "cuda").unavailable_reasons()
@@ -444,8 +444,8 @@ def test_cuda_runner_refuses_a_cpu_device_without_an_injected_capturer() -> None
 def test_graph_runner_auto_goes_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """``graph: {runner: auto}`` is ``Registry.select``: the built-in ``cuda`` runner (priority 10) on a
     CUDA device with a graph-safe backend (a backend or its capabilities), ``eager`` otherwise, with why."""
-    from corerun.capabilities import Need
-    from corerun.registry import Registry
+    from corerun.plugin.capabilities import Need
+    from corerun.plugin.registry import Registry
 
     # as on a machine with a CUDA device: the cuda runner's own probe finds a CUDA build and a device
     monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.4")

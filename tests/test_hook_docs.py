@@ -13,8 +13,9 @@ from typing import Any, Callable
 
 import pytest
 
-from corerun import hookimpl, hookspecs
-from corerun.registry import Registry
+from corerun import hookimpl
+from corerun.plugin import hookspecs
+from corerun.plugin.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 

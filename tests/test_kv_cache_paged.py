@@ -27,7 +27,7 @@ def used_blocks(m: PagedKVCacheManager, seq_ids: list[int]) -> set[int]:
 
 
 def test_registered_and_satisfies_the_protocol() -> None:
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
 
     m = get_registry().create("kv_cache", "paged", 8, 16, prefix_caching=True)
     assert isinstance(m, PagedKVCacheManager) and isinstance(m, KVCacheManager)

@@ -70,3 +70,10 @@ def test_lazy_and_type_only_upward_imports_break_the_contract(tmp_path: Path, mo
     path.write_text(path.read_text() + added)
     done = _lint(tmp_path, tmp_path / "pyproject.toml")
     assert done.returncode != 0 and chain in done.stdout, done.stdout[-3000:]
+
+
+def test_only_the_user_api_is_left_at_the_top() -> None:
+    # everything else lives in a package the contract above places; a new loose module fails here
+    user_api = {"__init__", "__main__", "_version", "config", "errors", "llm", "outputs", "sampling_params"}
+    loose = {p.stem for p in (ROOT / "corerun").glob("*.py")}
+    assert loose == user_api, f"modules loose at the top of corerun/ besides the user API: {sorted(loose - user_api)}"

@@ -12,7 +12,7 @@ import torch
 from corerun import LogitsProcessorCapabilities, SamplerCapabilities, hookimpl
 from corerun.conformance import run
 from corerun.runner.logits_processing import LogitsProcessors
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from corerun.sampling_params import SamplingParams
 from tests.broken_impls.logits_processor import END, LeaksBetweenRequests, MasksWrongRows, TrieChoice
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun import hookimpl
-from corerun.capabilities import ModelCapabilities, Need
+from corerun.plugin.capabilities import ModelCapabilities, Need
 from corerun.models import UnsupportedModelError, load_model, model_family, supported_architectures
 from corerun.models.config import ModelConfig
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from corerun.sdk.models import ArchOptions, LlamaForCausalLM
 from corerun.testing.tiny_models import corerun_logits, hf_logits, make_tiny_model, max_rel_err
 

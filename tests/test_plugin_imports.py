@@ -23,11 +23,8 @@ PUBLIC = (
     "corerun.testing",
     "corerun.protocols",
     "corerun.conformance",
-    "corerun.capabilities",
-    "corerun.hookspecs",
     "corerun.errors",
     "corerun.sampling_params",
-    "corerun.registry",
     "corerun.tool_parsers",
 )
 
@@ -127,7 +124,7 @@ def test_the_check_names_file_line_and_module(tmp_path: Path) -> None:
         (11, "corerun.models.default"),
     ]
     good = tmp_path / "sampler.py"
-    good.write_text("from corerun.sdk.sampling import exponential_race\nfrom corerun import registry, errors\n")
+    good.write_text("from corerun.sdk.sampling import exponential_race\nfrom corerun.sdk import Registry, hookimpl\nfrom corerun import errors\n")
     assert private_imports(good) == []
 
 

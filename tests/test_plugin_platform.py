@@ -150,7 +150,7 @@ def test_a_kernel_that_fails_to_import_is_unavailable_with_the_reason(listing: d
 
 def test_a_filter_naming_no_plugin_is_explained(world: dict) -> None:
     code = """
-        from corerun.registry import Registry
+        from corerun.plugin.registry import Registry
         try:
             Registry.from_environment().get("attention", "narrow")
         except Exception as exc:

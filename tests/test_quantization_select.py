@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from corerun import hookimpl
-from corerun.capabilities import QuantizationCapabilities
+from corerun.plugin.capabilities import QuantizationCapabilities
 from corerun.errors import PluginUnavailableError
 from corerun.quantization.capabilities import GGUF_TYPES
 from corerun.quantization.checkpoint import CheckpointFormat, checkpoint_format
 from corerun.quantization.gguf_blocks import LAYOUTS
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 
 
 class MinePlugin:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun import (
     AttentionCapabilities,
     GraphRunnerCapabilities,
@@ -30,7 +30,7 @@ from corerun.cli.plugins import describe, render
 from corerun.config import load_config
 from corerun.errors import PluginError, PluginNotFoundError, PluginUnavailableError
 from corerun.protocols import AttentionSpec
-from corerun.registry import Registry, resolve
+from corerun.plugin.registry import Registry, resolve
 
 HOOK_OF = {
     "attention": "corerun_attention_backends",
@@ -83,7 +83,7 @@ class WindowOptions(BaseModel):
 def builtins_only(*plugins: tuple[Any, str, str]) -> Registry:
     """A registry with corerun's built-ins and ``(plugin object, plugin id, distribution)`` entries."""
     reg = Registry()
-    reg.register_module(importlib.import_module("corerun.builtin_plugins"), plugin="corerun", distribution="corerun", version=__version__)
+    reg.register_module(importlib.import_module("corerun.plugin.builtin"), plugin="corerun", distribution="corerun", version=__version__)
     for obj, plugin, dist in plugins:
         reg.register_module(obj, plugin=plugin, distribution=dist, version="1.2.3")
     return reg
@@ -243,7 +243,7 @@ def test_builtin_name_cannot_be_taken_over(first: bool) -> None:
     else:  # whatever the loading order, the built-in keeps its name
         reg = Registry()
         reg.register_module(evil[0], plugin="evil", distribution="corerun-evil", version="6.6")
-        reg.register_module(importlib.import_module("corerun.builtin_plugins"), plugin="corerun", distribution="corerun", version=__version__)
+        reg.register_module(importlib.import_module("corerun.plugin.builtin"), plugin="corerun", distribution="corerun", version=__version__)
     assert reg.get("attention", "torch").distribution == "corerun"
     assert reg.get("attention", "extra").distribution == "corerun-evil"  # the rest of the plugin keeps working
     (error,) = reg.load_errors
@@ -456,7 +456,7 @@ def test_auto_never_picks_an_uncertified_third_party(tmp_path: Path, monkeypatch
     """A priority-100 third-party backend stays out of ``auto`` until certified for its exact version;
     named explicitly, it is used as asked."""
     monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path))
-    from corerun import trust
+    from corerun.plugin import trust
 
     reg = builtins_only((Provides(attention=[("greedy", Recorder(), {"priority": 100})]), "greedy", "corerun-greedy"))
     with caplog.at_level(logging.INFO):

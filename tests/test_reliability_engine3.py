@@ -186,7 +186,7 @@ def test_a_sampled_row_with_nan_logits_ends_in_error_beside_a_seeded_one(tiny_di
 def test_samplers_mark_exactly_the_non_finite_rows(sampler: str) -> None:
     """Sampler level, against a float64 argmax of the clean rows: NON_FINITE for the poisoned rows only."""
     from corerun.protocols import SamplingMetadata
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
     from corerun.sdk.sampling import NON_FINITE
 
     vocab = 50

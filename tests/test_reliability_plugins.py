@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun import LLM, SamplingParams
 from corerun.outputs import RequestOutput
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from corerun.testing import assert_idle, make_llm
 from tests.helpers import faulty_plugins
 from tests.helpers.tiny_models import make_tiny_model

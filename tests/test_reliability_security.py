@@ -22,12 +22,12 @@ import pytest
 import torch
 import yaml
 
-import corerun.registry as registry_module
+import corerun.plugin.registry as registry_module
 from corerun import LLM
 from corerun.config import load_config, parse_set
 from corerun.errors import ConfigError, PluginNotFoundError
 from corerun.models.errors import ModelLoadError
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from tests.helpers.tiny_models import make_tiny_model
 
 COMMON: dict[str, Any] = dict(device="cpu", dtype="float32", attention="torch", kv_cache={"block_size": 4, "num_blocks": 16})

@@ -590,8 +590,8 @@ def test_prompt_of_max_model_len_refused_and_one_less_served(llm: LLM, url: str,
 
 @pytest.fixture
 def faulty_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
-    import corerun.registry as registry_module
-    from corerun.registry import Registry
+    import corerun.plugin.registry as registry_module
+    from corerun.plugin.registry import Registry
     from tests.helpers import faulty_plugins
 
     reg = Registry.from_environment()

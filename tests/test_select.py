@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from corerun import trust
-from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, Need, SamplerCapabilities
+from corerun.plugin import trust
+from corerun.plugin.capabilities import AttentionCapabilities, GraphRunnerCapabilities, Need, SamplerCapabilities
 from corerun.errors import PluginNotFoundError, PluginUnavailableError
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from tests.test_registry import Provides, Recorder, builtins_only
 
 SAFE, UNSAFE = AttentionCapabilities(cuda_graph_decode=True), AttentionCapabilities(cuda_graph_decode=False)

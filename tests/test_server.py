@@ -362,8 +362,8 @@ def test_non_streamed_request_aborted_when_the_client_leaves(llm: LLM, url: str)
 
 
 def test_engine_fault_is_a_500_for_that_request_only(folder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import corerun.registry as registry_module
-    from corerun.registry import Registry
+    import corerun.plugin.registry as registry_module
+    from corerun.plugin.registry import Registry
     from tests.helpers import faulty_plugins
 
     reg = Registry.from_environment()

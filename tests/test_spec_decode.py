@@ -67,7 +67,7 @@ def _fake_seq(seq_id: int, params: SamplingParams) -> Sequence:
 def test_verified_tokens_follow_the_non_speculative_law(sampler):
     """Positions with fixed distributions p_0, p_1, p_2 and drafts (d_0, d_1): the emitted sequence is
     (x != d_0) w.p. p_0(x); (d_0, x != d_1) w.p. p_0(d_0) p_1(x); (d_0, d_1, x) w.p. p_0(d_0) p_1(d_1) p_2(x)."""
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
 
     V, N = 6, 12000
     g = torch.Generator().manual_seed(7)
@@ -161,7 +161,7 @@ def test_accepted_tokens_stop_at_max_tokens_and_stop_tokens(tiny):
 
 
 def test_a_sampler_that_cannot_verify_drafts_is_refused(tiny, monkeypatch):
-    from corerun.capabilities import SamplerCapabilities
+    from corerun.plugin.capabilities import SamplerCapabilities
     from corerun_sampler_basic.sampler import BasicSampler
 
     monkeypatch.setattr(BasicSampler, "capabilities", SamplerCapabilities(params=frozenset({"temperature", "seed"})))

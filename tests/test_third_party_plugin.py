@@ -108,6 +108,13 @@ def _twin(letter: str, extra: str = "") -> PluginPackage:
 TWIN_A = _twin("a")
 TWIN_B = _twin("b", 'register("solo", "corerun_twin_b.sampler:Solo")')
 BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("graph", "compile"), ("sampler", "full")}
+# the model layer's built-ins: families, quantization methods, tool-call and reasoning parsers
+MODEL_LAYER_BUILTINS = {
+    *(("model", arch) for arch in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                                   "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
+    ("quantization", "none"), ("quantization", "gguf"), ("tool_parser", "hermes"), ("tool_parser", "llama3_json"),
+    ("tool_parser", "mistral"), ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
+}
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -132,7 +139,7 @@ def listing(site: Site) -> dict:
         f"""
         import json, sys
         from corerun.cli import cli
-        from corerun.registry import get_registry
+        from corerun.plugin.registry import get_registry
         cli(["plugins", "--json"], standalone_mode=False)
         factories = sorted({{r.factory.partition(":")[0] for r in get_registry().all() if isinstance(r.factory, str)}})
         print(json.dumps({{"factories_imported": [m for m in factories if m in sys.modules]}}), file=sys.stderr)
@@ -258,7 +265,7 @@ def test_duplicate_name_names_both_distributions(site: Site, listing: dict) -> N
     ]
     done = site.python(
         """
-        from corerun.registry import get_registry
+        from corerun.plugin.registry import get_registry
         print(get_registry().get("sampler", "solo").distribution)
         try:
             get_registry().get("sampler", "twin")
@@ -298,7 +305,7 @@ SELECT = """
     from corerun.config import load_config
     from corerun.errors import PluginUnavailableError
     from corerun.protocols import AttentionSpec
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
 
 
     def select(path, out):
@@ -367,7 +374,7 @@ def test_empty_allow_list_loads_builtins_only(site: Site) -> None:
     doc = json.loads(check(site.corerun(["plugins", "--json", "--no-probe"], plugins="")))
     assert doc["allow_list"] == []
     assert [p["plugin"] for p in doc["plugins"]] == ["corerun"]
-    assert set(_impls(doc)) == BUILTINS
+    assert set(_impls(doc)) == BUILTINS | MODEL_LAYER_BUILTINS
     assert doc["load_errors"] == [] and doc["conflicts"] == []  # the broken plugin and the twins were never imported
     not_loaded = {p["plugin"]: p["distribution"] for p in doc["not_loaded"]}
     assert {"mine": "corerun-attention-mine", "broken": "corerun-broken", "twin_a": "corerun-twin-a"}.items() <= not_loaded.items()
@@ -378,7 +385,7 @@ def test_allow_list_restricts_loading(site: Site) -> None:
     doc = json.loads(check(site.corerun(["plugins", "--json", "--no-probe"], plugins=" mine, twin_a ")))
     assert doc["allow_list"] == ["mine", "twin_a"]
     assert sorted(p["plugin"] for p in doc["plugins"]) == ["corerun", "mine", "twin_a"]
-    assert set(_impls(doc)) == BUILTINS | {("attention", "mine"), ("sampler", "twin")}
+    assert set(_impls(doc)) == BUILTINS | MODEL_LAYER_BUILTINS | {("attention", "mine"), ("sampler", "twin")}
     assert _impls(doc)[("sampler", "twin")]["distribution"] == "corerun-twin-a"
     assert doc["load_errors"] == [] and doc["conflicts"] == []
     out = check(site.corerun(["plugins", "--no-probe"], plugins="mine,twin_a"))

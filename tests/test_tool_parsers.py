@@ -138,7 +138,7 @@ def test_builtin_parsers_pass_through_the_runner(name: str) -> None:
 def test_hook_corerun_tool_parsers() -> None:
     """A plugin object registering a parser through the hook is listed and built by name."""
     from corerun import hookimpl
-    from corerun.registry import Registry
+    from corerun.plugin.registry import Registry
 
     class Plugin:
         @hookimpl
@@ -156,7 +156,7 @@ def test_hook_corerun_tool_parsers() -> None:
 
 def test_hook_corerun_reasoning_parsers() -> None:
     from corerun import hookimpl
-    from corerun.registry import Registry
+    from corerun.plugin.registry import Registry
 
     class Plugin:
         @hookimpl

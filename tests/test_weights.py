@@ -187,7 +187,7 @@ def test_unsupported_architecture_in_folder(tmp_path, llama_dir):
     _edit_config(folder, architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedModelError, match=r"architectures \[GPT2LMHeadModel\] .*not supported") as info:
         load_model(folder)
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
 
     families = str(info.value).partition("installed model families: ")[2]
     assert "LlamaForCausalLM (corerun)" in families, str(info.value)

@@ -150,7 +150,7 @@ def _build_tiny_llama(shape: dict[str, int], seed: int, dtype: torch.dtype, devi
 def make_backend(name: str, spec: AttentionSpec) -> Any:
     """The attention backend ``name`` from the registry, or from this repository's plugin folder."""
     from corerun.errors import PluginNotFoundError
-    from corerun.registry import get_registry, resolve
+    from corerun.plugin.registry import get_registry, resolve
 
     try:
         return get_registry().create("attention", name, spec)

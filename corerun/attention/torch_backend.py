@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.plugin.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 

@@ -140,7 +140,7 @@ def _render(doc: dict[str, Any], results: list[Any], verbose: bool = False) -> N
 def _certify(target: Any, results: list[Any], device: str, partial: str | None) -> tuple[str | None, str]:
     """Record a certificate for a complete, passed run of a registered third-party implementation:
     ``(path or None, what was done and why)``."""
-    from corerun import trust
+    from corerun.plugin import trust
     from corerun.conformance.runner import summarize
 
     reg = target.registration
@@ -199,7 +199,7 @@ def conformance(implementation: str, as_json: bool, keyword: str | None, full_ma
     try:
         target = Target.registered(kind, name, options)
         if attention is not None:
-            from corerun.registry import get_registry
+            from corerun.plugin.registry import get_registry
 
             get_registry().get("attention", attention)  # an unknown name: the registry's did-you-mean
     except PluginError as exc:

@@ -15,8 +15,8 @@ from typing import Any
 import click
 
 from corerun._version import PROTOCOL_VERSION, __version__
-from corerun.capabilities import Need
-from corerun.registry import ENTRY_POINT_GROUP, ENV_ALLOW_LIST, Registry
+from corerun.plugin.capabilities import Need
+from corerun.plugin.registry import ENTRY_POINT_GROUP, ENV_ALLOW_LIST, Registry
 
 
 def describe(registry: Registry, probe: bool = True) -> dict[str, Any]:

@@ -75,8 +75,8 @@ class GraphRunnerSuite(ConformanceSuite):
     attention_options: ClassVar[dict[str, Any]] = {}  # its options (e.g. {"num_splits": 4} for triton)
 
     def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
-        from corerun.capabilities import AttentionCapabilities
-        from corerun.registry import get_registry
+        from corerun.plugin.capabilities import AttentionCapabilities
+        from corerun.plugin.registry import get_registry
 
         name = self.attention_backend
         caps = get_registry().get("attention", name).capabilities or AttentionCapabilities()
@@ -95,7 +95,7 @@ class GraphRunnerSuite(ConformanceSuite):
     def start(self, case: Case | None) -> None:
         """The base checks, then: skip (with every reason) when the attention backend cannot serve the case."""
         super().start(case)
-        from corerun.registry import get_registry
+        from corerun.plugin.registry import get_registry
 
         cfg: GraphConfig = case.config
         name = self._attention_name(cfg)
@@ -110,7 +110,7 @@ class GraphRunnerSuite(ConformanceSuite):
 
     # ------------------------------------------------------------------ helpers
     def _world(self, case: Case) -> World:
-        from corerun.registry import get_registry
+        from corerun.plugin.registry import get_registry
 
         cfg: GraphConfig = case.config
         dev = torch.device(case.device)

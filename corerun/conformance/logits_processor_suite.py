@@ -67,7 +67,7 @@ class LogitsProcessorSuite(ConformanceSuite):
     def _tokenizer(self, case: Case) -> Any:
         impl = case.target.factory
         if impl is None:
-            from corerun.registry import resolve
+            from corerun.plugin.registry import resolve
 
             impl = resolve(case.target.registration.factory)
         return default_tokenizer() if getattr(impl, "needs_tokenizer", False) else None

@@ -97,7 +97,7 @@ def import_failures(registration: Any) -> list[str]:
     point that failed to import.  Empty when everything imports."""
     import traceback
 
-    from corerun.registry import get_registry, resolve
+    from corerun.plugin.registry import get_registry, resolve
 
     failures: list[str] = []
     if registration is not None:

@@ -20,7 +20,7 @@ import pytest
 
 from corerun.conformance.settings import KIND_ALIASES, KINDS, parse_impl
 from corerun.conformance.target import Target
-from corerun.registry import PluginLoadError
+from corerun.plugin.registry import PluginLoadError
 
 PACKAGE = "corerun.conformance"
 SUITES = {

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from corerun.capabilities import ENGINE_PARAMS
+from corerun.plugin.capabilities import ENGINE_PARAMS
 
 VOCAB = 24  # distribution checks: small enough for tight chi-square bins
 NUM_DRAWS = 20000  # rows of one big batch per distribution check

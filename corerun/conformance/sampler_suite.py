@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from corerun.capabilities import ENGINE_PARAMS, PROCESSOR_PARAMS
+from corerun.plugin.capabilities import ENGINE_PARAMS, PROCESSOR_PARAMS
 from corerun.conformance.reference.sampling import boundary_margins, processed_logits
 from corerun.conformance.sampler_cases import (
     MIXED_PREFERENCE, NON_FINITE_PATTERNS, NUM_DRAWS, OUTPUT, PROBE_VALUES, PROMPT, VOCAB, DistCase, applicable,

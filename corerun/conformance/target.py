@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from corerun.capabilities import (
+from corerun.plugin.capabilities import (
     AttentionCapabilities,
     GraphRunnerCapabilities,
     KVCacheCapabilities,
@@ -60,7 +60,7 @@ class Target:
     @classmethod
     def registered(cls, kind: str, name: str, options: dict[str, Any] | None = None, capabilities: Any = None) -> "Target":
         """Look ``name`` up in the process-wide registry (errors list what is installed)."""
-        from corerun.registry import get_registry
+        from corerun.plugin.registry import get_registry
 
         reg = get_registry().get(kind, name)
         caps = capabilities or reg.capabilities or default_capabilities(kind)
@@ -93,7 +93,7 @@ class Target:
         """The factory itself: the class a model family or a parser registered (imported now)."""
         if self.factory is not None:
             return self.factory
-        from corerun.registry import resolve
+        from corerun.plugin.registry import resolve
 
         return resolve(self.registration.factory)
 

@@ -133,7 +133,7 @@ def _fail(message: str) -> None:
 def _impl_class(target: Target) -> Any:
     if target.factory is not None:
         return target.factory
-    from corerun.registry import resolve
+    from corerun.plugin.registry import resolve
 
     return resolve(target.registration.factory)
 

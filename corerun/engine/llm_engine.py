@@ -25,7 +25,7 @@ from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.speculation import make_spec_decoder
 from corerun.errors import ConfigError, EngineClosedError, RequestError, StepError
 from corerun.outputs import RequestOutput
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from corerun.runner.model_runner import ModelRunner
 from corerun.sampling_params import SamplingParams
 from corerun.spec_decode import SpecStats

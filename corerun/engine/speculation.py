@@ -7,7 +7,7 @@ from typing import Any
 
 from corerun.config import Config
 from corerun.errors import ConfigError
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from corerun.runner.model_runner import ModelRunner
 from corerun.spec_decode import DraftModelProposer, NgramProposer, SpecDecoder
 

@@ -30,7 +30,7 @@ from corerun.distributed.errors import Failure, RankFailedError, TensorParallelE
 from corerun.executor.step import CompareBatch, Logits, Recorded, Step
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 
 logger = logging.getLogger("corerun.parallel")
 

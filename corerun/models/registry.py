@@ -1,7 +1,7 @@
 """Model families by the ``architectures`` name in ``config.json``, as the installed ``model`` plugins register them.
 
 corerun's own families (Llama, Mistral, Qwen2, Qwen3, ...) register through the same hook,
-``corerun_models``, in :mod:`corerun.builtin_plugins`; a distribution adds architectures with::
+``corerun_models``, in :mod:`corerun.plugin.builtin`; a distribution adds architectures with::
 
     @corerun.hookimpl
     def corerun_models(register):
@@ -20,7 +20,7 @@ from corerun.models.config import ModelConfig
 from corerun.models.errors import ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from corerun.registry import Registration, Registry
+    from corerun.plugin.registry import Registration, Registry
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,12 @@ class ModelFamily:
 
     architecture: str
     cls: type[nn.Module]
-    capabilities: Any  # corerun.capabilities.ModelCapabilities
+    capabilities: Any  # corerun.plugin.capabilities.ModelCapabilities
     registration: "Registration"
 
 
 def _registry(registry: "Registry | None") -> "Registry":
-    from corerun.registry import get_registry
+    from corerun.plugin.registry import get_registry
 
     return registry if registry is not None else get_registry()
 
@@ -51,8 +51,8 @@ def model_family(config: ModelConfig, registry: "Registry | None" = None) -> Mod
     and the model plugins that failed to load, or :class:`ModelLoadError` when the family's module
     does not import.
     """
-    from corerun.capabilities import ModelCapabilities
-    from corerun.registry import resolve
+    from corerun.plugin.capabilities import ModelCapabilities
+    from corerun.plugin.registry import resolve
 
     reg = _registry(registry)
     table = reg.registrations["model"]

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.plugin.capabilities import AttentionCapabilities
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float16": torch.float16,

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from corerun.capabilities import LogitsProcessorCapabilities
+from corerun.plugin.capabilities import LogitsProcessorCapabilities
 from corerun.sampling_params import SamplingParams
 
 # What ``accept`` returns per key: go on, or end the request with finish_reason "stop".

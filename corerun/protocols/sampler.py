@@ -7,7 +7,7 @@ from typing import ClassVar, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from corerun.capabilities import SamplerCapabilities
+from corerun.plugin.capabilities import SamplerCapabilities
 from corerun.sampling_params import SamplingParams
 
 @dataclass

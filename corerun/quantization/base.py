@@ -17,7 +17,7 @@ the geometry (its shards, its rank's slice) and the bias; the method owns the we
 3. ``apply(layer, x)``: ``x`` ``[T, in_features]`` in an activation dtype -> ``[T, out_features]``
    (shards stacked in order), bias not added (the layer adds it).
 
-``capabilities`` (:class:`~corerun.capabilities.QuantizationCapabilities`) say what it reads and
+``capabilities`` (:class:`~corerun.plugin.capabilities.QuantizationCapabilities`) say what it reads and
 where it runs; ``quantization: auto`` picks from the checkpoint (:func:`corerun.quantization.select`).
 """
 
@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Hashable, Mapping
 import torch
 from torch import nn
 
-from corerun.capabilities import QuantizationCapabilities
+from corerun.plugin.capabilities import QuantizationCapabilities
 
 
 class QuantizationMethod(ABC):

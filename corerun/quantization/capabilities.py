@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corerun.capabilities import QuantizationCapabilities
+from corerun.plugin.capabilities import QuantizationCapabilities
 
 # the GGML types corerun reads (corerun.quantization.gguf_blocks.LAYOUTS, checked equal in the tests)
 GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})

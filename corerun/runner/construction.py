@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from corerun.capabilities import Need
+from corerun.plugin.capabilities import Need
 from corerun.errors import ConfigError
 from corerun.kv_cache.memory import check_kv_cache_fits
 from corerun.runner.logits_processing import LogitsProcessors

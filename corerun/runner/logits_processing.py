@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from corerun.capabilities import PROCESSOR_PARAMS, Need
-from corerun.registry import Registration, Registry
+from corerun.plugin.capabilities import PROCESSOR_PARAMS, Need
+from corerun.plugin.registry import Registration, Registry
 
 logger = logging.getLogger("corerun.runner.logits_processing")
 

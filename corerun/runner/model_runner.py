@@ -28,7 +28,7 @@ from corerun.protocols.forward_context import AttentionContext
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
-from corerun.registry import Registry, get_registry
+from corerun.plugin.registry import Registry, get_registry
 from corerun.runner.input_batch import InputBatch
 from corerun.runner.step_inputs import StepInputs
 from corerun.sdk.sampling import NON_FINITE, to_device

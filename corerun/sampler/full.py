@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from corerun.capabilities import SamplerCapabilities
+from corerun.plugin.capabilities import SamplerCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams

@@ -1,5 +1,5 @@
 """What the ``full`` sampler declares to the registry: its capabilities and the ``options:`` it takes
-in a corerun config (plain pydantic, no torch: :mod:`corerun.builtin_plugins` imports this module)."""
+in a corerun config (plain pydantic, no torch: :mod:`corerun.plugin.builtin` imports this module)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from corerun.capabilities import SamplerCapabilities
+from corerun.plugin.capabilities import SamplerCapabilities
 
 HONOURED = frozenset(
     {

@@ -11,6 +11,10 @@
   the declared capabilities do not cover, as the protocols require.
 - :func:`cache_dir`: corerun's per-machine cache folder, where a plugin keeps what it builds once
   (compiled kernels) in a subfolder named after itself.
+- The plugin system's public names: :func:`hookimpl` and ``Register`` (the hooks), the capability
+  classes and :class:`Need` (what an implementation declares and must fit), :class:`Registry`,
+  :class:`Registration` and :func:`get_registry` (register a plugin object in a test, or build an
+  implementation by name: ``Registry.from_environment().create("attention", "torch", spec)``).
 
 A plugin imports only corerun's public modules (docs/plugins.md, *What a plugin may import*).
 
@@ -20,6 +24,25 @@ Importing ``corerun.sdk`` imports no torch; its submodules do.
 from __future__ import annotations
 
 from corerun.platform.host import cache_dir
+from corerun.plugin.capabilities import (
+    ENGINE_PARAMS,
+    PROCESSOR_PARAMS,
+    AttentionCapabilities,
+    GraphRunnerCapabilities,
+    KVCacheCapabilities,
+    LogitsProcessorCapabilities,
+    ModelCapabilities,
+    Need,
+    QuantizationCapabilities,
+    SamplerCapabilities,
+)
+from corerun.plugin.hookspecs import Register, hookimpl
+from corerun.plugin.registry import Registration, Registry, get_registry, resolve
 from corerun.sdk.checks import require_params, require_spec
 
-__all__ = ["cache_dir", "require_params", "require_spec"]
+__all__ = [
+    "ENGINE_PARAMS", "PROCESSOR_PARAMS", "AttentionCapabilities", "GraphRunnerCapabilities", "KVCacheCapabilities",
+    "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
+    "Registration", "Registry", "SamplerCapabilities", "cache_dir", "get_registry", "hookimpl", "require_params",
+    "require_spec", "resolve",
+]

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.plugin.capabilities import AttentionCapabilities
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 from corerun.sdk.checks import require_spec
 

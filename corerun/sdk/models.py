@@ -32,7 +32,7 @@ Building blocks, each parameter with its ``weight_loader(param, tensor, shard_id
 
 from __future__ import annotations
 
-from corerun.capabilities import ModelCapabilities
+from corerun.plugin.capabilities import ModelCapabilities
 from corerun.distributed.sharding import shard_heads, shard_range
 from corerun.protocols.forward_context import AttentionContext
 from corerun.models.config import ROPE_TYPES, ModelConfig, RopeConfig

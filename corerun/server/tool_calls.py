@@ -55,7 +55,7 @@ def auto_tool_parser(registry: Any, template: str) -> tuple[str | None, str]:
 
 def choose_parsers(cfg: Any, tokenizer: Any, registry: Any = None) -> ChatParsers:
     """The parsers ``server.tool_call_parser`` and ``server.reasoning_parser`` name (``auto``, ``none``, a name)."""
-    from corerun.registry import announce, get_registry
+    from corerun.plugin.registry import announce, get_registry
 
     registry = registry or get_registry()
     out = ChatParsers()

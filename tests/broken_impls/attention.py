@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.plugin.capabilities import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 from corerun.sdk.attention import DenseKVCache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Sequence
 
-from corerun.registry import get_registry
+from corerun.plugin.registry import get_registry
 
 
 class _Wrapped:

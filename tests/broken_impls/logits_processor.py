@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from corerun.capabilities import LogitsProcessorCapabilities
+from corerun.plugin.capabilities import LogitsProcessorCapabilities
 from corerun.sampling_params import SamplingParams
 
 END = 0

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from corerun.capabilities import SamplerCapabilities
+from corerun.plugin.capabilities import SamplerCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams

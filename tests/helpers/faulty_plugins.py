@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from corerun import hookimpl
 from corerun.attention.torch_backend import CAPABILITIES as TORCH_CAPABILITIES
 from corerun.attention.torch_backend import TorchAttentionBackend
-from corerun.capabilities import KVCacheCapabilities
+from corerun.plugin.capabilities import KVCacheCapabilities
 from corerun.kv_cache.paged import PagedKVCacheManager
 from corerun.protocols import AttentionSpec, SamplerOutput, SamplingMetadata
 

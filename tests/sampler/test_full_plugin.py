@@ -9,7 +9,7 @@ import torch
 
 from corerun import PluginError, UnsupportedError
 from corerun.protocols import Sampler
-from corerun.registry import Registry
+from corerun.plugin.registry import Registry
 from corerun.sampling_params import SamplingParams as SP
 from corerun.sampler import options as plugin
 from corerun.sampler.full import FullSampler

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.sdk import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
 from corerun.sdk.attention import DenseKVCache

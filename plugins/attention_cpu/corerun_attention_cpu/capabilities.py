@@ -7,7 +7,7 @@ to the ``torch`` reference backend.
 
 from __future__ import annotations
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.sdk import AttentionCapabilities
 
 MAX_HEAD_SIZE = 256  # MAX_HEAD_SIZE in csrc/paged_attention.cpp
 

@@ -48,7 +48,7 @@ def test_default_model_greedy_equals_transformers():
 
 def test_auto_picks_it_on_cpu():
     from corerun.protocols.attention import AttentionSpec
-    from corerun.registry import get_registry
+    from corerun.sdk import get_registry
 
     reg = get_registry()
     cpu, ref = reg.get("attention", "cpu"), reg.get("attention", "torch")

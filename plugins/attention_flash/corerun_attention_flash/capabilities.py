@@ -17,7 +17,7 @@ The declaration is static, so it states what *every* supported flash-attn instal
 
 from __future__ import annotations
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.sdk import AttentionCapabilities
 
 FA2_PAGE_MULTIPLE = 256  # flash_attn (FA2): "Paged KV cache block size must be divisible by 256"
 MAX_HEAD_SIZE = 256

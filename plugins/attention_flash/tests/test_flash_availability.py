@@ -86,7 +86,7 @@ def test_listing_imports_neither_torch_nor_flash_attn():
 
 
 def test_registry_lists_flash_unavailable_and_refuses_an_undeclared_block_size():
-    from corerun.registry import Registry
+    from corerun.sdk import Registry
 
     registry = Registry.from_environment(allow=["attention_flash"])
     reg = registry.get("attention", "flash")

@@ -10,7 +10,7 @@ import torch
 from triton_attn_cases import make_spec
 
 from corerun import PluginError, UnsupportedError
-from corerun.registry import Registry
+from corerun.sdk import Registry
 
 from corerun_attention_triton import _mode, probe
 from corerun_attention_triton.backend import TritonAttentionBackend, mode_reasons

@@ -6,7 +6,7 @@ the torch reference backend through ``LLM``, and the graph-runner suite with tri
 import subprocess
 import sys
 
-from corerun.capabilities import GraphRunnerCapabilities
+from corerun.sdk import GraphRunnerCapabilities
 from corerun.conformance import AttentionBackendSuite, GraphRunnerSuite
 from corerun.testing import emulated_cuda_graph_runner
 

@@ -9,7 +9,7 @@ import torch
 
 from corerun import UnsupportedError
 from corerun.protocols import Sampler
-from corerun.registry import Registry
+from corerun.sdk import Registry
 from corerun.sampling_params import SamplingParams as SP
 from corerun_sampler_basic import plugin
 from corerun_sampler_basic.sampler import BasicSampler

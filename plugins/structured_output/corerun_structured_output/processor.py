@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import xgrammar as xgr
 
-from corerun.capabilities import LogitsProcessorCapabilities
+from corerun.sdk import LogitsProcessorCapabilities
 from corerun.sampling_params import SamplingParams, StructuredOutputsParams
 
 from corerun_structured_output.plugin import CAPABILITIES

@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import torch
 
-from corerun.capabilities import AttentionCapabilities
+from corerun.sdk import AttentionCapabilities
 from corerun.protocols.attention import AttentionSpec
 from corerun_attention_flash import emulation
 from corerun_attention_flash.backend import FlashAttentionBackend

@@ -32,7 +32,7 @@ def device_reasons(devices: frozenset[str] | None, device: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class Need:
-    """What an implementation must fit for ``auto`` to choose it (:meth:`corerun.registry.Registry.select`).
+    """What an implementation must fit for ``auto`` to choose it (:meth:`corerun.plugin.registry.Registry.select`).
 
     Each kind's capabilities read the fields that concern them: ``fits(need)`` lists why the
     implementation cannot serve it at all (an explicitly named one is refused), ``suits(need)`` what

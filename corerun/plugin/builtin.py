@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from corerun.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities
-from corerun.hookspecs import Register, hookimpl
+from corerun.plugin.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities
+from corerun.plugin.hookspecs import Register, hookimpl
 from corerun.quantization.capabilities import DENSE as DENSE_QUANTIZATION, GGUF as GGUF_QUANTIZATION
 from corerun.sampler.options import CAPABILITIES as FULL_SAMPLER_CAPABILITIES, FullSamplerOptions
 from corerun.tool_parsers.hermes import HermesToolParser

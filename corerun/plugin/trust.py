@@ -3,7 +3,7 @@
 An installed package can register anything, so ``auto`` never picks an implementation that was not
 shown to conform:
 
-- **built-in**: registered by corerun's own ``corerun.builtin_plugins``;
+- **built-in**: registered by corerun's own ``corerun.plugin.builtin``;
 - **first-party**: a distribution that corerun's own package metadata names as one of its extras
   (``pip install 'corerun[triton]'``).  They are released with corerun and run the conformance suite
   in its CI; another package cannot add itself to that list, because the list is corerun's metadata;
