@@ -31,7 +31,7 @@ from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMe
 from corerun.plugin.registry import Registry, get_registry
 from corerun.runner.input_batch import InputBatch
 from corerun.runner.step_inputs import StepInputs
-from corerun.sdk.sampling import NON_FINITE, to_device
+from corerun.sampler.common import NON_FINITE, to_device
 
 logger = logging.getLogger("corerun.runner")
 NON_FINITE_ERROR = ("the logits of this request were not finite (NaN, +inf, or -inf for every token): the model, "

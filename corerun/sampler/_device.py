@@ -1,5 +1,5 @@
 """Token lists and index ranges -> device tensors, without a host sync (lists of numbers go through
-``corerun.sdk.sampling.to_device``)."""
+``corerun.sampler.common.to_device``)."""
 
 from __future__ import annotations
 

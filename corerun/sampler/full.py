@@ -9,7 +9,7 @@ Order of operations for one step (``B`` rows, vocabulary ``V``)::
     greedy rows: argmax(x)
     x /= temperature (greedy rows: 1)
     min-p, top-k, top-p -> -inf                           truncation.py
-    random rows: exponential race on softmax(x)           corerun.sdk.sampling (seeded rows: own generator)
+    random rows: exponential race on softmax(x)           corerun.sampler.common (seeded rows: own generator)
     logprobs of the sampled token, its rank, the top-k    logprobs.py
     rows whose logits are not finite -> NON_FINITE        from the greedy max / the race's winning p/q
 
@@ -31,7 +31,7 @@ from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
 
 from corerun.sampler.logprobs import gather_logprobs
-from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, mark_non_finite, to_device
+from corerun.sampler.common import GeneratorCache, check_logits, exponential_race, mark_non_finite, to_device
 from corerun.sampler.penalties import apply_penalties
 from corerun.sampler.options import CAPABILITIES, FullSamplerOptions
 from corerun.sampler.processors import apply_logit_bias, apply_min_tokens

@@ -6,7 +6,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from corerun.sdk.sampling import to_device
+from corerun.sampler.common import to_device
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Mapping[int, float] | None]) -> None:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from corerun.sdk.sampling import to_device
+from corerun.sampler.common import to_device
 
 
 def apply_truncation(
