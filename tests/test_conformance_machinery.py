@@ -13,7 +13,7 @@ from corerun.conformance.attention_matrix import attention_configs, unsupported_
 from corerun.conformance.reference.attention import paged_attention_reference
 from corerun.conformance.reference.sampling import sampling_distribution
 from corerun.conformance.sampler_cases import applicable
-from corerun.conformance.stats import chi2_critical, chi2_sf, chi_square_fit
+from corerun.testing.stats import chi2_critical, chi2_sf, chi_square_fit
 from corerun.sampling_params import SamplingParams
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from corerun import SamplingParams
-from corerun.conformance.stats import chi_square_fit
+from corerun.testing.stats import chi_square_fit
 from corerun.core.sequence import Sequence
 from corerun.errors import ConfigError
 from corerun.spec_decode import NgramProposer, accept_drafts, expand_metadata

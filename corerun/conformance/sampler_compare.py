@@ -8,7 +8,7 @@ import torch
 
 from corerun.conformance.reference.sampling import boundary_margins, sampling_distribution
 from corerun.conformance.sampler_cases import VOCAB, DistCase, base_logits
-from corerun.conformance.stats import chi_square_fit
+from corerun.testing.stats import chi_square_fit
 
 LOGPROB_ATOL, LOGPROB_RTOL = 1e-5, 1e-5
 

@@ -44,9 +44,9 @@ def hf_second_token_law(model_dir: Path, prompt: list[int], temperature: float) 
 
 def second_token_fit(llm: Any, model_dir: Path, prompt: list[int], temperature: float, n: int) -> Any:
     """``n`` unseeded samples of 3 tokens after ``prompt`` from ``llm`` (a :class:`corerun.LLM`): the
-    chi-square fit (:func:`corerun.conformance.stats.chi_square_fit`) of their second tokens to
+    chi-square fit (:func:`corerun.testing.stats.chi_square_fit`) of their second tokens to
     :func:`hf_second_token_law`."""
-    from corerun.conformance.stats import chi_square_fit
+    from corerun.testing.stats import chi_square_fit
     from corerun.sampling_params import SamplingParams
 
     law = hf_second_token_law(model_dir, prompt, temperature)
