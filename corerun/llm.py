@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import time
+from functools import cached_property
 from typing import Any, Iterator, Sequence as Seq
 
 from corerun.config import Config, deep_merge, load_config
 from corerun.engine.llm_engine import LLMEngine, Prompt
 from corerun.engine.loop import EngineLoop, OutputQueue
+from corerun.engine.pooling import ModelPooling, embedding_params, read_model_pooling
 from corerun.errors import RequestError
-from corerun.outputs import RequestOutput
+from corerun.outputs import EmbeddingRequestOutput, RequestOutput
 from corerun.sampling_params import SamplingParams
 
 ParamsArg = SamplingParams | Seq[SamplingParams] | None
@@ -92,6 +94,34 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[r] for r in ids]
+
+    # ------------------------------------------------------------ embeddings
+    def embed(self, prompts: Prompt | Seq[Prompt], dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (text or token ids), in prompt order: ``outputs[i].outputs.embedding``.
+
+        Pooled as the model's folder says (:func:`corerun.engine.pooling.read_model_pooling`: its
+        sentence-transformers files, else the last token, normalised); ``dimensions`` keeps the first
+        values of each vector, for models trained for it (Matryoshka), and is refused otherwise.  The
+        prompts are computed like generation prompts, beside whatever else is running, and nothing is sampled.
+        """
+        params = embedding_params(self.model_pooling, dimensions)
+        plist = _as_prompt_list(prompts)
+        outputs = OutputQueue()
+        ids = self.engine_loop.add_requests(plist, [params] * len(plist), outputs, final_only=True)
+        done: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            while len(done) < len(ids):
+                out = outputs.get()
+                done[out.request_id] = out
+        finally:
+            if len(done) < len(ids):
+                self.engine_loop.abort([r for r in ids if r not in done])
+        return [done[r] for r in ids]
+
+    @cached_property
+    def model_pooling(self) -> ModelPooling:
+        """How this model pools its hidden states into embeddings (read from its folder on first use)."""
+        return read_model_pooling(self.engine.runner.model_dir)
 
     # ------------------------------------------------------------ streaming
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:

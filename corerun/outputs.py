@@ -41,3 +41,21 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # arrival / first_token / finished times (s)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled vector (empty until the request finishes)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result (``LLM.embed``), shaped like vLLM's: ``outputs.embedding``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" once pooled; "abort" or "error" otherwise
+    error: str | None = None

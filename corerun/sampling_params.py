@@ -25,6 +25,36 @@ MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_LEN = 1024  # characters
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+class PoolingParams(BaseModel):
+    """How an embedding request turns its prompt's final hidden states into one vector.
+
+    - ``pooling_type``: ``last`` (the last token's state), ``mean`` (the average over the prompt) or
+      ``cls`` (the first token's state).
+    - ``normalize``: divide the vector by its L2 norm.
+    - ``dimensions``: keep only the first ``dimensions`` values (before normalising; a model trained for
+      it, Matryoshka, is needed for the result to mean anything: the engine checks that).
+
+    A request carrying one (``SamplingParams.pooling``) is computed as a prompt only: no token is sampled,
+    and it finishes when its prompt is computed.  See docs/usage.md, *Embeddings*.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = Field(None, ge=1)
+
+    @field_validator("pooling_type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        if v not in POOLING_TYPES:
+            raise ValueError(f"pooling_type {v!r} is not one of {list(POOLING_TYPES)}")
+        return v
+
+
 with warnings.catch_warnings():  # the field `json` (vLLM's name) shadows pydantic's deprecated BaseModel.json()
     warnings.filterwarnings("ignore", message='Field name "json"', category=UserWarning)
 
@@ -151,6 +181,8 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] | None = None
     # the output follows a JSON schema, regex, choice or grammar (a logits processor masks the logits)
     structured_outputs: StructuredOutputsParams | None = None
+    # an embedding request: its prompt is pooled into one vector and nothing is sampled (LLM.embed)
+    pooling: PoolingParams | None = None
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",

@@ -154,6 +154,8 @@ class StepResult:
     # speculative decoding: row -> the tokens it gets after sampled[j] (accepted drafts, then the token
     # sampled after them); rows absent got one token
     more: dict[int, list[int]] = field(default_factory=dict)
+    # embedding requests whose prompt this step completed: row -> the pooled vector (corerun.runner.pooling)
+    pooled: dict[int, list[float]] = field(default_factory=dict)
 
     def emitted(self, row_index: int) -> list[int]:
         """Every token row ``rows[row_index]`` gets this step, in order."""

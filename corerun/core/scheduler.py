@@ -172,8 +172,8 @@ class Scheduler:
         # 2. waiting sequences in arrival order (preempted ones were put at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self._current = self.waiting[0]
-            if seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs:
-                # (prompt logprobs need every prompt position's hidden state: no prefix reuse)
+            if seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs and not _pools_every_token(seq):
+                # (prompt logprobs and mean / cls pooling need the prompt's hidden states: no prefix reuse)
                 seq.num_computed_tokens = self.kv.get_computed_prefix(seq.seq_id, seq.token_ids)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
@@ -378,6 +378,13 @@ class Scheduler:
                 reason = why  # a logits processor's end (a grammar completed)
             if reason is not None:
                 self.finish(seq, reason)
+        for row, vector in result.pooled.items():  # embedding requests end when their prompt is computed
+            seq = seqs[row]
+            if seq is None or seq.seq_id in failed or seq.is_finished:
+                continue
+            seq.pooled = vector
+            touched.append(seq)
+            self.finish(seq, "stop")
         for seq in seqs:
             if (seq is not None and seq.seq_id in batch.drafts and seq.seq_id not in failed and not seq.is_finished
                     and seq.seq_id not in self._guessed):  # (the next batch's slots: trimmed when it is settled)
@@ -440,3 +447,8 @@ class Scheduler:
             logger.error("KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
                          self.kv_name, seq.request_id, type(exc).__name__, exc)
 
+
+def _pools_every_token(seq: Sequence) -> bool:
+    """An embedding request that reads hidden states other than its last token's (mean, cls)."""
+    pooling = seq.params.pooling
+    return pooling is not None and pooling.pooling_type != "last"

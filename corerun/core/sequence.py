@@ -66,6 +66,8 @@ class Sequence:
     # speculative decoding: draft tokens proposed after the last step, verified when the request is next
     # scheduled as a decode (set by Scheduler.update_draft_token_ids, dropped on preemption and finish)
     draft_token_ids: list[int] = field(default_factory=list)
+    # an embedding request (params.pooling): its pooled vector, set when its prompt is computed
+    pooled: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -193,6 +193,9 @@ def sampler_check(sampler: Any, sampler_name: str, procs: Any) -> Callable[[Samp
     wants, compiled now (cached), never inside a step."""
 
     def check(params: SamplingParams) -> None:
+        if params.pooling is not None:  # an embedding request: never sampled, so the sampler has no say
+            _check_pooling(params)
+            return
         try:
             sampler.check(params)
         except (UnsupportedError, ValueError) as exc:
@@ -261,3 +264,11 @@ def load_tokenizer(model_dir: Path) -> Any:
             f"{str(exc).splitlines()[0][:300] if str(exc) else ''}; fix or remove these files, or set "
             "skip_tokenizer_init: true and pass token ids"
         ) from None
+
+
+def _check_pooling(params: SamplingParams) -> None:
+    """An embedding request computes its prompt and nothing else: no sampling field may be set."""
+    extra = sorted(params.non_default_fields() - {"pooling", "max_tokens"})
+    if params.max_tokens != 1 or extra:
+        raise RequestError(f"an embedding request (pooling set) samples nothing; it takes max_tokens=1 and no "
+                           f"sampling fields, got max_tokens={params.max_tokens}, fields {extra}")

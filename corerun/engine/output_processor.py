@@ -18,7 +18,7 @@ from corerun.core.sequence import Sequence
 from corerun.engine import parallel_sampling
 from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.stop_strings import StopMatcher, final_text, running_text
-from corerun.outputs import CompletionOutput, Logprob, RequestOutput
+from corerun.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from corerun.protocols.sampler import LogprobsTensors
 
 NON_FINITE_PROMPT = ("the prompt logprobs of this request were not finite (NaN, +inf or -inf) at prompt position "
@@ -113,7 +113,13 @@ class OutputProcessor:
             return parallel_sampling.group_output(seq, self._output_one)
         return self._output_one(seq)
 
-    def _output_one(self, seq: Sequence) -> RequestOutput:
+    def _output_one(self, seq: Sequence) -> RequestOutput | EmbeddingRequestOutput:
+        if seq.params.pooling is not None:
+            return EmbeddingRequestOutput(
+                request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=list(seq.prompt_token_ids),
+                outputs=EmbeddingOutput(list(seq.pooled or ())), finished=seq.is_finished,
+                finish_reason=seq.finish_reason, error=seq.error,
+            )
         ids = seq.output_token_ids
         text = self._text(seq, ids) if self.tokenizer is not None else ""
         p = seq.params

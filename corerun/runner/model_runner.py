@@ -30,6 +30,7 @@ from corerun.protocols.graph import ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.plugin.registry import Registry, get_registry
 from corerun.runner.input_batch import InputBatch
+from corerun.runner.pooling import Pooler, PoolPlan
 from corerun.runner.step_inputs import StepInputs
 from corerun.sampler.common import NON_FINITE, to_device
 
@@ -68,6 +69,7 @@ class PreparedStep:
     eos_token_ids: frozenset[int]
     has_drafts: bool
     prompt_plan: list[tuple[int, int, int, int, Any]]  # requests owed prompt logprobs this step
+    pool_plan: PoolPlan | None = None  # embedding requests in this step (corerun.runner.pooling)
 
 
 @dataclass
@@ -144,6 +146,11 @@ class ModelRunner:
         """The live requests' persistent state, changed only by applying each step's batch."""
         return InputBatch(self.block_size)
 
+    @cached_property
+    def pooler(self) -> Pooler:
+        """Embedding requests' pooling, with the partial sums it keeps between their chunks."""
+        return Pooler()
+
     def prepare_inputs(self, sched: ScheduledBatch) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
         """Apply a scheduled batch to the persistent batch and flatten it (see
         :class:`corerun.runner.step_inputs.StepInputs`); its drafts are written after each row's last token.
@@ -178,6 +185,11 @@ class ModelRunner:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         ib = self.input_batch
+        pool_plan = self.pooler.plan(sched, ib, np.cumsum((0, *sched.num_scheduled)).tolist())
+        if pool_plan is not None and pool_plan.rows:  # embedding requests are pooled, not sampled
+            pooled = {p.row for p in pool_plan.rows}
+            keep = np.fromiter((i not in pooled for i in rows.tolist()), dtype=bool, count=len(rows))
+            rows, logits_indices = rows[keep], logits_indices[keep]
         batch_rows = [ib.index[sched.req_ids[i]] for i in rows.tolist()]
         seqs = [ib.view(r) for r in batch_rows]
         has_drafts = bool(sched.drafts)
@@ -192,7 +204,7 @@ class ModelRunner:
             )
         return PreparedStep(
             sched, inputs, rows, logits_indices, batch_rows, seqs, meta, eos_token_ids, has_drafts,
-            self._prompt_logprob_plan(sched, inputs),
+            self._prompt_logprob_plan(sched, inputs), pool_plan,
         )
 
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
@@ -211,8 +223,12 @@ class ModelRunner:
         step, hidden, prompt_lp = state.step, state.hidden, state.prompt_logprobs
         rows, logits_indices, seqs = step.rows, step.logits_indices, step.seqs
         self._finished_for_sampler.update(step.sched.finished_ids)  # (told at the next call that samples)
+        try:
+            pooled = self.pooler.pool(step.pool_plan, hidden)
+        except Exception as exc:
+            raise StepError(f"pooling the embedding requests' hidden states failed: {type(exc).__name__}: {exc}") from exc
         if len(rows) == 0:
-            return StepResult([], [], None, prompt_lp)
+            return StepResult([], [], None, prompt_lp, pooled=pooled)
         if step.has_drafts:
             result = self._execute_drafts(step, hidden, prompt_lp)
         else:
@@ -220,6 +236,7 @@ class ModelRunner:
             out, sampled, ended = self._sample(logits, step.meta, seqs)  # type: ignore[arg-type]
             row_ids = rows.tolist()
             result = StepResult(sampled, row_ids, out.logprobs, prompt_lp, {row_ids[j]: why for j, why in ended.items()})
+        result.pooled = pooled
         record = self.input_batch.record  # the sampled tokens stand in until the next batch states them
         for j, r in enumerate(step.batch_rows):
             record(r, result.emitted(j))
