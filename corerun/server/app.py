@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, plus
+"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``, plus
 ``/health`` and ``/metrics``, on the engine loop an :class:`~corerun.llm.LLM` already runs.
 
 Every request joins the one engine loop (``LLM.engine_loop``) that ``LLM.generate`` and
@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from corerun.server import embeddings
 from corerun.server import protocol as P
 from corerun.server import tool_calls
 
@@ -94,7 +95,7 @@ async def _until_disconnect(request: Request) -> None:
 
 
 _ROUTES = ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/completions", "POST /v1/chat/completions",
-           "GET /health", "GET /metrics")
+           "POST /v1/embeddings", "GET /health", "GET /metrics")
 
 
 def build_app(llm: Any) -> FastAPI:
@@ -185,6 +186,10 @@ def build_app(llm: Any) -> FastAPI:
         state.check_length([prompt], req.max_completion_tokens or req.max_tokens, "messages")
         return await _serve(request, state, req, [prompt], params, chat=True, tools=tools)
 
+    @app.post("/v1/embeddings")
+    async def embed(request: Request) -> Response:
+        return await _embed(request, state)
+
     return app
 
 
@@ -197,6 +202,19 @@ async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[
     if req.stream:  # (the stream leaves in_flight when it ends)
         return StreamingResponse(stream(state, req, streams, prompts, rid, created, chat, tools),
                                  media_type="text/event-stream")
+    finals = await _finals(request, state, rid, streams)
+    if finals is None:
+        return Response(status_code=499)  # (nobody reads it: the client is gone)
+    for out in finals:
+        state.metrics.finished(out)
+    err = state.cut_off_error(finals)
+    if err is not None:
+        return error_response(err)
+    return JSONResponse(full_response(state, req, finals, prompts, rid, created, chat, tools))
+
+
+async def _finals(request: Request, state: Serving, rid: str, streams: list[Any]) -> list[Any] | None:
+    """The requests' final outputs; None when the client went away first (its requests are aborted)."""
     collecting = asyncio.ensure_future(collect(streams))
     watch = asyncio.ensure_future(_until_disconnect(request))
     try:
@@ -208,11 +226,28 @@ async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[
             collecting.cancel()
             state.abort(streams)
     if not collecting.done() or collecting.cancelled():
-        return Response(status_code=499)  # (nobody reads it: the client is gone)
-    finals = collecting.result()
-    for out in finals:
-        state.metrics.finished(out)
-    err = state.cut_off_error(finals)
+        return None
+    return collecting.result()
+
+
+async def _embed(request: Request, state: Serving) -> Response:
+    req = P.parse_body(embeddings.EmbeddingRequest, await read_json(request, state.cfg))
+    state.check_model(req)
+    prompts = await asyncio.to_thread(embeddings.prompts_of, state, req)  # a long input must not stall the others
+    params = embeddings.params_of(state, req)
+    state.check_length(prompts, None, "input")
+    rid = "embd-" + uuid.uuid4().hex
+    try:
+        streams = await state.submit(prompts, params, rid, final_only=True)
+    except P.APIError as exc:  # the engine's checks name the prompt; this route's field is input
+        if exc.param == "prompt":
+            raise P.APIError(400, "input" + exc.message.removeprefix("prompt"), param="input") from None
+        raise
+    state.in_flight[rid] = streams
+    finals = await _finals(request, state, rid, streams)
+    if finals is None:
+        return Response(status_code=499)
+    err = embeddings.error_of(finals)
     if err is not None:
         return error_response(err)
-    return JSONResponse(full_response(state, req, finals, prompts, rid, created, chat, tools))
+    return JSONResponse(embeddings.response(state.name, req, finals))

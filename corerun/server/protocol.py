@@ -150,6 +150,7 @@ def _field_error(exc: ValidationError, data: Any = None) -> APIError:
 _SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string or a list of strings",
+    "input": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
 }
 
 

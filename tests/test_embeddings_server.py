@@ -1,0 +1,77 @@
+"""POST /v1/embeddings driven by the openai client against the real server: vectors equal transformers'
+pooled hidden states, base64 equal to float, bad inputs answered 400 naming the field."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from corerun.testing import assert_idle, make_llm
+from tests.helpers.serving import SERVING, http, running_server, tiny_chat_model
+from tests.test_embeddings import reference, write_sentence_transformers
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    folder = tiny_chat_model(tmp_path_factory.mktemp("embed-server"))
+    write_sentence_transformers(folder, "mean_tokens", True)
+    llm = make_llm(folder, **SERVING)
+    with running_server(llm) as url:
+        yield folder, llm, url
+
+
+@pytest.mark.timeout(120)
+def test_openai_client_embeddings_equal_transformers(served) -> None:
+    folder, llm, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    texts = ["hello world", "the cat sat on the mat"]
+    ids = [llm.get_tokenizer().encode(t) for t in texts]
+    for given in (texts, ids, ids[1]):
+        resp = client.embeddings.create(input=given, model=Path(folder).name, encoding_format="float")
+        want_ids = [ids[1]] if given is ids[1] else ids
+        assert [d.index for d in resp.data] == list(range(len(want_ids)))
+        for d, tokens in zip(resp.data, want_ids):
+            got = torch.tensor(d.embedding, dtype=torch.float64)
+            torch.testing.assert_close(got, reference(folder, tokens, "mean", True), rtol=1e-4, atol=1e-5)
+        n = sum(len(t) for t in want_ids)
+        assert (resp.usage.prompt_tokens, resp.usage.total_tokens) == (n, n)
+    assert_idle(llm, timeout=5)
+
+
+@pytest.mark.timeout(120)
+def test_base64_decodes_to_the_float_vectors(served) -> None:
+    _, _, url = served
+    body = {"input": ["hello world", "the cat sat"]}
+    status, floats = http(url + "/v1/embeddings", {**body, "encoding_format": "float"})
+    assert status == 200, floats
+    status, packed = http(url + "/v1/embeddings", {**body, "encoding_format": "base64"})
+    assert status == 200, packed
+    for f, b in zip(floats["data"], packed["data"]):
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, np.asarray(f["embedding"], dtype=np.float32))
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": [[1, 2], []]}, "input"),
+    ({"input": [1.5, 2]}, "input"),
+    ({"input": "hi", "dimensions": 8}, "dimensions"),
+    ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "hi", "pooling": "max"}, "pooling"),
+    ({"input": [[3] * 200]}, "input"),  # longer than max_model_len (128)
+    ({"input": [[10 ** 7]]}, "input"),  # a token id outside the vocabulary
+])
+def test_bad_inputs_name_the_field(served, body: dict, field: str) -> None:
+    _, _, url = served
+    status, answer = http(url + "/v1/embeddings", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field, json.dumps(answer)
+    assert answer["error"]["message"].split(":")[0].startswith(field) or field in answer["error"]["message"]
