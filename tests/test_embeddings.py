@@ -90,12 +90,13 @@ def _run_direct(engine, requests: list[tuple[list[int], SamplingParams]]) -> lis
 
 
 @pytest.mark.timeout(120)
-def test_generation_beside_embeddings_keeps_its_outputs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_generation_beside_embeddings_keeps_its_outputs(tmp_path: Path, async_scheduling: bool) -> None:
     folder = make_tiny_model(tmp_path, "llama")
     write_sentence_transformers(folder, "mean_tokens", True)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     gen_prompts = [[7, 8, 9, 10, 11], [40, 41, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
-    with make_llm(folder, scheduler={"max_num_batched_tokens": 16}) as llm:
+    with make_llm(folder, scheduler={"max_num_batched_tokens": 16, "async_scheduling": async_scheduling}) as llm:
         alone = [o.outputs[0].token_ids for o in _run_direct(llm.engine, [(p, greedy) for p in gen_prompts])]
         emb = embedding_params(llm.model_pooling)
         mixed = _run_direct(llm.engine, [(gen_prompts[0], greedy), *[(p, emb) for p in PROMPTS], (gen_prompts[1], greedy)])
