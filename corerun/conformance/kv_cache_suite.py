@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import pytest
 
+from corerun.conformance.kv_cache_recording import ReturnedIds, Tokens
 from corerun.conformance.suite import Case, ConformanceSuite
 from corerun.core.scheduler import Scheduler
 from corerun.core.sequence import Sequence as Seq
@@ -40,59 +41,6 @@ class KVConfig:
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class _Tokens:
-    """Random token ids from a huge vocabulary, so unrelated sequences never share a block by chance."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-
-    def __call__(self, n: int) -> list[int]:
-        return [self.rng.randrange(10**6) for _ in range(n)]
-
-
-class _ReturnedIds:
-    """Hands the scheduler a manager and checks every id list its ``allocate_slots`` returns against the
-    manager's own ``block_table``: the entries from the table's length at the previous successful call
-    on (0 after ``get_computed_prefix`` or ``free``; lowered to what a ``trim`` kept).  ``problem``: the
-    first mismatch, for the check to report (the scheduler would wrap an exception raised here)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.returned: dict[int, int] = {}  # seq_id -> table length when allocate_slots last returned
-        self.problem = ""
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "trim":
-            trim = getattr(self.inner, "trim")
-
-            def trimmed(seq_id: int, num_tokens: int) -> Any:
-                kept = trim(seq_id, num_tokens)
-                self.returned[seq_id] = min(self.returned.get(seq_id, 0), len(self.inner.block_table(seq_id)))
-                return kept
-            return trimmed
-        return getattr(self.inner, name)
-
-    def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        self.returned[seq_id] = 0
-        return self.inner.get_computed_prefix(seq_id, token_ids)
-
-    def free(self, seq_id: int) -> None:
-        self.returned.pop(seq_id, None)
-        self.inner.free(seq_id)
-
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> Any:
-        ids = self.inner.allocate_slots(seq_id, num_tokens)
-        if ids is None:
-            return None
-        table = self.inner.block_table(seq_id)
-        start = self.returned.get(seq_id, 0)
-        if list(ids) != table[start:] and not self.problem:
-            self.problem = (f"allocate_slots({seq_id}, {num_tokens}) returned {list(ids)!r}; the table is {table}, last "
-                            f"returned at length {start}, so it must return {table[start:]!r}")
-        self.returned[seq_id] = len(table)
-        return ids
 
 
 class KVCacheManagerSuite(ConformanceSuite):
@@ -160,7 +108,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs, n = case.config.block_size, 32
         m = self._manager(case, n)
-        tok = _Tokens(1)
+        tok = Tokens(1)
         what = "accounting"
         self._expect(case, what, (m.num_blocks, m.block_size, m.num_free_blocks), (n, bs, n), "(num_blocks, block_size, num_free_blocks) of a new manager")
         self._expect(case, what, m.get_computed_prefix(1, tok(3 * bs + 1)), 0, "prefix of a prompt on an empty cache")
@@ -190,7 +138,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs, n = case.config.block_size, 24
         m = self._manager(case, n)
-        tok, rng = _Tokens(2), random.Random(3)
+        tok, rng = Tokens(2), random.Random(3)
         live: dict[int, list[int]] = {}  # seq -> tokens it holds slots for
         next_id = 100
         for step in range(300):
@@ -242,7 +190,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs, n = case.config.block_size, 64
         m = self._manager(case, n)
-        tok, rng = _Tokens(10), random.Random(11)
+        tok, rng = Tokens(10), random.Random(11)
         what = "tables only grow"
         tokens = {seq: tok(rng.randint(1, 2 * bs)) for seq in (1, 2, 3)}
         held: dict[int, list[int]] = {}  # seq -> its table as last read
@@ -288,9 +236,9 @@ class KVCacheManagerSuite(ConformanceSuite):
         ``block_table`` of every scheduled sequence at every step."""
         self.start(case)
         bs = case.config.block_size
-        checked = _ReturnedIds(self._manager(case, 14))  # room for two or three sequences: preemptions
+        checked = ReturnedIds(self._manager(case, 14))  # room for two or three sequences: preemptions
         m = checked.inner
-        rng, tok = random.Random(21), _Tokens(22)
+        rng, tok = random.Random(21), Tokens(22)
         what = "stated changes"
         drafting = [0]
 
@@ -356,7 +304,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs, n = case.config.block_size, 8
         m = self._manager(case, n)
-        tok = _Tokens(4)
+        tok = Tokens(4)
         what = "exhaustion"
         self._admit(case, m, 1, tok(5 * bs))
         m.get_computed_prefix(2, tok(4 * bs))
@@ -380,7 +328,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs = case.config.block_size
         m = self._manager(case, 40)
-        tok = _Tokens(5)
+        tok = Tokens(5)
         a = tok(3 * bs + 2)
         self._admit(case, m, 1, a, expect_hit=0)
         hits_before = m.stats().prefix_hits
@@ -409,7 +357,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs = case.config.block_size
         m = self._manager(case, 16)
-        a = _Tokens(6)(2 * bs)
+        a = Tokens(6)(2 * bs)
         self._admit(case, m, 1, a, expect_hit=0)
         probes = [("the whole cached prompt", a, bs), ("the cached prompt plus one token", a + [7], 2 * bs),
                   ("exactly its first block", a[:bs], 0), ("its first block plus one token", a[: bs + 1], bs)]
@@ -423,7 +371,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs, n = case.config.block_size, 10
         m = self._manager(case, n)
-        tok = _Tokens(7)
+        tok = Tokens(7)
         what = "reference counting"
         a = tok(3 * bs + 1)
         self._admit(case, m, 1, a, expect_hit=0)  # 4 blocks
@@ -457,7 +405,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs = case.config.block_size
         m = self._manager(case, 3)
-        tok = _Tokens(8)
+        tok = Tokens(8)
         prompts = {name: tok(bs) for name in "XYZ"}
         for i, name in enumerate("XYZ"):
             self._admit(case, m, i + 1, prompts[name], expect_hit=0)
@@ -476,7 +424,7 @@ class KVCacheManagerSuite(ConformanceSuite):
         self.start(case)
         bs = case.config.block_size
         m = self._manager(case, 16)
-        a = _Tokens(9)(3 * bs + 1)
+        a = Tokens(9)(3 * bs + 1)
         self._admit(case, m, 1, a, expect_hit=0)
         self._admit(case, m, 2, a, expect_hit=0)
         if set(self._table(m, 1)) & set(self._table(m, 2)):

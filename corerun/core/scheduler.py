@@ -8,18 +8,12 @@ recently arrived running sequence is preempted: its blocks are freed, its comput
 and it goes back to the front of the queue to be recomputed (prefix caching usually brings most of
 it back for free).  No request is lost, and the oldest always makes progress.
 
-Each batch is a message of plain values (protocol version 3, vLLM v1's ``SchedulerOutput``): the
-requests scheduled for the first time or resumed in full (tokens, parameters, block table, computed
-count), the others as changes (tokens appended since they were last scheduled, new block ids, the
-computed count), the drafts, and the requests finished or preempted; no ``Sequence`` crosses, and the
-runner keeps its own per-request state by applying each message.
-
-The step's result comes back the same way (:meth:`Scheduler.update_from_output`, vLLM v1's name): the
-scheduler appends the sampled and accepted tokens, applies stop tokens and length limits, registers
-the blocks that became full, gives back the blocks of rejected drafts and queues the other samples of
-an ``n > 1`` request once its prompt is computed.  Speculative drafts arrive the same way
-(:meth:`Scheduler.update_draft_token_ids`) and sit on the request until it is next scheduled: the
-scheduler never calls up.
+Each batch is a message of plain values (``core/batch.py``, vLLM v1's ``SchedulerOutput``); no
+``Sequence`` crosses.  The result comes back through :meth:`Scheduler.update_from_output`: sampled and
+accepted tokens appended, stop tokens and length limits applied, full blocks registered, rejected
+drafts' blocks given back, the other samples of an ``n > 1`` request queued once its prompt is
+computed.  Drafts arrive through :meth:`Scheduler.update_draft_token_ids` and sit on the request until
+it is next scheduled: the scheduler never calls up.
 """
 
 from __future__ import annotations
