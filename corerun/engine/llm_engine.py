@@ -1,10 +1,6 @@
 """The engine: accepts requests, and steps schedule -> execute -> update -> outputs (vLLM's ``EngineCore.step``).
-
-Input processing is :mod:`corerun.engine.input_processor`, output processing
-:mod:`corerun.engine.output_processor`, the speculative-decoding policy :mod:`corerun.spec_decode`; the
-scheduler applies a step's result.  A plugin that raises inside a step ends that step's requests with
-an error result and the engine goes on serving the rest.
-"""
+Input and output processing are ``input_processor`` and ``output_processor``, drafting ``corerun.spec_decode``;
+a plugin raising inside a step ends that step's requests with an error and the engine serves the rest."""
 
 from __future__ import annotations
 
