@@ -100,7 +100,7 @@ class OutputProcessor:
             last = len(ids) - 1 if seq.is_finished else len(ids)
             state = self._state(seq)
             for m in range(first + 1, last + 1):
-                hit = state.stops.scan(self._advance(state, ids[:m]))  # type: ignore[union-attr]
+                hit = state.stops.scan(self._advance(state, ids, m))  # type: ignore[union-attr]
                 if hit is not None and m >= seq.params.min_tokens:
                     hits.append((seq, hit[1], seq.num_prompt_tokens + m))
                     break
@@ -165,17 +165,19 @@ class OutputProcessor:
             return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
         return self._advance(self._state(seq), ids)
 
-    def _advance(self, state: _Detok, ids: Seq[int]) -> str:
-        """``state.text`` brought up to ``ids``, decoding only the new tokens (holding back half a character)."""
+    def _advance(self, state: _Detok, ids: Seq[int], end: int | None = None) -> str:
+        """``state.text`` brought up to ``ids[:end]`` (all of ``ids`` by default), decoding only the new
+        tokens (holding back half a character); only the tokens from ``state.prefix`` on are sliced."""
         tok = self.tokenizer
         prefix, read, skip = state.prefix, state.read, state.skip
-        if len(ids) > read:
+        end = len(ids) if end is None else end
+        if end > read:
             before = tok.decode(ids[prefix:read], skip_special_tokens=skip)
-            after = tok.decode(ids[prefix:], skip_special_tokens=skip)
+            after = tok.decode(ids[prefix:end], skip_special_tokens=skip)
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 state.text += after[len(before):]
                 state.prefix = max(read - 4, 0)
-                state.read = len(ids)
+                state.read = end
         return state.text
 
 

@@ -97,10 +97,11 @@ def corerun_quantization_methods(register: Register) -> None:
 
 @hookimpl
 def corerun_reasoning_parsers(register: Register) -> None:
-    register("deepseek_r1", DeepSeekR1ReasoningParser, capabilities=DeepSeekR1ReasoningParser.capabilities,
-             description="<think>...</think>, opened by the chat template: the answer starts inside the thinking")
-    register("qwen3", Qwen3ReasoningParser, capabilities=Qwen3ReasoningParser.capabilities,
-             description="<think>...</think> when the answer opens with it (Qwen3's enable_thinking)")
+    for parser, description in (
+        (DeepSeekR1ReasoningParser, "<think>...</think>, opened by the chat template: the answer starts inside the thinking"),
+        (Qwen3ReasoningParser, "<think>...</think> when the answer opens with it (Qwen3's enable_thinking)"),
+    ):
+        register(parser.name, parser, capabilities=parser.capabilities, description=description)
 
 
 # architecture (config.json) -> (class, what differs from Llama); every one splits over tensor-parallel ranks
