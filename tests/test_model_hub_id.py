@@ -48,6 +48,12 @@ def test_a_cached_hub_id_resolves_to_its_snapshot_offline(tmp_path: Path) -> Non
     done = _offline(tmp_path, "-c", code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(snapshot)
+    # the engine resolves it too, so LLM(model=HUB_ID) needs no CLI in front of it
+    code = ("from corerun.config import Config; from corerun.runner.construction import model_dir_for; "
+            f"print(model_dir_for(Config(model={HUB_ID!r})))")
+    done = _offline(tmp_path, "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(snapshot)
 
 
 def test_what_counts_as_a_hub_id(tmp_path: Path, monkeypatch) -> None:

@@ -248,12 +248,15 @@ def widest_sampling(sampler: Any, max_logprobs: int, rows: int) -> tuple[list[Sa
 
 
 def model_dir_for(config: Any) -> Path:
-    """The folder to load: ``model`` itself, a folder made for a ``.gguf`` file, or the default model's
-    (its shipped Q4_1 file with ``quantization: gguf``, else its converted bfloat16 folder)."""
+    """The folder to load: ``model`` itself (a Hugging Face Hub id resolved to its local snapshot, for
+    every entry point: ``LLM``, the CLI, the server), a folder made for a ``.gguf`` file, or the default
+    model's (its shipped Q4_1 file with ``quantization: gguf``, else its converted bfloat16 folder)."""
     from corerun.models.gguf_convert import gguf_model_dir
+    from corerun.models.hub import resolve_model
 
     if config.model:
-        return gguf_model_dir(config.model) if str(config.model).endswith(".gguf") else Path(config.model)
+        model = resolve_model(str(config.model))
+        return gguf_model_dir(model) if model.endswith(".gguf") else Path(model)
     if config.quantization.name == "gguf":
         from corerun.models.default import find_default_gguf
 
