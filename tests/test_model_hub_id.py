@@ -48,6 +48,11 @@ def test_a_cached_hub_id_resolves_to_its_snapshot_offline(tmp_path: Path) -> Non
     done = _offline(tmp_path, "-c", code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(snapshot)
+    # `corerun serve --model owner/name` answers to the id, not to the snapshot's commit hash
+    code = f"from corerun.cli.options import build_config; print(build_config(None, (), model={HUB_ID!r}).server.served_model_name)"
+    done = _offline(tmp_path, "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == HUB_ID
     # the engine resolves it too, so LLM(model=HUB_ID) needs no CLI in front of it
     code = ("from corerun.config import Config; from corerun.runner.construction import model_dir_for; "
             f"print(model_dir_for(Config(model={HUB_ID!r})))")

@@ -27,7 +27,10 @@ def is_hub_id(model: str) -> bool:
 def with_local_model(config: Any) -> Any:
     """``config`` (a :class:`corerun.config.Config`) with a Hub id in ``model`` replaced by its local snapshot folder."""
     if config.model and is_hub_id(str(config.model)):
-        return config.model_copy(update={"model": resolve_model(str(config.model))})
+        update: dict[str, Any] = {"model": resolve_model(str(config.model))}
+        if not config.server.served_model_name:  # served under the id the user gave, not the snapshot's hash
+            update["server"] = config.server.model_copy(update={"served_model_name": str(config.model)})
+        return config.model_copy(update=update)
     return config
 
 

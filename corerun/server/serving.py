@@ -22,7 +22,9 @@ def model_name(llm: Any) -> str:
     if cfg.server.served_model_name:
         return cfg.server.served_model_name
     if cfg.model:
-        return Path(cfg.model).name
+        from corerun.models.hub import is_hub_id
+
+        return str(cfg.model) if is_hub_id(str(cfg.model)) else Path(cfg.model).name
     from corerun.models.default import MODEL_NAME
 
     return MODEL_NAME
