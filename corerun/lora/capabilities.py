@@ -1,0 +1,7 @@
+"""The built-in LoRA kernels' capabilities, as data importable without torch (the registry lists them)."""
+
+from __future__ import annotations
+
+from corerun.protocols.lora import LoRAKernelCapabilities
+
+TORCH_KERNEL = LoRAKernelCapabilities(graph_safe=True)
