@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from functools import cached_property
 from typing import Any, Iterator, Sequence as Seq
 
 from corerun.config import Config, deep_merge, load_config
@@ -36,6 +35,11 @@ class LLM:
             cfg = load_config(config, overrides=overrides)
         self.config = cfg
         self.engine = LLMEngine(cfg)
+        try:  # how the model pools, read at load: a pooling corerun lacks is refused here, naming its file
+            self.model_pooling: ModelPooling = read_model_pooling(self.engine.runner.model_dir)
+        except Exception:
+            self.engine.shutdown()
+            raise
         self.engine_loop = EngineLoop(self.engine)  # the one loop every caller's requests join
 
     def get_tokenizer(self) -> Any:
@@ -117,11 +121,6 @@ class LLM:
             if len(done) < len(ids):
                 self.engine_loop.abort([r for r in ids if r not in done])
         return [done[r] for r in ids]
-
-    @cached_property
-    def model_pooling(self) -> ModelPooling:
-        """How this model pools its hidden states into embeddings (read from its folder on first use)."""
-        return read_model_pooling(self.engine.runner.model_dir)
 
     # ------------------------------------------------------------ streaming
     def stream(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:

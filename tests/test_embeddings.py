@@ -127,8 +127,20 @@ def test_dimensions_truncate_then_normalise(tmp_path: Path) -> None:
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_unsupported_pooling_mode_names_the_file(tmp_path: Path) -> None:
+def test_unsupported_pooling_refused_at_load_naming_file_value_and_choices(tmp_path: Path) -> None:
+    """Max pooling (sentence-transformers has it, corerun does not): the LLM does not load, and says why."""
     folder = make_tiny_model(tmp_path, "llama")
     write_sentence_transformers(folder, "max_tokens", True)
-    with pytest.raises(ModelLoadError, match=r"1_Pooling/config.json.*pooling_mode_max_tokens"):
-        read_model_pooling(folder)
+    with pytest.raises(ModelLoadError, match=r"1_Pooling/config.json: pooling modes \['pooling_mode_max_tokens'\] are set; "
+                                             r"corerun pools with exactly one of \['pooling_mode_lasttoken'"):
+        make_llm(folder)
+
+
+def test_dimensions_beyond_the_hidden_size_refused(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "qwen2")  # hidden size 64
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    pooling = read_model_pooling(folder)
+    assert embedding_params(pooling, 64).pooling.dimensions == 64
+    with pytest.raises(RequestError, match="dimensions=65 is more than the model's 64 values per vector; ask for 1 to 64"):
+        embedding_params(pooling, 65)

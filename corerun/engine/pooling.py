@@ -31,15 +31,16 @@ class ModelPooling:
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
     source: str = "default (last token, normalised)"
+    hidden_size: int | None = None  # the vectors' length (config.json), the most ``dimensions`` may keep
 
 
 def read_model_pooling(model_dir: str | Path) -> ModelPooling:
     """The pooling ``model_dir`` declares; raises ModelLoadError naming the file for a pooling corerun lacks."""
     folder = Path(model_dir)
-    matryoshka, dims = _matryoshka(folder / "config.json")
+    matryoshka, dims, hidden = _model_config(folder / "config.json")
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
-        return ModelPooling(matryoshka=matryoshka, matryoshka_dimensions=dims)
+        return ModelPooling(matryoshka=matryoshka, matryoshka_dimensions=dims, hidden_size=hidden)
     modules = _read_json(modules_file)
     types = [str(m.get("type", "")) for m in modules] if isinstance(modules, list) else []
     pooling_dir = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith(".Pooling")), None) \
@@ -50,14 +51,14 @@ def read_model_pooling(model_dir: str | Path) -> ModelPooling:
                              "with Transformer, Pooling and Normalize modules only")
     normalize = any(t.endswith(".Normalize") for t in types)
     if pooling_dir is None:
-        return ModelPooling("last", normalize, matryoshka, dims, str(modules_file))
+        return ModelPooling("last", normalize, matryoshka, dims, str(modules_file), hidden)
     config_file = folder / pooling_dir / "config.json"
     config = _read_json(config_file)
     on = [k for k in (*_MODES, *_UNSUPPORTED) if config.get(k)]
     if len(on) != 1 or on[0] not in _MODES:
         raise ModelLoadError(f"{config_file}: pooling modes {on or 'none'} are set; corerun pools with exactly one of "
-                             f"{list(_MODES)}")
-    return ModelPooling(_MODES[on[0]], normalize, matryoshka, dims, str(config_file))
+                             f"{list(_MODES)} (last token, mean, CLS), set to true")
+    return ModelPooling(_MODES[on[0]], normalize, matryoshka, dims, str(config_file), hidden)
 
 
 def embedding_params(model: ModelPooling, dimensions: int | None = None, *, field: str = "dimensions") -> SamplingParams:
@@ -72,16 +73,22 @@ def embedding_params(model: ModelPooling, dimensions: int | None = None, *, fiel
         if model.matryoshka_dimensions and dimensions not in model.matryoshka_dimensions:
             raise RequestError(f"{field}={dimensions} is not one the model was trained for; use one of "
                                f"{list(model.matryoshka_dimensions)}")
+        if model.hidden_size is not None and dimensions > model.hidden_size:
+            raise RequestError(f"{field}={dimensions} is more than the model's {model.hidden_size} values per "
+                               f"vector; ask for 1 to {model.hidden_size}")
     pooling = PoolingParams(pooling_type=model.pooling_type, normalize=model.normalize, dimensions=dimensions)
     return SamplingParams(max_tokens=1, pooling=pooling)
 
 
-def _matryoshka(config_file: Path) -> tuple[bool, tuple[int, ...]]:
+def _model_config(config_file: Path) -> tuple[bool, tuple[int, ...], int | None]:
+    """Matryoshka (declared, and the sizes listed) and the hidden size, from ``config.json``."""
     if not config_file.is_file():
-        return False, ()
+        return False, (), None
     config = _read_json(config_file)
     dims = config.get("matryoshka_dimensions") or ()
-    return bool(dims) or bool(config.get("is_matryoshka")), tuple(int(d) for d in dims)
+    hidden = config.get("hidden_size")
+    return (bool(dims) or bool(config.get("is_matryoshka")), tuple(int(d) for d in dims),
+            hidden if isinstance(hidden, int) else None)
 
 
 def _read_json(path: Path) -> dict | list:
