@@ -156,6 +156,16 @@ class DistributedConfig(_Strict):
         return v
 
 
+class LoRAConfig(_Strict):
+    """Multi-LoRA serving (corerun.lora, docs/lora.md): requests name a PEFT adapter, mixed in one batch."""
+
+    enabled: bool = False  # build the slots and the adapters' layers (corerun serve --lora-modules turns it on)
+    kernel: Choice = Choice(name="auto")  # the batched LoRA product (a `lora` plugin); auto: the best that fits
+    max_loras: int = Field(4, ge=1, le=1024)  # device slots: adapters in one batch at most
+    max_lora_rank: int = Field(16, ge=1, le=1024)  # every slot's rank; an adapter of a higher rank is refused at load
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept in host memory (LRU); None: max_loras
+
+
 class ServerConfig(_Strict):
     """``corerun serve`` (corerun.server): the OpenAI-compatible HTTP server on top of the engine."""
 
@@ -174,6 +184,8 @@ class ServerConfig(_Strict):
     chat_template_max_chars: int = Field(4 * 2**20, ge=1)  # a rendered chat (and any string in it) may be this long
     tool_call_parser: str = "auto"  # reads tool calls (docs/tool-calling.md); auto: from the chat template; none
     reasoning_parser: str | None = None  # splits the thinking into reasoning_content (deepseek_r1, qwen3, ...)
+    lora_modules: dict[str, str] = {}  # adapter name -> PEFT folder, served as models (CLI: --lora-modules name=path)
+    enable_lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @field_validator("api_key")
     @classmethod
@@ -198,6 +210,7 @@ class Config(_Strict):
     graph: GraphConfig = GraphConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    lora: LoRAConfig = LoRAConfig()
     tensor_parallel_size: int = Field(1, ge=1)
     distributed: DistributedConfig = DistributedConfig()
     seed: int = Field(0, ge=-(2**63), le=2**64 - 1)  # what torch.manual_seed accepts
