@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from corerun.testing import assert_idle, make_llm
-from tests.helpers.serving import SERVING, http, running_server, tiny_chat_model
+from tests.helpers.serving import SERVING, http, metric, running_server, tiny_chat_model
 from tests.test_embeddings import reference, write_sentence_transformers
 
 openai = pytest.importorskip("openai")
@@ -56,6 +56,26 @@ def test_base64_decodes_to_the_float_vectors(served) -> None:
     for f, b in zip(floats["data"], packed["data"]):
         decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
         np.testing.assert_array_equal(decoded, np.asarray(f["embedding"], dtype=np.float32))
+
+
+@pytest.mark.timeout(60)
+def test_metrics_count_embedding_requests_and_their_prompt_tokens(served) -> None:
+    _, llm, url = served
+    texts = ["one two three", "a much longer sentence than that one"]
+    tokens = sum(len(llm.get_tokenizer().encode(t)) for t in texts)
+
+    def scrape() -> tuple[float, float, float, float]:
+        status, text = http(url + "/metrics")
+        assert status == 200
+        return (metric(text, "vllm:prompt_tokens_total"), metric(text, "corerun:embedding_requests_total", finished_reason="stop"),
+                metric(text, "vllm:request_success_total", finished_reason="stop"),
+                metric(text, "corerun:requests_rejected_total", reason="invalid"))
+
+    before = scrape()
+    assert http(url + "/v1/embeddings", {"input": texts})[0] == 200
+    assert http(url + "/v1/embeddings", {"input": ""})[0] == 400  # refused: counted as rejected, not as a request
+    after = scrape()
+    assert [a - b for a, b in zip(after, before)] == [tokens, 2, 2, 1]
 
 
 @pytest.mark.parametrize("body, field", [

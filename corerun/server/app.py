@@ -247,6 +247,8 @@ async def _embed(request: Request, state: Serving) -> Response:
     finals = await _finals(request, state, rid, streams)
     if finals is None:
         return Response(status_code=499)
+    for out in finals:
+        state.metrics.embedded(out)
     err = embeddings.error_of(finals)
     if err is not None:
         return error_response(err)

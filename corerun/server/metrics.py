@@ -9,8 +9,9 @@ latency histograms are recorded as each request finishes.  Each server has its o
     vllm:num_preemptions_total                                 counter
     vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
     vllm:spec_decode_num_accepted_tokens_total                 counters, with speculative decoding on
-    vllm:prompt_tokens_total / vllm:generation_tokens_total    counters, finished requests
+    vllm:prompt_tokens_total / vllm:generation_tokens_total    counters, finished requests (embeddings too)
     vllm:request_success_total{finished_reason}                counter: stop, length, abort, error
+    corerun:embedding_requests_total{finished_reason}          counter: the embedding requests among them
     vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds,
     vllm:e2e_request_latency_seconds                           histograms
     corerun:requests_rejected_total{reason}                    counter: overloaded (503), invalid (400/404/413)
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from corerun.outputs import RequestOutput
+from corerun.outputs import EmbeddingRequestOutput, RequestOutput
 
 disable_created_metrics()  # no *_created series (as vLLM): they double the output and no dashboard reads them
 
@@ -85,6 +86,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.", ln, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        ln + ["finished_reason"], registry=r)
+        self.embeddings = Counter("corerun:embedding_requests", "Finished embedding requests (one per input) "
+                                  "by finish reason.", ln + ["finished_reason"], registry=r)
         self.rejected = Counter("corerun:requests_rejected", "Requests refused before reaching the engine.",
                                 ln + ["reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", ln,
@@ -99,6 +102,8 @@ class ServerMetrics:
             m.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
+        for reason in ("stop", "abort", "error"):
+            self.embeddings.labels(model_name, reason)
         for reason in ("overloaded", "invalid"):
             self.rejected.labels(model_name, reason)
 
@@ -123,6 +128,13 @@ class ServerMetrics:
             longest = max((len(c.token_ids) for c in out.outputs), default=0)
             if longest > 1:
                 self.tpot.labels(name).observe(max(done - first, 0.0) / (longest - 1))
+
+    def embedded(self, out: EmbeddingRequestOutput) -> None:
+        """Record one embedding request's end: its prompt tokens, and one finished request (nothing is generated)."""
+        reason = out.finish_reason or "abort"
+        self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
+        self.request_success.labels(self.model_name, reason).inc()
+        self.embeddings.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
