@@ -3,9 +3,10 @@ that failed only because it did (their collectives broke)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from corerun.errors import CorerunError
+from corerun.protocols.executor import Failure, RankFailedError
 
-from corerun.errors import CorerunError, StepError
+__all__ = ["CommunicationError", "Failure", "RankFailedError", "TensorParallelError", "is_communication_failure", "root_cause"]
 
 
 class TensorParallelError(CorerunError, RuntimeError):
@@ -14,32 +15,6 @@ class TensorParallelError(CorerunError, RuntimeError):
 
 class CommunicationError(CorerunError, RuntimeError):
     """A collective or the command channel failed: usually because another rank is gone."""
-
-
-class RankFailedError(StepError):
-    """A rank failed during a step; the group is down and every later step fails with the same message.
-
-    ``rank`` is the rank that failed (``None`` when no rank could be named).
-    """
-
-    def __init__(self, rank: int | None, message: str) -> None:
-        self.rank = rank
-        super().__init__(message)
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """What rank 0 learned about a failed worker.
-
-    ``primary``: the rank failed on its own (an error it reported, or its process ended without a
-    report, e.g. killed); ``False`` when it reported a broken collective, the consequence of another
-    rank's failure.  ``at``: when it reported (``time.time()``), ``None`` for an unreported exit.
-    """
-
-    rank: int
-    message: str
-    primary: bool
-    at: float | None = None
 
 
 def is_communication_failure(exc: BaseException) -> bool:
