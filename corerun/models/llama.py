@@ -10,6 +10,7 @@ and the kernels.  Parameter names follow the Hugging Face checkpoints, except th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -133,11 +134,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        return self.forward_layers(input_ids, positions, ctx, None, 0, len(self.layers))
+
+    def forward_layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, hidden: torch.Tensor | None,
+        start: int, end: int,
+    ) -> torch.Tensor:
+        """Decoder layers ``[start, end)``: embedding first when ``hidden`` is None (``start == 0``), the final
+        norm after when ``end`` is the last layer.  ``hidden`` ``[T, hidden_size]``: the stage before's output
+        (each layer adds its residual in place, so it is the residual stream: nothing else crosses)."""
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.angles(positions)  # once per step, for every layer
-        for layer in self.layers:
+        for layer in islice(self.layers, start, end):
             hidden = layer(rope, hidden, ctx)
-        return self.norm(hidden)
+        return self.norm(hidden) if end == len(self.layers) else hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,6 +203,27 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """``input_ids`` / ``positions`` int64 ``[T]`` -> hidden states ``[T, hidden_size]`` in the model dtype."""
         return self.model(input_ids, positions, ctx)
+
+    def forward_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, hidden: torch.Tensor | None,
+        layers: tuple[int, int],
+    ) -> torch.Tensor:
+        """One pipeline stage: decoder layers ``layers = (start, end)`` (see :meth:`LlamaModel.forward_layers`);
+        ``hidden`` ``[T, hidden_size]`` from the stage before (``None`` on the first stage)."""
+        return self.model.forward_layers(input_ids, positions, ctx, hidden, *layers)
+
+    def keep_layers(self, start: int, end: int) -> None:
+        """Drop what a pipeline stage holding layers ``[start, end)`` never runs: the other decoder
+        layers (empty modules keep the indices), the embedding before the first stage's, the final norm
+        and LM head after the last stage's (a tied LM head keeps its embedding's parameter)."""
+        layers = self.model.layers
+        for i in range(len(layers)):
+            if not start <= i < end:
+                layers[i] = nn.Module()
+        if start > 0 and not (self.config.tie_word_embeddings and end == len(layers)):
+            self.model.embed_tokens = None
+        if end < len(layers):
+            self.model.norm = self.lm_head = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``.
