@@ -97,9 +97,9 @@ class Serving:
         if tok is None or not getattr(tok, "chat_template", None):
             raise P.APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
         kwargs = chat_template.check_kwargs(req.chat_template_kwargs)
+        messages, tools = tool_calls.for_template(P.chat_text(req.messages), tools, self.parsers)
         if tools:
             kwargs["tools"] = tools
-        messages = tool_calls.template_messages(P.chat_text(req.messages))
         try:
             text = chat_template.render(tok, messages, add_generation_prompt=req.add_generation_prompt,
                                         kwargs=kwargs, max_chars=self.cfg.chat_template_max_chars,

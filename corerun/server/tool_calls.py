@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ class ChatParsers:
     reasoning: Any = None
     reasoning_name: str | None = None
     keep_special: bool = False  # the tool parser's markers are special tokens: the text must keep them
+    template_tools: bool = True  # the chat template renders ``tools``; False: corerun writes them in a system message
 
 
 def _template_text(tokenizer: Any) -> str:
@@ -58,10 +60,13 @@ def choose_parsers(cfg: Any, tokenizer: Any, registry: Any = None) -> ChatParser
     from corerun.plugin.registry import announce, get_registry
 
     registry = registry or get_registry()
-    out = ChatParsers()
+    template = _template_text(tokenizer)
+    out = ChatParsers(template_tools=re.search(r"\btools\b", template) is not None)
+    if not out.template_tools and template:
+        announce("chat template: it does not render tools; requests with tools get them in a system message")
     name = getattr(cfg, "tool_call_parser", "auto") or "none"
     if name == "auto":
-        name, why = auto_tool_parser(registry, _template_text(tokenizer))
+        name, why = auto_tool_parser(registry, template)
         announce("tool-call parser: %s (%s)", f"auto chose '{name}'" if name else "none", why)
     if name and name != "none":
         out.tool, out.tool_name = registry.create("tool_parser", name), name
@@ -136,9 +141,10 @@ def plan(req: P.ChatCompletionRequest, parsers: ChatParsers) -> ToolPlan | None:
         return None
     out = ToolPlan(mode, tools=tools if mode != "none" else None, parallel=parallel, parsers=parsers)
     if mode == "auto" and parsers.tool is None:
-        raise P.APIError(400, "tool_choice: 'auto' needs a tool-call parser, and this server has none: start it with "
-                         "--tool-call-parser NAME (corerun plugins lists them), or send tool_choice 'required' or a "
-                         "named function", param="tool_choice")
+        why = "" if parsers.template_tools else " (this model's chat template renders no tools, so none was chosen from it)"
+        raise P.APIError(400, f"tool_choice: 'auto' needs a tool-call parser, and this server has none{why}: start it "
+                         "with --tool-call-parser NAME (corerun plugins lists them), or send tool_choice 'required' or "
+                         "a named function", param="tool_choice")
     if mode == "named":
         wanted = choice["function"].get("name")
         found = [t for t in tools or () if t["function"]["name"] == wanted]
@@ -169,6 +175,39 @@ def with_special_tokens(params: Any, tools: ToolPlan | None) -> Any:
     if tools is None or tools.mode == "none" or not tools.parsers.keep_special:
         return params
     return params.model_copy(update={"skip_special_tokens": False})
+
+
+def for_template(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 parsers: ChatParsers) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and the ``tools`` argument for the chat template.  A template that never reads
+    ``tools`` (the default model's) gets the tool definitions in a system message instead, and the
+    calls in the history as the text ``tool_choice: "required"`` makes a model write."""
+    messages = template_messages(messages)
+    if parsers.template_tools:
+        return messages, tools
+    messages = [_calls_as_text(m) for m in messages]
+    if tools:
+        text = TOOLS_SYSTEM + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        if messages and messages[0].get("role") == "system":
+            first = messages[0]
+            messages[0] = {**first, "content": f"{first.get('content') or ''}\n\n{text}"}
+        else:
+            messages.insert(0, {"role": "system", "content": text})
+    return messages, None
+
+
+TOOLS_SYSTEM = "You can call these tools; each line is one tool's definition in JSON:\n"
+
+
+def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` appended to its content as ``[{"name": ..., "parameters": ...}]``."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    written = json.dumps([{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in calls],
+                         ensure_ascii=False)
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": (message.get("content") or "") + written}
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
