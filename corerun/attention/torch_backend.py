@@ -5,6 +5,10 @@ chunks one request at a time (never a loop over tokens).  It runs in float64 too
 convenient oracle, and its pure-decode path is CUDA-graph safe (no host syncs, no data-dependent
 shapes: the gather length is the host bound ``batch.max_seq_len``).
 
+Sliding windows (per layer, ``spec.sliding_window(layer)``) and soft-capping (``spec.logits_soft_cap``)
+are masks and a ``tanh`` on the scores: a windowed layer still gathers the whole context, so it is
+exact at any length but costs what a full layer costs.
+
 Cache layout: one tensor per layer, ``[2, num_blocks + 1, block_size, num_kv_heads, head_size]``
 (K then V).  The extra last block is a write-off area: new tokens with slot ``-1`` are written there
 instead of being skipped with a data-dependent mask, so the write needs no host sync.
@@ -26,6 +30,8 @@ CAPABILITIES = AttentionCapabilities(
     devices=frozenset({"cpu", "cuda"}),
     gqa=True,
     cuda_graph_decode=True,
+    sliding_window=True,
+    logits_soft_cap=True,
 )
 
 
@@ -95,17 +101,20 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         out: torch.Tensor | None = None,
+        *,
+        layer: int = 0,
     ) -> torch.Tensor:
         batch = metadata.batch
+        window = self.spec.sliding_window(layer)
         self.write_kv(key, value, kv_cache, batch.slot_mapping)
         if out is None:
             out = torch.empty_like(query)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         nd = batch.num_decodes
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, batch, nd, metadata.decode_len)
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, batch, nd, metadata.decode_len, window)
         for req, start, qlen, ctx in metadata.prefills:
-            out[start : start + qlen] = self._prefill(query[start : start + qlen], k_cache, v_cache, batch, req, ctx)
+            out[start : start + qlen] = self._prefill(query[start : start + qlen], k_cache, v_cache, batch, req, ctx, window)
         return out
 
     def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -126,24 +135,33 @@ class TorchAttentionBackend:
         v = v.masked_fill(~mask.any(dim=1)[:, :, None, None], 0)
         qg = q.to(cd).view(r, l, hkv, g, d)
         scores = torch.einsum("rlhgd,rshd->rhgls", qg, k.to(cd)) * self.spec.softmax_scale
+        cap = self.spec.logits_soft_cap
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("rhgls,rshd->rlhgd", probs, v.to(cd))
         return o.reshape(r, l, hq, d).to(q.dtype)
 
-    def _decode(self, q, k_cache, v_cache, batch: AttentionBatch, nd: int, length: int) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, batch: AttentionBatch, nd: int, length: int, window: int | None) -> torch.Tensor:
         tables = batch.block_tables[:nd]
         k = self._gather(k_cache, tables, length)
         v = self._gather(v_cache, tables, length)
-        mask = torch.arange(length, device=q.device)[None, :] < batch.seq_lens[:nd, None]  # [nd, S]
+        pos = torch.arange(length, device=q.device)[None, :]
+        mask = pos < batch.seq_lens[:nd, None]  # [nd, S]
+        if window is not None:  # the last `window` keys, from device lengths (no host sync: graph-safe)
+            mask &= pos >= batch.seq_lens[:nd, None] - window
         return self._attend(q[:, None], k, v, mask[:, None, :])[:, 0]
 
-    def _prefill(self, q, k_cache, v_cache, batch: AttentionBatch, req: int, ctx: int) -> torch.Tensor:
+    def _prefill(self, q, k_cache, v_cache, batch: AttentionBatch, req: int, ctx: int, window: int | None) -> torch.Tensor:
         qlen = q.shape[0]
         length = ctx + qlen
         tables = batch.block_tables[req : req + 1]
         k = self._gather(k_cache, tables, length)
         v = self._gather(v_cache, tables, length)
         qpos = ctx + torch.arange(qlen, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # causal, [L, S]
+        kpos = torch.arange(length, device=q.device)[None, :]
+        mask = kpos <= qpos[:, None]  # causal, [L, S]
+        if window is not None:
+            mask &= kpos > qpos[:, None] - window
         return self._attend(q[None], k, v, mask[None])[0]

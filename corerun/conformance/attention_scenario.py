@@ -57,12 +57,14 @@ def build_scenario(
     extra_seq_len: int = 0,
     spare_blocks: int = 3,
     layout: str = "random",
+    layer: int = 0,
 ) -> Scenario:
     """Set up the cache and batch for ``requests`` (decodes, i.e. ``query_len == 1``, must come first).
 
     ``num_padding`` appends CUDA-graph padding rows (decodes of length 1 with slot -1);
     ``extra_seq_len`` makes ``max_seq_len`` a loose upper bound (the block tables widen to match);
-    ``layout`` is ``"random"`` (a random permutation of blocks) or ``"reversed"`` (descending ids).
+    ``layout`` is ``"random"`` (a random permutation of blocks) or ``"reversed"`` (descending ids);
+    ``layer``: the layer whose window (``spec.sliding_window(layer)``) the reference applies.
     """
     gen = torch.Generator().manual_seed(seed)
     dev, dt, bs = spec.device, spec.dtype, spec.block_size
@@ -112,6 +114,7 @@ def build_scenario(
     v_exp[real // bs, real % bs] = value[:n_real].to(torch.float64)
     reference = paged_attention_reference(
         query[:n_real], k_exp, v_exp, tables[: len(requests)], [c for c, _ in requests], [q for _, q in requests], spec.softmax_scale,
+        window=spec.sliding_window(layer), soft_cap=spec.logits_soft_cap,
     )
 
     batch = requests_step(

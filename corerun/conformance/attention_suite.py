@@ -9,6 +9,7 @@ table (:mod:`corerun.conformance.reference.attention`), and checks the cache slo
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -56,10 +57,10 @@ class AttentionBackendSuite(ConformanceSuite):
         return [(c.id, c) for c in configs]
 
     # ------------------------------------------------------------------ helpers
-    def _backend(self, case: Case) -> tuple[Any, Any]:
-        """``(spec, backend)`` for the case's configuration; refusing a declared one fails the check."""
+    def _backend(self, case: Case, **spec_changes: Any) -> tuple[Any, Any]:
+        """``(spec, backend)`` for the case's configuration (with ``spec_changes``); refusing a declared one fails the check."""
         cfg: AttentionConfig = case.config
-        spec = cfg.spec(case.device)
+        spec = replace(cfg.spec(case.device), **spec_changes)
         try:
             return spec, case.target.create(spec)
         except UnsupportedError as exc:
@@ -69,13 +70,18 @@ class AttentionBackendSuite(ConformanceSuite):
     def _seed(case: Case, salt: str = "") -> int:
         return zlib.crc32(f"{case.key}{salt}".encode())
 
-    def _step(self, case: Case, requests: list[tuple[int, int]], what: str, **kwargs: Any) -> Scenario:
-        """Run one step through ``plan`` + ``forward`` into a NaN-poisoned ``out`` and check everything."""
-        spec, backend = self._backend(case)
+    def _step(
+        self, case: Case, requests: list[tuple[int, int]], what: str, spec_changes: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Scenario:
+        """Run one step through ``plan`` + ``forward`` into a NaN-poisoned ``out`` and check everything
+        (``spec_changes``: sliding windows, soft cap; ``layer=`` in ``kwargs``: the layer to run)."""
+        spec, backend = self._backend(case, **(spec_changes or {}))
         sc = build_scenario(backend, spec, requests, seed=self._seed(case, str(kwargs)), **kwargs)
         out = torch.full((sc.batch.num_tokens, spec.num_heads, spec.head_size), float("nan"), dtype=spec.dtype, device=spec.device)
         metadata = backend.plan(sc.batch)
-        result = backend.forward(sc.query, sc.key, sc.value, sc.cache, metadata, out=out)
+        layer = {"layer": kwargs.get("layer", 0)} if spec.per_layer else {}
+        result = backend.forward(sc.query, sc.key, sc.value, sc.cache, metadata, out=out, **layer)
         problems = [f"out: {p}" for p in output_failures(sc, out)]
         if result is not None and result is not out:
             problems += [f"returned tensor: {p}" for p in output_failures(sc, result)]
@@ -226,6 +232,53 @@ class AttentionBackendSuite(ConformanceSuite):
         bs = case.config.block_size
         requests = [(bs + 4, 1), (3, 1), (2 * bs, 1)]
         self._step(case, requests, "decode batch with padding rows", num_padding=3, extra_seq_len=2 * bs)
+
+    def _refuses(self, case: Case, what: str, **spec_changes: Any) -> bool:
+        """When the backend does not declare ``what``, check it refuses a spec asking for it; ``True`` then."""
+        cfg: AttentionConfig = case.config
+        spec = replace(cfg.spec(case.device), **spec_changes)
+        if not spec.per_layer and spec.logits_soft_cap is None:
+            return False
+        declared = case.target.capabilities
+        if all(getattr(declared, flag) for flag, asked in (("sliding_window", spec.per_layer),
+                                                            ("logits_soft_cap", spec.logits_soft_cap is not None)) if asked):
+            return False
+        try:
+            case.target.create(spec)
+        except UnsupportedError:
+            return True
+        pytest.fail(f"{case.target.label} does not declare {what} but constructed a backend for a spec asking for it "
+                    f"({spec_changes}); it must raise corerun.UnsupportedError", pytrace=False)
+
+    def test_sliding_window(self, case: Case) -> None:
+        """Per-layer sliding windows (``capabilities.sliding_window``): layer 1 of the spec attends to the last
+        ``block_size + 3`` keys, across block boundaries, in decodes, prefills past the window and chunks after
+        a cached prefix longer than it; layer 0 of the same spec stays full.  A backend that does not declare
+        sliding windows must refuse the spec."""
+        self.start(case)
+        bs = case.config.block_size
+        window = bs + 3
+        changes = {"sliding_windows": (None, window)}
+        if self._refuses(case, "sliding windows", **changes):
+            return
+        requests = [(2 * bs + 6, 1), (3, 1), (window, 1), (window - 1, 1), (bs + 1, bs + 2), (0, 2 * bs + 3), (window + 2, 4)]
+        self._step(case, requests, f"sliding window of {window} (layer 1)", changes, layer=1)
+        self._step(case, [(2 * bs + 6, 1), (0, 2 * bs + 3)], "full attention (layer 0) beside a sliding layer", changes, layer=0)
+
+    def test_soft_cap(self, case: Case) -> None:
+        """Attention logit soft-capping (``capabilities.logits_soft_cap``): scores ``cap * tanh(score / cap)``
+        with a cap (1.5) most scores reach; with sliding windows too when the backend declares them.  A backend
+        that does not declare soft-capping must refuse the spec."""
+        self.start(case)
+        bs = case.config.block_size
+        changes: dict[str, Any] = {"logits_soft_cap": 1.5}
+        if self._refuses(case, "logit soft-capping", **changes):
+            return
+        requests = [(2 * bs + 6, 1), (bs - 1, 1), (0, bs + 3), (bs, 5)]
+        self._step(case, requests, "soft cap 1.5", changes)
+        if case.target.capabilities.sliding_window:
+            changes["sliding_windows"] = (bs + 1,)
+            self._step(case, requests, f"soft cap 1.5 with a sliding window of {bs + 1}", changes, layer=0)
 
     def test_out_fully_written(self, case: Case) -> None:
         """``forward`` returns ``out`` itself when given (every real row written) and works without it."""

@@ -22,6 +22,8 @@ def corerun_attention_backends(register: Register) -> None:
             devices=frozenset({"cpu", "cuda"}),
             gqa=True,
             cuda_graph_decode=True,
+            sliding_window=True,
+            logits_soft_cap=True,
         ),
         priority=0,
         description="reference paged attention in plain torch; runs anywhere; the conformance oracle (float64)",

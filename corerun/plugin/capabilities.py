@@ -62,6 +62,8 @@ class AttentionCapabilities:
     # device types where it runs in an interpreter or emulator, not native code (Triton on CPU): named
     # explicitly there, it is used as asked and corerun warns once that it is slow
     emulated_on: frozenset[str] = frozenset()
+    sliding_window: bool = False  # per-layer sliding windows (AttentionSpec.sliding_windows)
+    logits_soft_cap: bool = False  # tanh soft-capping of the scores (AttentionSpec.logits_soft_cap)
 
     def check(self, spec: Any) -> list[str]:
         reasons: list[str] = []
@@ -83,6 +85,12 @@ class AttentionCapabilities:
             reasons.append(
                 f"grouped-query attention ({spec.num_heads} query / {spec.num_kv_heads} KV heads) not supported"
             )
+        windows = sorted({w for w in getattr(spec, "sliding_windows", ()) if w is not None})
+        if windows and not self.sliding_window:
+            reasons.append(f"sliding-window attention (window {', '.join(map(str, windows))}) not supported")
+        cap = getattr(spec, "logits_soft_cap", None)
+        if cap is not None and not self.logits_soft_cap:
+            reasons.append(f"attention logit soft-capping (cap {cap:g}) not supported")
         return reasons
 
     def fits(self, need: Any) -> list[str]:
@@ -99,6 +107,8 @@ class AttentionCapabilities:
             "gqa": self.gqa,
             "cuda_graph_decode": self.cuda_graph_decode,
             "emulated_on": sorted(self.emulated_on),
+            "sliding_window": self.sliding_window,
+            "logits_soft_cap": self.logits_soft_cap,
         }
 
 

@@ -48,6 +48,21 @@ class AttentionSpec:
     block_size: int  # tokens per KV-cache block
     device: torch.device
     scale: float | None = None  # softmax scale; None means head_size ** -0.5
+    # per layer: the window of a sliding-window layer (query at position p attends to keys p - window + 1 .. p),
+    # None for a full (causal) layer; () when every layer is full.  Needs capabilities.sliding_window.
+    sliding_windows: tuple[int | None, ...] = ()
+    # every layer's scaled scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2); None: none.
+    # Needs capabilities.logits_soft_cap.
+    logits_soft_cap: float | None = None
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s window, or ``None`` for full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def per_layer(self) -> bool:
+        """Some layer attends through a sliding window: ``forward`` is then told which layer it runs."""
+        return any(w is not None for w in self.sliding_windows)
 
     @property
     def softmax_scale(self) -> float:
@@ -167,11 +182,17 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: Any,
         out: torch.Tensor | None = None,
+        *,
+        layer: int = 0,
     ) -> torch.Tensor:
         """One layer: write the new K/V into ``kv_cache``, then attend.
 
         ``query`` ``[num_tokens, num_heads, head_size]``; ``key``/``value``
         ``[num_tokens, num_kv_heads, head_size]``; returns ``[num_tokens, num_heads, head_size]``
         (into ``out`` when given), every row of real tokens written.
+
+        ``layer``: the layer's index, passed only when ``spec.per_layer`` (a backend declaring
+        ``sliding_window`` reads the layer's window as ``spec.sliding_window(layer)``); a backend that
+        declares no sliding windows is never built for such a spec and may leave the argument out.
         """
         ...

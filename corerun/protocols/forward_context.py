@@ -30,10 +30,19 @@ class AttentionContext:
     kv_caches: list[torch.Tensor]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``; writes this step's K/V first."""
+        """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``; writes this step's K/V first.
+
+        The backend is told the layer (``layer=``) only when some layer has a sliding window
+        (``spec.per_layer``), so backends without per-layer attention keep their signature."""
         if torch.compiler.is_compiling():
-            return torch.ops.corerun.attention(q, k, v, self.kv_caches[layer_idx])
+            return torch.ops.corerun.attention(q, k, v, self.kv_caches[layer_idx], layer_idx)
+        if _per_layer(self.backend):
+            return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata, layer=layer_idx)
         return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata)
+
+
+def _per_layer(backend: AttentionBackend) -> bool:
+    return bool(getattr(getattr(backend, "spec", None), "per_layer", False))
 
 
 class _CompiledStep(threading.local):
@@ -59,13 +68,15 @@ def compiled_step(backend: AttentionBackend, metadata: Any) -> Iterator[None]:
 # compiler can neither reorder nor drop a call.  Declaring it would make the compiler functionalise
 # the write, which can copy the whole cache.
 @torch.library.custom_op("corerun::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int = 0) -> torch.Tensor:
     step = _compiled_step
     if step.backend is None:
         raise RuntimeError("corerun::attention ran outside a compiled step (no compiled_step binding)")
+    if _per_layer(step.backend):
+        return step.backend.forward(q, k, v, kv_cache, step.metadata, layer=layer)
     return step.backend.forward(q, k, v, kv_cache, step.metadata)
 
 
 @_attention.register_fake
-def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int = 0) -> torch.Tensor:
     return q.new_empty(q.shape)

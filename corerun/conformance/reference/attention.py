@@ -20,12 +20,16 @@ def paged_attention_reference(
     context_lens: Sequence[int],
     query_lens: Sequence[int],
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every real query token over its sequence in the (already written) paged cache.
 
     ``query`` ``[num_tokens, num_heads, head_size]`` (requests back to back, in order);
     ``k_cache`` / ``v_cache`` float64 ``[num_blocks, block_size, num_kv_heads, head_size]`` holding
-    every position of every sequence, this step's tokens included.  Returns float64
+    every position of every sequence, this step's tokens included.  ``window``: a query at position
+    ``p`` sees only positions ``p - window + 1 .. p``; ``soft_cap``: scores become
+    ``soft_cap * tanh(score / soft_cap)`` before the softmax.  Returns float64
     ``[sum(query_lens), num_heads, head_size]``.
     """
     q64 = query.detach().to("cpu", torch.float64)
@@ -43,9 +47,12 @@ def paged_attention_reference(
         keys, values = keys[:, kv_head_of], values[:, kv_head_of]  # [L, H, D]
         for j in range(qlen):
             visible = ctx + j + 1  # causal: positions 0 .. ctx + j
-            scores = torch.einsum("lhd,hd->hl", keys[:visible], q64[row]) * scale  # [H, visible]
+            first = 0 if window is None else max(0, visible - window)  # sliding: the last `window` of them
+            scores = torch.einsum("lhd,hd->hl", keys[first:visible], q64[row]) * scale  # [H, visible - first]
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
             weights = weights / weights.sum(dim=-1, keepdim=True)
-            out[row] = torch.einsum("hl,lhd->hd", weights, values[:visible])
+            out[row] = torch.einsum("hl,lhd->hd", weights, values[first:visible])
             row += 1
     return out

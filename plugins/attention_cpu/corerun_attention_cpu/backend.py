@@ -69,6 +69,7 @@ class CpuAttentionBackend(DenseKVCache):
         self.spec = spec
         self.lib = lib
         self.scale = float(spec.softmax_scale)
+        self.soft_cap = float(spec.logits_soft_cap or 0.0)  # 0: none
         self._dtype_code = DTYPE_CODES[spec.dtype]
         self._err = (ctypes.c_int64 * 4)()
         self._err_ptr = ctypes.addressof(self._err)
@@ -150,8 +151,10 @@ class CpuAttentionBackend(DenseKVCache):
         kv_cache: torch.Tensor,
         metadata: CpuAttentionMetadata,
         out: torch.Tensor | None = None,
+        *,
+        layer: int = 0,
     ) -> torch.Tensor:
-        """Write this step's K/V, then attend over the paged cache.
+        """Write this step's K/V, then attend over the paged cache (layer ``layer``'s sliding window, if any).
 
         ``query`` ``[num_tokens, num_heads, head_size]``, ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]``
         -> ``[num_tokens, num_heads, head_size]`` (into ``out`` when given).
@@ -173,7 +176,7 @@ class CpuAttentionBackend(DenseKVCache):
             target.data_ptr(), target.stride(0), target.stride(1),
             md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
             md.num_reqs, q.shape[0], k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
-            self.scale, torch.get_num_threads(), self._err_ptr,
+            self.scale, s.sliding_window(layer) or 0, self.soft_cap, torch.get_num_threads(), self._err_ptr,
         )
         if rc:
             raise ValueError(self._explain(rc, md, k_cache.shape[0]))

@@ -1,7 +1,8 @@
 """What the ``cpu`` backend declares, as plain data (imported at plugin-listing time: no torch).
 
 The kernel takes any head size up to 256 (its per-thread buffers are sized for that), any block
-size, GQA/MQA with any group size, and keeps float32 accumulators for every dtype.  float64 is left
+size, GQA/MQA with any group size, per-layer sliding windows and logit soft-capping, and keeps
+float32 accumulators for every dtype.  float64 is left
 to the ``torch`` reference backend.
 """
 
@@ -19,4 +20,6 @@ CPU_CAPABILITIES = AttentionCapabilities(
     devices=frozenset({"cpu"}),
     gqa=True,
     cuda_graph_decode=False,
+    sliding_window=True,
+    logits_soft_cap=True,
 )

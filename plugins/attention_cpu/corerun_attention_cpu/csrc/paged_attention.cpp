@@ -14,6 +14,10 @@
 // then served from L1.  Each row keeps an online softmax (running max, running sum, float32
 // accumulator) while the item walks its request's blocks up to the causal horizon of its last token;
 // a row stops at its own horizon.  float32 accumulation for every dtype.
+//
+// Sliding window (window > 0): a row at position p reads only keys p - window + 1 .. p, so the item
+// starts at the block holding its first token's earliest key and each row skips the keys before its
+// own.  Soft cap (soft_cap > 0): each scaled score s becomes soft_cap * tanh(s / soft_cap).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -157,6 +161,8 @@ struct Args {
     int64_t bt_stride;
     int64_t num_heads, num_kv_heads, head_size, block_size;
     float scale;
+    int64_t window;  // 0: full causal attention
+    float soft_cap;  // 0: none
 };
 
 struct Item {
@@ -194,7 +200,7 @@ inline void scores16(const float* q, const float* krows, int64_t kstride, float*
 // One query row against one block's first n keys: scores, online-softmax update, V accumulation.
 template <int HD>
 inline void row_block(const float* qr, const float* krows, const float* vrows, int64_t kstride, int64_t n,
-                      int64_t D_, float* s, float& mrow, float& lrow, float* ar) {
+                      int64_t D_, float cap, float* s, float& mrow, float& lrow, float* ar) {
     const int64_t D = HD > 0 ? HD : D_;
     int64_t j = 0;
 #if defined(__AVX512F__)
@@ -225,6 +231,10 @@ inline void row_block(const float* qr, const float* krows, const float* vrows, i
 #pragma omp simd reduction(+ : s0)
         for (int64_t d = 0; d < D; ++d) s0 += qr[d] * k0[d];
         s[j] = s0;
+    }
+    if (cap > 0.0f) {
+        const float inv_cap = 1.0f / cap;
+        for (int64_t jj = 0; jj < n; ++jj) s[jj] = cap * std::tanh(s[jj] * inv_cap);
     }
     float bmax = s[0];
     for (int64_t jj = 1; jj < n; ++jj) bmax = s[jj] > bmax ? s[jj] : bmax;
@@ -307,7 +317,9 @@ void attend_item(const Args& a, const Item& it, float* buf) {
     const T* kc = static_cast<const T*>(a.k);
     const T* vc = static_cast<const T*>(a.v);
     const int64_t nblocks = (max_hz + BS - 1) / BS;
-    for (int64_t b = 0; b < nblocks; ++b) {
+    // with a window, the tile's first token sees nothing before min_lo; no row of the tile sees earlier keys
+    const int64_t min_lo = a.window > 0 && ctx + it.first + 1 > a.window ? ctx + it.first + 1 - a.window : 0;
+    for (int64_t b = min_lo / BS; b < nblocks; ++b) {
         const int64_t start = b * BS;
         const int64_t nkeys = max_hz - start < BS ? max_hz - start : BS;
         if (b + 1 < nblocks) {
@@ -344,10 +356,13 @@ void attend_item(const Args& a, const Item& it, float* buf) {
             for (int64_t ti = 0; ti < it.count; ++ti) {
                 const int64_t hz = ctx + it.first + ti + 1;  // this token's keys: positions < hz
                 const int64_t n = hz - start < nkeys ? hz - start : nkeys;
-                if (n <= 0) continue;
+                const int64_t lo = a.window > 0 && hz > a.window ? hz - a.window : 0;  // and positions >= lo
+                const int64_t j0 = lo > start ? lo - start : 0;
+                if (n <= j0) continue;
                 for (int64_t g = 0; g < G; ++g) {
                     const int64_t m = (ti * nh + hh) * G + g;
-                    row_block<HD>(qf + m * D, krows, vrows, kstride, n, D, s, mrow[m], lrow[m], acc + m * D);
+                    row_block<HD>(qf + m * D, krows + j0 * kstride, vrows + j0 * kstride, kstride, n - j0, D, a.soft_cap, s,
+                                  mrow[m], lrow[m], acc + m * D);
                 }
             }
         }
@@ -405,9 +420,10 @@ int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, 
                           const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt, int64_t bt_stride,
                           int64_t bt_width, int64_t num_reqs, int64_t num_tokens, int64_t num_blocks,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
-                          int num_threads, int64_t* err) {
+                          int64_t window, float soft_cap, int num_threads, int64_t* err) {
     err[0] = err[1] = err[2] = err[3] = 0;
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size <= 0 || head_size > MAX_HEAD_SIZE || block_size <= 0) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size <= 0 || head_size > MAX_HEAD_SIZE || block_size <= 0 ||
+        window < 0 || soft_cap < 0.0f) {
         err[0] = 5;
         err[1] = head_size;
         return 5;
@@ -469,7 +485,7 @@ int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, 
             for (int64_t h = 0; h < num_kv_heads; ++h) items[n++] = Item{static_cast<int32_t>(r), 0, 1, static_cast<int32_t>(h), 1};
     }
     Args a{q, q_st, q_sh, k, v, kv_sb, kv_st, kv_sh, out, o_st, o_sh, qsl, seq_lens, bt, bt_stride,
-           num_heads, num_kv_heads, head_size, block_size, scale};
+           num_heads, num_kv_heads, head_size, block_size, scale, window, soft_cap};
     if (dtype != F32 && dtype != BF16 && dtype != F16) {
         err[0] = 5; err[1] = -1; err[2] = dtype;
         std::free(items);
@@ -511,7 +527,7 @@ int corerun_cpu_write_kv(int64_t elem_size, const void* key, int64_t k_st, int64
     return 0;
 }
 
-int corerun_cpu_abi_version(void) { return 1; }
+int corerun_cpu_abi_version(void) { return 2; }
 
 int corerun_cpu_openmp(void) {
 #ifdef _OPENMP
