@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
+from corerun.lora.request import LoRARequest
 from corerun.outputs import Logprob
 from corerun.sampling_params import SamplingParams
 
@@ -68,6 +69,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # an embedding request (params.pooling): its pooled vector, set when its prompt is computed
     pooled: list[float] | None = None
+    # the adapter the request runs under (corerun.lora); None: the base model
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

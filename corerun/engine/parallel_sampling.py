@@ -65,7 +65,7 @@ def fork(head: Sequence, next_seq_id: Callable[[], int]) -> SequenceGroup:
             update["seed"] = (p.seed + i) % 2**64
         children.append(Sequence(
             seq_id=next_seq_id(), request_id=head.request_id, prompt_token_ids=head.prompt_token_ids,
-            params=p.model_copy(update=update), prompt=head.prompt, arrival_time=head.arrival_time,
+            params=p.model_copy(update=update), prompt=head.prompt, arrival_time=head.arrival_time, lora=head.lora,
         ))
     return SequenceGroup(head, children)
 

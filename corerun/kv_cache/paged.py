@@ -11,6 +11,11 @@ same tokens *and* was registered on top of the block matched just before it (eac
 unique serial number, and a block remembers its parent's), so a hash collision never serves KV
 computed for other tokens.
 
+A sequence may carry an extra key (:meth:`PagedKVCacheManager.set_extra_key`: its LoRA adapter) that
+every one of its blocks' keys depends on: its first block's key is ``hash_fn(("extra", key), tokens)``
+and its parent serial is a root of that key's own, so a block is reused only by sequences with the
+same extra key (the same adapter, or none), never across them, even on a hash collision.
+
 Free blocks are kept in two pools: blocks without content worth keeping (never used, or not full /
 not registered), taken first, and cached blocks that still carry a registered key, kept in the
 order they were freed and evicted least recently freed first.  Both pools count as free.
@@ -90,6 +95,8 @@ class PagedKVCacheManager:
         self._free_empty: deque[int] = deque(range(n))  # no registered content: taken first
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # registered, ref 0; least recently freed first
         self._seqs: dict[int, _SeqState] = {}
+        self._extra: dict[int, Hashable] = {}  # seq_id -> its extra key, until it is freed
+        self._roots: dict[Hashable, int] = {}  # extra key -> the parent serial of its sequences' first blocks
         self._serials = itertools.count()
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -131,6 +138,26 @@ class PagedKVCacheManager:
             )
         return list(state.block_table)
 
+    def set_extra_key(self, seq_id: int, key: Hashable) -> None:
+        """Key ``seq_id``'s blocks by ``key`` too (``None``: no extra key), before its first
+        ``get_computed_prefix`` / ``allocate_slots``; kept until :meth:`free`."""
+        state = self._seqs.get(seq_id)
+        if state is not None and state.block_table:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks; set its extra key before it gets any")
+        if key is None:
+            self._extra.pop(seq_id, None)
+        else:
+            self._extra[seq_id] = key
+
+    def _new_state(self, seq_id: int) -> _SeqState:
+        key = self._extra.get(seq_id)
+        if key is None:
+            return _SeqState()
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = _ROOT_SERIAL - 1 - len(self._roots)  # (negative: never a block's serial)
+        return _SeqState(last_key=("extra", key), last_serial=root)
+
     # ------------------------------------------------------------------ protocol
 
     def get_computed_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
@@ -146,7 +173,7 @@ class PagedKVCacheManager:
                 f"sequence {seq_id!r} already holds {len(state.block_table)} blocks; get_computed_prefix is for "
                 "its first scheduling only (free it first to start over)"
             )
-        state = _SeqState()
+        state = self._new_state(seq_id)
         self._seqs[seq_id] = state
         if not self.prefix_caching:
             return 0
@@ -183,7 +210,7 @@ class PagedKVCacheManager:
         if need > self.num_free_blocks:
             return None
         if state is None:
-            state = self._seqs[seq_id] = _SeqState()
+            state = self._seqs[seq_id] = self._new_state(seq_id)
         for _ in range(need):
             state.block_table.append(self._take_free_block())
         if state.pending_lookup is not None:
@@ -254,6 +281,7 @@ class PagedKVCacheManager:
         A block nobody references any more becomes free: cached (evictable, keeps its key) when
         registered, empty otherwise.  Freeing the tail first makes it evicted before the prefix.
         """
+        self._extra.pop(seq_id, None)
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return

@@ -1,0 +1,150 @@
+"""The linear layers adapters target, and the wrapper that adds each token's adapter to their output.
+
+:func:`lora_targets` describes a model's linear layers (attention and MLP projections) from what the
+layers carry (``shard_sizes`` / ``shard_ranges`` of merged layers, ``full_in_features`` of a
+row-parallel one) and the family's ``packed_modules_mapping``, without importing the models:
+
+- a merged layer (``qkv_proj``, ``gate_up_proj``) is one slice per checkpoint module (``q_proj``,
+  ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``), each holding its rank's rows;
+- a row-parallel layer (``o_proj``, ``down_proj`` under tensor parallelism) holds a range of the input
+  features: its slice of A is applied to its slice of ``x`` and the partial products are summed with
+  the base product by the layer's own all-reduce.
+
+:class:`LoRALinear` replaces such a layer when ``lora.enabled`` is set (nothing changes otherwise).
+Its A and B stacks, ``[S, R, in]`` and ``[S, out_i, R]`` per slice, are written by
+:class:`corerun.lora.manager.LoRAManager`; the tokens' slots and the slots' scalings are the
+manager's fixed device tensors, refilled before every forward, so a captured CUDA graph replays
+with the step's slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from corerun.protocols.lora import LoRAKernel
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """One checkpoint module inside a layer: this rank's rows ``[start, start + size)`` of its ``full`` rows."""
+
+    module: str  # the checkpoint's (and PEFT's) module name: q_proj, gate_proj, o_proj, ...
+    start: int
+    size: int
+    full: int
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """A linear layer adapters may target: ``name`` in the model, its input features (``in_full`` in
+    the checkpoint, this rank's ``[in_start, in_start + in_size)``) and its output slices."""
+
+    name: str
+    in_full: int
+    in_start: int
+    in_size: int
+    slices: tuple[SliceSpec, ...]
+
+    @property
+    def parent(self) -> str:
+        return self.name.rpartition(".")[0]
+
+    @property
+    def leaf(self) -> str:
+        return self.name.rpartition(".")[2]
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "in_features", None), int) and hasattr(module, "product")
+
+
+def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
+    """Every linear layer of ``model`` adapters may target, by name (its ``packed_modules_mapping`` names
+    the slices); read before :func:`install` wraps them."""
+    packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {}) or {}
+    checkpoint_name = {(ours, shard): ckpt for ckpt, (ours, shard) in packed.items()}
+    targets: dict[str, LoRATarget] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear) or not _is_linear(module):
+            continue
+        leaf = name.rpartition(".")[2]
+        ranges = getattr(module, "shard_ranges", None)
+        sizes = getattr(module, "shard_sizes", None)
+        if ranges is not None:
+            slices = [SliceSpec(checkpoint_name.get((leaf, s), str(s)), a, n, f) for s, (a, n, f) in ranges.items()]
+        elif sizes is not None:
+            slices = [SliceSpec(checkpoint_name.get((leaf, s), str(s)), 0, n, n) for s, n in sizes.items()]
+        else:
+            slices = [SliceSpec(leaf, 0, module.out_features, module.out_features)]
+        in_full = getattr(module, "full_in_features", module.in_features)
+        targets[name] = LoRATarget(name, in_full, getattr(module, "in_start", 0), module.in_features, tuple(slices))
+    return targets
+
+
+class LoRAStepState:
+    """What every :class:`LoRALinear` of a model shares: the kernel, the tokens' slots (int32
+    ``[max_tokens]``, ``-1`` = base) and the slots' scalings (float32 ``[S]``), fixed device tensors."""
+
+    def __init__(self, kernel: LoRAKernel, num_slots: int, max_tokens: int, device: torch.device) -> None:
+        self.kernel = kernel
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=device)
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus, for each token, its slot's adapter (``kernel.add_lora``); ``base``'s other
+    attributes (``split``, ``shard_sizes``, ...) read through."""
+
+    def __init__(self, base: nn.Module, target: LoRATarget, state: LoRAStepState, num_slots: int, rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.state = state
+        self.output_slices = tuple(s.size for s in target.slices)
+        self.row_parallel = hasattr(base, "full_in_features")
+        for i, s in enumerate(target.slices):
+            self.register_buffer(f"lora_a_{i}", torch.zeros(num_slots, rank, target.in_size, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"lora_b_{i}", torch.zeros(num_slots, s.size, rank, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def a(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_a_{i}") for i in range(len(self.output_slices))]
+
+    @property
+    def b(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_b_{i}") for i in range(len(self.output_slices))]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, in]`` -> ``[T, out]``: the base layer's output with each token's adapter added."""
+        state, base = self.state, self.base
+        slots = state.token_slots[: x.shape[0]]
+        if not self.row_parallel:
+            y = base(x)
+            state.kernel.add_lora(y, x, self.a, self.b, state.scalings, slots, self.output_slices)
+            return y
+        y = base.product(x)  # this rank's partial product; the adapter's partial shrink joins it in the all-reduce
+        state.kernel.add_lora(y, x, self.a, self.b, state.scalings, slots, self.output_slices)
+        y = base.tp.all_reduce(y)
+        return y if base.bias is None else y + base.bias
+
+
+def install(model: nn.Module, targets: dict[str, LoRATarget], state: LoRAStepState, num_slots: int, rank: int,
+            dtype: torch.dtype, device: torch.device) -> dict[str, LoRALinear]:
+    """Replace each target layer of ``model`` by a :class:`LoRALinear` around it; returns them by name."""
+    layers: dict[str, LoRALinear] = {}
+    for name, target in targets.items():
+        parent = model.get_submodule(target.parent) if target.parent else model
+        wrapped = LoRALinear(getattr(parent, target.leaf), target, state, num_slots, rank, dtype, device)
+        setattr(parent, target.leaf, wrapped)
+        layers[name] = wrapped
+    return layers
