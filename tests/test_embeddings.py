@@ -77,12 +77,16 @@ def test_embed_equals_transformers(tmp_path: Path, arch: str, case: str) -> None
         assert_idle(llm)
 
 
-def _run_direct(engine, requests: list[tuple[list[int], SamplingParams]]) -> list:
-    """Every request added before the first step, then stepped to the end: they share steps."""
+def _run_direct(engine, requests: list[tuple[list[int], SamplingParams]], steps: list | None = None) -> list:
+    """Every request added before the first step, then stepped to the end: they share steps.  ``steps``
+    gets the request ids each step touched."""
     ids = [engine.add_request(p, sp) for p, sp in requests]
     done = {}
     while engine.has_unfinished_requests():
-        for seq in engine.step():
+        touched = engine.step()
+        if steps is not None:
+            steps.append({seq.request_id for seq in touched})
+        for seq in touched:
             if seq.is_finished:
                 done[seq.request_id] = engine.output(seq)
                 engine.release(seq.request_id)
@@ -99,8 +103,12 @@ def test_generation_beside_embeddings_keeps_its_outputs(tmp_path: Path, async_sc
     with make_llm(folder, scheduler={"max_num_batched_tokens": 16, "async_scheduling": async_scheduling}) as llm:
         alone = [o.outputs[0].token_ids for o in _run_direct(llm.engine, [(p, greedy) for p in gen_prompts])]
         emb = embedding_params(llm.model_pooling)
-        mixed = _run_direct(llm.engine, [(gen_prompts[0], greedy), *[(p, emb) for p in PROMPTS], (gen_prompts[1], greedy)])
+        steps: list[set[str]] = []
+        mixed = _run_direct(llm.engine, [(gen_prompts[0], greedy), *[(p, emb) for p in PROMPTS], (gen_prompts[1], greedy)],
+                            steps)
         assert [mixed[0].outputs[0].token_ids, mixed[-1].outputs[0].token_ids] == alone
+        generating, embedding = {mixed[0].request_id, mixed[-1].request_id}, {o.request_id for o in mixed[1:-1]}
+        assert any(ids & generating and ids & embedding for ids in steps)  # an embedding finished in a decode step
         for ids, out in zip(PROMPTS, mixed[1:-1]):
             want = reference(folder, ids, "mean", True)
             torch.testing.assert_close(torch.tensor(out.outputs.embedding, dtype=torch.float64), want, rtol=1e-4, atol=1e-5)
