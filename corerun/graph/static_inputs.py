@@ -82,6 +82,9 @@ class StaticDecodeInputs:
         for f, static, src in zip(STEP_FIELDS, self.fields, step_tensors(inputs)):
             if f.pad is None:  # the same in every pure decode
                 continue
+            if src is None:  # (a hand-made step without this optional field: padding values)
+                static[:n].fill_(f.pad)
+                continue
             if static.dim() == 2:
                 static[:n, :width].copy_(src, non_blocking=True)
                 if width < self._real_cols:

@@ -20,11 +20,14 @@ ModelFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 @dataclass
 class ModelInputs:
-    """``input_ids`` int64 ``[num_tokens]``, ``positions`` int64 ``[num_tokens]``, and the batch layout."""
+    """``input_ids`` int64 ``[num_tokens]``, ``positions`` int64 ``[num_tokens]``, and the batch layout;
+    ``lora_slots`` int32 ``[num_tokens]``: each token's LoRA adapter slot, ``-1`` for the base model
+    (corerun.lora; ``None`` in a hand-made step: every token on the base model)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     batch: AttentionBatch
+    lora_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

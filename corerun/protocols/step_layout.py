@@ -71,6 +71,7 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("seq_lens", torch.int32, REQUESTS, pad=1, on_batch=True),
     StepField("context_lens", torch.int32, REQUESTS, pad=0, on_batch=True),
     StepField("block_tables", torch.int32, BLOCK_TABLE, pad=0, on_batch=True),
+    StepField("lora_slots", torch.int32, TOKENS, pad=-1, on_batch=False),
 )
 """Every array of a step, in the order they lie in a staging buffer; see :class:`AttentionBatch` for what each means."""
 
@@ -85,6 +86,7 @@ class StepTensors(NamedTuple):
     seq_lens: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
+    lora_slots: torch.Tensor
 
 
 if StepTensors._fields != tuple(f.name for f in STEP_FIELDS):  # pragma: no cover  (caught by any import)
@@ -190,7 +192,7 @@ def model_inputs(
         query_start_loc_cpu=query_start_loc_cpu,
         seq_lens_cpu=seq_lens_cpu,
     )
-    return ModelInputs(input_ids=fields.input_ids, positions=fields.positions, batch=batch)
+    return ModelInputs(input_ids=fields.input_ids, positions=fields.positions, batch=batch, lora_slots=fields.lora_slots)
 
 
 def requests_step(
@@ -256,6 +258,7 @@ def requests_step(
         "context_lens": list(context_lens) + [pads["context_lens"]] * num_padding,
         "block_tables": [list(t) + [pads["block_tables"]] * (width - len(t)) for t in block_tables]
         + [[pads["block_tables"]] * width] * num_padding,
+        "lora_slots": [pads["lora_slots"]] * (len(positions) + num_padding),
     }
     host = StepTensors._make(torch.tensor(values[f.name], dtype=f.dtype).reshape(f.shape(
         len(positions) + num_padding, n + num_padding, width)) for f in STEP_FIELDS)

@@ -76,6 +76,7 @@ class InputBatch:
         self.block_table = np.zeros((rows, table_width), dtype=np.int32)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.prompt_logprobs_from = np.zeros(rows, dtype=np.int64)  # first prompt position still owed a logprob
+        self.lora_slot = np.full(rows, -1, dtype=np.int32)  # the request's LoRA adapter slot; -1: the base model
         self._free = list(range(rows - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -102,6 +103,7 @@ class InputBatch:
             self.num_blocks[row] = 0
             self._write_blocks(row, 0, r.block_ids)
             self.prompt_logprobs_from[row] = max(r.num_prompt_logprobs - 1, 0)
+            self.lora_slot[row] = -1  # (every request on the base model until the message names its slot)
         for c in batch.cached_reqs:
             row = self.index.get(c.seq_id)
             if row is None:
@@ -199,7 +201,7 @@ class InputBatch:
         self.params += [None] * (rows - old)
         self.token_ids = _resized(self.token_ids, (rows, width))
         self.block_table = _resized(self.block_table, (rows, table_width))
-        for name in ("num_tokens", "num_prompt", "num_computed", "num_blocks", "prompt_logprobs_from"):
+        for name in ("num_tokens", "num_prompt", "num_computed", "num_blocks", "prompt_logprobs_from", "lora_slot"):
             setattr(self, name, _resized(getattr(self, name), (rows,)))
 
 

@@ -12,6 +12,7 @@ wide, each field starting on a 16-byte boundary)::
 
     input_ids | positions | slot_mapping                        int64 [T] each
     query_start_loc | seq_lens | context_lens | block_tables    int32 [R + 1], [R], [R], [R, W]
+    lora_slots                                                  int32 [T]
 
 Then one copy per step: on CUDA, of the used part of the pinned buffer into a fresh device tensor,
 queued without waiting (``non_blocking``), the fields being views of that tensor
@@ -199,6 +200,7 @@ class StepInputs:
         shift = self.block_size.bit_length() - 1
         blocks = batch.block_table[token_row, pos >> shift].astype(np.int64)
         np.add(blocks << shift, pos & (self.block_size - 1), out=out.slot_mapping)
+        out.lora_slots[:] = batch.lora_slot[token_row]
         # rows whose scheduled tokens reach their last token are sampled from that token's logits
         sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
         logits_indices = query_starts[1:][sampled_rows].astype(np.int64) - 1
