@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
+from corerun.lora.request import LoRARequest
 from corerun.sampling_params import SamplingParams
 
 _NO_DRAFTS: Mapping[int, tuple[int, ...]] = MappingProxyType({})
@@ -50,6 +51,8 @@ class NewRequest:
     num_computed_tokens: int
     num_prompt_logprobs: int = 0
     resumed: bool = False  # scheduled again after a preemption
+    lora: LoRARequest | None = None  # the adapter it runs under (corerun.lora); None: the base model
+    lora_slot: int = -1  # the device slot the scheduler gave that adapter; -1: none
 
 
 @dataclass(frozen=True, slots=True)

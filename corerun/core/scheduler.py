@@ -27,6 +27,7 @@ from corerun.core.batch import BlockIds, CachedRequest, NewRequest, ScheduledBat
 from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.core.told import _NOTHING_IN_FLIGHT, InFlight, Told, make_batch
 from corerun.errors import StepError
+from corerun.lora.slots import LoRASlots
 from corerun.protocols.kv_cache import KVCacheManager
 
 __all__ = ["BlockIds", "CachedRequest", "InFlight", "NewRequest", "ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
@@ -62,6 +63,7 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         kv_name: str | None = None,
         num_spec_tokens: int = 0,
+        max_loras: int = 0,
     ) -> None:
         self.kv = kv_cache
         self.kv_name = kv_name or getattr(kv_cache, "name", type(kv_cache).__name__)  # (for messages)
@@ -85,6 +87,9 @@ class Scheduler:
         self.in_flight: dict[int, InFlight] = {}
         self._moved: set[int] = set()  # preempted while in flight: their K/V of that step are gone
         self._guessed: dict[int, int] = {}  # scheduled from placeholder counts: seq_id -> draft slots held (see settle)
+        # LoRA (max_loras > 0): the adapters' device slots, and the slot each running request holds
+        self.lora_slots = LoRASlots(max_loras) if max_loras else None
+        self.lora_slot_of = self.told.lora_slot_of  # seq_id -> the slot it holds (told to the runner)
 
     def add(self, seq: Sequence, forks: Iterable[Sequence] = ()) -> None:
         """Queue ``seq``; ``forks``: the other samples of its ``n > 1`` request, queued once its prompt is computed."""
@@ -166,6 +171,8 @@ class Scheduler:
         # 2. waiting sequences in arrival order (preempted ones were put at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self._current = self.waiting[0]
+            if self.lora_slots is not None and not self._lora_ready(seq):
+                break  # its adapter waits for a slot, and everything behind it waits too: no adapter starves
             if seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs and not _pools_every_token(seq):
                 # (prompt logprobs and mean / cls pooling need the prompt's hidden states: no prefix reuse)
                 seq.num_computed_tokens = self.kv.get_computed_prefix(seq.seq_id, seq.token_ids)
@@ -178,6 +185,8 @@ class Scheduler:
                 self._release(seq)
                 break
             self.waiting.popleft()
+            if seq.lora is not None and self.lora_slots is not None:
+                self.lora_slot_of[seq.seq_id] = self.lora_slots.acquire(seq.lora.lora_int_id)  # (available: checked)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = n
@@ -282,6 +291,20 @@ class Scheduler:
         if kept < self.told.table_len.get(seq.seq_id, 0):
             self.told.note(seq.seq_id, BlockIds(kept, ()))
 
+    def _lora_ready(self, seq: Sequence) -> bool:
+        """Before admitting ``seq``: its blocks keyed by its adapter (prefix caching never shares KV across
+        adapters); ``False`` when its adapter has no slot and cannot get one now."""
+        lora = seq.lora
+        set_key = getattr(self.kv, "set_extra_key", None)
+        if set_key is not None:
+            set_key(seq.seq_id, None if lora is None else ("lora", lora.lora_int_id))
+        return lora is None or self.lora_slots.available(lora.lora_int_id)  # type: ignore[union-attr]
+
+    def _unpin_lora(self, seq: Sequence) -> None:
+        slot = self.lora_slot_of.pop(seq.seq_id, None)
+        if slot is not None:
+            self.lora_slots.release(slot)  # type: ignore[union-attr]
+
     def _release(self, seq: Sequence) -> None:
         """Undo a failed admission: drop the prefix blocks it claimed."""
         self._current = seq
@@ -294,6 +317,7 @@ class Scheduler:
         self.kv.free(seq.seq_id)  # first: if it raises, seq is still running, whole
         self.told.forget(seq.seq_id)
         self.running.remove(seq)
+        self._unpin_lora(seq)
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
         if seq.seq_id in self.in_flight:
@@ -432,6 +456,7 @@ class Scheduler:
                 pass
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._unpin_lora(seq)
         self.told.forget(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
         self._finished.append(seq.seq_id)

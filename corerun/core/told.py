@@ -35,6 +35,7 @@ class Told:
         self.table_len: dict[int, int] = {}  # seq_id -> its block table's length as reported
         self.pending: dict[int, BlockIds] = {}  # seq_id -> its table's change not yet handed out
         self.tokens: dict[int, int] = {}  # seq_id -> tokens of it the runner was told
+        self.lora_slot_of: dict[int, int] = {}  # seq_id -> its adapter's device slot (held while it runs)
 
     def note(self, seq_id: int, change: BlockIds) -> None:
         """``seq_id``'s table changed by ``change``: handed out when it is next scheduled."""
@@ -64,7 +65,7 @@ class Told:
                 new_reqs.append(NewRequest(
                     sid, tuple(seq.prompt_token_ids), tuple(seq.token_ids[seq.num_prompt_tokens:]), seq.params,
                     tuple(change.ids) if change is not None else (), seq.num_computed_tokens,
-                    len(seq.prompt_logprobs or ()), sid in resumed,
+                    len(seq.prompt_logprobs or ()), sid in resumed, seq.lora, self.lora_slot_of.get(sid, -1),
                 ))
             else:
                 ahead = in_flight.get(sid, _NOTHING_IN_FLIGHT)

@@ -103,7 +103,7 @@ class InputBatch:
             self.num_blocks[row] = 0
             self._write_blocks(row, 0, r.block_ids)
             self.prompt_logprobs_from[row] = max(r.num_prompt_logprobs - 1, 0)
-            self.lora_slot[row] = -1  # (every request on the base model until the message names its slot)
+            self.lora_slot[row] = r.lora_slot
         for c in batch.cached_reqs:
             row = self.index.get(c.seq_id)
             if row is None:
