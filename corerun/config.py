@@ -186,6 +186,7 @@ class ServerConfig(_Strict):
     reasoning_parser: str | None = None  # splits the thinking into reasoning_content (deepseek_r1, qwen3, ...)
     lora_modules: dict[str, str] = {}  # adapter name -> PEFT folder, served as models (CLI: --lora-modules name=path)
     enable_lora_runtime_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    data_parallel_size: int = Field(1, ge=1)  # engine replicas, each in its own process (docs/serving.md)
 
     @field_validator("api_key")
     @classmethod
