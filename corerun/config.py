@@ -139,14 +139,35 @@ class SpeculativeConfig(_Strict):
 
 
 class DistributedConfig(_Strict):
-    """How tensor-parallel ranks find each other (used when ``tensor_parallel_size > 1``; see corerun.executor)."""
+    """Where the ranks of ``tensor_parallel_size x pipeline_parallel_size`` run and how they find each other
+    (docs/executors.md)."""
 
+    # the executor that starts and drives the ranks: auto (inproc for one rank, launched when init_method is
+    # set, else local), inproc, local, launched, or an executor plugin's name
+    executor: str = "auto"
+    executor_options: dict[str, Any] = {}  # the executor's own options (its factory's keyword arguments)
+    # layers per pipeline stage, in order (e.g. [3, 5]); None: an even split, the first stages one more
+    pipeline_layers: list[int] | None = None
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     # None: one host, the engine starts ranks 1..N-1 itself on a free local port.  "env://" (torchrun:
     # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) or "tcp://host:port": every rank is launched on its host.
     init_method: str | None = None
     timeout_s: float = Field(600.0, gt=0.0)  # a collective waiting longer than this fails
     start_method: Literal["spawn", "forkserver"] = "spawn"  # how one host starts its workers (forkserver: faster restarts)
+
+    @field_validator("executor")
+    @classmethod
+    def _executor(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("executor is empty: give auto, inproc, local, launched or an executor plugin's name")
+        return v
+
+    @field_validator("pipeline_layers")
+    @classmethod
+    def _pipeline_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1):
+            raise ValueError(f"pipeline_layers must list at least one layer for every stage, got {v}")
+        return v
 
     @field_validator("init_method")
     @classmethod
@@ -213,6 +234,7 @@ class Config(_Strict):
     speculative: SpeculativeConfig = SpeculativeConfig()
     lora: LoRAConfig = LoRAConfig()
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)  # contiguous layer stages, each on its own ranks
     distributed: DistributedConfig = DistributedConfig()
     seed: int = Field(0, ge=-(2**63), le=2**64 - 1)  # what torch.manual_seed accepts
     skip_tokenizer_init: bool = False
