@@ -39,6 +39,7 @@ def build(runner: Any, tp: Any) -> None:
     runner.registry.check_names(runner.config)  # a wrong or duplicated name fails now, not after the model loads
     load(runner, tp)
     limits, need = select(runner, tp)
+    select_lora(runner, tp, limits)  # (before sizing: the KV cache gets what the slots leave)
     per_block = runner.attention.kv_cache_bytes_per_block() * runner.model_config.num_layers
     runner.step_memory = profile_step_memory(runner, limits) if _sized_from_memory(runner) and profiles_step_memory(runner.device) else None
     runner.num_blocks = size(runner, per_block, tp)
@@ -114,6 +115,36 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
         registry, runner.vocab_size, runner.device, runner.sampler_name, runner.sampler.capabilities
     )
     return limits, need
+
+
+def select_lora(runner: Any, tp: Any, limits: GraphLimits) -> None:
+    """With ``lora.enabled``: the LoRA kernel (a ``lora`` plugin; the built-in ``torch`` reference until
+    that kind is registered) and the adapters' layers and device slots (:mod:`corerun.lora.manager`)."""
+    from corerun.lora.manager import LoRAManager
+    from corerun.lora.reference import TorchLoRAKernel
+    from corerun.protocols.lora import LoRANeed
+
+    lc, registry = runner.config.lora, runner.registry
+    runner.lora = None
+    if not lc.enabled:
+        return
+    if tp is not None and tp.world_size > 1:
+        raise ConfigError(f"lora.enabled runs on one device for now; got tensor_parallel_size {tp.world_size}: use 1")
+    graphs = bool(getattr(registry.get("graph", runner.graph_name).capabilities, "captures", False))
+    need = LoRANeed(runner.device, str(runner.dtype).removeprefix("torch."), lc.max_lora_rank, lc.max_loras, graphs)
+    if "lora" in registry.registrations:
+        name = registry.select("lora", lc.kernel.name, need, "lora.kernel").name
+        kernel = registry.create("lora", name, options=lc.kernel.options)
+    elif lc.kernel.name in ("auto", "torch"):
+        kernel = TorchLoRAKernel(**lc.kernel.options)
+    else:
+        raise ConfigError(f"lora.kernel: {lc.kernel.name!r} is not installed; the built-in kernel is 'torch' (or auto)")
+    sc = runner.config.scheduler
+    runner.lora = LoRAManager(
+        runner.model, kernel, max_loras=lc.max_loras, max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
+        max_tokens=max(sc.max_num_batched_tokens, sc.max_num_seqs, limits.max_batch_size), dtype=runner.dtype,
+        device=runner.device,
+    )
 
 
 def size(runner: Any, per_block: int, tp: Any) -> int:

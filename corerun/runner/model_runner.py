@@ -85,6 +85,8 @@ class ModelRunner:
     """Built by :mod:`corerun.runner.construction`; ``tp``: this process's tensor-parallel group
     (corerun.executor), the model then holding this rank's shard."""
 
+    lora: Any = None  # the adapters' slots and layers with lora.enabled (corerun.lora.manager.LoRAManager)
+
     def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
         from corerun.runner.construction import build
 
@@ -210,6 +212,8 @@ class ModelRunner:
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
         """The forward (launched on the device; on CPU it runs here) and the prompt logprobs it owes."""
         try:
+            if self.lora is not None:  # the new requests' adapters in their slots, the tokens' slots in place
+                self.lora.begin_step(step.sched.new_reqs, step.inputs.lora_slots)
             hidden = self._forward(step.inputs)
         except Exception as exc:
             raise StepError(
