@@ -62,7 +62,7 @@ def test_builtin_families_register_through_the_hook() -> None:
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         r = reg.get("model", arch)
         assert r.origin == "built-in" and r.capabilities.tensor_parallel
-        assert r.to_dict(False)["capabilities"]["attention"] == ["full"]
+        assert r.to_dict(False)["capabilities"]["attention"] == ["full", "sliding"]  # as config.json says, per layer
 
 
 def test_unsupported_architecture_lists_installed_with_distributions(plugin_registry: Registry) -> None:

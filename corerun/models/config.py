@@ -79,6 +79,10 @@ class ModelConfig:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None  # only when the config turns it on
+    # per layer, "full_attention" or "sliding_attention", as config.json lists them; () when it does not
+    # (the family then decides: ``layer_windows`` on the model class)
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None  # the sliding layers' own rope (Gemma 3's local base), else None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype | None = None  # the checkpoint's dtype; None when config.json does not say
@@ -90,17 +94,15 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence corerun runs exactly: ``max_position_embeddings``, capped at a sliding window
-        and, for ``longrope``, at ``original_max_position_embeddings``.
+        """Longest sequence corerun runs exactly: ``max_position_embeddings``, for ``longrope`` capped at
+        ``original_max_position_embeddings``.
 
-        corerun's attention is full (causal) attention, which equals sliding-window attention for
-        every sequence no longer than the window.  LongRoPE switches every position of a sequence to
-        its long factors once the sequence outgrows the original length (transformers recomputes the
-        whole sequence); corerun's cached keys keep their rotation, so it stops at that length.
+        Sliding windows do not cap it: the attention backends attend through each layer's window.
+        LongRoPE switches every position of a sequence to its long factors once the sequence outgrows
+        the original length (transformers recomputes the whole sequence); corerun's cached keys keep
+        their rotation, so it stops at that length.
         """
         limit = self.max_position_embeddings
-        if self.sliding_window is not None:
-            limit = min(limit, self.sliding_window)
         if self.rope.rope_type == "longrope" and self.rope.original_max_position_embeddings:
             limit = min(limit, self.rope.original_max_position_embeddings)
         return limit
@@ -165,6 +167,8 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             sliding_window=_sliding_window(cfg),
+            layer_types=_layer_types(cfg, int(need("num_hidden_layers")), source),
+            local_rope=_local_rope(cfg, max_pos, source),
             bos_token_id=_token_ids(cfg.get("bos_token_id"), f"{source}: bos_token_id")[0] if cfg.get("bos_token_id") is not None else None,
             eos_token_ids=_token_ids(cfg.get("eos_token_id"), f"{source}: eos_token_id"),
             torch_dtype=parse_dtype(cfg.get("dtype", cfg.get("torch_dtype")), source),
@@ -209,10 +213,13 @@ def parse_rope(cfg: Mapping[str, Any], max_position_embeddings: int, source: str
     """Read ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
     params = dict(cfg.get("rope_parameters") or {})
     if params and any(isinstance(v, Mapping) for v in params.values()):
-        raise UnsupportedModelError(
-            f"{source}: per-layer-type rope_parameters ({', '.join(params)}) are not supported; "
-            "corerun's models take one set of rope parameters for every layer"
-        )
+        unknown = set(params) - set(LAYER_TYPES)
+        if unknown:
+            raise UnsupportedModelError(
+                f"{source}: rope_parameters per layer type names {', '.join(sorted(unknown))}; corerun reads "
+                f"{' and '.join(LAYER_TYPES)}"
+            )
+        params = dict(params.get("full_attention") or {})  # the sliding layers' own: ``_local_rope``
     scaling = dict(cfg.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -259,6 +266,34 @@ def _optional_float(value: Any) -> float | None:
 
 def _head_dim(cfg: Mapping[str, Any]) -> int:
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(cfg: Mapping[str, Any], num_layers: int, source: str) -> tuple[str, ...]:
+    """``layer_types`` as config.json lists them (checked: one known type per layer), or ``()``."""
+    given = cfg.get("layer_types")
+    if given is None:
+        return ()
+    if not isinstance(given, (list, tuple)) or len(given) != num_layers or any(t not in LAYER_TYPES for t in given):
+        raise ModelLoadError(f"{source}: layer_types must list one of {', '.join(LAYER_TYPES)} for each of the "
+                             f"{num_layers} layers (num_hidden_layers), got {given!r}")
+    return tuple(given)
+
+
+def _local_rope(cfg: Mapping[str, Any], max_pos: int, source: str) -> RopeConfig | None:
+    """The sliding layers' rope where it differs by layer type: transformers 5's
+    ``rope_parameters: {sliding_attention: {...}}``, transformers 4's ``rope_local_base_freq`` (Gemma 3)."""
+    params = cfg.get("rope_parameters") or {}
+    local = params.get("sliding_attention") if isinstance(params, Mapping) else None
+    if isinstance(local, Mapping):
+        return parse_rope({"rope_parameters": dict(local), "head_dim": cfg.get("head_dim"),
+                           "hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"]},
+                          max_pos, f"{source} (rope_parameters.sliding_attention)")
+    if cfg.get("rope_local_base_freq") is not None:
+        return RopeConfig(theta=float(cfg["rope_local_base_freq"]))
+    return None
 
 
 def _sliding_window(cfg: Mapping[str, Any]) -> int | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -179,6 +179,20 @@ class LlamaForCausalLM(nn.Module):
     def arch_options(cls, config: ModelConfig) -> ArchOptions:
         return ArchOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias)
 
+    @classmethod
+    def layer_types(cls, config: ModelConfig) -> tuple[str, ...]:
+        """Per layer, ``"full_attention"`` or ``"sliding_attention"``: config.json's ``layer_types`` where it
+        lists them, else every layer slides when the config sets a window (Mistral) and none does otherwise."""
+        if config.layer_types:
+            return config.layer_types
+        return ("sliding_attention" if config.sliding_window is not None else "full_attention",) * config.num_layers
+
+    @classmethod
+    def layer_windows(cls, config: ModelConfig) -> tuple[int | None, ...]:
+        """Per layer, its sliding window (``config.sliding_window``), or ``None`` for full attention."""
+        window = config.sliding_window
+        return tuple(window if kind == "sliding_attention" else None for kind in cls.layer_types(config))
+
     def __init__(
         self, config: ModelConfig, tp: "TensorParallelGroup | None" = None, quant: "QuantizationMethod | None" = None,
     ) -> None:
@@ -243,8 +257,16 @@ class LlamaForCausalLM(nn.Module):
             block_size=block_size,
             device=torch.device(device),
             scale=c.head_dim**-0.5,
+            sliding_windows=self.sliding_windows(),
         )
+
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """``AttentionSpec.sliding_windows``: :meth:`layer_windows`, or ``()`` when every layer is full."""
+        windows = self.layer_windows(self.config)
+        return windows if any(w is not None for w in windows) else ()
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral's dense models: Llama's layers; the sliding window caps ``ModelConfig.max_model_len``."""
+    """Mistral's dense models: Llama's layers, every one attending through ``sliding_window`` when the config sets it."""
+
+    conformance_config: ClassVar[dict[str, Any]] = {"sliding_window": 8}  # the suite's prompts run past it

@@ -16,6 +16,7 @@ from torch import nn
 from corerun.models.config import ModelConfig
 from corerun.models.llama import ArchOptions, LlamaForCausalLM, LlamaMLP
 from corerun.models.moe import MoeConfig, MoeDecoderLayer, expert_modules_mapping
+from corerun.models.qwen2 import qwen_layer_types
 
 if TYPE_CHECKING:
     from corerun.distributed.group import TensorParallelGroup
@@ -45,6 +46,9 @@ class QwenMoeDecoderLayer(MoeDecoderLayer):
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def layer_types(cls, config: ModelConfig) -> tuple[str, ...]:
+        return qwen_layer_types(config)  # sliding from max_window_layers on, as Qwen2
     decoder_layer: ClassVar[type[nn.Module]] = QwenMoeDecoderLayer
     conformance_config: ClassVar[dict[str, Any]] = {  # layer 1 keeps a dense MLP
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,

@@ -106,14 +106,16 @@ def corerun_reasoning_parsers(register: Register) -> None:
         register(parser.name, parser, capabilities=parser.capabilities, description=description)
 
 
-# architecture (config.json) -> (class, what differs from Llama); every one splits over tensor-parallel ranks
+# architecture (config.json) -> (class, what differs from Llama); every one splits over tensor-parallel ranks, and
+# its layers attend fully or through a sliding window as config.json says (layer_types, sliding_window)
 MODEL_FAMILIES = {
     "LlamaForCausalLM": ("corerun.models.llama:LlamaForCausalLM", "Llama 2/3, SmolLM/SmolLM2, TinyLlama"),
-    "MistralForCausalLM": ("corerun.models.llama:MistralForCausalLM", "Mistral (dense); sequences capped at sliding_window"),
+    "MistralForCausalLM": ("corerun.models.llama:MistralForCausalLM", "Mistral (dense): every layer through sliding_window"),
     "Qwen2ForCausalLM": ("corerun.models.qwen2:Qwen2ForCausalLM", "Qwen2 / Qwen2.5: bias on q, k, v"),
     "Qwen3ForCausalLM": ("corerun.models.qwen3:Qwen3ForCausalLM", "Qwen3 (dense): per-head RMSNorm of q and k"),
     "Phi3ForCausalLM": ("corerun.models.phi3:Phi3ForCausalLM", "Phi-3 (dense): fused qkv and gate-up in the checkpoint, LongRoPE"),
 }
+LAYER_KINDS = frozenset({"full", "sliding"})
 EXPERT_FAMILIES = {  # the same, with mixture-of-experts layers (corerun.models.moe)
     "MixtralForCausalLM": ("corerun.models.mixtral:MixtralForCausalLM", "Mixtral: top-k experts renormalised"),
     "Qwen2MoeForCausalLM": ("corerun.models.qwen_moe:Qwen2MoeForCausalLM",
@@ -125,6 +127,8 @@ EXPERT_FAMILIES = {  # the same, with mixture-of-experts layers (corerun.models.
 @hookimpl
 def corerun_models(register: Register) -> None:
     for arch, (factory, description) in MODEL_FAMILIES.items():
-        register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True), description=description)
+        register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True, attention=LAYER_KINDS),
+                 description=description)
     for arch, (factory, description) in EXPERT_FAMILIES.items():
-        register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True, experts=True), description=description)
+        register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True, attention=LAYER_KINDS, experts=True),
+                 description=description)
