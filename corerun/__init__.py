@@ -37,6 +37,7 @@ _LAZY = {
     "RequestOutput": "corerun.outputs",
     "Logprob": "corerun.outputs",
     "SamplingParams": "corerun.sampling_params",
+    "LoRARequest": "corerun.lora.request",
     "StructuredOutputsParams": "corerun.sampling_params",
     "Config": "corerun.config",
     "load_config": "corerun.config",
@@ -46,6 +47,7 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from corerun.config import Config, load_config
     from corerun.llm import LLM
+    from corerun.lora.request import LoRARequest
     from corerun.outputs import CompletionOutput, Logprob, RequestOutput
     from corerun.plugin.registry import get_registry
     from corerun.sampling_params import SamplingParams, StructuredOutputsParams

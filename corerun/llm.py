@@ -11,10 +11,12 @@ from corerun.engine.llm_engine import LLMEngine, Prompt
 from corerun.engine.loop import EngineLoop, OutputQueue
 from corerun.engine.pooling import ModelPooling, embedding_params, read_model_pooling
 from corerun.errors import RequestError
+from corerun.lora.request import LoRARequest
 from corerun.outputs import EmbeddingRequestOutput, RequestOutput
 from corerun.sampling_params import SamplingParams
 
 ParamsArg = SamplingParams | Seq[SamplingParams] | None
+LoRAArg = LoRARequest | Seq[LoRARequest | None] | None
 
 
 class LLM:
@@ -69,15 +71,19 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: ParamsArg = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
+
+        ``lora_request``: the adapter every prompt runs under, or one per prompt (``None``: the base
+        model); the engine needs ``lora: {enabled: true}`` (docs/lora.md).
 
         Every request is validated before any runs: a bad one raises RequestError naming its index,
         and nothing is queued. Safe to call from several threads at once: all requests share the
         engine loop, each caller gets its own outputs.
         """
         outputs = OutputQueue()
-        ids = self._add(prompts, sampling_params, outputs, final_only=True)
+        ids = self._add(prompts, sampling_params, outputs, final_only=True, lora_request=lora_request)
         total = len(ids)
         show = use_tqdm if use_tqdm is not None else total > 1
         bar = _progress(total) if show else None
@@ -123,14 +129,15 @@ class LLM:
         return [done[r] for r in ids]
 
     # ------------------------------------------------------------ streaming
-    def stream(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg = None) -> Iterator[RequestOutput]:
+    def stream(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg = None,
+               lora_request: LoRAArg = None) -> Iterator[RequestOutput]:
         """Yield a cumulative ``RequestOutput`` each time a request gets a token (``finished`` on its last).
 
         Closing the iterator early aborts the requests still running and frees their blocks. Outputs
         wait in the iterator's own queue while it is not read, so pausing it loses nothing.
         """
         outputs = OutputQueue()
-        ids = self._add(prompts, sampling_params, outputs, final_only=False)
+        ids = self._add(prompts, sampling_params, outputs, final_only=False, lora_request=lora_request)
         pending = set(ids)
         try:
             while pending:
@@ -143,7 +150,7 @@ class LLM:
                 self.engine_loop.abort(list(pending))
 
     def _add(self, prompts: Prompt | Seq[Prompt], sampling_params: ParamsArg, outputs: OutputQueue,
-             final_only: bool) -> list[str]:
+             final_only: bool, lora_request: LoRAArg = None) -> list[str]:
         plist = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params_list = [sampling_params] * len(plist)
@@ -159,7 +166,17 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are {len(plist)} prompts; "
                     "give one SamplingParams for all, or one per prompt"
                 )
-        return self.engine_loop.add_requests(plist, params_list, outputs, final_only=final_only)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(plist)
+        elif isinstance(lora_request, (str, bytes)) or not hasattr(lora_request, "__len__"):
+            raise RequestError(f"lora_request must be a LoRARequest, None, or a list of them (one per prompt), "
+                               f"got {type(lora_request).__name__} {_short(lora_request)}")
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(plist):
+                raise RequestError(f"lora_request has {len(loras)} entries but there are {len(plist)} prompts; "
+                                   "give one LoRARequest for all, or one per prompt")
+        return self.engine_loop.add_requests(plist, params_list, outputs, final_only=final_only, lora_requests=loras)
 
 
 def _short(value: Any) -> str:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from corerun.core.sequence import Sequence
 from corerun.errors import RequestError, UnsupportedError
+from corerun.lora.request import LoRARequest
 from corerun.sampling_params import SamplingParams
 
 logger = logging.getLogger("corerun.engine")
@@ -56,14 +57,26 @@ class InputProcessor:
     ``UnsupportedError`` / ``ValueError`` for what they cannot honour, anything else for a failure).
     """
 
-    def __init__(self, limits: Limits, tokenizer: Any, check_params: Callable[[SamplingParams], None]) -> None:
+    def __init__(self, limits: Limits, tokenizer: Any, check_params: Callable[[SamplingParams], None],
+                 check_lora: Callable[[LoRARequest], Any] | None = None) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
         self.check_params = check_params
+        self.check_lora = check_lora  # loads and checks an adapter (corerun.lora); None: LoRA is off
 
-    def process(self, prompt: Prompt, params: SamplingParams | dict | None, seq_id: int, request_id: str) -> Sequence:
-        """Validate one request and build its Sequence (not queued)."""
+    def process(self, prompt: Prompt, params: SamplingParams | dict | None, seq_id: int, request_id: str,
+                lora: LoRARequest | None = None) -> Sequence:
+        """Validate one request and build its Sequence (not queued); ``lora``: the adapter it runs under,
+        read and checked against the model now (a mismatch is refused here, never in a step)."""
         params = _params(params)
+        if lora is not None:
+            if not isinstance(lora, LoRARequest):
+                raise RequestError(f"lora_request must be a LoRARequest(lora_name, lora_int_id, lora_path), got "
+                                   f"{type(lora).__name__}")
+            if self.check_lora is None:
+                raise RequestError(f"lora_request {lora.lora_name!r} given, but LoRA is off; start the engine with "
+                                   "lora: {enabled: true} (LLM(..., lora={'enabled': True}))")
+            self.check_lora(lora)
         text, token_ids = self.tokenize(prompt)
         lim = self.limits
         n = len(token_ids)
@@ -89,7 +102,7 @@ class InputProcessor:
         self.check_params(params)
         return Sequence(
             seq_id=seq_id, request_id=request_id, prompt_token_ids=token_ids, params=params, prompt=text,
-            arrival_time=time.perf_counter(),
+            arrival_time=time.perf_counter(), lora=lora,
         )
 
     def check_fits(self, n: int, params: SamplingParams) -> None:

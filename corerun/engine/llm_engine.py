@@ -19,6 +19,7 @@ from corerun.engine.input_processor import InputProcessor, Limits, Prompt, load_
 from corerun.engine.output_processor import OutputProcessor
 from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.speculation import make_spec_decoder
+from corerun.lora.request import LoRARequest
 from corerun.errors import ConfigError, EngineClosedError, RequestError, StepError
 from corerun.outputs import RequestOutput
 from corerun.plugin.registry import Registry
@@ -56,13 +57,20 @@ class LLMEngine:
         runner.set_vocabulary(self.tokenizer, eos)  # structured outputs read both
         limits = Limits.of(config, runner.model_config, self.kv)
         self.inputs = InputProcessor(limits, self.tokenizer, sampler_check(runner.sampler, runner.sampler_name,
-                                                                            runner.logits_processors))
+                                                                            runner.logits_processors),
+                                     check_lora=runner.lora.load if runner.lora is not None else None)
+        if runner.lora is not None and config.kv_cache.prefix_caching and not hasattr(self.kv, "set_extra_key"):
+            raise ConfigError(
+                f"lora.enabled with prefix caching needs blocks keyed by adapter, and KV-cache manager "
+                f"'{runner.kv_manager_name}' has no set_extra_key; set kv_cache.prefix_caching: false or use 'paged'"
+            )
         self.outputs = OutputProcessor(self.tokenizer)
         self.spec = make_spec_decoder(config, runner, registry)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             chunked_prefill=sc.chunked_prefill, max_model_len=runner.max_model_len, eos_token_ids=eos,
             kv_name=runner.kv_manager_name, num_spec_tokens=self.spec.proposer.num_tokens if self.spec else 0,
+            max_loras=config.lora.max_loras if runner.lora is not None else 0,
         )
         self.requests: dict[str, Sequence] = {}
         self._group_of: dict[int, SequenceGroup] = {}  # seq_id -> its request's samples, for n > 1
@@ -92,21 +100,37 @@ class LLMEngine:
         return self.scheduler.num_generated_tokens
 
     # ------------------------------------------------------------ requests
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue one request; raises RequestError (nothing queued) when it cannot be served."""
         with self.lock:
-            seq = self.make_sequence(prompt, params, request_id)
+            seq = self.make_sequence(prompt, params, request_id, lora_request)
             self.queue_sequence(seq)
         return seq.request_id
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Sequence:
+    def make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None,
+                      lora_request: LoRARequest | None = None) -> Sequence:
         """Validate one request and build its Sequence (not queued). Raises RequestError naming what is wrong."""
         if request_id is not None and request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use")
         seq_id = next(self._seq_ids)
         while request_id is None and str(seq_id) in self.requests:  # a caller chose this id for another request
             seq_id = next(self._seq_ids)
-        return self.inputs.process(prompt, params, seq_id, str(seq_id) if request_id is None else request_id)
+        return self.inputs.process(prompt, params, seq_id, str(seq_id) if request_id is None else request_id, lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (its host copy and its slot); refused while a request for it waits or runs."""
+        with self.lock:
+            users = [s.request_id for s in self.requests.values() if s.lora is not None
+                     and s.lora.lora_int_id == lora_int_id and not s.is_finished]
+            if users:
+                raise RequestError(f"adapter id {lora_int_id} is in use by {len(users)} request(s) "
+                                   f"({', '.join(map(repr, users[:3]))}); unload it once they finish")
+            slots = self.scheduler.lora_slots
+            if slots is not None:
+                slots.forget(lora_int_id)
+            if self.runner.lora is not None:
+                self.runner.lora.remove(lora_int_id)
 
     def queue_sequence(self, seq: Sequence) -> None:
         """Queue a sequence made by :meth:`make_sequence` (its request id must still be free)."""

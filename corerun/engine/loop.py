@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence as Seq
 from corerun.engine.llm_engine import LLMEngine, Prompt
 from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import EngineClosedError, RequestError, StepError
+from corerun.lora.request import LoRARequest
 from corerun.outputs import RequestOutput
 from corerun.sampling_params import SamplingParams
 
@@ -150,6 +151,7 @@ class EngineLoop:
         *,
         final_only: bool = False,
         request_ids: Seq[str | None] | None = None,
+        lora_requests: Seq[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Validate every request, then queue them all (or none: the first bad one raises
         ``RequestError("prompt i: ...")``). Their outputs go to ``outputs``: each token's cumulative
@@ -157,29 +159,32 @@ class EngineLoop:
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        loras = list(lora_requests) if lora_requests is not None else [None] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError(f"{len(loras)} lora_requests for {len(prompts)} prompts")
         self._warm(params)
-        return self._admitted(self._submit(lambda: self._admit(prompts, params, ids, outputs, final_only, True)))
+        return self._admitted(self._submit(lambda: self._admit(prompts, params, ids, outputs, final_only, True, loras)))
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | dict | None = None, request_id: str | None = None,
-        *, final_only: bool = False,
+        *, final_only: bool = False, lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue one request; its outputs come through the returned stream. Raises ``RequestError`` when refused."""
         outputs = OutputQueue()
         self._warm([params])
-        fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False))
+        fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False, [lora_request]))
         (rid,) = self._admitted(fut)
         return RequestStream(rid, outputs, self)
 
     async def add_request_async(
         self, prompt: Prompt, params: SamplingParams | dict | None = None, request_id: str | None = None,
-        *, final_only: bool = False,
+        *, final_only: bool = False, lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """``add_request`` for asyncio callers: does not block the event loop; read with ``async for``."""
         outputs = OutputQueue.for_asyncio()
         if self._wants_processors(params):  # (a grammar compiles on a worker thread, not the event loop)
             await asyncio.to_thread(self._warm, [params])
-        fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False))
+        fut = self._submit(lambda: self._admit([prompt], [params], [request_id], outputs, final_only, False, [lora_request]))
         try:
             (rid,) = await asyncio.shield(asyncio.wrap_future(fut))
         except BaseException:  # cancelled while admitted: nobody will read these requests
@@ -301,13 +306,13 @@ class EngineLoop:
                 self._step()
 
     def _admit(self, prompts: Seq[Prompt], params: Seq[Any], ids: Seq[str | None], outputs: OutputQueue,
-               final_only: bool, name_index: bool) -> list[str]:
+               final_only: bool, name_index: bool, loras: Seq[LoRARequest | None] | None = None) -> list[str]:
         engine = self.engine
         seqs: list[Sequence] = []
         taken: set[str] = set()
         for i, (p, sp, rid) in enumerate(zip(prompts, params, ids)):
             try:
-                seq = engine.make_sequence(p, sp, rid)
+                seq = engine.make_sequence(p, sp, rid, loras[i] if loras is not None else None)
                 if seq.request_id in taken:
                     raise RequestError(f"request_id {seq.request_id!r} is already in use")
             except (RequestError, ValueError) as exc:

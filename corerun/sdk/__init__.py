@@ -9,6 +9,8 @@
   ``eager`` graph runner, as base classes to start a plugin from.
 - :func:`require_spec` / :func:`require_params`: raise :class:`corerun.UnsupportedError` for what
   the declared capabilities do not cover, as the protocols require.
+- :class:`LoRARequest`: the adapter a request runs under (name, integer id, PEFT folder), as the
+  engine's callers give it.
 - :func:`cache_dir`: corerun's per-machine cache folder, where a plugin keeps what it builds once
   (compiled kernels) in a subfolder named after itself.
 - The plugin system's public names: :func:`hookimpl` and ``Register`` (the hooks), the capability
@@ -36,13 +38,14 @@ from corerun.plugin.capabilities import (
     QuantizationCapabilities,
     SamplerCapabilities,
 )
+from corerun.lora.request import LoRARequest
 from corerun.plugin.hookspecs import Register, hookimpl
 from corerun.plugin.registry import Registration, Registry, get_registry, resolve
 from corerun.sdk.checks import require_params, require_spec
 
 __all__ = [
     "ENGINE_PARAMS", "PROCESSOR_PARAMS", "AttentionCapabilities", "GraphRunnerCapabilities", "KVCacheCapabilities",
-    "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
+    "LoRARequest", "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
     "Registration", "Registry", "SamplerCapabilities", "cache_dir", "get_registry", "hookimpl", "require_params",
     "require_spec", "resolve",
 ]

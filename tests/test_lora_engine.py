@@ -1,0 +1,165 @@
+"""Multi-LoRA serving end to end: random PEFT adapters on tiny models, each request's greedy tokens
+equal to transformers + PEFT with its adapter merged, mixed batches equal to each request alone,
+prefix blocks never shared across adapters, and more adapters than slots without a leak."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from corerun import LoRARequest, SamplingParams
+from corerun.errors import RequestError
+from corerun.testing.engines import assert_idle, make_llm
+from corerun.testing.reference import hf_greedy
+from corerun.testing.tiny_models import make_tiny_model
+
+pytest.importorskip("peft")
+
+MAX_TOKENS = 6
+# (rank, alpha, rsLoRA, modules): attention and MLP projections, merged q/k/v and gate/up in part or whole
+ADAPTERS = (
+    (4, 8, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    (8, 4, True, ["q_proj", "v_proj", "down_proj"]),
+    (2, 16, False, ["k_proj", "gate_proj"]),
+    (6, 6, False, ["o_proj", "up_proj", "v_proj"]),
+)
+PROMPTS = [[5, 17, 99, 3, 41, 7, 230, 12, 9], [88, 2, 61], [14, 14, 150, 201, 33, 8, 72], [3, 250, 19, 5, 5]]
+
+
+def _adapter(base: Path, out: Path, seed: int, rank: int, alpha: int, rslora: bool, modules: list[str]) -> tuple[Path, Path]:
+    """A random PEFT adapter folder (B nonzero) for ``base``, and the base with it merged (a model folder)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=modules, init_lora_weights=False,
+                        lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # PEFT's own random init is small next to the weights: make each adapter matter
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)
+    folder, merged = out / f"adapter-{seed}", out / f"merged-{seed}"
+    peft_model.save_pretrained(str(folder))
+    peft_model.merge_and_unload().save_pretrained(str(merged))
+    return folder, merged
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family(request, tmp_path_factory):
+    """A tiny model of the family, four adapters, and the reference tokens of every (adapter, prompt)."""
+    tmp = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = make_tiny_model(tmp, arch=request.param)
+    loras, refs = [], {None: hf_greedy(base, PROMPTS, MAX_TOKENS)}
+    for i, spec in enumerate(ADAPTERS):
+        folder, merged = _adapter(base, tmp, i + 1, *spec)
+        lora = LoRARequest(f"adapter{i + 1}", i + 1, str(folder))
+        loras.append(lora)
+        refs[lora.lora_int_id] = hf_greedy(merged, PROMPTS, MAX_TOKENS)
+    return base, loras, refs
+
+
+def _engine(base: Path, **lora):
+    return make_llm(base, lora={"enabled": True, "max_loras": 4, "max_lora_rank": 8, **lora},
+                    scheduler={"max_num_seqs": 8})
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.timeout(240)
+def test_mixed_batch_equals_peft_merged_and_each_request_alone(family):
+    base, loras, refs = family
+    assert all(refs[lora.lora_int_id] != refs[None] for lora in loras)  # every adapter changes the tokens
+    with _engine(base) as llm:
+        plan = [(p, lora) for p in range(len(PROMPTS)) for lora in [None, *loras]]
+        outs = llm.generate([PROMPTS[p] for p, _ in plan], GREEDY, lora_request=[lora for _, lora in plan])
+        for (p, lora), out in zip(plan, outs):
+            want = refs[None if lora is None else lora.lora_int_id][p]
+            assert out.outputs[0].token_ids == want, (p, lora)
+        # seeded sampling: each request's tokens are the same in the mixed batch as alone
+        sampled = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(len(plan))]
+        mixed = llm.generate([PROMPTS[p] for p, _ in plan], sampled, lora_request=[lora for _, lora in plan])
+        for i in (0, 1, 2, 3, 4, 7, 13):
+            alone = llm.generate([PROMPTS[plan[i][0]]], sampled[i], lora_request=plan[i][1])
+            assert alone[0].outputs[0].token_ids == mixed[i].outputs[0].token_ids, plan[i]
+        assert_idle(llm)
+        assert llm.engine.scheduler.lora_slots.num_pinned == 0
+
+
+@pytest.mark.timeout(120)
+def test_same_prompt_under_two_adapters_and_the_base_never_shares_a_block(family):
+    base, loras, refs = family
+    if base.name.startswith("tiny-qwen2"):
+        pytest.skip("one family is enough for the cache keys")
+    prompt = list(range(3, 3 + 17))  # four full blocks of 4 before the last token
+    with _engine(base) as llm:
+        kv = llm.engine.kv
+        tables = {}
+        streams = [llm.engine_loop.add_request(prompt, GREEDY, lora_request=lora) for lora in (None, loras[0], loras[1])]
+        first = [next(iter(s)) for s in streams]  # every request has computed its prompt: all hold their blocks
+        for lora, out in zip((None, loras[0], loras[1]), first):
+            seq = llm.engine.requests[out.request_id]
+            tables[lora] = set(kv.block_table(seq.seq_id))
+        for s in streams:
+            for _ in s:
+                pass
+        a, b, c = tables.values()
+        assert not (a & b) and not (a & c) and not (b & c)
+        hits = kv.stats().prefix_hits
+        again = llm.generate([prompt], GREEDY, lora_request=loras[0])  # the same adapter again: its prefix is reused
+        assert kv.stats().prefix_hits - hits == 16
+        alone = llm.generate([prompt], GREEDY, lora_request=loras[2])  # a third adapter: nothing to reuse
+        assert kv.stats().prefix_hits - hits == 16
+        assert again[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+        assert_idle(llm)
+
+
+@pytest.mark.timeout(240)
+def test_more_adapters_than_slots_all_finish_unchanged_with_aborts(family):
+    base, loras, refs = family
+    if base.name.startswith("tiny-qwen2"):
+        pytest.skip("one family is enough for the soak")
+    rng = random.Random(7)
+    with _engine(base, max_loras=2, max_cpu_loras=2) as llm:  # 4 adapters, 2 slots, 2 kept in host memory
+        for _ in range(3):
+            plan = [(rng.randrange(len(PROMPTS)), rng.choice([None, *loras])) for _ in range(10)]
+            streams = [llm.engine_loop.add_request(PROMPTS[p], GREEDY, lora_request=lora) for p, lora in plan]
+            aborted = set(rng.sample(range(len(plan)), 3))
+            llm.abort([streams[i].request_id for i in aborted])
+            for i, ((p, lora), stream) in enumerate(zip(plan, streams)):
+                last = None
+                for last in stream:
+                    pass
+                if i in aborted and last.outputs[0].finish_reason == "abort":
+                    continue
+                assert last.outputs[0].token_ids == refs[None if lora is None else lora.lora_int_id][p], (p, lora)
+            assert_idle(llm, timeout=5)
+            assert llm.engine.scheduler.lora_slots.num_pinned == 0
+
+
+@pytest.mark.timeout(120)
+def test_adapters_that_do_not_fit_are_refused_at_load_by_name(family, tmp_path):
+    base, loras, refs = family
+    if base.name.startswith("tiny-qwen2"):
+        pytest.skip("one family is enough for the errors")
+    other = make_tiny_model(tmp_path, arch="llama", hidden_size=32, intermediate_size=64)
+    wrong_shape, _ = _adapter(other, tmp_path, 9, 4, 8, False, ["q_proj"])
+    lm_head, _ = _adapter(base, tmp_path, 10, 4, 8, False, ["q_proj", "lm_head"])
+    with _engine(base, max_lora_rank=4) as llm:
+        cases = [
+            (LoRARequest("big", 1, loras[1].lora_path), r"rank 8, above lora.max_lora_rank=4"),
+            (LoRARequest("shape", 2, str(wrong_shape)), r"module 'model.layers.0.self_attn.q_proj' has lora_A \(4, 32\)"),
+            (LoRARequest("head", 3, str(lm_head)), r"adapter 'head': (tensor|module) 'base_model\.model\.lm_head|module 'lm_head'"),
+            (LoRARequest("nowhere", 4, str(tmp_path / "missing")), r"is not a folder"),
+        ]
+        for lora, message in cases:
+            with pytest.raises(RequestError, match=message):
+                llm.generate([PROMPTS[0]], GREEDY, lora_request=lora)
+        assert llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids == refs[None][0]  # the engine serves on
+    with make_llm(base) as plain, pytest.raises(RequestError, match="LoRA is off"):
+        plain.generate([PROMPTS[0]], GREEDY, lora_request=loras[0])
