@@ -12,7 +12,8 @@ from corerun.conformance import run
 from corerun.conformance.tool_parser_suite import ReasoningParserSuite, ToolParserSuite
 from corerun.tool_parsers import ReasoningDelta, ToolCallDelta, ToolDelta, assemble
 from corerun.tool_parsers.hermes import HermesToolParser
-from corerun.tool_parsers.json_scan import held_prefix, object_fields, value_end
+from corerun.tool_parsers.calls import CallReader, NotACall
+from corerun.tool_parsers.json_scan import ValueScan, held_prefix
 from corerun.tool_parsers.llama3_json import Llama3JsonToolParser
 from corerun.tool_parsers.mistral import MistralToolParser
 from corerun.tool_parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
@@ -88,23 +89,42 @@ def test_mistral_ids_are_nine_letters_and_digits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "start", "end"),
-    [('{"a": "}"} tail', 0, 10), ('[1, [2, "]"]]x', 0, 13), ('"a\\"b" ', 0, 6), ("12, 3", 0, 2), ("true}", 0, 4),
-     ('{"a": "}', 0, None), ("12", 0, None), ('"\\', 0, None)],
+    ("text", "end"),
+    [('{"a": "}"} tail', 10), ('[1, [2, "]"]]x', 13), ('"a\\"b" ', 6), ("12, 3", 2), ("true}", 4),
+     ('"a\\\\" x', 5), ('{"a": "}', None), ("12", None), ('"\\', None)],
 )
-def test_value_end(text: str, start: int, end: int | None) -> None:
-    assert value_end(text, start) == end
+def test_value_scan_whole_and_split_at_every_point(text: str, end: int | None) -> None:
+    """Where a value ends, fed whole and in two pieces at every split (a backslash, a quote, a bracket
+    falling on either side): the same end."""
+    scan = ValueScan()
+    assert scan.feed(text) == end
+    for k in range(1, len(text)):
+        scan = ValueScan()
+        got = scan.feed(text[:k])
+        if got is None:
+            rest = scan.feed(text[k:])
+            got = None if rest is None else k + rest
+        assert got == end, (k, text)
+    with pytest.raises(ValueError, match="cannot start with ':'"):
+        ValueScan().feed(": 1")
 
 
-def test_object_fields_so_far() -> None:
-    text = '{"name": "f", "arguments": {"x": [1'
-    fields, end = object_fields(text, 0)
-    assert end is None and fields == {"name": (9, 12), "arguments": (27, None)}
-    assert json.loads(text[9:12]) == "f"
-    fields, end = object_fields('{"n": 5}', 0)
-    assert (fields, end) == ({"n": (6, 7)}, 8)
-    with pytest.raises(ValueError, match="expected ':'"):
-        object_fields('{"n" 5}', 0)
+def test_call_reader_fields_in_any_order_and_cut_short() -> None:
+    reader = CallReader(0, "id0")
+    deltas, end = reader.feed('{"arguments": {"x": [1')  # the arguments before the name: held
+    assert (deltas, end) == ([], None) and reader.text() == '{"arguments": {"x": [1'
+    deltas, end = reader.feed('], "y": "}"}, "name": "f"} tail')
+    assert [(d.name, d.arguments) for d in deltas] == [("f", ""), (None, '{"x": [1], "y": "}"}')]
+    assert end == len('], "y": "}"}, "name": "f"}')
+    reader = CallReader(1, "id1")
+    deltas, _ = reader.feed('{"name": "g", "parameters": 12')
+    assert [(d.name, d.arguments) for d in deltas] == [("g", ""), (None, "12")] and reader.finish() == []
+    for not_a_call in ('{"n" 5}', '{"name": 5}', 'x', '{"arguments": {}}'):
+        with pytest.raises(NotACall):
+            reader = CallReader(0, "id")
+            reader.feed(not_a_call)
+            reader.finish()
+        assert reader.text() == not_a_call
     assert held_prefix("abc <tool", "<tool_call>") == 5 and held_prefix("abc", "<tool_call>") == 0
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corerun.server import protocol as P
-from corerun.tool_parsers.calls import BufferedStream, CallBuilder, CallObjects, openai_call_id
+from corerun.tool_parsers.calls import CallBuilder, CallObjects, openai_call_id
 from corerun.tool_parsers.json_scan import skip
 from corerun.tool_parsers.protocol import ReasoningDelta, ToolCall, ToolDelta, assemble
 
@@ -238,48 +238,50 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------ answers
 class _NamedStream:
-    """``tool_choice`` naming a function: the whole answer is that call's arguments."""
+    """``tool_choice`` naming a function: the whole answer is that call's arguments, sent as they come."""
 
     def __init__(self, name: str) -> None:
         self.call = CallBuilder(0, openai_call_id())
         self.name = name
-        self.text = ""
 
     def feed(self, text: str) -> ToolDelta:
         out = ToolDelta()
         if not self.call.named and text:
             out.tool_calls.append(self.call.name(self.name))
-        self.text += text
-        piece = self.call.arguments(self.text, False)
+        piece = self.call.arguments(text, False)
         if piece is not None:
             out.tool_calls.append(piece)
         return out
 
     def finish(self) -> ToolDelta:
-        out = self.feed("")
+        out = ToolDelta()
         if not self.call.named:  # an empty answer: the call still comes, with no arguments
             out.tool_calls += [self.call.name(self.name), self.call.arguments("{}", True)]
         return out
 
 
-class _RequiredStream(BufferedStream):
+class _RequiredStream:
     """``tool_choice: required``: the answer is the JSON list ``[{"name": ..., "parameters": {...}}, ...]``."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.calls: CallObjects | None = None
+        self.done = False
 
-    def _run(self, final: bool) -> ToolDelta:
+    def feed(self, text: str, final: bool = False) -> ToolDelta:
         out = ToolDelta()
         if self.calls is None:
-            i = skip(self.buf, 0)
-            if i >= len(self.buf) or self.buf[i] != "[":
+            i = skip(text, 0)
+            if i >= len(text):
                 return out
-            self.calls, self.buf = CallObjects(",", "]", openai_call_id), self.buf[i + 1:]
-        deltas, used, _ = self.calls.read(self.buf, final)
-        out.tool_calls += deltas
-        self.buf = self.buf[used:]
+            self.calls, text = CallObjects(",", "]", openai_call_id), text[i + 1:]  # (the grammar opens with "[")
+        if not self.done:
+            deltas, rest = self.calls.feed(text, final)
+            out.tool_calls += deltas
+            self.done = rest is not None
         return out
+
+    def finish(self) -> ToolDelta:
+        return self.feed("", True)
 
 
 class ChoiceOutput:

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from corerun.tool_parsers.calls import BufferedStream, CallBuilder, StreamingToolParser, openai_call_id, read_call_object
-from corerun.tool_parsers.json_scan import held_prefix
+from corerun.tool_parsers.calls import BufferedStream, CallReader, NotACall, StreamingToolParser, openai_call_id
 from corerun.tool_parsers.protocol import ToolDelta, ToolParserCapabilities, Tools
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesStream(BufferedStream):
+    """The buffer holds only what may begin a tag; a call's text goes to its reader as it arrives."""
+
     def __init__(self) -> None:
         super().__init__()
         self.index = 0
-        self.call: CallBuilder | None = None  # inside <tool_call> ... </tool_call>
+        self.call: CallReader | None = None  # inside <tool_call> ... </tool_call>
 
     def _run(self, final: bool) -> ToolDelta:
         out = ToolDelta()
@@ -31,24 +32,22 @@ class HermesStream(BufferedStream):
                 out.content += text
                 if not opened:
                     return out
-                self.call = CallBuilder(self.index, openai_call_id())
+                self.call = CallReader(self.index, openai_call_id())
                 continue
-            k = self.buf.find(CLOSE)
-            closed = k >= 0
-            if closed:
-                body, rest = self.buf[:k], self.buf[k + len(CLOSE):]
-            else:
-                body, rest = self.buf[:len(self.buf) - (0 if final else held_prefix(self.buf, CLOSE))], ""
-            deltas = read_call_object(body.strip(), closed or final, self.call)
-            if deltas is None:  # not a call after all: the tag and its text are content
-                out.content += OPEN + (self.buf[:k + len(CLOSE)] if closed else self.buf)
-                self.buf, self.call = rest, None
+            body, closed = self.text_before(CLOSE, final)
+            try:
+                out.tool_calls += self.call.feed(body)[0]
+                if closed or final:
+                    out.tool_calls += self.call.finish()
+            except NotACall:  # not a call after all: the tag and its text are content
+                out.content += OPEN + self.call.text() + (CLOSE if closed else self.buf)
+                self.buf = self.buf if closed else ""
+                self.call = None
                 continue
-            out.tool_calls += deltas
             if not (closed or final):
                 return out
             self.index += 1
-            self.buf, self.call = rest, None
+            self.call = None
             if not closed:
                 return out
 

@@ -1,19 +1,20 @@
-"""A small reader of JSON text that may be cut short (a model's answer so far).
+"""Where a JSON value ends, found as its text arrives (a model's answer so far), each character read once.
 
-It finds where a value ends and which fields an object has so far; it never builds the values.  A
-parser streams a call's arguments as the raw characters of their value: every character of a value
-not yet complete belongs to it, so the fragments concatenate to exactly the text the model wrote.
+A parser streams a call's arguments as the raw characters of their value, so it never builds a value:
+it needs only where each one starts and ends.  :class:`ValueScan` keeps its place between pieces
+(inside a string, after a backslash, how deep in brackets), so a value that arrives in n pieces costs
+time in its length, not n times its length as reading the text so far again at every piece would.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from typing import Container
 
 WHITESPACE = " \t\n\r"
 _SCALAR = frozenset("-+.0123456789eEtruefalsn")  # numbers, true, false, null
-
-Span = tuple[int, int | None]  # a value's start, and its end (None while it is cut short)
+_IN_STRING = re.compile(r'["\\]')  # what ends a string, or escapes the next character
+_IN_BRACKETS = re.compile(r'["\[\]{}]')  # what changes the depth, or opens a string
 
 
 def skip(text: str, i: int, chars: Container[str] = WHITESPACE) -> int:
@@ -23,94 +24,69 @@ def skip(text: str, i: int, chars: Container[str] = WHITESPACE) -> int:
     return i
 
 
-def string_end(text: str, i: int) -> int | None:
-    """Past the closing quote of the string opening at ``text[i]``; None while it is cut short."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+class ValueScan:
+    """One JSON value fed piece by piece; brackets are matched, not validated.
 
-
-def value_end(text: str, i: int, final: bool = False) -> int | None:
-    """Past the JSON value starting at ``text[i]``; None while it is cut short.  With ``final`` a number
-    or literal reaching the end of the text is complete (else one more digit could follow).
-
-    ``ValueError`` when ``text[i]`` cannot start a value.  Brackets are matched, not validated.
+    ``feed(text, i)`` reads ``text[i:]`` (the first piece must start at the value's first character) and
+    returns the index in ``text`` just past the value, or None when the value goes on past ``text``.
+    A number or literal ends at the first character that cannot continue it; one that reaches the end
+    of the answer is complete there (``scalar`` says the value is one).  ``ValueError`` when the first
+    character cannot start a value.
     """
-    c = text[i]
-    if c == '"':
-        return string_end(text, i)
-    if c in "{[":
-        depth = 0
-        j = i
-        while j < len(text):
-            ch = text[j]
-            if ch == '"':
-                end = string_end(text, j)
-                if end is None:
+
+    __slots__ = ("depth", "string", "escape", "scalar", "started")
+
+    def __init__(self, depth: int = 0) -> None:
+        self.depth = depth  # open brackets; a scan started inside an object passes 1
+        self.string = False
+        self.escape = False  # a backslash ended the last piece
+        self.scalar = False
+        self.started = depth > 0
+
+    def feed(self, text: str, i: int = 0) -> int | None:
+        n = len(text)
+        if i < n and not self.started:
+            self.started = True
+            c = text[i]
+            if c == '"':
+                self.string, i = True, i + 1
+            elif c in "{[":
+                self.depth, i = 1, i + 1
+            elif c in _SCALAR:
+                self.scalar = True
+            else:
+                raise ValueError(f"a JSON value cannot start with {c!r}")
+        while i < n:
+            if self.escape:
+                self.escape, i = False, i + 1
+            elif self.string:
+                m = _IN_STRING.search(text, i)
+                if m is None:
                     return None
-                j = end
-                continue
-            if ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
+                i = m.end()
+                if m.group() == "\\":
+                    self.escape = True
+                    continue
+                self.string = False
+                if self.depth == 0:
+                    return i
+            elif self.scalar:
+                i = skip(text, i, _SCALAR)
+                return i if i < n else None
+            else:
+                m = _IN_BRACKETS.search(text, i)
+                if m is None:
+                    return None
+                i, c = m.end(), m.group()
+                if c == '"':
+                    self.string = True
+                elif c in "{[":
+                    self.depth += 1
+                else:
+                    self.depth -= 1
+                    if self.depth == 0:
+                        return i
         return None
-    if c in _SCALAR:
-        j = skip(text, i, _SCALAR)
-        return j if j < len(text) or final else None
-    raise ValueError(f"a JSON value cannot start with {c!r} (character {i})")
-
-
-def object_fields(text: str, i: int, final: bool = False) -> tuple[dict[str, Span], int | None]:
-    """The fields of the object opening at ``text[i]`` so far, ``{key: (value start, value end or None)}``,
-    and the index past the object (None while it is cut short).  ``ValueError`` when the text so far
-    cannot be the start of an object."""
-    if text[i] != "{":
-        raise ValueError(f"expected an object at character {i}, got {text[i]!r}")
-    fields: dict[str, Span] = {}
-    j = skip(text, i + 1)
-    if j < len(text) and text[j] == "}":
-        return fields, j + 1
-    while True:
-        j = skip(text, j)
-        if j >= len(text):
-            return fields, None
-        if text[j] != '"':
-            raise ValueError(f"expected a key at character {j}, got {text[j]!r}")
-        end = string_end(text, j)
-        if end is None:
-            return fields, None
-        key = json.loads(text[j:end])
-        j = skip(text, end)
-        if j >= len(text):
-            return fields, None
-        if text[j] != ":":
-            raise ValueError(f"expected ':' after the key {key!r} at character {j}, got {text[j]!r}")
-        j = skip(text, j + 1)
-        if j >= len(text):
-            return fields, None
-        end = value_end(text, j, final)
-        fields[key] = (j, end)
-        if end is None:
-            return fields, None
-        j = skip(text, end)
-        if j >= len(text):
-            return fields, None
-        if text[j] == "}":
-            return fields, j + 1
-        if text[j] != ",":
-            raise ValueError(f"expected ',' or '}}' after the value of {key!r} at character {j}, got {text[j]!r}")
-        j += 1
 
 
 def held_prefix(text: str, tag: str) -> int:

@@ -36,11 +36,11 @@ class Llama3JsonStream(BufferedStream):
                 self.buf, self.state = head, "calls"
             else:
                 self.state = "content"
-        if self.state == "calls":
-            deltas, used, why = self.calls.read(self.buf, final)
+        if self.state == "calls":  # the calls' text goes to their reader as it arrives
+            deltas, rest = self.calls.feed(self.buf, final)
             out.tool_calls += deltas
-            self.buf = self.buf[used:]
-            if why == "content":
+            self.buf = rest or ""
+            if rest is not None:
                 self.state = "content"
         if self.state == "content":
             out.content += self.buf

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from corerun.tool_parsers.calls import BufferedStream, CallBuilder, CallObjects, StreamingToolParser, mistral_call_id
-from corerun.tool_parsers.json_scan import skip, value_end
+from corerun.tool_parsers.json_scan import ValueScan, skip
 from corerun.tool_parsers.protocol import ToolDelta, ToolParserCapabilities, Tools
 
 TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -25,6 +25,8 @@ class MistralStream(BufferedStream):
         self.index = 0
         self.list: CallObjects | None = None
         self.call: CallBuilder | None = None
+        self.value: ValueScan | None = None  # where the arguments' value ends
+        self.searched = 0  # how much of the buffer is known to hold no [ARGS]
 
     def _run(self, final: bool) -> ToolDelta:
         out = ToolDelta()
@@ -47,44 +49,50 @@ class MistralStream(BufferedStream):
                     self.buf, self.state = self.buf[i + 1:], "list"
                 else:
                     self.state = "name"
-            elif self.state == "list":
+            elif self.state == "list":  # the calls' text goes to their reader as it arrives
                 assert self.list is not None
-                deltas, used, why = self.list.read(self.buf, final)
+                deltas, rest = self.list.feed(self.buf, final)
                 out.tool_calls += deltas
                 self.index = self.list.index
-                self.buf = self.buf[used:]
-                if why == "more":
+                if rest is None:
+                    self.buf = ""
                     return out
-                if why == "end":
-                    self.buf = self.buf[1:]
+                self.buf = rest[1:] if rest.startswith("]") else rest
                 self.state = "content"
             elif self.state == "name":
-                k = self.buf.find(ARGS)
+                k = self.buf.find(ARGS, self.searched)
                 if k < 0:
                     if final:
                         out.content += TAG + self.buf
                         self.buf = ""
+                    self.searched = max(0, len(self.buf) - len(ARGS) + 1)
                     return out
                 self.call = CallBuilder(self.index, mistral_call_id())
                 out.tool_calls.append(self.call.name(self.buf[:k].strip()))
-                self.buf, self.state = self.buf[k + len(ARGS):], "args"
-            else:  # args: one JSON value
+                self.buf, self.state, self.searched = self.buf[k + len(ARGS):], "args", 0
+            else:  # args: one JSON value, its text sent on as it arrives
                 assert self.call is not None
-                i = skip(self.buf, 0)
-                if i >= len(self.buf):
-                    if final:
-                        self._end_call(out, "{}")
-                    return out
+                i = 0
+                if self.value is None:
+                    i = skip(self.buf, 0)
+                    if i >= len(self.buf):
+                        self.buf = ""
+                        if final:
+                            self._end_call(out, "{}")
+                        return out
+                    self.value = ValueScan()
                 try:
-                    end = value_end(self.buf, i, final)
+                    end = self.value.feed(self.buf, i)
                 except ValueError:  # no JSON here: the call has no arguments, the rest is content
                     self._end_call(out, "{}")
                     self.buf = self.buf[i:]
                     continue
-                piece = self.call.arguments(self.buf[i:] if end is None else self.buf[i:end], end is not None)
+                done = end is not None or (final and self.value.scalar)
+                piece = self.call.arguments(self.buf[i:] if end is None else self.buf[i:end], done)
                 if piece is not None:
                     out.tool_calls.append(piece)
                 if end is None and not final:
+                    self.buf = ""
                     return out
                 self._end_call(out, None)
                 self.buf = "" if end is None else self.buf[end:]
@@ -96,7 +104,7 @@ class MistralStream(BufferedStream):
             if piece is not None:
                 out.tool_calls.append(piece)
         self.index += 1
-        self.call, self.state = None, "content"
+        self.call, self.value, self.state = None, None, "content"
 
 
 class MistralToolParser(StreamingToolParser):
