@@ -5,6 +5,7 @@ prefix blocks never shared across adapters, and more adapters than slots without
 from __future__ import annotations
 
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,43 @@ def test_adapters_that_do_not_fit_are_refused_at_load_by_name(family, tmp_path):
         assert llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids == refs[None][0]  # the engine serves on
     with make_llm(base) as plain, pytest.raises(RequestError, match="LoRA is off"):
         plain.generate([PROMPTS[0]], GREEDY, lora_request=loras[0])
+
+
+def _emulated_graphs(register):
+    """The built-in ``cuda`` graph runner with the capture emulated, registered as a CPU graph runner."""
+    from corerun.plugin.capabilities import GraphRunnerCapabilities
+    from corerun.testing.graphs import emulated_cuda_graph_runner
+
+    register("emulated-cuda", emulated_cuda_graph_runner,
+             capabilities=GraphRunnerCapabilities(devices=frozenset({"cpu"}), captures=True))
+
+
+@pytest.mark.timeout(120)
+def test_decodes_with_adapters_replay_captured_graphs_with_the_steps_slots(family):
+    from corerun.config import load_config
+    from corerun.engine.llm_engine import LLMEngine
+    from corerun.plugin.hookspecs import hookimpl
+    from corerun.plugin.registry import Registry
+    from corerun.testing.engines import TEST_DEFAULTS
+
+    base, loras, refs = family
+    if base.name.startswith("tiny-qwen2"):
+        pytest.skip("one family is enough for the graphs")
+    registry = Registry.from_environment()
+    plugin = types.SimpleNamespace(corerun_graph_runners=hookimpl(_emulated_graphs))
+    registry.register_module(plugin, plugin="tests-emulated-graphs", distribution="tests", version="0")
+    config = load_config(None, overrides={**TEST_DEFAULTS, "model": str(base), "graph": {"runner": "emulated-cuda", "max_batch_size": 8},
+                                          "lora": {"enabled": True, "max_loras": 2, "max_lora_rank": 8}})
+    engine = LLMEngine(config, registry)
+    try:
+        plan = [(0, loras[0]), (1, None), (2, loras[1]), (3, loras[0]), (1, loras[1])]
+        seqs = {engine.add_request(PROMPTS[p], GREEDY, lora_request=lora): (p, lora) for p, lora in plan}
+        done = {}
+        while engine.scheduler.has_unfinished():
+            for seq in engine.step():
+                done[seq.request_id] = seq
+        for rid, (p, lora) in seqs.items():
+            assert done[rid].output_token_ids == refs[None if lora is None else lora.lora_int_id][p], (p, lora)
+        assert engine.runner.graph.stats.replays >= MAX_TOKENS - 1  # the decodes replayed the captured steps
+    finally:
+        engine.shutdown()
