@@ -144,6 +144,19 @@ def test_unsupported_pooling_refused_at_load_naming_file_value_and_choices(tmp_p
         make_llm(folder)
 
 
+def test_pooling_files_corerun_cannot_follow_name_the_field(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "llama")
+    write_sentence_transformers(folder, "mean_tokens", True)
+    config_file = folder / "1_Pooling" / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "include_prompt": False}))
+    with pytest.raises(ModelLoadError, match="include_prompt=False .*include_prompt must be true or absent"):
+        read_model_pooling(folder)
+    (folder / "modules.json").write_text(json.dumps(["0_Transformer"]))
+    with pytest.raises(ModelLoadError, match=r"modules.json: must be a list of modules .*got \["):
+        read_model_pooling(folder)
+
+
 def test_dimensions_beyond_the_hidden_size_refused(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path, "qwen2")  # hidden size 64
     config = json.loads((folder / "config.json").read_text())

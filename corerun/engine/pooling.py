@@ -42,9 +42,11 @@ def read_model_pooling(model_dir: str | Path) -> ModelPooling:
     if not modules_file.is_file():
         return ModelPooling(matryoshka=matryoshka, matryoshka_dimensions=dims, hidden_size=hidden)
     modules = _read_json(modules_file)
-    types = [str(m.get("type", "")) for m in modules] if isinstance(modules, list) else []
-    pooling_dir = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith(".Pooling")), None) \
-        if isinstance(modules, list) else None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ModelLoadError(f"{modules_file}: must be a list of modules ({{\"type\": ..., \"path\": ...}}), "
+                             f"got {json.dumps(modules)[:80]}")
+    types = [str(m.get("type", "")) for m in modules]
+    pooling_dir = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
     extra = [t for t in types if t.rsplit(".", 1)[-1] not in ("Transformer", "Pooling", "Normalize")]
     if extra:
         raise ModelLoadError(f"{modules_file}: modules {extra} are not supported for embeddings; corerun pools "
@@ -58,6 +60,10 @@ def read_model_pooling(model_dir: str | Path) -> ModelPooling:
     if len(on) != 1 or on[0] not in _MODES:
         raise ModelLoadError(f"{config_file}: pooling modes {on or 'none'} are set; corerun pools with exactly one of "
                              f"{list(_MODES)} (last token, mean, CLS), set to true")
+    if config.get("include_prompt", True) is not True:
+        raise ModelLoadError(f"{config_file}: include_prompt={config['include_prompt']!r} (pooling without the "
+                             "prompt's instruction tokens) is not supported; corerun pools over every token: "
+                             "include_prompt must be true or absent")
     return ModelPooling(_MODES[on[0]], normalize, matryoshka, dims, str(config_file), hidden)
 
 
