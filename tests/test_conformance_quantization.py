@@ -1,12 +1,14 @@
-"""The quantization suite passes the built-in gguf method and rejects each broken one."""
+"""The quantization suite passes the built-in methods (gguf, gptq, awq, compressed-tensors, fp8) and rejects each broken one."""
 
 from __future__ import annotations
 
 import pytest
 
 from corerun.conformance.quantization_suite import QuantizationSuite
-from corerun.quantization.capabilities import GGUF
-from tests.broken_impls.quantization import IgnoresMinimum, ScalesOnWrongAxis, SwappedNibbles
+from corerun.quantization.capabilities import AWQ, COMPRESSED_TENSORS, GGUF, GPTQ
+from tests.broken_impls.quantization import (
+    AWQInOrder, CompressedScalesTransposed, GPTQZerosAsStored, IgnoresMinimum, ScalesOnWrongAxis, SwappedNibbles,
+)
 
 pytest.importorskip("gguf")
 
@@ -15,11 +17,11 @@ class TestGGUF(QuantizationSuite):
     implementation = "gguf"
 
 
-def _run(factory, check: str, type_name: str) -> None:
+def _run(factory, check: str, type_name: str, capabilities=GGUF) -> None:
     class Suite(QuantizationSuite):
         pass
 
-    Suite.factory, Suite.capabilities = factory, GGUF
+    Suite.factory, Suite.capabilities = factory, capabilities
     suite = Suite()
     target = Suite.resolve_targets()[0]
     from corerun.conformance.suite import Case
@@ -34,3 +36,13 @@ def _run(factory, check: str, type_name: str) -> None:
 def test_broken_methods_are_rejected(broken, type_name: str, check: str) -> None:
     with pytest.raises(AssertionError, match="off the float64 dequantize-then-matmul"):
         _run(broken, check, type_name)
+
+
+@pytest.mark.parametrize(("broken", "capabilities", "fmt"), [
+    (GPTQZerosAsStored, GPTQ, "gptq-4bit-g32"), (AWQInOrder, AWQ, "awq-4bit-g32"),
+    (CompressedScalesTransposed, COMPRESSED_TENSORS, "ct-w4a16-g32"),
+])
+@pytest.mark.parametrize("check", ["test_matmul", "test_sharded"])
+def test_broken_packed_methods_are_rejected(broken, capabilities, fmt: str, check: str) -> None:
+    with pytest.raises(AssertionError, match="off the float64 dequantize-then-matmul"):
+        _run(broken, check, fmt, capabilities)

@@ -30,7 +30,7 @@ from torch import nn
 from corerun.models.config import ModelConfig, parse_dtype
 from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
 from corerun.models.layers import WeightShapeError, use_cpu_matvec_layout
-from corerun.quantization.checkpoint import gguf_file_of
+from corerun.quantization.checkpoint import gguf_file_of, quantization_config
 from corerun.quantization.gguf_file import gguf_weights
 from corerun.models.registry import model_family
 
@@ -68,7 +68,7 @@ def load_model(
     family = model_family(config)
     model_cls = family.cls
     files = find_weight_files(model_dir, allow_pickle=allow_pickle)
-    check_size_against_weights(config, files, model_dir)
+    check_size_against_weights(config, files, model_dir, quantized=quantization_config(model_dir) is not None)
     if callable(dtype):
         dtype = dtype(config.torch_dtype)
     dtype = parse_dtype(dtype, "dtype argument") or config.torch_dtype or torch.float32
@@ -80,7 +80,10 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         extra = {} if quant is None else {"quant": quant}
         model = model_cls(config, **extra) if tp is None else model_cls(config, tp=tp, **extra)
-    load_weights(model, iterate_weights(files, allow_pickle=allow_pickle), source=str(model_dir))
+    weights = iterate_weights(files, allow_pickle=allow_pickle)
+    if quant is not None and hasattr(quant, "checkpoint_weights"):  # a layer's parts gathered into one packed tensor
+        weights = quant.checkpoint_weights(weights, quantization_config(model_dir))
+    load_weights(model, weights, source=str(model_dir))
     use_cpu_matvec_layout(model)  # one-token steps stream float32 CPU weights faster column by column
     return model.eval(), config
 
@@ -209,12 +212,12 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         ) from None
 
 
-def check_size_against_weights(config: ModelConfig, files: list[Path], model_dir: Path) -> None:
+def check_size_against_weights(config: ModelConfig, files: list[Path], model_dir: Path, quantized: bool = False) -> None:
     """Refuse a ``config.json`` whose model cannot be in these weight files (before allocating it).
 
     A lower bound of the parameter count (embeddings, attention and MLP projections), at 1 byte each
-    (no format corerun loads is smaller), must fit in the files' total size. (Pickle weights are
-    checked by their loader: a pickle's size says little before it is read.)
+    (``quantized``: 2 bits each; 4-bit GPTQ / AWQ weights take half a byte), must fit in the files'
+    total size. (Pickle weights are checked by their loader: a pickle's size says little before it is read.)
     """
     if any(f.suffix != ".safetensors" for f in files):
         return
@@ -223,7 +226,7 @@ def check_size_against_weights(config: ModelConfig, files: list[Path], model_dir
     per_layer = h * (2 * q + 2 * kv) + 3 * h * config.intermediate_size
     params = config.vocab_size * h + L * per_layer
     size = sum(f.stat().st_size for f in files)
-    if params > size:
+    if (params // 4 if quantized else params) > size:
         raise ModelLoadError(
             f"{model_dir / 'config.json'} describes a model of at least {params:,} parameters ({L:,} layers, "
             f"hidden_size {h:,}, vocab_size {config.vocab_size:,}), but the weight files hold only {size:,} bytes: "

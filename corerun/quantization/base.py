@@ -17,6 +17,12 @@ the geometry (its shards, its rank's slice) and the bias; the method owns the we
 3. ``apply(layer, x)``: ``x`` ``[T, in_features]`` in an activation dtype -> ``[T, out_features]``
    (shards stacked in order), bias not added (the layer adds it).
 
+Optional: ``checkpoint_weights(weights, quantization_config)`` sees the checkpoint's ``(name, tensor)``
+stream first (with ``config.json``'s ``quantization_config``, ``None`` when absent) and returns the one
+the loader reads: a format that stores a layer's weight as several tensors (GPTQ's ``qweight``,
+``qzeros``, ``scales``) yields them as one packed tensor under the layer's ``weight`` name
+(:mod:`corerun.quantization.readers`).  The default passes the stream through.
+
 ``capabilities`` (:class:`~corerun.plugin.capabilities.QuantizationCapabilities`) say what it reads and
 where it runs; ``quantization: auto`` picks from the checkpoint (:func:`corerun.quantization.select`).
 """
@@ -24,7 +30,7 @@ where it runs; ``quantization: auto`` picks from the checkpoint (:func:`corerun.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Hashable, Mapping
+from typing import Any, ClassVar, Hashable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -45,6 +51,11 @@ class QuantizationMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, Any]], quantization_config: Mapping[str, Any] | None,
+    ) -> Iterator[tuple[str, Any]]:
+        return iter(weights)
 
 
 def shard_offsets(shard_sizes: Mapping[Hashable, int]) -> dict[Hashable, int]:

@@ -35,6 +35,16 @@ def gguf_file_of(model_dir: str | Path) -> Path | None:
     return Path(json.loads(marker.read_text(encoding="utf-8"))["gguf"])
 
 
+def quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """``config.json``'s ``quantization_config`` (``None``: absent, or no readable ``config.json``)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    quant = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return quant if isinstance(quant, dict) else None
+
+
 def checkpoint_format(model_dir: str | Path, device: Any) -> CheckpointFormat:
     """Read ``model_dir``'s ``config.json`` (and GGUF file, if it stands for one)."""
     gguf = gguf_file_of(model_dir)
@@ -42,10 +52,6 @@ def checkpoint_format(model_dir: str | Path, device: Any) -> CheckpointFormat:
         from corerun.quantization.gguf_file import gguf_types
 
         return CheckpointFormat(device, gguf_types=gguf_types(gguf))
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        cfg = {}
-    quant = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    quant = quantization_config(model_dir)
+    method = quant.get("quant_method") if quant is not None else None
     return CheckpointFormat(device, quant_method=str(method) if method is not None else None)

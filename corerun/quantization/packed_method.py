@@ -1,0 +1,88 @@
+"""The built-in methods for checkpoints that say ``quantization_config.quant_method``: ``gptq``, ``awq``,
+``compressed-tensors`` and ``fp8``.
+
+They differ only in their reader (:mod:`corerun.quantization.readers`), which turns the checkpoint's
+parts into one :class:`QuantizedTensor` per layer; the layer cuts it (merged shards, tensor-parallel
+ranks) and the method keeps one per shard, as stored.  ``apply`` per scheme:
+
+- 4-bit GPTQ / AWQ / pack-quantized, int8 weights without int8 activations (W8A16), FP8 on CPU:
+  the shards are decoded into ``x.dtype`` on every call and multiplied (``F.linear``);
+- W8A8 (int8 activations, dynamic or static): :func:`corerun.quantization.int8_matmul.int8_linear`,
+  int8 x int8 -> int32 through ``torch._int_mm``;
+- FP8 on CUDA (compute capability 8.9 or more): :func:`corerun.quantization.fp8_cuda.fp8_linear`,
+  ``torch._scaled_mm`` with the activations quantized to e4m3 per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Hashable, Iterable, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corerun.quantization import capabilities as caps
+from corerun.quantization.base import QuantizationMethod
+from corerun.quantization.fp8_cuda import fp8_linear, use_scaled_mm
+from corerun.quantization.int8_matmul import int8_linear
+from corerun.quantization.quantized_tensor import QuantizedTensor, as_quantized
+from corerun.quantization.readers import READERS, group_weights
+
+
+class PackedMethod(QuantizationMethod):
+    quant_method: ClassVar[str]
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, Any]], quantization_config: Mapping[str, Any] | None,
+    ) -> Iterator[tuple[str, Any]]:
+        yield from group_weights(weights, READERS[self.quant_method](quantization_config or {}))
+
+    def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None:
+        # a placeholder the model loader finds by name; the parts live in layer.quantized, one tensor per shard
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.quantized_shards = list(shard_sizes)
+        layer.quantized = {}
+
+    def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
+        layer.quantized[shard_id] = as_quantized(f"shard {shard_id!r}", loaded).to(layer.weight.device)
+
+    def shards(self, layer: nn.Module) -> list[QuantizedTensor]:
+        return [layer.quantized[s] for s in layer.quantized_shards]
+
+    def dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's weight ``[out_features, in_features]`` in ``dtype``, decoded from its parts."""
+        parts = [w.dequantize(dtype) for w in self.shards(layer)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shards = self.shards(layer)
+        if all(w.scheme.activations is None and not use_scaled_mm(w, x) for w in shards):
+            return F.linear(x, self.dequantized(layer, x.dtype))
+        return torch.cat([self._product(w, x) for w in shards], dim=-1)
+
+    def _product(self, w: QuantizedTensor, x: torch.Tensor) -> torch.Tensor:
+        if w.scheme.activations is not None:
+            return int8_linear(x, w.parts["weight"], w.parts["weight_scale"], w.parts.get("input_scale") if w.scheme.activations == "int8-static" else None)
+        if use_scaled_mm(w, x):
+            return fp8_linear(x, w.parts["weight"], w.parts["weight_scale"])
+        return F.linear(x, w.dequantize(x.dtype))
+
+
+class GPTQMethod(PackedMethod):
+    name = quant_method = "gptq"
+    capabilities = caps.GPTQ
+
+
+class AWQMethod(PackedMethod):
+    name = quant_method = "awq"
+    capabilities = caps.AWQ
+
+
+class CompressedTensorsMethod(PackedMethod):
+    name = quant_method = "compressed-tensors"
+    capabilities = caps.COMPRESSED_TENSORS
+
+
+class FP8Method(PackedMethod):
+    name = quant_method = "fp8"
+    capabilities = caps.FP8

@@ -1,0 +1,111 @@
+"""The quantized layouts of GPTQ, AWQ, compressed-tensors and FP8 checkpoints, and their decoders.
+
+Each builder returns a :class:`~corerun.quantization.quantized_tensor.Scheme`; the decoders give the
+float32 weight ``[out, in]``.  Notation: ``q`` the codes, ``z`` zero points, ``s`` scales, ``g(i)``
+the group of input feature ``i``.
+
+- **GPTQ** (``quant_method: gptq``; AutoGPTQ, GPTQModel): ``qweight`` int32 ``[in / (32/b), out]``
+  packed along the input, ``qzeros`` int32 ``[G, out / (32/b)]``, ``scales`` float16 ``[G, out]``,
+  ``g_idx`` int32 ``[in]`` (``desc_act``: any order; else ``i // group_size``);
+  ``w[j, i] = s[g(i), j] * (q[i, j] - z[g(i), j])``; the stored zeros are ``z - 1``
+  (``checkpoint_format: gptq``), or ``z`` (``gptq_v2``).
+- **AWQ** (``quant_method: awq``, GEMM): ``qweight`` int32 ``[in, out / 8]`` and ``qzeros``
+  ``[in / group, out / 8]`` packed along the output in AWQ's interleaved order, ``scales``
+  ``[in / group, out]``; ``w[j, i] = s[i // group, j] * (q[i, j] - z[i // group, j])``.
+- **compressed-tensors pack-quantized** (W4A16): ``weight_packed`` int32 ``[out, ceil(in / 8)]`` of
+  ``q + 8``, ``weight_scale`` ``[out, G]`` (groups) or ``[out, 1]`` (channels), ``weight_zero_point``
+  (asymmetric) packed ``[ceil(out / 8), G]``, ``weight_g_idx`` (activation order); ``weight_shape``
+  ``[out, in]``; ``w[j, i] = s[j, g(i)] * (q[j, i] - z[j, g(i)])`` with signed ``q``, ``z``.
+- **compressed-tensors int-quantized** (W8A8 / W8A16): ``weight`` int8 ``[out, in]``, ``weight_scale``
+  ``[out, 1]`` or one value; ``w = s * q``; W8A8 quantizes the activations too (:mod:`.int8_matmul`).
+- **FP8** (``quant_method: fp8``, and compressed-tensors float-quantized): ``weight`` float8_e4m3fn
+  ``[out, in]``, ``weight_scale`` one value or ``[out, 1]``; ``w = s * float(q)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from corerun.quantization.int_packing import AWQ_ORDER, per_word, unpack
+from corerun.quantization.quantized_tensor import Axes, QuantizedLoadError, Scheme
+
+
+def _groups(parts: dict[str, torch.Tensor], key: str, cols: int, group: int) -> torch.Tensor:
+    """The group of each of the ``cols`` input features: ``parts[key]`` when stored, else ``i // group``."""
+    if key in parts:
+        return parts[key].long()
+    return torch.arange(cols, device=next(iter(parts.values())).device) // group
+
+
+def gptq(bits: int, group_size: int, zeros_offset: int) -> Scheme:
+    n = per_word(bits)
+
+    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
+        q = unpack(p["qweight"], bits, 0)  # [in, out]
+        z = unpack(p["qzeros"], bits, 1) + zeros_offset  # [G, out]
+        g = p["g_idx"].long()
+        return ((q - z[g]).float() * p["scales"].float()[g]).t()
+
+    axes = {"qweight": Axes(1, 1, 0, n), "qzeros": Axes(1, n, 0, 0), "scales": Axes(1, 1, 0, 0), "g_idx": Axes(None, 1, 0, 1)}
+    return Scheme(f"GPTQ {bits}-bit, groups of {group_size}", axes, decode, bits=bits)
+
+
+def awq(group_size: int) -> Scheme:
+    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
+        q = unpack(p["qweight"], 4, 1, AWQ_ORDER)  # [in, out]
+        z = unpack(p["qzeros"], 4, 1, AWQ_ORDER)  # [G, out]
+        g = torch.arange(cols, device=q.device) // group_size
+        return ((q - z[g]).float() * p["scales"].float()[g]).t()
+
+    axes = {"qweight": Axes(1, 8, 0, 1), "qzeros": Axes(1, 8, 0, group_size), "scales": Axes(1, 1, 0, group_size)}
+    return Scheme(f"AWQ 4-bit, groups of {group_size}", axes, decode, bits=4)
+
+
+def pack_quantized(bits: int, group_size: int | None, symmetric: bool, actorder: bool) -> Scheme:
+    """compressed-tensors ``pack-quantized``; ``group_size`` ``None``: one scale per output channel."""
+    n, offset = per_word(bits), 1 << (bits - 1)
+
+    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
+        q = unpack(p["weight_packed"], bits, 1)[:, :cols] - offset  # [out, in]
+        s = p["weight_scale"].float()  # [out, G]
+        g = _groups(p, "weight_g_idx", cols, group_size or cols)
+        w = q.float()
+        if not symmetric:
+            z = unpack(p["weight_zero_point"], bits, 0)[:out] - offset  # [out, G]
+            w = w - z[:, g].float()
+        return w * s[:, g]
+
+    per_group = 0 if actorder else (group_size or 0)
+    scale_in = Axes(0, 1, 1 if group_size else None, per_group)
+    axes = {"weight_packed": Axes(0, 1, 1, n), "weight_scale": scale_in, "weight_zero_point": Axes(0, n, scale_in.in_dim, per_group),
+            "weight_g_idx": Axes(None, 1, 0, 1), "weight_shape": Axes()}
+    what = f"groups of {group_size}" if group_size else "per channel"
+    return Scheme(f"compressed-tensors pack-quantized {bits}-bit, {what}{'' if symmetric else ', zero points'}", axes, decode, bits=bits)
+
+
+def int8(channel: bool, activations: str | None) -> Scheme:
+    """compressed-tensors int-quantized: int8 ``weight``, per-channel (``channel``) or per-tensor scale."""
+
+    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
+        return p["weight"].float() * p["weight_scale"].float().reshape(-1, 1)
+
+    axes = {"weight": Axes(0, 1, 1, 1), "weight_scale": Axes(0 if channel else None), "input_scale": Axes()}
+    act = {"int8-dynamic": ", int8 activations per token", "int8-static": ", int8 activations, static scale"}.get(activations or "", "")
+    return Scheme(f"int8 weights per {'channel' if channel else 'tensor'}{act}", axes, decode, bits=8, activations=activations)
+
+
+def fp8(channel: bool) -> Scheme:
+    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
+        return p["weight"].float() * p["weight_scale"].float().reshape(-1, 1)
+
+    axes = {"weight": Axes(0, 1, 1, 1), "weight_scale": Axes(0 if channel else None), "input_scale": Axes()}
+    return Scheme(f"FP8 e4m3 weights per {'channel' if channel else 'tensor'}", axes, decode, bits=8)
+
+
+def check_shapes(name: str, scheme: Scheme, parts: dict[str, torch.Tensor], want: dict[str, tuple[int, ...]]) -> None:
+    """Refuse parts whose shapes are not ``want``'s, naming the tensor, both shapes and the scheme."""
+    for key, shape in want.items():
+        if key in parts and tuple(parts[key].shape) != shape:
+            raise QuantizedLoadError(
+                f"{name}.{key}: shape {tuple(parts[key].shape)} does not fit {scheme.name}; expected {shape}"
+            )
