@@ -6,12 +6,17 @@ import pytest
 
 from corerun.conformance.lora_suite import LoRAKernelSuite
 from corerun.conformance.suite import Case
+from corerun.lora.grouped import GroupedLoRAKernel
 from corerun.lora.reference import TorchLoRAKernel
 from tests.broken_impls.lora import AppliesToBaseTokens, IgnoresScaling, Overwrites, SwapsSlices, TransposesB
 
 
 class TestTorch(LoRAKernelSuite):
     factory = TorchLoRAKernel
+
+
+class TestGrouped(LoRAKernelSuite):
+    factory = GroupedLoRAKernel
 
 
 def _run(factory, check: str, case_id: str) -> None:

@@ -5,3 +5,4 @@ from __future__ import annotations
 from corerun.protocols.lora import LoRAKernelCapabilities
 
 TORCH_KERNEL = LoRAKernelCapabilities(graph_safe=True)
+GROUPED_KERNEL = LoRAKernelCapabilities(grouped=True)  # reads each slot's token count on the host: not graph safe

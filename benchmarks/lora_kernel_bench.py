@@ -1,0 +1,72 @@
+"""The LoRA kernels on CPU: the ``torch`` reference (a gather per token) against ``grouped`` (one pair of
+products per adapter present), side by side, interleaved, best of ``--repeats``.
+
+One merged q/k/v layer of SmolLM2-135M's shape (576 -> 576 + 192 + 192) and one gate/up layer
+(576 -> 1536 + 1536), ``--slots`` adapters of rank ``--rank``, the tokens spread over the adapters and
+the base model (slot -1) in turn; ms per call of ``add_lora``, and the ratio reference / grouped.
+
+    .venv/bin/python benchmarks/lora_kernel_bench.py --threads 1 --tokens 1,16,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from corerun.lora.grouped import GroupedLoRAKernel
+from corerun.lora.reference import TorchLoRAKernel
+
+LAYERS = {"qkv": (576, (576, 192, 192)), "gate_up": (576, (1536, 1536))}
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", default="1,16,256")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.slots} slots of rank {args.rank}, "
+          f"load {os.getloadavg()[0]:.2f} at start; ms per add_lora call, best of {args.repeats}")
+    kernels = {"torch": TorchLoRAKernel(), "grouped": GroupedLoRAKernel()}
+    g = torch.Generator().manual_seed(0)
+    print(f"{'dtype':9} {'layer':8} {'tokens':>6} {'torch':>9} {'grouped':>9} {'torch/grouped':>14}")
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        for layer, (h_in, slices) in LAYERS.items():
+            a = [torch.randn(args.slots, args.rank, h_in, generator=g).to(dtype) * 0.05 for _ in slices]
+            b = [torch.randn(args.slots, out, args.rank, generator=g).to(dtype) * 0.05 for out in slices]
+            scalings = torch.full((args.slots,), 2.0)
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                x = torch.randn(tokens, h_in, generator=g).to(dtype)
+                y = torch.randn(tokens, sum(slices), generator=g).to(dtype)
+                slots = (torch.arange(tokens, dtype=torch.int32) % (args.slots + 1)) - 1  # -1, 0, 1, ... in turn
+                if tokens == 1:
+                    slots.fill_(0)
+                ms = {name: float("inf") for name in kernels}
+                for _ in range(2):  # interleaved rounds
+                    for name, kernel in kernels.items():
+                        ms[name] = min(ms[name], best_ms(lambda k=kernel: k.add_lora(y, x, a, b, scalings, slots, slices),
+                                                         args.repeats))
+                print(f"{str(dtype).removeprefix('torch.'):9} {layer:8} {tokens:6d} {ms['torch']:9.3f} "
+                      f"{ms['grouped']:9.3f} {ms['torch'] / ms['grouped']:14.2f}")
+    print(f"load {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
