@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
+from linear_bench import best_ms  # benchmarks/ is the script's folder: on sys.path
 
 from corerun.lora.grouped import GroupedLoRAKernel
 from corerun.lora.reference import TorchLoRAKernel
 
 LAYERS = {"qkv": (576, (576, 192, 192)), "gate_up": (576, (1536, 1536))}
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def main() -> None:
