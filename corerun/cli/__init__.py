@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "bench": "corerun.cli.bench:bench",
     "serve": "corerun.cli.serve:serve",
     "new": "corerun.cli.new:new",
+    "quantize": "corerun.cli.quantize:quantize",
 }
 HELP = {
     "generate": "Generate completions for PROMPTs (the built-in default model unless --model/--config name one).",
@@ -26,6 +27,7 @@ HELP = {
     "bench": "Offline throughput / latency benchmark on a standard workload.",
     "serve": "Serve the model over HTTP with OpenAI's API (completions, chat, models, health, metrics).",
     "new": f"Write a ready pip distribution for a new plugin: corerun new {'|'.join(SCAFFOLD_KINDS)} NAME.",
+    "quantize": "Quantize a float model (int8 W8A8 or int4 W4A16, round to nearest) into compressed-tensors format.",
 }
 
 

@@ -1,0 +1,112 @@
+"""GPTQ, AWQ, compressed-tensors and FP8 checkpoints of a tiny random Qwen2 (q/k/v biases, merged q/k/v and
+gate/up): corerun, with the method for the checkpoint's quant_method, against transformers running the float
+model with the reference quantizer's dequantized weights (and, for W8A8, its activations fake-quantized
+per token, as the int8 product sees them).  The parts of each layer are split over two safetensors files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from corerun.conformance.reference.quantizers import FORMATS
+from corerun.models.loader import load_model
+from corerun.quantization.checkpoint import checkpoint_format
+from corerun.quantization.packed_method import AWQMethod, CompressedTensorsMethod, FP8Method, GPTQMethod
+from corerun.quantization.readers import QuantizedLoadError
+from tests.helpers.tiny_models import corerun_logits, hf_model, make_tiny_model, max_rel_err
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+IDS = [5, 17, 99, 3, 250, 42, 7, 128, 64, 11]
+METHODS = {m.quant_method: m for m in (GPTQMethod, AWQMethod, CompressedTensorsMethod, FP8Method)}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("float"), arch="qwen2")
+
+
+def write_quantized(float_dir: Path, fmt: str, out: Path) -> dict[str, torch.Tensor]:
+    """``float_dir`` with every projection quantized by the reference ``fmt``, in two shards (scales in
+    the second); returns the dequantized float64 weight of each projection by its float name."""
+    state, dequantized, config = load_file(str(float_dir / "model.safetensors")), {}, None
+    for name in [n for n in state if n.endswith("proj.weight") and n.split(".")[-2] in PROJECTIONS]:
+        ref = FORMATS[fmt].quantize(state.pop(name).double())
+        prefix = name.removesuffix(".weight")
+        state.update({f"{prefix}.{k}": t for k, t in ref.tensors.items()})
+        dequantized[name], config = ref.weight, ref.config
+    out.mkdir()
+    second = {n: t for n, t in state.items() if "scale" in n}
+    first = {n: t for n, t in state.items() if n not in second}
+    save_file(first, str(out / "model-00001-of-00002.safetensors"))
+    save_file(second, str(out / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {**{n: "model-00001-of-00002.safetensors" for n in first}, **{n: "model-00002-of-00002.safetensors" for n in second}}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((float_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
+    return dequantized
+
+
+def reference_logits(float_dir: Path, dequantized: dict[str, torch.Tensor], activations_int8: bool) -> torch.Tensor:
+    hf = hf_model(float_dir)
+    with torch.no_grad():
+        params = dict(hf.named_parameters())
+        for name, w in dequantized.items():
+            params[name].copy_(w.float())
+    if activations_int8:  # the W8A8 product: each input row rounded to its own int8 grid, max|x| / 127
+        def fake_quantize(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+            x = args[0]
+            s = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            return (torch.round(x / s).clamp(-127, 127) * s,)
+
+        for name, module in hf.named_modules():
+            if name.split(".")[-1] in PROJECTIONS:
+                module.register_forward_pre_hook(fake_quantize)
+    with torch.no_grad():
+        return hf(torch.tensor([IDS])).logits[0].float()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["gptq-4bit-g32-act-order", "awq-4bit-g32", "ct-w4a16-channel-asym", "ct-w8a8-int8", "fp8-tensor"])
+def test_quantized_checkpoint_matches_transformers_on_the_dequantized_weights(float_dir: Path, tmp_path: Path, fmt: str) -> None:
+    folder = tmp_path / fmt
+    dequantized = write_quantized(float_dir, fmt, folder)
+    found = checkpoint_format(folder, "cpu").quant_method
+    assert found == FORMATS[fmt].quant_method
+    model, _ = load_model(folder, dtype=torch.float32, quant=METHODS[found]())
+    got = corerun_logits(model, IDS)
+    want = reference_logits(float_dir, dequantized, fmt == "ct-w8a8-int8")
+    assert max_rel_err(got, want) < 1e-4
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()  # greedy, position by position
+    # the float model differs: the check above sees the quantized weights, not the float ones
+    assert max_rel_err(got, reference_logits(float_dir, {}, False)) > 1e-3
+
+
+def test_a_layer_missing_a_part_is_refused_naming_it(float_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "gptq"
+    write_quantized(float_dir, "gptq-4bit-g32", folder)
+    shard = folder / "model-00002-of-00002.safetensors"
+    state = load_file(str(shard))
+    del state["model.layers.1.mlp.down_proj.scales"]
+    save_file(state, str(shard))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.down_proj.scales"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(QuantizedLoadError, match=r"model\.layers\.1\.mlp\.down_proj: GPTQ needs model\.layers\.1\.mlp\.down_proj\.scales"):
+        load_model(folder, dtype=torch.float32, quant=GPTQMethod())
+
+
+def test_an_unread_config_field_is_refused_naming_field_value_and_what_is_read() -> None:
+    from corerun.quantization.readers import READERS
+
+    with pytest.raises(QuantizedLoadError, match=r"quantization_config\.bits: 3 is not read by corerun; it reads 4, 8"):
+        READERS["gptq"]({"bits": 3})
+    with pytest.raises(QuantizedLoadError, match=r"quantization_config\.weight_block_size: \[128, 128\]"):
+        READERS["fp8"]({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(QuantizedLoadError, match=r"config_groups\.group_0\.weights\.num_bits: 2"):
+        READERS["compressed-tensors"]({"format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 2, "type": "int"}}}})
