@@ -304,9 +304,8 @@ def test_batches_tell_the_runner_every_block_table_change(tiny) -> None:
         finished.update(sched.finished_ids)
         for r in sched.new_reqs:
             tables[r.seq_id] = list(r.block_ids)
-        for c in sched.cached_reqs:
-            if c.new_block_ids is not None:
-                tables[c.seq_id] = c.new_block_ids.apply(tables[c.seq_id])
+        for sid, change in sched.block_changes.items():
+            tables[sid] = change.apply(tables[sid])
         for sid, s in zip(sched.req_ids, engine.scheduler.seqs_of(sched)):
             assert sid not in finished and s is not None and not s.is_finished
             assert tables[sid] == list(engine.kv.block_table(sid))

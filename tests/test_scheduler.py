@@ -152,12 +152,12 @@ def test_each_batch_states_what_changed_since_the_previous_one():
     # new requests in full, nothing else: their prompts, parameters and computed counts
     assert [(r.seq_id, r.prompt_token_ids, r.output_token_ids, r.num_computed_tokens) for r in first.new_reqs] == [
         (1, tuple(range(100, 106)), (), 0), (2, tuple(range(200, 207)), (), 0)]
-    assert first.cached_reqs == () and first.num_scheduled == (6, 7)
+    assert not first.new_tokens and first.num_scheduled == (6, 7) and first.num_computed == (0, 0)
     second = step()  # decodes at positions 6 and 7: no new block
-    assert second.new_block_ids == {}
-    # the others as changes: the token each got since it was last scheduled (7, at the prompt's end)
-    assert [(c.seq_id, c.token_start, c.new_token_ids, c.num_tokens, c.num_computed_tokens) for c in second.cached_reqs] == [
-        (1, 6, (7,), 7, 6), (2, 7, (7,), 8, 7)]
+    assert second.new_block_ids == {} and second.num_computed == (6, 7)
+    # the others as changes: the token each got since it was last scheduled (7, at the prompt's end),
+    # which the runner did not sample (this test appended it)
+    assert dict(second.new_tokens) == {1: (6, (7,), 7), 2: (7, (7,), 8)}
     third = step()  # positions 7 (a) and 8 (b): b crosses into its third block, the last free one
     assert third.new_block_ids == {2: (2, tuple(kv.block_table(2)[2:]))} and len(kv.block_table(2)) == 3
     fourth = step()  # a needs a third block at position 8: none free, b (the youngest) is preempted
@@ -170,6 +170,30 @@ def test_each_batch_states_what_changed_since_the_previous_one():
     (back,) = fifth.new_reqs  # resumed: its prompt and the output it had, in full
     assert back.resumed and back.prompt_token_ids == tuple(range(200, 207)) and back.output_token_ids == (7, 7, 7)
     assert step().finished_ids == frozenset()  # named once
+
+
+def test_decodes_the_runner_sampled_for_are_told_their_computed_counts_only():
+    """vLLM v1's cached requests: a request the runner holds, whose tokens it sampled itself (they come
+    back in the step's result) and whose table kept its length, costs its row and nothing else."""
+    from corerun.core.batch import StepResult
+
+    rng = random.Random(5)
+    kv = PagedKVCacheManager(64, 4, prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(3):
+        sched.add(_seq(i, rng.randint(3, 9), max_tokens=30))
+    batch, grew = sched.schedule(), 0
+    for _ in range(10):
+        tables = {sid: len(kv.block_table(sid)) for sid in batch.req_ids}
+        rows = list(range(len(batch.req_ids)))
+        sched.update_from_output(batch, StepResult([rng.randrange(1000) for _ in rows], rows, None, {}))
+        batch = sched.schedule()
+        assert batch.num_decodes == 3 and not batch.new_reqs and not batch.new_tokens
+        assert batch.num_computed == tuple(s.num_computed_tokens for s in sched.seqs_of(batch))
+        crossed = {sid for sid in batch.req_ids if len(kv.block_table(sid)) > tables[sid]}
+        assert dict(batch.block_changes) == {sid: (tables[sid], tuple(kv.block_table(sid)[tables[sid]:])) for sid in crossed}
+        grew += len(crossed)
+    assert grew >= 3  # (each crossed into a new block of 4 at least once)
 
 
 def test_a_trim_is_stated_and_merged_with_the_growth_after_it():

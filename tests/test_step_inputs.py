@@ -93,7 +93,8 @@ def test_many_steps_of_messages_match_the_reference(seed: int) -> None:
         ib.apply(batch)
         for sid, d in batch.drafts.items():
             ib.write_drafts(ib.index[sid], d)
-        si._host_np.fill(0xA5)
+        for staging in si._buffers:  # (both: steps alternate between them)
+            staging.host_np.fill(0xA5)
         out = si.build(batch, ib)
         _check(out, ref)
         seen["steps"] += 1
@@ -134,11 +135,18 @@ def test_refusals_say_what_was_wrong() -> None:
 
 
 def test_a_change_to_a_request_the_runner_never_held_is_refused_by_name() -> None:
-    from corerun.core.batch import CachedRequest
+    from types import MappingProxyType
+
+    from corerun.core.batch import BlockIds, NewTokens
 
     ib = InputBatch(BS)
-    with pytest.raises(ValueError, match="request 9 is sent as a change"):
-        ib.apply(ScheduledBatch((9,), (1,), 1, cached_reqs=(CachedRequest(9, 0, (1,), 1, None, 0),)))
+    with pytest.raises(ValueError, match=r"request 9 is sent as a change \(new_tokens\)"):
+        ib.apply(ScheduledBatch((9,), (1,), 1, num_computed=(0,), new_tokens=MappingProxyType({9: NewTokens(0, (1,), 1)})))
+    with pytest.raises(ValueError, match=r"request 8 is sent as a change \(block_changes\)"):
+        ib.apply(ScheduledBatch((8,), (1,), 1, num_computed=(0,), block_changes=MappingProxyType({8: BlockIds(0, (3,))})))
+    ib.apply(ScheduledBatch((1,), (5,), 0, new_reqs=(_one(1, 5, (8, 9)),)))
+    with pytest.raises(ValueError, match="gives no computed counts"):
+        ib.apply(ScheduledBatch((1,), (1,), 1))
 
 
 def test_finished_and_preempted_requests_leave_and_a_resumed_one_comes_back_whole() -> None:
@@ -155,36 +163,43 @@ def test_finished_and_preempted_requests_leave_and_a_resumed_one_comes_back_whol
 class RecordingFence:
     """A fence for CPU: remembers the staged bytes at ``record``; ``synchronize`` checks they are still there."""
 
-    def __init__(self) -> None:
-        self.si: StepInputs | None = None
-        self.recorded, self.waits = None, 0
+    def __init__(self, si: list) -> None:
+        self.si, self.recorded, self.waits = si, None, 0
+
+    def _bytes(self) -> np.ndarray:
+        return next(b.host_np for b in self.si[0]._buffers if b.fence is self)
 
     def record(self) -> None:
-        self.recorded = self.si._host_np.copy()  # type: ignore[union-attr]
+        self.recorded = self._bytes().copy()
 
     def synchronize(self) -> None:
         self.waits += 1
-        assert np.array_equal(self.si._host_np, self.recorded), "the buffer was written before the wait"  # type: ignore[union-attr]
+        assert np.array_equal(self._bytes(), self.recorded), "the buffer was written before the wait"
 
 
-def test_the_buffer_is_rewritten_only_after_waiting_for_the_previous_copy() -> None:
-    fence = RecordingFence()
-    si = fence.si = StepInputs(BS, "cpu", max_num_tokens=64, max_num_reqs=4, max_blocks_per_seq=4, fence=fence)
+def test_a_step_s_inputs_hold_while_the_next_is_built_and_its_buffer_waits_for_its_copy() -> None:
+    holder: list = []
+    fences = (RecordingFence(holder), RecordingFence(holder))
+    si = StepInputs(BS, "cpu", max_num_tokens=64, max_num_reqs=4, max_blocks_per_seq=4, fences=fences)
+    holder.append(si)
     ib = InputBatch(BS)
-    first = ScheduledBatch((1,), (5,), 0, new_reqs=(_one(1, 5, (3, 4)),))
-    ib.apply(first)
-    held = si.build(first, ib)[0].input_ids.clone()
-    assert fence.waits == 0  # nothing was pending before the first step
-    second = ScheduledBatch((2,), (6,), 0, new_reqs=(_one(2, 6, (5, 6)),))
-    ib.apply(second)
-    si.build(second, ib)
-    assert fence.waits == 1 and held.tolist() == [0, 1, 2, 3, 4]
+    steps = [ScheduledBatch((k,), (5 + k,), 0, new_reqs=(_one(k, 5 + k, (k, k + 10)),)) for k in range(3)]
+    ib.apply(steps[0])
+    in_flight = si.build(steps[0], ib)[0]  # (not copied: what a step running on another thread holds)
+    ib.apply(steps[1])
+    si.build(steps[1], ib)
+    assert in_flight.input_ids.tolist() == [0, 1, 2, 3, 4] and in_flight.positions.tolist() == [0, 1, 2, 3, 4]
+    assert in_flight.batch.slot_mapping.tolist() == [0, 1, 2, 3, 10 * BS]
+    assert [f.waits for f in fences] == [0, 0]  # nothing was pending before each buffer's first step
+    ib.apply(steps[2])
+    si.build(steps[2], ib)  # back to the first buffer: only after the copy out of it
+    assert [f.waits for f in fences] == [1, 0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging and the CUDA event need a GPU")
 def test_cuda_pinned_staging_matches_the_host_fill() -> None:
     si = StepInputs(BS, "cuda", max_num_tokens=64, max_num_reqs=8, max_blocks_per_seq=8)
-    assert si._host.is_pinned()
+    assert all(b.host.is_pinned() for b in si._buffers)
     ib = InputBatch(BS)
     outs = []
     for k in range(4):  # the next build reuses the buffer while this copy may be in flight

@@ -95,13 +95,14 @@ def test_the_staging_buffer_holds_each_field_where_the_layout_says():
     sched = ScheduledBatch(tuple(order), tuple(num_new[i] for i in order), sum(n == 1 for n in num_new), tuple(reqs))
     batch = InputBatch(bs)
     batch.apply(sched)
-    si._host_np.fill(0xA5)
+    staged_bytes = si._buffers[0].host_np  # (the buffer the first step fills)
+    staged_bytes.fill(0xA5)
     inputs, _, _ = si.build(sched, batch)
     dims = (sum(num_new), num_reqs, max(len(t) for t in tables.values()))
     lay = StepLayout.of(*dims)
     for f, offset, have in zip(STEP_FIELDS, lay.offsets, step_tensors(inputs)):
         assert have.dtype == f.dtype and tuple(have.shape) == f.shape(*dims), f.name
-        staged = torch.from_numpy(si._host_np[offset : offset + have.numel() * f.dtype.itemsize].copy()).view(f.dtype)
+        staged = torch.from_numpy(staged_bytes[offset : offset + have.numel() * f.dtype.itemsize].copy()).view(f.dtype)
         assert torch.equal(staged, have.reshape(-1)), f.name
     want_slots = [tables[i][p // bs] * bs + p % bs
                   for i in order for p in range(reqs[i].num_computed_tokens, reqs[i].num_computed_tokens + num_new[i])]

@@ -178,16 +178,16 @@ def test_the_message_pickles_whole_with_its_drafts():
     """Rank 0 sends the ScheduledBatch as it is; its read-only drafts mapping survives the trip."""
     import pickle
 
-    from corerun.core.batch import BlockIds, CachedRequest, NewRequest, ScheduledBatch
+    from corerun.core.batch import BlockIds, NewRequest, NewTokens, ScheduledBatch
 
     batch = ScheduledBatch(
         req_ids=(7, 3), num_scheduled=(3, 5), num_decodes=1,
-        new_reqs=(NewRequest(3, (1, 2, 3, 4, 5), (), SamplingParams(max_tokens=4), (9, 2), 0),),
-        cached_reqs=(CachedRequest(7, 10, (42,), 11, BlockIds(2, (5,)), 10),),
+        new_reqs=(NewRequest(3, (1, 2, 3, 4, 5), (), SamplingParams(max_tokens=4), (9, 2), 0),), num_computed=(10, 0),
+        new_tokens=MappingProxyType({7: NewTokens(10, (42,), 11)}), block_changes=MappingProxyType({7: BlockIds(2, (5,))}),
         drafts=MappingProxyType({7: (8, 9)}), finished_ids=frozenset({1}), preempted_ids=frozenset({2}),
     )
     got = pickle.loads(pickle.dumps(batch))
-    assert got == batch and dict(got.drafts) == {7: (8, 9)}
+    assert got == batch and dict(got.drafts) == {7: (8, 9)} and dict(got.block_changes) == {7: (2, (5,))}
     with pytest.raises(TypeError):
         got.drafts[7] = ()  # still read-only
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping, NamedTuple
 from corerun.lora.request import LoRARequest
 from corerun.sampling_params import SamplingParams
 
-_NO_DRAFTS: Mapping[int, tuple[int, ...]] = MappingProxyType({})
+_NONE: Mapping[int, Any] = MappingProxyType({})
 
 
 class BlockIds(NamedTuple):
@@ -55,44 +55,43 @@ class NewRequest:
     lora_slot: int = -1  # the device slot the scheduler gave that adapter; -1: none
 
 
-@dataclass(frozen=True, slots=True)
-class CachedRequest:
-    """A request the runner already holds, as changes: its tokens from ``token_start`` on are
-    ``new_token_ids`` (those appended since it was last scheduled, as far as the scheduler knows them)
-    and it has ``num_tokens`` in all; its block-table change (``None``: unchanged) and computed count.
+class NewTokens(NamedTuple):
+    """Tokens of a request the runner holds that it has not got from its own sampling (a draft model's
+    copy rewound, a test's tokens appended by hand): its tokens from ``start`` on are ``ids``, and it
+    has ``num_tokens`` in all (under asynchronous scheduling counting the token in flight, which the
+    runner sampled itself)."""
 
-    Under asynchronous scheduling ``num_tokens`` and ``num_computed_tokens`` count the step in flight,
-    whose sampled token the scheduler does not know yet: the runner holds it (it sampled it).
-    """
-
-    seq_id: int
-    token_start: int
-    new_token_ids: tuple[int, ...]
+    start: int
+    ids: tuple[int, ...]
     num_tokens: int
-    new_block_ids: BlockIds | None
-    num_computed_tokens: int
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     """One step: row ``i`` is request ``req_ids[i]``, computing ``num_scheduled[i]`` tokens from its
-    computed count.  Decodes (one token) come first, as ``AttentionBatch.num_decodes`` expects; a
-    decode with drafts (``drafts[seq_id]``, speculative decoding) computes ``1 + len(drafts)`` tokens:
-    its last token, then the drafts, which the step verifies.
+    computed count ``num_computed[i]``.  Decodes (one token) come first, as ``AttentionBatch.num_decodes``
+    expects; a decode with drafts (``drafts[seq_id]``, speculative decoding) computes ``1 + len(drafts)``
+    tokens: its last token, then the drafts, which the step verifies.
+
+    Requests the runner holds cost nothing beyond their row unless they changed (vLLM v1's
+    ``CachedRequestData``): the tokens the runner sampled it already holds, so only tokens it did not
+    sample come in ``new_tokens``, and only tables that changed in ``block_changes``.  ``num_computed``
+    may be empty when every row is a new request (whose ``NewRequest`` says it).
 
     Apply in this order (:meth:`corerun.runner.input_batch.InputBatch.apply`): drop ``finished_ids``
     and ``preempted_ids`` (gone for good; preempted: their blocks are freed and they come back as new
-    requests), add ``new_reqs`` (scheduled for the first time or resumed), update ``cached_reqs``.
-    Tokens the scheduler does not know yet (the step in flight under asynchronous scheduling) the
-    runner takes from what it sampled itself.
+    requests), add ``new_reqs`` (scheduled for the first time or resumed), write ``new_tokens`` and
+    ``block_changes``, set every row's computed count.
     """
 
     req_ids: tuple[int, ...]
     num_scheduled: tuple[int, ...]
     num_decodes: int
     new_reqs: tuple[NewRequest, ...] = ()
-    cached_reqs: tuple[CachedRequest, ...] = ()
-    drafts: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: _NO_DRAFTS)
+    num_computed: tuple[int, ...] = ()
+    new_tokens: Mapping[int, NewTokens] = field(default_factory=lambda: _NONE)
+    block_changes: Mapping[int, BlockIds] = field(default_factory=lambda: _NONE)
+    drafts: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: _NONE)
     finished_ids: frozenset[int] = frozenset()
     preempted_ids: frozenset[int] = frozenset()
 
@@ -110,17 +109,17 @@ class ScheduledBatch:
         """Each scheduled request's block-table change in this batch: a new or resumed one's whole table
         (``start`` 0), the others' changes; a request without an entry kept its table."""
         out = {r.seq_id: BlockIds(0, r.block_ids) for r in self.new_reqs}
-        out.update((c.seq_id, c.new_block_ids) for c in self.cached_reqs if c.new_block_ids is not None)
+        out.update(self.block_changes)
         return out
 
     def __bool__(self) -> bool:
         return bool(self.req_ids)
 
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        """Pickles with its drafts as a plain dict (a read-only mapping view does not pickle): tensor-parallel
+        """Pickles with its mappings as plain dicts (a read-only mapping view does not pickle): tensor-parallel
         rank 0 sends the batch to its workers as it is."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["drafts"] = dict(self.drafts)
+        values.update((name, dict(values[name])) for name in _MAPPINGS)
         return _unpickled_batch, (values,)
 
     def only(self, keep: list[int]) -> ScheduledBatch:
@@ -130,8 +129,8 @@ class ScheduledBatch:
             self, req_ids=tuple(self.req_ids[i] for i in keep), num_scheduled=tuple(self.num_scheduled[i] for i in keep),
             num_decodes=sum(1 for i in keep if i < self.num_decodes),
             new_reqs=tuple(r for r in self.new_reqs if r.seq_id in ids),
-            cached_reqs=tuple(r for r in self.cached_reqs if r.seq_id in ids),
-            drafts=MappingProxyType({k: v for k, v in self.drafts.items() if k in ids}),
+            num_computed=tuple(self.num_computed[i] for i in keep) if self.num_computed else (),
+            **{name: MappingProxyType({k: v for k, v in getattr(self, name).items() if k in ids}) for name in _MAPPINGS},
         )
 
     def telling(self, earlier: ScheduledBatch) -> ScheduledBatch:
@@ -141,8 +140,11 @@ class ScheduledBatch:
         return replace(self, finished_ids=earlier.finished_ids | self.finished_ids)
 
 
+_MAPPINGS = ("new_tokens", "block_changes", "drafts")
+
+
 def _unpickled_batch(values: dict[str, Any]) -> ScheduledBatch:
-    return ScheduledBatch(**{**values, "drafts": MappingProxyType(values["drafts"])})
+    return ScheduledBatch(**{**values, **{name: MappingProxyType(values[name]) for name in _MAPPINGS}})
 
 
 @dataclass

@@ -23,14 +23,14 @@ import time
 from collections import deque
 from typing import Iterable
 
-from corerun.core.batch import BlockIds, CachedRequest, NewRequest, ScheduledBatch, StepResult
+from corerun.core.batch import BlockIds, NewRequest, NewTokens, ScheduledBatch, StepResult
 from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.core.told import _NOTHING_IN_FLIGHT, InFlight, Told, make_batch
 from corerun.errors import StepError
 from corerun.lora.slots import LoRASlots
 from corerun.protocols.kv_cache import KVCacheManager
 
-__all__ = ["BlockIds", "CachedRequest", "InFlight", "NewRequest", "ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
+__all__ = ["BlockIds", "InFlight", "NewRequest", "NewTokens", "ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
 
 logger = logging.getLogger("corerun.engine")
 
@@ -122,7 +122,7 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        scheduled: dict[int, int] = {}  # seq_id -> num_new
+        scheduled: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (seq, tokens scheduled, computed count)
         preempted: list[Sequence] = []
         drafts: dict[int, list[int]] = {}
         resumed: list[int] = []
@@ -144,14 +144,14 @@ class Scheduler:
             if guess:  # its drafts come after the step in flight: slots for as many as it may get
                 d = [-1] * max(min(self.num_spec_tokens, budget - 1, seq.tokens_left(self.max_model_len) - ahead.appended - 1), 0)
                 self._guessed[seq.seq_id] = 0
-            else:
-                d = seq.draft_token_ids[: budget - 1]  # drafts only where their slots are free: never a preemption
+            else:  # drafts only where their slots are free: never a preemption
+                d = seq.draft_token_ids[: budget - 1] if seq.draft_token_ids else seq.draft_token_ids
             if n == 1 and d and budget > 1 and self._allocate(seq, computed + 1 + len(d)):
                 if guess:
                     self._guessed[seq.seq_id] = len(d)
                 else:
                     drafts[seq.seq_id] = d
-                scheduled[seq.seq_id] = 1 + len(d)
+                scheduled[seq.seq_id] = (seq, 1 + len(d), computed)
                 budget -= 1 + len(d)
                 i += 1
                 continue
@@ -162,7 +162,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled[seq.seq_id] = n
+                scheduled[seq.seq_id] = (seq, n, computed)
                 budget -= n
                 i += 1
                 continue
@@ -189,22 +189,23 @@ class Scheduler:
                 self.lora_slot_of[seq.seq_id] = self.lora_slots.acquire(seq.lora.lora_int_id)  # (available: checked)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled[seq.seq_id] = n
+            scheduled[seq.seq_id] = (seq, n, seq.num_computed_tokens)
             budget -= n
             if seq.num_preemptions:
                 resumed.append(seq.seq_id)
 
-        by_id = {s.seq_id: s for s in self.running}
-        items = [(by_id[sid], n) for sid, n in scheduled.items()]
+        for victim in preempted:  # (preempted after it was scheduled, by an older request)
+            scheduled.pop(victim.seq_id, None)
         self._guessed = {sid: k for sid, k in self._guessed.items() if sid in scheduled}
         finished: frozenset[int] = frozenset()
-        if items:  # (an empty batch reaches no runner: the finished ids wait for the next one)
+        if scheduled:  # (an empty batch reaches no runner: the finished ids wait for the next one)
             finished, self._finished = frozenset(self._finished), []
-        self._seqs.update((s.seq_id, s) for s, _ in items)
-        new_reqs, cached = self.told.describe(items, frozenset(resumed), self.in_flight)
-        return make_batch([(s.seq_id, n) for s, n in items], tuple(new_reqs), tuple(cached),
-                      {sid: tuple(d) for sid, d in drafts.items() if sid in by_id},  # (a drafting seq preempted later)
-                      finished, frozenset(s.seq_id for s in preempted))
+        seqs = [seq for seq, _, _ in scheduled.values()]
+        new_reqs, new_tokens, changes = self.told.describe(seqs, scheduled, frozenset(resumed), self.in_flight)
+        self._seqs.update((r.seq_id, scheduled[r.seq_id][0]) for r in new_reqs)  # (the draft model's scheduler puts its own)
+        return make_batch([(sid, n, c) for sid, (_, n, c) in scheduled.items()], tuple(new_reqs), new_tokens, changes,
+                          {sid: tuple(d) for sid, d in drafts.items() if sid in scheduled}, finished,
+                          frozenset(s.seq_id for s in preempted))
 
     def settle(self, batch: ScheduledBatch) -> ScheduledBatch:
         """Asynchronous scheduling with speculative decoding: ``batch`` was scheduled while the step before
@@ -215,25 +216,28 @@ class Scheduler:
         guessed, self._guessed = self._guessed, {}
         if not guessed:
             return batch
-        num, drafts, cached = dict(zip(batch.req_ids, batch.num_scheduled)), dict(batch.drafts), []
-        for c in batch.cached_reqs:
-            seq, room = self._seqs.get(c.seq_id), guessed.get(c.seq_id)
-            if room is None or seq is None or seq.is_finished:  # (a finished one's row is dropped by the caller)
-                cached.append(c)
+        rows = {sid: [n, c] for sid, n, c in zip(batch.req_ids, batch.num_scheduled, batch.num_computed)}
+        drafts, new_tokens, changes = dict(batch.drafts), dict(batch.new_tokens), dict(batch.block_changes)
+        for sid, room in guessed.items():
+            seq = self._seqs.get(sid)
+            if seq is None or seq.is_finished or sid not in rows:  # (a finished one's row is dropped by the caller)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, num[c.seq_id])
+            n = min(seq.num_tokens - seq.num_computed_tokens, rows[sid][0])
             d = tuple(seq.draft_token_ids[:room]) if n == 1 else ()
             self.trim(seq, seq.num_computed_tokens + n + len(d))
-            later = self.told.pending.pop(c.seq_id, None)
-            change = later if c.new_block_ids is None else c.new_block_ids if later is None else c.new_block_ids.then(later)
-            self.told.tokens[c.seq_id] = seq.num_tokens
-            cached.append(CachedRequest(c.seq_id, c.token_start, tuple(seq.token_ids[c.token_start:]), seq.num_tokens,
-                                        change, seq.num_computed_tokens))
-            num[c.seq_id] = n + len(d)
-            drafts.pop(c.seq_id, None)
+            later = self.told.pending.pop(sid, None)
+            if later is not None:
+                changes[sid] = changes[sid].then(later) if sid in changes else later
+            told = new_tokens.get(sid)
+            if told is not None:  # (tokens the runner did not sample, counted with placeholders: now as they are)
+                new_tokens[sid] = NewTokens(told.start, tuple(seq.token_ids[told.start:]), seq.num_tokens)
+                self.told.tokens[sid] = seq.num_tokens
+            rows[sid] = [n + len(d), seq.num_computed_tokens]
+            drafts.pop(sid, None)
             if d:
-                drafts[c.seq_id] = d
-        return make_batch(list(num.items()), batch.new_reqs, tuple(cached), drafts, batch.finished_ids, batch.preempted_ids)
+                drafts[sid] = d
+        return make_batch([(sid, n, c) for sid, (n, c) in rows.items()], batch.new_reqs, new_tokens, changes, drafts,
+                          batch.finished_ids, batch.preempted_ids)
 
     def set_in_flight(self, batch: ScheduledBatch) -> None:
         """Asynchronous scheduling: ``batch`` runs while the next one is scheduled.  Each of its
@@ -388,6 +392,7 @@ class Scheduler:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            before = len(seq.token_ids)
             for token in result.emitted(j):
                 reason = self._append(seq, token)
                 if reason is not None:
@@ -396,6 +401,8 @@ class Scheduler:
                 reason = why  # a logits processor's end (a grammar completed)
             if reason is not None:
                 self.finish(seq, reason)
+            else:  # the runner recorded the tokens it sampled: the next message need not tell them
+                self.told.sampled(seq.seq_id, before, len(seq.token_ids))
         for row, vector in result.pooled.items():  # embedding requests end when their prompt is computed
             seq = seqs[row]
             if seq is None or seq.seq_id in failed or seq.is_finished:

@@ -2,17 +2,19 @@
 
 Per request holding blocks: its block table's length as reported and the changes not yet handed out
 (its request not scheduled since); per request the runner holds: how many of its tokens it was told.
-:meth:`Told.describe` turns the scheduled requests into the message's rows: in full when the runner
-holds nothing of theirs (``NewRequest``), else what changed since they were last scheduled
-(``CachedRequest``), counting the step in flight under asynchronous scheduling (:class:`InFlight`).
+:meth:`Told.describe` turns the scheduled requests into the message: in full when the runner holds
+nothing of theirs (``NewRequest``), else only what changed since they were last scheduled and the
+runner did not sample itself (``NewTokens``, ``BlockIds``), counting the step in flight under
+asynchronous scheduling (:class:`InFlight`); a decode whose table kept its length is not described.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Container
 from types import MappingProxyType
 
-from corerun.core.batch import BlockIds, CachedRequest, NewRequest, ScheduledBatch
+from corerun.core.batch import BlockIds, NewRequest, NewTokens, ScheduledBatch
 from corerun.core.sequence import Sequence
 
 
@@ -49,17 +51,23 @@ class Told:
         self.pending.pop(seq_id, None)
         self.tokens.pop(seq_id, None)
 
-    def describe(self, items: list[tuple[Sequence, int]], resumed: frozenset[int],
-                 in_flight: dict[int, InFlight]) -> tuple[list[NewRequest], list[CachedRequest]]:
-        """The scheduled sequences as the runner is told them (``resumed``: scheduled again after a preemption)."""
+    def describe(self, seqs: list[Sequence], scheduled: Container[int], resumed: frozenset[int],
+                 in_flight: dict[int, InFlight]) -> tuple[list[NewRequest], dict[int, NewTokens], dict[int, BlockIds]]:
+        """The scheduled ``seqs`` (their ids: ``scheduled``) as the runner is told them (``resumed``:
+        scheduled again after a preemption): those it holds nothing of in full, of the others only what changed.  A request
+        whose tokens the runner sampled itself (:meth:`sampled`) and whose table kept its length
+        costs one dictionary look-up."""
         new_reqs: list[NewRequest] = []
-        cached: list[CachedRequest] = []
-        for seq, _ in items:
-            sid = seq.seq_id
-            change = self.pending.pop(sid, None)
-            start = self.tokens.get(sid)
-            self.tokens[sid] = seq.num_tokens
+        new_tokens: dict[int, NewTokens] = {}
+        told, pending = self.tokens, self.pending
+        for seq in seqs:
+            sid, num_tokens = seq.seq_id, len(seq.token_ids)
+            start = told.get(sid)
+            if start == num_tokens:
+                continue
+            told[sid] = num_tokens
             if start is None:
+                change = pending.pop(sid, None)
                 if change is not None and change.start != 0:
                     raise RuntimeError(f"sequence {sid} is new to the runner but its block-table change starts at {change.start}")
                 new_reqs.append(NewRequest(
@@ -69,14 +77,24 @@ class Told:
                 ))
             else:
                 ahead = in_flight.get(sid, _NOTHING_IN_FLIGHT)
-                cached.append(CachedRequest(sid, start, tuple(seq.token_ids[start:]), seq.num_tokens + ahead.appended,
-                                            change, seq.num_computed_tokens + ahead.computed))
-        return new_reqs, cached
+                new_tokens[sid] = NewTokens(start, tuple(seq.token_ids[start:]), num_tokens + ahead.appended)
+        changes = {sid: pending.pop(sid) for sid in [sid for sid in pending if sid in scheduled]}  # (a few a step)
+        return new_reqs, new_tokens, changes
+
+    def sampled(self, seq_id: int, before: int, after: int) -> None:
+        """The runner sampled ``seq_id``'s tokens from ``before`` to ``after`` and holds them: when it was
+        told every token before them, it need not be told these."""
+        if self.tokens.get(seq_id) == before:
+            self.tokens[seq_id] = after
 
 
-def make_batch(rows: list[tuple[int, int]], new_reqs: tuple[NewRequest, ...], cached: tuple[CachedRequest, ...],
-               drafts: dict[int, tuple[int, ...]], finished: frozenset[int], preempted: frozenset[int]) -> ScheduledBatch:
-    """The message for ``rows`` (seq_id, tokens scheduled), decodes (one token) first."""
-    rows = sorted(rows, key=lambda r: r[1] != 1)  # (stable)
-    return ScheduledBatch(tuple(sid for sid, _ in rows), tuple(n for _, n in rows), sum(1 for _, n in rows if n == 1),
-                          new_reqs, cached, MappingProxyType(drafts), finished, preempted)
+def make_batch(rows: list[tuple[int, int, int]], new_reqs: tuple[NewRequest, ...], new_tokens: dict[int, NewTokens],
+               block_changes: dict[int, BlockIds], drafts: dict[int, tuple[int, ...]], finished: frozenset[int],
+               preempted: frozenset[int]) -> ScheduledBatch:
+    """The message for ``rows`` (seq_id, tokens scheduled, computed count), decodes (one token) first."""
+    decodes = [r for r in rows if r[1] == 1]
+    if len(decodes) < len(rows):
+        rows = decodes + [r for r in rows if r[1] != 1]
+    ids, num, computed = zip(*rows) if rows else ((), (), ())
+    return ScheduledBatch(ids, num, len(decodes), new_reqs, computed, MappingProxyType(new_tokens),
+                          MappingProxyType(block_changes), MappingProxyType(drafts), finished, preempted)

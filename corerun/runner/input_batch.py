@@ -5,8 +5,9 @@ its block-table row, and its sampling parameters; the step's inputs are filled f
 alone (:mod:`corerun.runner.step_inputs`), and the sampling metadata reads the rows' prompt and
 output through views (:class:`Tokens`), without a copy.  :meth:`InputBatch.apply` takes a
 :class:`~corerun.core.batch.ScheduledBatch` (requests gone, new or resumed ones in full, the others'
-changes); :meth:`InputBatch.record` writes the tokens the runner sampled, which stand in for
-what the scheduler does not know yet (asynchronous scheduling) and are confirmed by the next message.
+changes: tokens the runner did not sample, tables that changed, and every row's computed count as
+one array write); :meth:`InputBatch.record` writes the tokens the runner sampled, which the
+scheduler then does not send again (it appends the same tokens from the step's result).
 
 The arrays grow by doubling: rows as requests arrive, columns as a request's tokens or blocks
 outgrow them.
@@ -86,12 +87,16 @@ class InputBatch:
         return seq_id in self.index
 
     # ----------------------------------------------------------------- apply
-    def apply(self, batch: ScheduledBatch) -> None:
-        """Drop the finished and preempted requests, add the new and resumed ones, apply the others' changes.
+    def apply(self, batch: ScheduledBatch) -> np.ndarray:
+        """Drop the finished and preempted requests, add the new and resumed ones, write the others'
+        changes (a few rows a step), then every row's computed count at once.
 
-        Raises ``ValueError`` naming a request the batch treats as held that has no row.
+        Returns the rows of ``batch.req_ids`` (int64 ``[R]``).  Raises ``ValueError`` naming a request
+        the batch treats as held that has no row.
         """
-        for sid in batch.finished_ids | batch.preempted_ids:
+        for sid in batch.finished_ids:
+            self.remove(sid)
+        for sid in batch.preempted_ids:
             self.remove(sid)
         for r in batch.new_reqs:
             self.remove(r.seq_id)
@@ -104,15 +109,29 @@ class InputBatch:
             self._write_blocks(row, 0, r.block_ids)
             self.prompt_logprobs_from[row] = max(r.num_prompt_logprobs - 1, 0)
             self.lora_slot[row] = r.lora_slot
-        for c in batch.cached_reqs:
-            row = self.index.get(c.seq_id)
-            if row is None:
-                raise ValueError(f"request {c.seq_id} is sent as a change (cached_reqs) but the runner holds no row for it; "
-                                 "a request the runner has not seen must come in new_reqs")
-            self._write_tokens(row, c.token_start, c.new_token_ids)
-            self.num_tokens[row], self.num_computed[row] = c.num_tokens, c.num_computed_tokens
-            if c.new_block_ids is not None:
-                self._write_blocks(row, c.new_block_ids.start, c.new_block_ids.ids)
+        for sid, t in batch.new_tokens.items():
+            row = self._held(sid, "new_tokens")
+            self._write_tokens(row, t.start, t.ids)
+            self.num_tokens[row] = t.num_tokens
+        for sid, change in batch.block_changes.items():
+            self._write_blocks(self._held(sid, "block_changes"), change.start, change.ids)
+        rows = self.rows_of(batch.req_ids)
+        if batch.num_computed:
+            if len(batch.num_computed) != len(rows):
+                raise ValueError(f"the batch gives {len(batch.num_computed)} computed counts for {len(rows)} rows; "
+                                 "num_computed holds one per request of req_ids")
+            self.num_computed[rows] = batch.num_computed
+        elif len(batch.new_reqs) < len(rows):
+            raise ValueError("the batch schedules requests the runner already holds but gives no computed counts; "
+                             "num_computed holds one per request of req_ids (empty only when every request is new)")
+        return rows
+
+    def _held(self, seq_id: int, field: str) -> int:
+        row = self.index.get(seq_id)
+        if row is None:
+            raise ValueError(f"request {seq_id} is sent as a change ({field}) but the runner holds no row for it; "
+                             "a request the runner has not seen must come in new_reqs")
+        return row
 
     def remove(self, seq_id: int) -> None:
         row = self.index.pop(seq_id, None)
@@ -136,7 +155,7 @@ class InputBatch:
     def rows_of(self, seq_ids: tuple[int, ...]) -> np.ndarray:
         """The rows of ``seq_ids``, int64; ``ValueError`` naming one without a row."""
         try:
-            return np.fromiter((self.index[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+            return np.fromiter(map(self.index.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
         except KeyError as exc:
             raise ValueError(f"request {exc.args[0]} is scheduled but the runner holds no row for it (it was never "
                              "sent in new_reqs, or it finished)") from None

@@ -161,10 +161,10 @@ class ModelRunner:
         their logits indices (int64 ``[S]``, rows of the step's hidden states).
         """
         ib = self.input_batch
-        ib.apply(sched)
+        rows = ib.apply(sched)
         for sid, d in sched.drafts.items():
             ib.write_drafts(ib.index[sid], d)
-        return self.step_inputs.build(sched, ib)
+        return self.step_inputs.build(sched, ib, rows)
 
     # ----------------------------------------------------------------- step
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
