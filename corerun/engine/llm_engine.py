@@ -118,6 +118,15 @@ class LLMEngine:
             seq_id = next(self._seq_ids)
         return self.inputs.process(prompt, params, seq_id, str(seq_id) if request_id is None else request_id, lora_request)
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (the server's ``--lora-modules`` and ``/v1/load_lora_adapter``);
+        raises RequestError naming what does not fit."""
+        with self.lock:
+            if self.runner.lora is None:
+                raise RequestError(f"adapter {lora_request.lora_name!r}: LoRA is off; start the engine with "
+                                   "lora: {enabled: true}")
+            self.runner.lora.load(lora_request)
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget an adapter (its host copy and its slot); refused while a request for it waits or runs."""
         with self.lock:
@@ -369,4 +378,3 @@ class LLMEngine:
             self.runner.shutdown()
             if self.spec is not None:  # the draft model's too
                 self.spec.shutdown()
-

@@ -14,6 +14,7 @@ scheduler hands out, and each step's token slots where the model's LoRA layers r
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any, Iterable
 
@@ -40,6 +41,7 @@ class LoRAManager:
         self.layers: dict[str, LoRALinear] = install(model, self.targets, self.state, max_loras, max_lora_rank, dtype, device)
         self.in_slot: list[int] = [0] * max_loras  # slot -> adapter id whose weights it holds (0: none)
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recently used first
+        self._host_lock = threading.Lock()  # (the server adds adapters while the step thread activates others)
         logger.info("lora: %d layers adapted, %d slots of rank %d: %.1f MiB on %s", len(self.layers), max_loras,
                     max_lora_rank, self.slot_bytes() / 2**20, device)
 
@@ -50,6 +52,10 @@ class LoRAManager:
     # ------------------------------------------------------------ host cache
     def load(self, request: LoRARequest) -> LoRAWeights:
         """``request``'s adapter, from the host cache or read and checked now (raises :class:`LoRAError`)."""
+        with self._host_lock:
+            return self._load(request)
+
+    def _load(self, request: LoRARequest) -> LoRAWeights:
         cached = self._host.get(request.lora_int_id)
         if cached is not None and cached.request == request:
             self._host.move_to_end(request.lora_int_id)
@@ -67,7 +73,8 @@ class LoRAManager:
 
     def remove(self, lora_id: int) -> None:
         """Forget ``lora_id`` (unloaded): its host copy and its device slot's claim to it."""
-        self._host.pop(lora_id, None)
+        with self._host_lock:
+            self._host.pop(lora_id, None)
         self.in_slot = [0 if i == lora_id else i for i in self.in_slot]
 
     # ------------------------------------------------------------ device slots

@@ -27,6 +27,7 @@ from corerun.server import protocol as P
 from corerun.server import tool_calls
 
 from corerun.server.security import Guard
+from corerun.server.lora import add_lora_routes
 from corerun.server.serving import Serving
 from corerun.server.streaming import collect, full_response, stream
 
@@ -153,29 +154,35 @@ def build_app(llm: Any) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        adapters = state.adapters.cards() if state.adapters is not None else []
+        return JSONResponse({"object": "list", "data": [model_card(), *adapters]})
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
+        if state.adapters is not None and model in state.adapters.by_name:
+            return JSONResponse(next(c for c in state.adapters.cards() if c["id"] == model))
         if model != state.name:
             raise P.APIError(404, f"model {model!r} does not exist; this server serves {state.name!r}",
                              param="model", code="model_not_found")
         return JSONResponse(model_card())
 
+    if state.adapters is not None:
+        add_lora_routes(app, state.adapters, read_json, state.cfg)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = P.parse_body(P.CompletionRequest, await read_json(request, state.cfg))
-        state.check_model(req)
+        lora = state.check_model(req)
         P.unsupported(req)
         prompts = await asyncio.to_thread(state.completion_prompts, req)  # a long prompt must not stall the others
         params = P.sampling_params(req, default_max_tokens=16, max_logprobs=state.max_logprobs)
         state.check_length(prompts, req.max_tokens, "prompt")
-        return await _serve(request, state, req, prompts, params, chat=False)
+        return await _serve(request, state, req, prompts, params, chat=False, lora=lora)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = P.parse_body(P.ChatCompletionRequest, await read_json(request, state.cfg))
-        state.check_model(req)
+        lora = state.check_model(req)
         P.unsupported(req)
         tools = tool_calls.plan(req, state.parsers)  # sets the structured output of required / named tool_choice
         prompt = await asyncio.to_thread(state.chat_prompt, req, tools.tools if tools else None)
@@ -184,7 +191,7 @@ def build_app(llm: Any) -> FastAPI:
                                    max_logprobs=state.max_logprobs)
         params = tool_calls.with_special_tokens(params, tools)
         state.check_length([prompt], req.max_completion_tokens or req.max_tokens, "messages")
-        return await _serve(request, state, req, [prompt], params, chat=True, tools=tools)
+        return await _serve(request, state, req, [prompt], params, chat=True, tools=tools, lora=lora)
 
     @app.post("/v1/embeddings")
     async def embed(request: Request) -> Response:
@@ -194,9 +201,10 @@ def build_app(llm: Any) -> FastAPI:
 
 
 async def _serve(request: Request, state: Serving, req: Any, prompts: list[list[int]], params: Any, chat: bool,
-                 tools: tool_calls.ToolPlan | None = None) -> Response:
+                 tools: tool_calls.ToolPlan | None = None, lora: Any = None) -> Response:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    streams = await state.submit(prompts, params, rid, final_only=not req.stream, structured=P.structured_field(req))
+    streams = await state.submit(prompts, params, rid, final_only=not req.stream, structured=P.structured_field(req),
+                                 lora=lora)
     created = int(time.time())
     state.in_flight[rid] = streams
     if req.stream:  # (the stream leaves in_flight when it ends)

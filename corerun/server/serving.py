@@ -8,8 +8,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from corerun.errors import EngineClosedError, RequestError
+from corerun.errors import ConfigError, EngineClosedError, RequestError
 from corerun.server import chat_template
+from corerun.lora.request import LoRARequest
 from corerun.server import protocol as P
 from corerun.server import tool_calls
 from corerun.server.metrics import ServerMetrics
@@ -28,6 +29,19 @@ def model_name(llm: Any) -> str:
     from corerun.models.default import MODEL_NAME
 
     return MODEL_NAME
+
+
+def lora_adapters(llm: Any, name: str) -> Any:
+    """The server's LoRA adapters (:class:`corerun.server.lora.Adapters`) when the engine has LoRA on, else None."""
+    cfg = llm.config
+    if not cfg.lora.enabled:
+        if cfg.server.lora_modules:
+            raise ConfigError("server.lora_modules names adapters but lora.enabled is off; set lora: {enabled: true} "
+                              "(corerun serve --lora-modules turns it on)")
+        return None
+    from corerun.server.lora import Adapters
+
+    return Adapters(llm.engine, name, cfg.server.lora_modules, cfg.server.enable_lora_runtime_updating)
 
 
 class Serving:
@@ -57,12 +71,17 @@ class Serving:
         self.in_flight: dict[str, list[Any]] = {}  # request id -> its engine streams, while a client waits on them
         self._token_text: dict[int, str] = {}
         self._tasks: set[asyncio.Task] = set()  # recording the ends of aborted requests
+        self.adapters = lora_adapters(llm, self.name)  # LoRA adapters served as models (corerun.server.lora)
 
     # ---------------------------------------------------------------- input
-    def check_model(self, req: P._Request) -> None:
+    def check_model(self, req: P._Request) -> LoRARequest | None:
+        """The adapter ``req.model`` names (``None``: the base model); 404 for a model this server does not serve."""
+        if self.adapters is not None:
+            return self.adapters.resolve(req.model)
         if req.model is not None and req.model != self.name:
             raise P.APIError(404, f"model {req.model!r} does not exist; this server serves {self.name!r}",
                              param="model", code="model_not_found")
+        return None
 
     def encode(self, text: str, field: str, special: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -132,7 +151,7 @@ class Serving:
 
     # --------------------------------------------------------------- engine
     async def submit(self, prompts: list[list[int]], params: Any, prefix: str, final_only: bool = False,
-                     structured: str | None = None) -> list[Any]:
+                     structured: str | None = None, lora: LoRARequest | None = None) -> list[Any]:
         """Queue one engine request per prompt (all or none); 503 when the waiting queue is full. With
         ``final_only`` (a non-streamed answer) the engine loop sends each request's last output only;
         ``structured`` is the field the request constrained its output with (named by compile errors)."""
@@ -148,7 +167,7 @@ class Serving:
         try:
             for i, ids in enumerate(prompts):
                 streams.append(await self.loop.add_request_async(ids, params, request_id=f"{prefix}-{i}",
-                                                                 final_only=final_only))
+                                                                 final_only=final_only, lora_request=lora))
         except RequestError as exc:
             self.abort(streams, record=False)
             param = _param_of(str(exc))
