@@ -165,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
 
     supports_tensor_parallel: ClassVar[bool] = True
     decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer  # a family with other MLPs (experts) names its own
+    hidden_acts: ClassVar[tuple[str, ...]] = ("silu",)  # the config's hidden_act values the family runs
 
     # checkpoint module name -> (corerun module name, shard id)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
@@ -197,9 +198,10 @@ class LlamaForCausalLM(nn.Module):
         self, config: ModelConfig, tp: "TensorParallelGroup | None" = None, quant: "QuantizationMethod | None" = None,
     ) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
+        if config.hidden_act not in self.hidden_acts:
             raise UnsupportedModelError(
-                f"{type(self).__name__}: hidden_act {config.hidden_act!r} is not supported; corerun supports 'silu'"
+                f"{type(self).__name__}: hidden_act {config.hidden_act!r} is not supported; corerun supports "
+                f"{', '.join(map(repr, self.hidden_acts))}"
             )
         self.config = config
         self.num_layers = config.num_layers

@@ -114,6 +114,10 @@ MODEL_FAMILIES = {
     "Qwen2ForCausalLM": ("corerun.models.qwen2:Qwen2ForCausalLM", "Qwen2 / Qwen2.5: bias on q, k, v"),
     "Qwen3ForCausalLM": ("corerun.models.qwen3:Qwen3ForCausalLM", "Qwen3 (dense): per-head RMSNorm of q and k"),
     "Phi3ForCausalLM": ("corerun.models.phi3:Phi3ForCausalLM", "Phi-3 (dense): fused qkv and gate-up in the checkpoint, LongRoPE"),
+    "Gemma2ForCausalLM": ("corerun.models.gemma:Gemma2ForCausalLM",
+                          "Gemma 2: GeGLU, (1 + w) norms, local/global layers, attention and final soft-capping"),
+    "Gemma3ForCausalLM": ("corerun.models.gemma:Gemma3ForCausalLM",
+                          "Gemma 3 (text): Gemma 2's layers with q/k norms, 5 local : 1 global, a local rope base"),
 }
 LAYER_KINDS = frozenset({"full", "sliding"})
 EXPERT_FAMILIES = {  # the same, with mixture-of-experts layers (corerun.models.moe)
