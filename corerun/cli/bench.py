@@ -84,6 +84,9 @@ class _BenchCommand(click.Command):
               help="With --speculative on|both: draft tokens per step, K (speculative.num_tokens) [the config's: 4].")
 @click.option("--spec-lookup", metavar="MIN:MAX", default=None,
               help="With --speculative on|both: the n-gram lengths looked up (speculative.prompt_lookup_min:max) [the config's: 2:4].")
+@click.option("--lora", "lora_adapters", type=click.IntRange(min=1), default=None,
+              help="Spread the requests over N random adapters of rank lora.max_lora_rank (all in device slots), "
+                   "against the same engine serving the base model alone, in interleaved rounds; reports the cost.")
 @click.option("--workload", "workload_kind", type=click.Choice(WORKLOADS), default="random", show_default=True,
               help="random: random token ids; repetitive: prompts asking to copy a 40-line list they hold (the "
                    "output repeats the prompt: speculative decoding's case), lengths set by the text (no --input-len).")
@@ -91,7 +94,7 @@ def bench(
     config_path, sets, model, attention, sampler, device, dtype,
     num_seqs, input_len, output_len, seed, temperature, warmup, compare, rounds, peer_pythons, baseline_env, gguf_path,
     hf_batching, hf_batch_size, threads, as_json, url=None, request_rate=float("inf"), max_concurrency=None,
-    async_mode=None, spec_mode=None, spec_tokens=None, spec_lookup=None, workload_kind="random",
+    async_mode=None, spec_mode=None, spec_tokens=None, spec_lookup=None, workload_kind="random", lora_adapters=None,
 ) -> None:
     """Throughput and latency of corerun on N requests (ignore_eos, exact output lengths): random token
     ids, or with --workload repetitive prompts that ask to copy a list they hold.
@@ -117,6 +120,9 @@ def bench(
         )
     spec_sets = _check_speculative(spec_mode, spec_tokens, spec_lookup, async_mode, url, bool(compare or baseline_env))
     _check_workload(workload_kind, input_len, url, bool(compare or baseline_env))
+    if lora_adapters is not None and (url is not None or compare or baseline_env or async_mode == "both" or spec_mode == "both"):
+        raise click.BadParameter("--lora sets up corerun in this process and compares against its base model; leave out "
+                                 "--url, --compare / --baseline-env and the other 'both' modes", param_hint="--lora")
     if async_mode in ("on", "off"):
         sets = (*sets, f"scheduler.async_scheduling={'true' if async_mode == 'on' else 'false'}")
     if spec_mode in ("on", "off"):
@@ -153,6 +159,8 @@ def bench(
             doc = _run_async_both(*args, rounds=rounds, quiet=as_json)
         elif spec_mode == "both":
             doc = _run_spec_both(*args, spec_sets=spec_sets, rounds=rounds, quiet=as_json)
+        elif lora_adapters is not None:
+            doc = _run_lora_both(*args, num_adapters=lora_adapters, rounds=rounds, quiet=as_json)
         else:
             doc = _run(*args)
     except CorerunError as exc:
@@ -171,6 +179,10 @@ def bench(
             _render_async(doc)
         if "speculative" in doc:
             _render_spec(doc)
+        if "lora" in doc:
+            s = doc["lora"]
+            _render_both(doc, "lora", f"{s['num_adapters']} LoRA adapters of rank {s['rank']} ({s['max_loras']} slots)",
+                         ("base", "lora"), "base alone")
 
 
 def _check_speculative(
@@ -344,6 +356,35 @@ def _run_spec_both(*args: Any, spec_sets: list[str], rounds: int, quiet: bool) -
     return _run_both(*args, rounds, quiet, key="speculative", extra_sets=spec_sets,
                      switch=lambda engine: engine.set_speculative, names=("speculation off", "speculation on"),
                      section=section, seed_sampled=True, probe=probe)
+
+
+def _run_lora_both(
+    config_path: str | None, sets: tuple[str, ...], cfg_args: dict[str, Any], num_seqs: int | None,
+    ranges: list[Any], seed: int, temperature: float, warmup: bool, kind: str, *, num_adapters: int, rounds: int,
+    quiet: bool,
+) -> dict[str, Any]:
+    """The workload over ``num_adapters`` random adapters and on the base alone, in turn (corerun.bench.lora)."""
+    import shutil
+
+    from corerun.bench.lora import AdapterRuns, adapters_folder, write_random_adapters
+    from corerun.bench.on_off import run_on_off
+    from corerun.bench.report import build_report
+
+    extra = ["lora.enabled=true", f"lora.max_loras={num_adapters}"]
+    llm, meter, load_s, workload = _load(config_path, (*extra, *sets), cfg_args, num_seqs, ranges, seed, kind)
+    folder = adapters_folder()
+    try:
+        lc = llm.config.lora
+        runs_on = AdapterRuns(llm, write_random_adapters(llm.engine, folder, num_adapters, lc.max_lora_rank, seed))
+        runs = run_on_off(runs_on, workload, meter, load_s, runs_on.switch, rounds=rounds, temperature=temperature,
+                          warmup=warmup, seeded=temperature > 0, on_run=_progress(quiet, rounds, {"off": "base", "on": "lora"}))
+    finally:
+        llm.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+    doc = build_report(workload, runs.best("on"), temperature=temperature, warmup=warmup)
+    doc["lora"] = {"num_adapters": num_adapters, "rank": lc.max_lora_rank, "max_loras": lc.max_loras,
+                   "slot_bytes": llm.engine.runner.lora.slot_bytes(), **runs.summary("base", "lora")}
+    return doc
 
 
 def _render_both(

@@ -93,6 +93,7 @@ class LoRAStepState:
         self.kernel = kernel
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.enabled = True  # False: the layers run their base product only (``corerun bench --lora``'s base runs)
 
 
 class LoRALinear(nn.Module):
@@ -127,6 +128,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in]`` -> ``[T, out]``: the base layer's output with each token's adapter added."""
         state, base = self.state, self.base
+        if not state.enabled:
+            return base(x)
         slots = state.token_slots[: x.shape[0]]
         if not self.row_parallel:
             y = base(x)
