@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from corerun import AttentionCapabilities
+from corerun.protocols.lora import LoRAKernelCapabilities
 
 CAPABILITIES = AttentionCapabilities(
     dtypes=frozenset({"float16", "bfloat16", "float32"}),
@@ -13,4 +14,12 @@ CAPABILITIES = AttentionCapabilities(
     gqa=True,
     cuda_graph_decode=True,
     emulated_on=frozenset({"cpu"}),  # Triton's interpreter: corerun warns when it is named on CPU
+)
+
+LORA_CAPABILITIES = LoRAKernelCapabilities(
+    devices=frozenset({"cpu", "cuda"}),  # cuda: compiled kernels; cpu: Triton's interpreter
+    dtypes=frozenset({"float16", "bfloat16", "float32"}),
+    max_rank=128,  # the shrunk rows are one tile of up to 128 columns
+    graph_safe=True,  # grids from shapes only; slot counts and order computed on the device
+    grouped=True,
 )

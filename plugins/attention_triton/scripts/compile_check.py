@@ -15,6 +15,7 @@ autotune candidates, which are reported) spills registers to local memory.
     TRITON_INTERPRET=0 python plugins/attention_triton/scripts/compile_check.py --arch 90
     ... --head-sizes 64,128,256 --fixed-only --json report.json   # what tests/test_compile_check.py runs
     ... --decode-warps 4                                # the decode launches with another warp count
+    ... --kernels lora --lora-ranks 16,64,128           # the LoRA shrink and expand (every launch fixed)
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from corerun.protocols.attention import AttentionBatch  # noqa: E402
 from corerun_attention_triton.kernels import INTERPRET  # noqa: E402
 from corerun_attention_triton.kernels.kv_write import kv_write_kernel  # noqa: E402
+from corerun_attention_triton.kernels.lora_expand import lora_expand_kernel  # noqa: E402
+from corerun_attention_triton.kernels.lora_shrink import lora_shrink_kernel  # noqa: E402
 from corerun_attention_triton.kernels.split_kv_decode import split_kv_decode_kernel  # noqa: E402
 from corerun_attention_triton.kernels.split_kv_reduce import split_kv_reduce_kernel  # noqa: E402
 from corerun_attention_triton.kernels.unified_attention import unified_attention_kernel  # noqa: E402
@@ -51,6 +54,8 @@ POINTERS = {  # pointer arguments: "act" = the activation / cache dtype
     "key_ptr": "act", "value_ptr": "act", "k_cache_ptr": "act", "v_cache_ptr": "act", "q_ptr": "act",
     "out_ptr": "act", "slot_mapping_ptr": "i64", "query_start_loc_ptr": "i32", "seq_lens_ptr": "i32",
     "block_tables_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
+    "x_ptr": "act", "a_ptr": "act", "b_ptr": "act", "y_ptr": "act", "buf_ptr": "fp32", "order_ptr": "i64",
+    "starts_ptr": "i64", "counts_ptr": "i64", "scalings_ptr": "fp32",
 }
 NUM_KV_HEADS = 8
 BLOCK_SIZE = 16
@@ -63,9 +68,9 @@ class Variant:
     options (not one autotune candidate among others)."""
 
     kernel: str
-    use: str  # "decode", "prefill", "kv write", "split-KV reduce"
+    use: str  # "decode", "prefill", "kv write", "split-KV reduce", "lora r16"
     dtype: str
-    head_size: int
+    head_size: int  # the LoRA rank for the LoRA kernels
     constexprs: dict[str, Any]
     options: dict[str, int]
     fixed: bool
@@ -134,7 +139,23 @@ def variants(head_size: int, group: int, dtype: str, decode_warps: int | None = 
     return out
 
 
-KERNELS = {fn.__name__: fn for fn in (kv_write_kernel, unified_attention_kernel, split_kv_decode_kernel, split_kv_reduce_kernel)}
+def lora_variants(rank: int, dtype: str) -> list[Variant]:
+    """The LoRA shrink and expand at this rank, with the constexprs and options their launchers pass."""
+    from corerun_attention_triton.kernels.lora_expand import LAUNCH as EXPAND
+    from corerun_attention_triton.kernels.lora_shrink import LAUNCH as SHRINK
+
+    common = dict(BLOCK_R=max(16, triton.next_power_of_2(rank)), UPCAST=False)
+    shrink, expand = dict(SHRINK), dict(EXPAND)
+    shrink_options = {k: shrink.pop(k) for k in ("num_warps", "num_stages")}
+    expand_options = {k: expand.pop(k) for k in ("num_warps", "num_stages")}
+    shrink.update(common, IEEE=dtype == "fp32")
+    expand.update(common, FP32=dtype == "fp32", ROUND_BF16=False)
+    return [Variant("lora_shrink_kernel", f"lora r{rank}", dtype, rank, shrink, shrink_options, fixed=True),
+            Variant("lora_expand_kernel", f"lora r{rank}", dtype, rank, expand, expand_options, fixed=True)]
+
+
+KERNELS = {fn.__name__: fn for fn in (kv_write_kernel, unified_attention_kernel, split_kv_decode_kernel, split_kv_reduce_kernel,
+                                      lora_shrink_kernel, lora_expand_kernel)}
 
 
 def ptxas_path(arch: int) -> str | None:
@@ -194,7 +215,8 @@ def compile_variant(v: Variant, target: GPUTarget, ptxas: str) -> None:
 
 
 def line(v: Variant, arch: int) -> str:
-    head = f"sm_{arch} {v.dtype} hd{v.head_size} {v.kernel} {v.use} {v.options}"
+    size = "" if v.kernel.startswith("lora") else f" hd{v.head_size}"  # a LoRA variant's use names its rank
+    head = f"sm_{arch} {v.dtype}{size} {v.kernel} {v.use} {v.options}"
     if v.error:
         return f"{head}: FAILED: {v.error} [{v.seconds:.1f} s]"
     status = "ok" if v.ok else "FAILED"
@@ -212,6 +234,8 @@ def main() -> int:
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--fixed-only", action="store_true", help="only the launches the launchers fix (no autotune candidates)")
     p.add_argument("--decode-warps", type=int, help="compile the decode launches with this many warps instead of the rule's")
+    p.add_argument("--kernels", default="attention,lora", help="comma-separated: attention, lora")
+    p.add_argument("--lora-ranks", default="16,64,128", help="comma-separated LoRA ranks (max_lora_rank)")
     p.add_argument("--json", help="also write every variant's figures to this file")
     args = p.parse_args()
     if INTERPRET:
@@ -223,14 +247,21 @@ def main() -> int:
         return 3
     target = GPUTarget("cuda", args.arch, 32)
     done: list[Variant] = []
+    kinds = args.kernels.split(",")
     for dtype in args.dtypes.split(","):
-        for head_size in (int(h) for h in args.head_sizes.split(",")):
-            for v in variants(head_size, args.group, dtype, args.decode_warps):
-                if args.fixed_only and not v.fixed:
-                    continue
-                compile_variant(v, target, ptxas)
-                print(line(v, args.arch), flush=True)
-                done.append(v)
+        planned_variants = []
+        if "attention" in kinds:
+            for head_size in (int(h) for h in args.head_sizes.split(",")):
+                planned_variants += variants(head_size, args.group, dtype, args.decode_warps)
+        if "lora" in kinds:
+            for rank in (int(r) for r in args.lora_ranks.split(",")):
+                planned_variants += lora_variants(rank, dtype)
+        for v in planned_variants:
+            if args.fixed_only and not v.fixed:
+                continue
+            compile_variant(v, target, ptxas)
+            print(line(v, args.arch), flush=True)
+            done.append(v)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": args.arch, "triton": triton.__version__, "ptxas": ptxas,

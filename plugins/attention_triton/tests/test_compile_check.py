@@ -1,5 +1,6 @@
 """``scripts/compile_check.py``: every launch the backend fixes compiles for sm_90 without register
-spills, at head sizes 64, 128 and 256 in bf16 and fp16, and the check fails on a launch that spills.
+spills, at head sizes 64, 128 and 256 in bf16 and fp16, the LoRA shrink and expand at ranks 16 and
+128 in bf16 and fp32, and the check fails on a launch that spills.
 
 It compiles with Triton's bundled ``ptxas`` (no GPU needed) in a process of its own, since this
 session's kernels are built for the interpreter.  Skipped, with the reason, where no ``ptxas`` is found.
@@ -19,6 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_check.py"
 HEAD_SIZES = (64, 128, 256)
 DTYPES = ("bf16", "fp16")
 FIXED = {"kv_write_kernel", "unified_attention_kernel", "split_kv_decode_kernel", "split_kv_reduce_kernel"}
+LORA_RANKS = (16, 128)  # 128: the triton LoRA kernel's max_rank
 MAX_REGISTERS = 255  # a thread's limit on sm_90: more would have spilled
 
 
@@ -45,7 +47,8 @@ def compile_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProce
 
 
 def test_every_fixed_launch_compiles_for_sm90_without_spills(tmp_path: Path) -> None:
-    proc, variants = compile_check(tmp_path, "--head-sizes", ",".join(map(str, HEAD_SIZES)), "--dtypes", ",".join(DTYPES))
+    proc, variants = compile_check(tmp_path, "--kernels", "attention", "--head-sizes", ",".join(map(str, HEAD_SIZES)),
+                                   "--dtypes", ",".join(DTYPES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = {(v["kernel"], v["dtype"], v["head_size"]) for v in variants}
     assert seen == {(k, d, h) for k in FIXED for d in DTYPES for h in HEAD_SIZES}
@@ -60,9 +63,24 @@ def test_every_fixed_launch_compiles_for_sm90_without_spills(tmp_path: Path) -> 
     assert {decode_warps[(k, h)] for k in ("split_kv_decode_kernel", "unified_attention_kernel") for h in (64, 256)} == {4}
 
 
+def test_lora_launches_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """The LoRA shrink and expand at ranks 16 and 128 (the declared largest), bf16 and fp32 (fp16 compiles
+    bf16's code; the GPU script's full check covers it and rank 64)."""
+    proc, variants = compile_check(tmp_path, "--kernels", "lora", "--lora-ranks", ",".join(map(str, LORA_RANKS)),
+                                   "--dtypes", "bf16,fp32")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = {(v["kernel"], v["dtype"], v["head_size"]) for v in variants}
+    assert seen == {(k, d, r) for k in ("lora_shrink_kernel", "lora_expand_kernel") for d in ("bf16", "fp32")
+                    for r in LORA_RANKS}
+    for v in variants:
+        assert v["ok"] and v["spill_stores"] == v["spill_loads"] == v["stack_bytes"] == 0, v
+        assert 0 < v["registers"] <= MAX_REGISTERS, v
+
+
 def test_the_check_fails_when_a_decode_launch_spills(tmp_path: Path) -> None:
     """4 warps at head size 128 (the launchers' earlier choice) spill in both decode kernels."""
-    proc, variants = compile_check(tmp_path, "--head-sizes", "128", "--dtypes", "bf16", "--decode-warps", "4")
+    proc, variants = compile_check(tmp_path, "--kernels", "attention", "--head-sizes", "128", "--dtypes", "bf16",
+                                   "--decode-warps", "4")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     decode = {v["kernel"]: v for v in variants if v["use"] == "decode"}
     assert set(decode) == {"split_kv_decode_kernel", "unified_attention_kernel"}
