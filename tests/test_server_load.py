@@ -65,17 +65,22 @@ def _check_complete(lines: list[str], prompt_tokens: int, max_tokens: int) -> in
     return usage["usage"]["completion_tokens"]
 
 
-def test_64_clients_x_8_streams_with_hang_ups(served: tuple[LLM, str]) -> None:
-    llm, url = served
-    tok = llm.get_tokenizer()
+def plan_load(clients: int, requests: int) -> list[tuple[int, str, int, int | None]]:
+    """``(client, prompt, max_tokens, hang_up_after)`` for each request; one in five hangs up after 1-3 chunks."""
     rng = random.Random(0)
-    plan = []  # (client, prompt, max_tokens, hang_up_after)
-    for c in range(CLIENTS):
-        for r in range(REQUESTS):
+    plan = []
+    for c in range(clients):
+        for r in range(requests):
             prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
             hang = rng.randint(1, 3) if (c + r) % 5 == 0 else None
             plan.append((c, prompt, rng.randint(4, 16), hang))
-    before = http(url + "/metrics")[1]
+    return plan
+
+
+def run_load(url: str, plan: list[tuple[int, str, int, int | None]], tok: Any) -> tuple[int, int, int]:
+    """Each client sends its requests one after another, all clients at once; every stream that ran to
+    its end is checked. Returns ``(complete, hung up, generated tokens)``."""
+    clients = max(c for c, *_ in plan) + 1
 
     async def client_run(c: int) -> list[dict[str, Any]]:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
@@ -85,7 +90,7 @@ def test_64_clients_x_8_streams_with_hang_ups(served: tuple[LLM, str]) -> None:
             await client.close()
 
     async def main() -> list[list[dict[str, Any]]]:
-        return await asyncio.gather(*(client_run(c) for c in range(CLIENTS)))
+        return await asyncio.gather(*(client_run(c) for c in range(clients)))
 
     results = asyncio.run(main())
     complete = hung = generated = 0
@@ -98,6 +103,15 @@ def test_64_clients_x_8_streams_with_hang_ups(served: tuple[LLM, str]) -> None:
             assert hang is None or hang >= max_tokens  # left only if it had more chunks to wait for
             generated += _check_complete(res["lines"], len(tok.encode(prompt)), max_tokens)
             complete += 1
+    return complete, hung, generated
+
+
+def test_64_clients_x_8_streams_with_hang_ups(served: tuple[LLM, str]) -> None:
+    llm, url = served
+    tok = llm.get_tokenizer()
+    plan = plan_load(CLIENTS, REQUESTS)
+    before = http(url + "/metrics")[1]
+    complete, hung, generated = run_load(url, plan, tok)
     assert complete + hung == CLIENTS * REQUESTS and hung > 0
     assert_idle(llm, timeout=30)  # every request over, every block back: nothing leaked
     after = http(url + "/metrics")[1]

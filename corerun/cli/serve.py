@@ -25,6 +25,9 @@ from corerun.errors import CorerunError
                    "auto: from the chat template; none: off).")
 @click.option("--reasoning-parser", default=None,
               help="Splits the model's thinking into reasoning_content: deepseek_r1, qwen3, ... (server.reasoning_parser).")
+@click.option("--data-parallel-size", type=click.IntRange(min=1), default=None,
+              help="Engine replicas, each in its own process with its own KV cache, behind this one server; requests "
+                   "go to the least busy (server.data_parallel_size; default 1).")
 @click.option("--lora-modules", multiple=True, metavar="NAME=PATH",
               help="A PEFT adapter folder served as model NAME, with the base as its parent (repeatable; "
                    "server.lora_modules; turns lora.enabled on).")
@@ -34,8 +37,8 @@ from corerun.errors import CorerunError
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level (info logs each request).")
 def serve(config_path, sets, model, attention, sampler, device, dtype, host, port, served_model_name, api_key,
-          allowed_origins, allowed_hosts, tool_call_parser, reasoning_parser, lora_modules, enable_lora_runtime_updating,
-          log_level) -> None:
+          allowed_origins, allowed_hosts, tool_call_parser, reasoning_parser, data_parallel_size, lora_modules,
+          enable_lora_runtime_updating, log_level) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics. SIGTERM or Ctrl-C stops it gracefully."""
     from corerun.server.run import check_installed
@@ -46,7 +49,8 @@ def serve(config_path, sets, model, attention, sampler, device, dtype, host, por
         raise click.ClickException(str(exc)) from None
     given = (("host", host), ("port", port), ("served_model_name", served_model_name), ("api_key", api_key),
              ("allowed_origins", list(allowed_origins) or None), ("allowed_hosts", list(allowed_hosts) or None),
-             ("tool_call_parser", tool_call_parser), ("reasoning_parser", reasoning_parser))
+             ("tool_call_parser", tool_call_parser), ("reasoning_parser", reasoning_parser),
+             ("data_parallel_size", data_parallel_size))
     server = {k: v for k, v in given if v is not None}
     lora = lora_options(lora_modules, enable_lora_runtime_updating, server)
     try:
@@ -56,7 +60,12 @@ def serve(config_path, sets, model, attention, sampler, device, dtype, host, por
         from corerun.server.serving import model_name
         from corerun.server.run import serve as run
 
-        llm = LLM(config=cfg)
+        if cfg.server.data_parallel_size > 1:
+            from corerun.server.data_parallel.front import DataParallelEngine
+
+            llm = DataParallelEngine(cfg)
+        else:
+            llm = LLM(config=cfg)
         click.echo(f"corerun: serving {model_name(llm)} on http://{cfg.server.host}:{cfg.server.port}/v1", err=True)
         run(llm, log_level=log_level)
     except CorerunError as exc:

@@ -142,7 +142,8 @@ def build_app(llm: Any) -> FastAPI:
     async def health() -> Response:
         if state.closing:
             return error_response(P.APIError(503, "the server is shutting down", code="shutting_down"))
-        return JSONResponse({"status": "ok"})
+        serving, body = state.served.health()  # data parallelism: each replica, and "degraded" once one is lost
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -43,7 +43,7 @@ def prompts_of(state: Any, req: EmbeddingRequest) -> list[list[int]]:
 def params_of(state: Any, req: EmbeddingRequest) -> Any:
     """The embedding requests' parameters: the model's pooling, ``dimensions`` checked against it."""
     try:
-        return embedding_params(state.llm.model_pooling, req.dimensions)
+        return embedding_params(state.served.model_pooling, req.dimensions)
     except RequestError as exc:
         raise P.APIError(400, str(exc), param="dimensions") from None
 

@@ -15,6 +15,11 @@ latency histograms are recorded as each request finishes.  Each server has its o
     vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds,
     vllm:e2e_request_latency_seconds                           histograms
     corerun:requests_rejected_total{reason}                    counter: overloaded (503), invalid (400/404/413)
+    corerun:engine_up{engine}                                  gauge, data parallelism only: 1 serving, 0 lost
+
+With data parallelism (``server.data_parallel_size``) every series but the rejections carries an ``engine``
+label: ``0``, ``1``, ... for each replica and ``all`` for their sum (sum over ``engine!="all"``, or read
+``all``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from corerun.outputs import EmbeddingRequestOutput, RequestOutput
+from corerun.server.served import EngineStats
 
 disable_created_metrics()  # no *_created series (as vLLM): they double the output and no dashboard reads them
 
@@ -35,53 +41,82 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
 
 
 class _EngineCollector(Collector):
-    """What the engine knows at scrape time (a scrape reads plain counters; it never waits for a step)."""
+    """What the engines know at scrape time (a scrape reads plain counters; it never waits for a step)."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, served: Any, model_name: str) -> None:
+        self.served = served
         self.model_name = model_name
 
     def collect(self) -> Iterator[Any]:
-        eng, labels = self.engine, [self.model_name]
-        sched = eng.scheduler
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Requests in the running batch.", len(sched.running)),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
+        engines, stats = self.served.engine_labels, self.served.stats()
+        names = ["model_name"] if engines is None else ["model_name", "engine"]
+        if engines is None:
+            series = [([self.model_name], stats[0])]
+        else:
+            up = GaugeMetricFamily("corerun:engine_up", "1 while the data-parallel replica serves, 0 once lost.",
+                                   labels=names)
+            for label, s in zip(engines, stats):
+                up.add_metric([self.model_name, label], 0.0 if s is None else 1.0)
+            yield up
+            series = [([self.model_name, label], s) for label, s in zip(engines, stats) if s is not None]
+            series.append(([self.model_name, "all"], _total([s for _, s in series])))
+        for name, doc, field in (
+            ("vllm:num_requests_running", "Requests in the running batch.", "running"),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
         ):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(labels, value)
+            g = GaugeMetricFamily(name, doc, labels=names)
+            for labels, s in series:
+                g.add_metric(labels, getattr(s, field))
             yield g
-        try:  # read while the engine thread steps: plain counters, but a plugin's stats() may still race
-            stats = eng.kv.stats()
-        except Exception:  # noqa: BLE001 (a scrape must not fail; the next one reads them again)
-            return
-        usage = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
-        g = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block in use.", labels=["model_name"])
-        g.add_metric(labels, usage)
+        kv = [(labels, s) for labels, s in series if s.kv]  # (an engine whose KV stats() raised: read next time)
+        g = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block in use.", labels=names)
+        for labels, s in kv:
+            g.add_metric(labels, 1.0 - s.free_blocks / s.num_blocks if s.num_blocks else 0.0)
         yield g
         counters = [
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
-            ("vllm:num_preemptions", "Preemptions (a sequence's blocks freed, to be recomputed).", sched.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv, "prefix_queries"),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv, "prefix_hits"),
+            ("vllm:num_preemptions", "Preemptions (a sequence's blocks freed, to be recomputed).", series, "preemptions"),
         ]
-        spec = getattr(eng, "spec_stats", None)
-        if getattr(eng, "proposer", None) is not None and spec is not None:
+        spec = [(labels, s) for labels, s in series if s.spec is not None]
+        if spec:
             counters += [
-                ("vllm:spec_decode_num_drafts", "Decode rows that carried draft tokens.", spec.num_drafts),
-                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
-                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+                ("vllm:spec_decode_num_drafts", "Decode rows that carried draft tokens.", spec, 0),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec, 1),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec, 2),
             ]
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
+        for name, doc, rows, field in counters:
+            c = CounterMetricFamily(name, doc, labels=names)
+            for labels, s in rows:
+                c.add_metric(labels, s.spec[field] if isinstance(field, int) else getattr(s, field))
             yield c
 
 
+def _total(stats: list[EngineStats]) -> EngineStats:
+    """The replicas' counters summed (usage then reads as all blocks in use over all blocks)."""
+    kv = [s for s in stats if s.kv] if stats and all(s.kv for s in stats) else []
+    spec = [s.spec for s in stats if s.spec is not None]
+    return EngineStats(
+        running=sum(s.running for s in stats), waiting=sum(s.waiting for s in stats),
+        preemptions=sum(s.preemptions for s in stats),
+        num_blocks=sum(s.num_blocks for s in kv) if kv else None,  # type: ignore[misc]
+        free_blocks=sum(s.free_blocks for s in kv) if kv else None,  # type: ignore[misc]
+        prefix_queries=sum(s.prefix_queries for s in kv) if kv else None,  # type: ignore[misc]
+        prefix_hits=sum(s.prefix_hits for s in kv) if kv else None,  # type: ignore[misc]
+        spec=tuple(sum(x[i] for x in spec) for i in range(3)) if spec else None,  # type: ignore[arg-type]
+    )
+
+
 class ServerMetrics:
-    def __init__(self, engine: Any, model_name: str) -> None:
+    """The server's registry. With several engines (data parallelism) every series but
+    ``corerun:requests_rejected`` carries an ``engine`` label: each replica's index, and ``all`` for their sum."""
+
+    def __init__(self, served: Any, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, ln = self.registry, ["model_name"]
+        self.served = served
+        engines = served.engine_labels
+        r, ln = self.registry, ["model_name"] if engines is None else ["model_name", "engine"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", ln, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.", ln, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
@@ -89,52 +124,61 @@ class ServerMetrics:
         self.embeddings = Counter("corerun:embedding_requests", "Finished embedding requests (one per input) "
                                   "by finish reason.", ln + ["finished_reason"], registry=r)
         self.rejected = Counter("corerun:requests_rejected", "Requests refused before reaching the engine.",
-                                ln + ["reason"], registry=r)
+                                ["model_name", "reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", ln,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.", ln,
                               buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", ln,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_EngineCollector(engine, model_name))
-        # one label set: touch each so that a scrape shows zeros before the first request
-        for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
-            m.labels(model_name)
-        for reason in ("stop", "length", "abort", "error"):
-            self.request_success.labels(model_name, reason)
-        for reason in ("stop", "abort", "error"):
-            self.embeddings.labels(model_name, reason)
+        r.register(_EngineCollector(served, model_name))
+        # touch each label set so that a scrape shows zeros before the first request
+        every = [(model_name,)] if engines is None else [(model_name, e) for e in [*engines, "all"]]
+        for key in every:
+            for m in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
+                m.labels(*key)
+            for reason in ("stop", "length", "abort", "error"):
+                self.request_success.labels(*key, reason)
+            for reason in ("stop", "abort", "error"):
+                self.embeddings.labels(*key, reason)
         for reason in ("overloaded", "invalid"):
             self.rejected.labels(model_name, reason)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
+    def _keys(self, request_id: str) -> list[tuple[str, ...]]:
+        """The label sets a request's end counts in: its engine's, and ``all`` under data parallelism."""
+        if self.served.engine_labels is None:
+            return [(self.model_name,)]
+        engine = self.served.engine_of(request_id)
+        return [(self.model_name, "all")] + ([(self.model_name, str(engine))] if engine is not None else [])
+
     def finished(self, out: RequestOutput) -> None:
         """Record one engine request's end (each of its ``n`` samples counts as generated tokens)."""
-        name = self.model_name
-        self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
         gen = sum(len(c.token_ids) for c in out.outputs)
-        self.generation_tokens.labels(name).inc(gen)
-        for c in out.outputs:
-            self.request_success.labels(name, c.finish_reason or "abort").inc()
         m = out.metrics
         arrival, first, done = m.get("arrival_time"), m.get("first_token_time"), m.get("finish_time")
-        if arrival is not None and first is not None:
-            self.ttft.labels(name).observe(max(first - arrival, 0.0))
-        if arrival is not None and done is not None:
-            self.e2e.labels(name).observe(max(done - arrival, 0.0))
-        if first is not None and done is not None:
-            longest = max((len(c.token_ids) for c in out.outputs), default=0)
-            if longest > 1:
-                self.tpot.labels(name).observe(max(done - first, 0.0) / (longest - 1))
+        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        for key in self._keys(out.request_id):
+            self.prompt_tokens.labels(*key).inc(len(out.prompt_token_ids))
+            self.generation_tokens.labels(*key).inc(gen)
+            for c in out.outputs:
+                self.request_success.labels(*key, c.finish_reason or "abort").inc()
+            if arrival is not None and first is not None:
+                self.ttft.labels(*key).observe(max(first - arrival, 0.0))
+            if arrival is not None and done is not None:
+                self.e2e.labels(*key).observe(max(done - arrival, 0.0))
+            if first is not None and done is not None and longest > 1:
+                self.tpot.labels(*key).observe(max(done - first, 0.0) / (longest - 1))
 
     def embedded(self, out: EmbeddingRequestOutput) -> None:
         """Record one embedding request's end: its prompt tokens, and one finished request (nothing is generated)."""
         reason = out.finish_reason or "abort"
-        self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
-        self.request_success.labels(self.model_name, reason).inc()
-        self.embeddings.labels(self.model_name, reason).inc()
+        for key in self._keys(out.request_id):
+            self.prompt_tokens.labels(*key).inc(len(out.prompt_token_ids))
+            self.request_success.labels(*key, reason).inc()
+            self.embeddings.labels(*key, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

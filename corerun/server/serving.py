@@ -1,5 +1,6 @@
-"""What every route needs: the LLM's engine loop and tokenizer, the served name, limits, metrics; turning
-a request's prompt into token ids, queueing it (or refusing it with 503), aborting it."""
+"""What every route needs: the engine it serves (one LLM or data-parallel replicas) and the tokenizer, the
+served name, limits, metrics; turning a request's prompt into token ids, queueing it (or refusing it with 503),
+aborting it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from corerun.lora.request import LoRARequest
 from corerun.server import protocol as P
 from corerun.server import tool_calls
 from corerun.server.metrics import ServerMetrics
+from corerun.server.served import served_engine
 
 logger = logging.getLogger("corerun.server")
 
@@ -45,18 +47,17 @@ def lora_adapters(llm: Any, name: str) -> Any:
 
 
 class Serving:
-    """What every route needs: the LLM (engine loop, tokenizer), the served name, limits, metrics."""
+    """What every route needs: the engine it serves (:mod:`corerun.server.served`: one LLM, or data-parallel
+    replicas), the tokenizer, the served name, limits, metrics."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
-        self.engine = llm.engine
-        self.loop = llm.engine_loop
-        self.tokenizer = llm.get_tokenizer()
+        self.served = served_engine(llm)
+        self.tokenizer = self.served.tokenizer
         self.name = model_name(llm)
         self.cfg = llm.config.server
-        runner = self.engine.runner
-        self.max_model_len = runner.max_model_len
-        self.kv_tokens = runner.num_blocks * runner.block_size  # the most K/V the cache can ever hold for one request
+        self.max_model_len = self.served.max_model_len
+        self.kv_tokens = self.served.kv_tokens  # the most K/V the cache can ever hold for one request
         if self.kv_tokens < self.max_model_len - 1:
             logger.warning("the KV cache holds %d tokens, less than one request of max_model_len=%d: chat requests "
                            "without max_tokens get at most %d tokens of prompt and output; raise kv_cache.num_blocks "
@@ -64,7 +65,7 @@ class Serving:
                            self.kv_tokens + 1)
         self.max_logprobs = llm.config.max_logprobs
         self.parsers = tool_calls.choose_parsers(self.cfg, self.tokenizer)
-        self.metrics = ServerMetrics(self.engine, self.name)
+        self.metrics = ServerMetrics(self.served, self.name)
         self.admitting = 0  # requests between the queue check and the engine's waiting queue
         self.closing = False  # shutdown has begun: new requests get 503
         self.cut_off = False  # shutdown_timeout_s has passed: what is still in flight was ended with an error
@@ -157,7 +158,7 @@ class Serving:
         ``structured`` is the field the request constrained its output with (named by compile errors)."""
         if self.closing:
             raise P.APIError(503, "the server is shutting down", code="shutting_down")
-        waiting = len(self.engine.scheduler.waiting) + self.admitting
+        waiting = self.served.num_waiting() + self.admitting
         if waiting + len(prompts) > self.cfg.max_waiting_requests:
             self.metrics.reject("overloaded")
             raise P.APIError(503, f"the server is overloaded: {waiting} requests are waiting (server."
@@ -166,8 +167,8 @@ class Serving:
         self.admitting += len(prompts)
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.loop.add_request_async(ids, params, request_id=f"{prefix}-{i}",
-                                                                 final_only=final_only, lora_request=lora))
+                streams.append(await self.served.add_request_async(ids, params, request_id=f"{prefix}-{i}",
+                                                                   final_only=final_only, lora_request=lora))
         except RequestError as exc:
             self.abort(streams, record=False)
             param = _param_of(str(exc))
@@ -207,7 +208,7 @@ class Serving:
         if not left:
             return
         try:
-            self.loop.abort([s.request_id for s in left], wait=False)
+            self.served.abort([s.request_id for s in left], wait=False)
         except Exception:  # the loop is gone (shutdown): nothing left to free
             logger.debug("abort after shutdown", exc_info=True)
             return
