@@ -33,17 +33,18 @@ def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("float"), arch="llama", num_hidden_layers=LAYERS)
 
 
-def _quantize(float_dir: Path, out: Path, method: str) -> dict:
-    result = CliRunner().invoke(cli, ["quantize", str(float_dir), "--method", method, "--out", str(out), "--group-size", "32"])
+def _quantize(float_dir: Path, out: Path, method: str, *extra: str) -> dict:
+    args = ["quantize", str(float_dir), "--method", method, "--out", str(out), "--group-size", "32", *extra]
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     return json.loads((out / "config.json").read_text())["quantization_config"]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantize_writes_compressed_tensors_that_corerun_reads(float_dir: Path, tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize(("method", "extra"), [("int8", ()), ("int4", ()), ("int4", ("--asymmetric",))])
+def test_quantize_writes_compressed_tensors_that_corerun_reads(float_dir: Path, tmp_path: Path, method: str, extra: tuple) -> None:
     out = tmp_path / method
-    config = _quantize(float_dir, out, method)
+    config = _quantize(float_dir, out, method, *extra)
     assert config["quant_method"] == "compressed-tensors"
     assert checkpoint_format(out, "cpu").quant_method == "compressed-tensors"
     model, _ = load_model(out, dtype=torch.float32, quant=CompressedTensorsMethod())
@@ -64,6 +65,7 @@ def test_quantize_writes_compressed_tensors_that_corerun_reads(float_dir: Path, 
     scale = state[f"{prefix}.weight_scale"].float()
     step = scale.repeat_interleave(32, dim=1)[:, : ours.shape[1]] if method == "int4" else scale
     assert ((ours - original[f"{prefix}.weight"]).abs() <= step * 0.5 * (1 + 1e-5)).all()
+    assert ("weight_zero_point" in compressor.compression_param_names(scheme)) == bool(extra)
 
 
 def test_quantize_refuses_a_folder_that_holds_a_model(float_dir: Path, tmp_path: Path) -> None:

@@ -10,6 +10,9 @@ compressed-tensors read it too:
 - ``int4`` (W4A16): groups of ``group_size`` input features, symmetric, ``s = max|w_g| / 7.5``,
   ``q = clamp(round(w / s), -8, 7)``; ``weight_packed`` int32 ``[out, ceil(in / 8)]`` of ``q + 8``,
   ``weight_scale`` ``[out, ceil(in / group_size)]``, ``weight_shape`` ``[2]`` (``format: pack-quantized``).
+  ``asymmetric``: ``s = (max - min) / 15`` over the group's range (zero included), zero point
+  ``z = round(-min / s) - 8``, ``q = clamp(round(w / s) + z, -8, 7)``, ``w = s (q - z)``;
+  ``weight_zero_point`` packed along the output ``[ceil(out / 8), groups]``.
 
 Scales are kept in the checkpoint's own float dtype and the codes computed from the rounded scale, so
 each weight is within half a step of its float value (a value on the top edge of an int4 group clamps
@@ -41,17 +44,27 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"weight": q, "weight_scale": scale}
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
-    """float ``w`` ``[out, in]`` -> ``weight_packed``, ``weight_scale`` ``[out, groups]``, ``weight_shape``."""
+def quantize_int4(w: torch.Tensor, group_size: int, asymmetric: bool = False) -> dict[str, torch.Tensor]:
+    """float ``w`` ``[out, in]`` -> ``weight_packed``, ``weight_scale`` ``[out, groups]``, ``weight_shape``
+    (``asymmetric``: and ``weight_zero_point``, packed ``[ceil(out / 8), groups]``)."""
     out, cols = w.shape
     groups = -(-cols // group_size)
     wf = torch.nn.functional.pad(w.float(), (0, groups * group_size - cols)).reshape(out, groups, group_size)
-    scale = (wf.abs().amax(dim=-1, keepdim=True) / 7.5).clamp_min(1e-12).to(w.dtype)
-    q = torch.round(wf / scale.float()).clamp(-8, 7).reshape(out, -1)[:, :cols]
-    return {"weight_packed": pack(q.long() + 8, 4, dim=1), "weight_scale": scale[..., 0], "weight_shape": torch.tensor([out, cols])}
+    if asymmetric:  # the group's [min, max] (zero included) on 16 levels; the zero point puts 0.0 on a level
+        lo, hi = wf.amin(dim=-1, keepdim=True).clamp(max=0), wf.amax(dim=-1, keepdim=True).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp_min(1e-12).to(w.dtype)
+        zero = (torch.round(-lo / scale.float()) - 8).clamp(-8, 7)
+    else:
+        scale = (wf.abs().amax(dim=-1, keepdim=True) / 7.5).clamp_min(1e-12).to(w.dtype)
+        zero = torch.zeros_like(scale, dtype=torch.float32)
+    q = (torch.round(wf / scale.float()) + zero).clamp(-8, 7).reshape(out, -1)[:, :cols]
+    parts = {"weight_packed": pack(q.long() + 8, 4, dim=1), "weight_scale": scale[..., 0], "weight_shape": torch.tensor([out, cols])}
+    if asymmetric:
+        parts["weight_zero_point"] = pack(zero[..., 0].long() + 8, 4, dim=0)
+    return parts
 
 
-def quantization_config(method: str, group_size: int) -> dict[str, Any]:
+def quantization_config(method: str, group_size: int, asymmetric: bool = False) -> dict[str, Any]:
     """The ``quantization_config`` compressed-tensors writes for ``method``."""
     if method == "int8":
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None}
@@ -59,7 +72,7 @@ def quantization_config(method: str, group_size: int) -> dict[str, Any]:
                        "group_size": None, "block_structure": None, "actorder": None, "observer": None, "observer_kwargs": {}}
         fmt = "int-quantized"
     else:
-        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}
+        weights = {"num_bits": 4, "type": "int", "symmetric": not asymmetric, "strategy": "group", "group_size": group_size}
         activations, fmt = None, "pack-quantized"
     weights.update({"dynamic": False, "block_structure": None, "actorder": None, "observer": "minmax", "observer_kwargs": {}})
     group = {"targets": TARGETS, "weights": weights, "input_activations": activations, "output_activations": None, "format": fmt}
@@ -69,19 +82,22 @@ def quantization_config(method: str, group_size: int) -> dict[str, Any]:
     }
 
 
-def quantized_tensors(weights: Iterator[tuple[str, torch.Tensor]], method: str, group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+def quantized_tensors(
+    weights: Iterator[tuple[str, torch.Tensor]], method: str, group_size: int, asymmetric: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint stream with every projection's ``weight`` replaced by its quantized parts."""
     for name, t in weights:
         if PROJECTION.search(name) is None or t.dim() != 2 or not t.is_floating_point():
             yield name, t
             continue
-        parts = quantize_int8(t) if method == "int8" else quantize_int4(t, group_size)
+        parts = quantize_int8(t) if method == "int8" else quantize_int4(t, group_size, asymmetric)
         prefix = name.removesuffix(".weight")
         yield from ((f"{prefix}.{k}", v.contiguous()) for k, v in parts.items())
 
 
-def quantize_folder(model_dir: Path, out: Path, method: str, group_size: int = 128) -> Path:
-    """Write ``model_dir`` quantized by ``method`` into ``out`` (created; must not hold a model already)."""
+def quantize_folder(model_dir: Path, out: Path, method: str, group_size: int = 128, asymmetric: bool = False) -> Path:
+    """Write ``model_dir`` quantized by ``method`` into ``out`` (created; must not hold a model already);
+    ``asymmetric``: int4 groups with zero points."""
     from safetensors.torch import save_file
 
     from corerun.models.loader import find_weight_files, iterate_weights
@@ -90,6 +106,8 @@ def quantize_folder(model_dir: Path, out: Path, method: str, group_size: int = 1
         raise ValueError(f"method: {method!r} is not one corerun quantize writes; use one of {', '.join(METHODS)}")
     if group_size <= 0 or group_size % 8:
         raise ValueError(f"group_size: {group_size}; use a positive multiple of 8 (128 is llm-compressor's default)")
+    if asymmetric and method != "int4":
+        raise ValueError(f"asymmetric: {method} is symmetric only (int8 weights and activations); zero points are an int4 option")
     files = find_weight_files(model_dir)
     if any(f.suffix != ".safetensors" for f in files):
         raise ValueError(f"{model_dir}: corerun quantize reads safetensors folders; found {', '.join(f.name for f in files)}")
@@ -99,7 +117,7 @@ def quantize_folder(model_dir: Path, out: Path, method: str, group_size: int = 1
     weight_map: dict[str, str] = {}
     for i, path in enumerate(files, start=1):
         shard = f"model-{i:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
-        tensors = dict(quantized_tensors(iterate_weights([path]), method, group_size))
+        tensors = dict(quantized_tensors(iterate_weights([path]), method, group_size, asymmetric))
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         weight_map.update({n: shard for n in tensors})
     if len(files) > 1:
@@ -108,6 +126,6 @@ def quantize_folder(model_dir: Path, out: Path, method: str, group_size: int = 1
         if item.is_file() and item.name != "config.json" and not any(item.match(p) for p in WEIGHT_FILES):
             shutil.copy2(item, out / item.name)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    config["quantization_config"] = quantization_config(method, group_size)
+    config["quantization_config"] = quantization_config(method, group_size, asymmetric)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
