@@ -30,7 +30,7 @@ def _failed(results: list) -> dict[str, str]:
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_family_passes_the_model_suite(arch: str) -> None:
     results = run("model", arch, keyword="gqa-untied or (prefill and (mha-tied or mqa-untied))")
-    assert len(results) == 9 and not _failed(results)  # 5 checks, and (chunked) prefill of two more shapes
+    assert len(results) == 10 and not _failed(results)  # 6 checks, and (chunked) prefill of two more shapes
 
 
 class Gemma2WithoutAttentionSoftCap(Gemma2ForCausalLM):

@@ -13,7 +13,7 @@ from corerun.models.mixtral import MixtralForCausalLM
 from corerun.models.moe import MoeConfig
 from corerun.models.qwen_moe import Qwen2MoeForCausalLM
 
-CHECKS = {"weights", "prefill", "chunked_prefill", "prefix_decode", "greedy"}
+CHECKS = {"weights", "prefill", "chunked_prefill", "prefix_decode", "greedy", "preemption"}
 
 
 @pytest.mark.timeout(600)

@@ -8,7 +8,7 @@ import torch
 
 from corerun.conformance import run
 
-CHECKS = {"weights", "prefill", "chunked_prefill", "prefix_decode", "greedy"}
+CHECKS = {"weights", "prefill", "chunked_prefill", "prefix_decode", "greedy", "preemption"}
 
 
 @pytest.mark.timeout(600)

@@ -7,7 +7,7 @@ import pytest
 from corerun.conformance import run
 from tests.broken_impls.model import MissedNorm, TransposedWeight, WrongRotaryVariant
 
-CHECKS = {"weights", "prefill", "chunked_prefill", "prefix_decode", "greedy"}
+CHECKS = {"weights", "prefill", "chunked_prefill", "prefix_decode", "greedy", "preemption"}
 
 
 def _outcomes(results: list) -> dict[str, str]:

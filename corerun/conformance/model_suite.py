@@ -13,6 +13,9 @@ scrambled paged KV cache filled with NaN (a read of a block it was not given poi
 - ``prefix_decode``: a second request reuses the first's cached blocks (a prefix hit), prefills the
   rest in the same step as the first request decodes; every row equals transformers'.
 - ``greedy``: 8 tokens decoded greedily one step at a time equal transformers' greedy tokens.
+- ``preemption``: a request decodes, is preempted (its blocks handed to another request, which
+  overwrites them), is recomputed from its prompt and outputs in fresh blocks over two chunks, and
+  decodes on; every row after the resumption equals transformers'.
 
 The checkpoint is what transformers' ``save_pretrained`` writes (experts one tensor each, as on the Hub).
 The architecture transformers builds is the class's ``hf_architecture`` when it has one, else the
@@ -158,6 +161,28 @@ class ModelSuite(ConformanceSuite):
             seq.append(int(last[-1].argmax()))
             (last,) = driver.run([(len(seq) - 1, seq[-1:])], tables=[table_b])
             _close(f"request 2's decode step {step + 1} after the prefix hit", last, hf_logits(hf, seq)[-1:])
+
+    def test_preemption(self, case: Case) -> None:
+        model, hf, _ = self._build(case)
+        vocab = case.config.config["vocab_size"]
+        seq = prompt(9, vocab, seed=11)
+        driver = Driver(model)
+        table = driver.blocks(5)
+        logits = driver.run([(0, seq)], tables=[table])[0]
+        for _ in range(3):
+            seq.append(int(logits[-1].argmax()))
+            logits = driver.run([(len(seq) - 1, seq[-1:])], tables=[table])[0]
+        seq.append(int(logits[-1].argmax()))  # sampled in the step before the preemption
+        driver.run([(0, prompt(4 * 5, vocab, seed=12))], tables=[table])  # another request overwrites every block
+        fresh = driver.blocks(5)
+        half = len(seq) // 2
+        driver.run([(0, seq[:half])], tables=[fresh])
+        (last,) = driver.run([(half, seq[half:])], tables=[fresh])
+        _close(f"the recomputed second chunk ({len(seq) - half} tokens) after preemption", last, hf_logits(hf, seq)[half:])
+        for step in range(2):
+            seq.append(int(last[-1].argmax()))
+            (last,) = driver.run([(len(seq) - 1, seq[-1:])], tables=[fresh])
+            _close(f"decode step {step + 1} after preemption and recomputation", last, hf_logits(hf, seq)[-1:])
 
     def test_greedy(self, case: Case) -> None:
         import torch
