@@ -11,7 +11,8 @@ activations, ``exp(mean -log p(token | the tokens before it))``.  Formats:
   quantizer, run through the same ``gguf`` method;
 - ``int8 W8A8`` and ``int4 W4A16 g128``: ``corerun quantize`` of the float folder (compressed-tensors);
 - ``int8 W8A16`` (the W8A8 folder with ``input_activations`` removed from its config: the same int8
-  weights, float activations) and ``int4 W4A16 g32``: to tell weight error from activation error.
+  weights, float activations): to tell weight error from activation error;
+- ``int4 W4A16 g32`` and the ``--asymmetric`` (zero point) variants of both group sizes.
 
     .venv/bin/python benchmarks/perplexity.py [--threads 1]
 """
@@ -115,6 +116,8 @@ def main() -> None:
         ("int8 W8A16", lambda: load_model(weights_only(tmp / "int8", tmp / "int8-w"), dtype=torch.float32, quant=CompressedTensorsMethod())),
         ("int4 W4A16 g128", lambda: load_model(quantize_folder(float_dir, tmp / "int4", "int4"), dtype=torch.float32, quant=CompressedTensorsMethod())),
         ("int4 W4A16 g32", lambda: load_model(quantize_folder(float_dir, tmp / "g32", "int4", 32), dtype=torch.float32, quant=CompressedTensorsMethod())),
+        ("int4 g128 asym", lambda: load_model(quantize_folder(float_dir, tmp / "a128", "int4", 128, True), dtype=torch.float32, quant=CompressedTensorsMethod())),
+        ("int4 g32 asym", lambda: load_model(quantize_folder(float_dir, tmp / "a32", "int4", 32, True), dtype=torch.float32, quant=CompressedTensorsMethod())),
     ]
     print(f"load average before: {os.getloadavg()}; {len(ids)} tokens; threads {args.threads}")
     base = None
