@@ -95,12 +95,31 @@ def quantized_tensors(
         yield from ((f"{prefix}.{k}", v.contiguous()) for k, v in parts.items())
 
 
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """``model.safetensors``, else the shards ``model.safetensors.index.json`` names, else every ``*.safetensors``."""
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return [model_dir / n for n in sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no safetensors weights; corerun quantize reads safetensors model folders")
+    return files
+
+
+def _read(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
 def quantize_folder(model_dir: Path, out: Path, method: str, group_size: int = 128, asymmetric: bool = False) -> Path:
     """Write ``model_dir`` quantized by ``method`` into ``out`` (created; must not hold a model already);
     ``asymmetric``: int4 groups with zero points."""
     from safetensors.torch import save_file
-
-    from corerun.models.loader import find_weight_files, iterate_weights
 
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one corerun quantize writes; use one of {', '.join(METHODS)}")
@@ -108,16 +127,14 @@ def quantize_folder(model_dir: Path, out: Path, method: str, group_size: int = 1
         raise ValueError(f"group_size: {group_size}; use a positive multiple of 8 (128 is llm-compressor's default)")
     if asymmetric and method != "int4":
         raise ValueError(f"asymmetric: {method} is symmetric only (int8 weights and activations); zero points are an int4 option")
-    files = find_weight_files(model_dir)
-    if any(f.suffix != ".safetensors" for f in files):
-        raise ValueError(f"{model_dir}: corerun quantize reads safetensors folders; found {', '.join(f.name for f in files)}")
+    files = safetensors_files(model_dir)
     if (out / "config.json").exists():
         raise ValueError(f"--out {out} already holds a model (config.json); choose an empty or new folder")
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for i, path in enumerate(files, start=1):
         shard = f"model-{i:05d}-of-{len(files):05d}.safetensors" if len(files) > 1 else "model.safetensors"
-        tensors = dict(quantized_tensors(iterate_weights([path]), method, group_size, asymmetric))
+        tensors = dict(quantized_tensors(_read(path), method, group_size, asymmetric))
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         weight_map.update({n: shard for n in tensors})
     if len(files) > 1:
