@@ -95,3 +95,18 @@ def test_bad_inputs_name_the_field(served, body: dict, field: str) -> None:
     assert status == 400, answer
     assert answer["error"]["param"] == field, json.dumps(answer)
     assert answer["error"]["message"].split(":")[0].startswith(field) or field in answer["error"]["message"]
+
+
+def test_inputs_ended_without_a_vector_answer_503_at_shutdown_else_500() -> None:
+    from corerun.outputs import EmbeddingOutput, EmbeddingRequestOutput
+    from corerun.server.embeddings import error_of
+
+    def out(reason: str) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput("r", None, [1, 2], EmbeddingOutput([0.5] if reason == "stop" else []), True,
+                                      reason, None if reason != "error" else "plugin x failed")
+
+    assert error_of([out("stop"), out("stop")]) is None
+    cut = error_of([out("stop"), out("abort")])
+    assert (cut.status, cut.code) == (503, "shutting_down") and "retry" in cut.message
+    failed = error_of([out("stop"), out("error")])
+    assert failed.status == 500 and failed.message.startswith("input 1:") and "plugin x failed" in failed.message

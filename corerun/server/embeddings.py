@@ -67,7 +67,11 @@ def response(name: str, req: EmbeddingRequest, finals: list[Any]) -> dict[str, A
 
 
 def error_of(finals: list[Any]) -> P.APIError | None:
-    """A 500 naming the first input whose request ended without a vector (an error in its step)."""
+    """The error for inputs that ended without a vector: 503 when shutdown ended them (the only abort
+    that still has a client to answer), else a 500 naming the first (an error in its step)."""
+    if any(out.finish_reason == "abort" for out in finals):
+        return P.APIError(503, "the server is shutting down: this embedding request was still running when "
+                          "server.shutdown_timeout_s ran out, and was ended; retry it", code="shutting_down")
     for i, out in enumerate(finals):
         if out.finish_reason != "stop":
             return P.APIError(500, f"input {i}: the embedding request ended with {out.finish_reason}: {out.error}",
