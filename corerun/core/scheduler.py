@@ -1,19 +1,12 @@
 """Continuous batching with chunked prefill and preemption by recompute (vLLM v1's unified step).
 
 Each step has a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``).
-Running sequences go first (a decode needs one token; a sequence in the middle of a chunked prefill
-needs the rest of its prompt, cut to the budget); waiting sequences are then admitted in arrival
-order while budget, cap and free blocks allow.  When a running sequence cannot get a block, the most
-recently arrived running sequence is preempted: its blocks are freed, its computed tokens forgotten,
-and it goes back to the front of the queue to be recomputed (prefix caching usually brings most of
-it back for free).  No request is lost, and the oldest always makes progress.
-
-Each batch is a message of plain values (``core/batch.py``, vLLM v1's ``SchedulerOutput``); no
-``Sequence`` crosses.  The result comes back through :meth:`Scheduler.update_from_output`: sampled and
-accepted tokens appended, stop tokens and length limits applied, full blocks registered, rejected
-drafts' blocks given back, the other samples of an ``n > 1`` request queued once its prompt is
-computed.  Drafts arrive through :meth:`Scheduler.update_draft_token_ids` and sit on the request until
-it is next scheduled: the scheduler never calls up.
+Running sequences go first (a decode one token, a chunked prefill the rest of its prompt within the
+budget), then waiting ones in arrival order while budget, cap and free blocks allow.  When a running
+sequence cannot get a block, the youngest running one is preempted (blocks freed, recomputed later):
+no request is lost, and the oldest always makes progress.  Each batch is a message of plain values
+(``core/batch.py``); the result comes back through :meth:`Scheduler.update_from_output`, drafts
+through :meth:`Scheduler.update_draft_token_ids`: the scheduler never calls up.
 """
 
 from __future__ import annotations
@@ -23,14 +16,13 @@ import time
 from collections import deque
 from typing import Iterable
 
-from corerun.core.batch import BlockIds, NewRequest, NewTokens, ScheduledBatch, StepResult
+from corerun.core.batch import _NOTHING_IN_FLIGHT, InFlight, ScheduledBatch, StepResult, Told, make_batch
 from corerun.core.sequence import Sequence, SequenceStatus
-from corerun.core.told import _NOTHING_IN_FLIGHT, InFlight, Told, make_batch
 from corerun.errors import StepError
 from corerun.lora.slots import LoRASlots
 from corerun.protocols.kv_cache import KVCacheManager
 
-__all__ = ["BlockIds", "InFlight", "NewRequest", "NewTokens", "ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
+__all__ = ["ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
 
 logger = logging.getLogger("corerun.engine")
 
@@ -47,8 +39,6 @@ class SchedulingError(StepError):
         self.seq = seq
         self.cause = cause
         super().__init__(f"{type(cause).__name__}: {cause}")
-
-
 
 
 class Scheduler:
@@ -82,8 +72,7 @@ class Scheduler:
         self.told = Told()  # what the runner was told of each request (protocol version 3)
         self._finished: list[int] = []  # seq_ids finished since the last batch
         self._seqs: dict[int, Sequence] = {}  # seq_id -> every sequence queued, running or scheduled, until it finishes
-        # asynchronous scheduling: seq_id -> what the step still running does for it, not yet in the
-        # sequence (see :meth:`set_in_flight`)
+        # asynchronous scheduling: seq_id -> what the step still running does for it (see :meth:`set_in_flight`)
         self.in_flight: dict[int, InFlight] = {}
         self._moved: set[int] = set()  # preempted while in flight: their K/V of that step are gone
         self._guessed: dict[int, int] = {}  # scheduled from placeholder counts: seq_id -> draft slots held (see settle)
@@ -194,8 +183,6 @@ class Scheduler:
             if seq.num_preemptions:
                 resumed.append(seq.seq_id)
 
-        for victim in preempted:  # (preempted after it was scheduled, by an older request)
-            scheduled.pop(victim.seq_id, None)
         self._guessed = {sid: k for sid, k in self._guessed.items() if sid in scheduled}
         finished: frozenset[int] = frozenset()
         if scheduled:  # (an empty batch reaches no runner: the finished ids wait for the next one)
@@ -225,13 +212,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, rows[sid][0])
             d = tuple(seq.draft_token_ids[:room]) if n == 1 else ()
             self.trim(seq, seq.num_computed_tokens + n + len(d))
-            later = self.told.pending.pop(sid, None)
-            if later is not None:
-                changes[sid] = changes[sid].then(later) if sid in changes else later
-            told = new_tokens.get(sid)
-            if told is not None:  # (tokens the runner did not sample, counted with placeholders: now as they are)
-                new_tokens[sid] = NewTokens(told.start, tuple(seq.token_ids[told.start:]), seq.num_tokens)
-                self.told.tokens[sid] = seq.num_tokens
+            self.told.settle(seq, changes, new_tokens)
             rows[sid] = [n + len(d), seq.num_computed_tokens]
             drafts.pop(sid, None)
             if d:
@@ -260,8 +241,7 @@ class Scheduler:
         """``seq``'s tokens past ``num_tokens`` were replaced (a draft model's copy of a request after the
         target rejected its drafts): they are computed again and told to the runner again."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
-        if seq.seq_id in self.told.tokens:
-            self.told.tokens[seq.seq_id] = min(self.told.tokens[seq.seq_id], num_tokens)
+        self.told.rewind(seq.seq_id, num_tokens)
 
     def update_draft_token_ids(self, drafts: dict[int, list[int]]) -> None:
         """Speculative decoding: the drafts proposed for each running sequence (seq_id -> tokens); they
@@ -272,13 +252,10 @@ class Scheduler:
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """``allocate_slots``; the ids it returns (the table's new entries) are noted for the runner."""
         self._current = seq
-        sid = seq.seq_id
-        ids = self.kv.allocate_slots(sid, num_tokens)
-        if ids is None:
-            return False
+        ids = self.kv.allocate_slots(seq.seq_id, num_tokens)
         if ids:
-            self.told.note(sid, BlockIds(self.told.table_len.get(sid, 0), tuple(ids)))
-        return True
+            self.told.grew(seq.seq_id, ids)
+        return ids is not None
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks ``seq`` holds beyond ``num_tokens`` tokens (``KVCacheManager.trim``, when the
@@ -292,8 +269,7 @@ class Scheduler:
                 f"KVCacheManager.trim({seq.seq_id}, {num_tokens}) returned {kept!r}; protocol version 2 wants the "
                 "number of blocks the table keeps (an int)"
             )
-        if kept < self.told.table_len.get(seq.seq_id, 0):
-            self.told.note(seq.seq_id, BlockIds(kept, ()))
+        self.told.trimmed(seq.seq_id, kept)
 
     def _lora_ready(self, seq: Sequence) -> bool:
         """Before admitting ``seq``: its blocks keyed by its adapter (prefix caching never shares KV across
@@ -346,14 +322,10 @@ class Scheduler:
 
     # ------------------------------------------------------------- the step's result
     def update_from_output(self, batch: ScheduledBatch, result: StepResult) -> tuple[list[Sequence], dict[int, str]]:
-        """Apply a step's result: computed counts and cached blocks, then each row's tokens one by one until
-        one ends the request (a stop token, the length limit, a logits processor's end), drafts' blocks
-        given back, and the other samples of an ``n > 1`` request queued once its prompt is computed.
-
-        Returns the sequences that got a token, and ``seq_id -> message`` for those the KV-cache manager
-        failed on (still running: the caller ends them with the message).  A sequence preempted while
-        the step ran (asynchronous scheduling) takes its token; its K/V are recomputed.
-        """
+        """Apply a step's result: computed counts and cached blocks, each row's tokens until one ends the
+        request (a stop token, the length, a logits processor), rejected drafts' blocks given back, an ``n > 1``
+        request's other samples queued once its prompt is computed.  Returns the sequences that got a token,
+        and ``seq_id -> message`` for those the KV-cache manager failed on (the caller ends them)."""
         moved, self._moved, self.in_flight = self._moved, set(), {}
         now = time.perf_counter()
         seqs = self.seqs_of(batch)
@@ -401,8 +373,13 @@ class Scheduler:
                 reason = why  # a logits processor's end (a grammar completed)
             if reason is not None:
                 self.finish(seq, reason)
-            else:  # the runner recorded the tokens it sampled: the next message need not tell them
-                self.told.sampled(seq.seq_id, before, len(seq.token_ids))
+                continue
+            self.told.sampled(seq.seq_id, before, len(seq.token_ids))  # (the runner recorded them)
+            if seq.seq_id in batch.drafts and seq.seq_id not in self._guessed:  # (guessed: trimmed when settled)
+                try:
+                    self.trim(seq, seq.num_tokens)
+                except Exception as exc:
+                    failed[seq.seq_id] = f"trimming the blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}"
         for row, vector in result.pooled.items():  # embedding requests end when their prompt is computed
             seq = seqs[row]
             if seq is None or seq.seq_id in failed or seq.is_finished:
@@ -410,13 +387,6 @@ class Scheduler:
             seq.pooled = vector
             touched.append(seq)
             self.finish(seq, "stop")
-        for seq in seqs:
-            if (seq is not None and seq.seq_id in batch.drafts and seq.seq_id not in failed and not seq.is_finished
-                    and seq.seq_id not in self._guessed):  # (the next batch's slots: trimmed when it is settled)
-                try:
-                    self.trim(seq, seq.num_tokens)
-                except Exception as exc:
-                    failed[seq.seq_id] = f"trimming the blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}"
         return touched, failed
 
     def _append(self, seq: Sequence, token: int) -> str | None:
@@ -435,13 +405,9 @@ class Scheduler:
 
     # ------------------------------------------------------------- finishing
     def finish(self, seq: Sequence, reason: str, *, keep: int | None = None) -> None:
-        """Take ``seq`` out of the queues, mark it finished, then free its blocks; ``keep``: drop its
-        tokens past the first ``keep`` (a stop string met before its last token).  Already finished:
-        only its reason (and ``keep``) change.
-
-        The blocks are freed last, so that a KV-cache manager raising in ``free`` leaves the
-        scheduler consistent: the error is logged, and ``seq`` is finished either way.
-        """
+        """Take ``seq`` out of the queues, mark it finished, then free its blocks (last: a KV-cache manager
+        raising in ``free`` is logged, and ``seq`` is finished either way); ``keep``: drop its tokens past the
+        first ``keep`` (a stop string met before its last token).  Already finished: only those change."""
         if keep is not None and keep < seq.num_tokens:
             self.num_generated_tokens -= seq.num_tokens - keep
             del seq.token_ids[keep:]
