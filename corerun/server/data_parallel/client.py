@@ -237,11 +237,13 @@ class ReplicaClient:
                 self.outstanding -= route.owed
 
     def _lose(self, expected: bool = False) -> None:
+        if self.lost is not None:
+            return
+        self.process.join(10 if expected else 1)  # (its pipe closed: it is exiting, if not gone already)
+        how = describe_exit(self.process.exitcode)
         with self._lock:
             if self.lost is not None:
                 return
-            self.process.join(1 if not expected else 10)
-            how = describe_exit(self.process.exitcode)
             self.lost = f"data-parallel replica {self.index} (pid {self.pid}) stopped: {how}"
             routes, self._routes = self._routes, {}
             pending, self._pending = self._pending, {}
