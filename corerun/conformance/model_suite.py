@@ -16,6 +16,9 @@ scrambled paged KV cache filled with NaN (a read of a block it was not given poi
 - ``preemption``: a request decodes, is preempted (its blocks handed to another request, which
   overwrites them), is recomputed from its prompt and outputs in fresh blocks over two chunks, and
   decodes on; every row after the resumption equals transformers'.
+- ``tensor_parallel`` (families declaring ``tensor_parallel``; with ``--full-matrix`` only, it starts
+  two processes): the family split over two gloo ranks gives the logits of a chunked prefill and
+  decodes the single-process family gives (:mod:`corerun.conformance.model_parallel`).
 
 The checkpoint is what transformers' ``save_pretrained`` writes (experts one tensor each, as on the Hub).
 The architecture transformers builds is the class's ``hf_architecture`` when it has one, else the
@@ -81,6 +84,12 @@ class ModelSuite(ConformanceSuite):
     def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
         arch = architecture(target)
         extra = dict(getattr(target.implementation_class(), "conformance_config", {}) or {})
+        if check == "tensor_parallel":
+            if not getattr(target.capabilities, "tensor_parallel", False):
+                return f"{target.name} does not declare tensor_parallel"
+            if not full:
+                return "splits the family over two processes: runs with --full-matrix (CORERUN_FULL_MATRIX=1)"
+            return [("gqa-untied", ModelCase(arch, {**BASE, **SHAPES["gqa-untied"], **extra}))]
         shapes = {**SHAPES, **(FULL_SHAPES if full else {})}
         return [(cid, ModelCase(arch, {**BASE, **shape, **extra})) for cid, shape in shapes.items()]
 
@@ -183,6 +192,26 @@ class ModelSuite(ConformanceSuite):
             seq.append(int(last[-1].argmax()))
             (last,) = driver.run([(len(seq) - 1, seq[-1:])], tables=[fresh])
             _close(f"decode step {step + 1} after preemption and recomputation", last, hf_logits(hf, seq)[-1:])
+
+    def test_tensor_parallel(self, case: Case) -> None:
+        import torch
+
+        from corerun.conformance.model_parallel import tensor_parallel_logits
+
+        model, _, state = self._build(case)
+        ids = prompt(14, case.config.config["vocab_size"], seed=21)
+        other = prompt(5, case.config.config["vocab_size"], seed=22)
+        steps = [[(0, ids[:6])], [(6, ids[6:11]), (0, other)], [(11, ids[11:12]), (5, other[-1:])], [(12, ids[12:14])]]
+        driver, rows = Driver(model), []
+        tables = [driver.blocks(8), driver.blocks(8)]
+        for step in steps:
+            rows += driver.run(step, tables=tables[: len(step)])
+        want = torch.cat(rows)
+        try:
+            got = tensor_parallel_logits(case.target.implementation_class(), model.config, state, steps)
+        except RuntimeError as exc:
+            _fail(f"the family on two tensor-parallel ranks: {exc}")
+        _close("two tensor-parallel ranks (chunked prefill, a second request, decodes) against one process", got, want)
 
     def test_greedy(self, case: Case) -> None:
         import torch
@@ -295,5 +324,5 @@ class Driver:
         inputs = requests_step([c for c, _ in requests], lens, tables, BLOCK_SIZE, "cpu", input_ids=tokens)
         ctx = AttentionContext(self.backend, self.backend.plan(inputs.batch), self.kv_caches)
         with torch.no_grad():
-            logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, ctx)).double()
-        return list(logits.split(lens))
+            logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, ctx))
+        return [] if logits is None else list(logits.double().split(lens))  # tensor parallel: ranks above 0 get none

@@ -133,14 +133,23 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """``input_ids`` / ``positions`` int64 ``[T]`` -> hidden states ``[T, hidden_size]`` in the model dtype."""
-        m = self.model
-        hidden = m.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+        return self.forward_stage(input_ids, positions, ctx, None, (0, self.num_layers))
+
+    def forward_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, hidden: torch.Tensor | None,
+        layers: tuple[int, int],
+    ) -> torch.Tensor:
+        """Decoder layers ``layers = (start, end)``: the scaled embedding first when ``hidden`` is None, the
+        final norm after the last layer (a pipeline stage, as Llama's)."""
+        m, (start, end) = self.model, layers
+        if hidden is None:
+            hidden = m.embed_tokens(input_ids)
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
         rope = m.rotary_emb.angles(positions)  # once per step, for every layer of its kind
         local = rope if self.local_rotary is None else self.local_rotary.angles(positions)
-        for layer, kind in zip(m.layers, self.kinds):
-            hidden = layer(local if kind == "sliding_attention" else rope, hidden, ctx)
-        return m.norm(hidden)
+        for i in range(start, end):
+            hidden = m.layers[i](local if self.kinds[i] == "sliding_attention" else rope, hidden, ctx)
+        return m.norm(hidden) if end == len(m.layers) else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``, soft-capped when the config says."""
