@@ -79,6 +79,9 @@ class InputBatch:
         self.prompt_logprobs_from = np.zeros(rows, dtype=np.int64)  # first prompt position still owed a logprob
         self.lora_slot = np.full(rows, -1, dtype=np.int32)  # the request's LoRA adapter slot; -1: the base model
         self._free = list(range(rows - 1, -1, -1))
+        # live requests that need host work beyond the step's arrays (none: that work is skipped)
+        self.pooling_ids: set[int] = set()  # embedding requests (params.pooling)
+        self.prompt_logprob_ids: set[int] = set()  # requests asking for prompt logprobs
 
     def __len__(self) -> int:
         return len(self.index)
@@ -102,6 +105,10 @@ class InputBatch:
             self.remove(r.seq_id)
             row = self._take()
             self.index[r.seq_id], self.seq_ids[row], self.params[row] = row, r.seq_id, r.params
+            if r.params.pooling is not None:
+                self.pooling_ids.add(r.seq_id)
+            if r.params.prompt_logprobs is not None:
+                self.prompt_logprob_ids.add(r.seq_id)
             p, tokens = len(r.prompt_token_ids), r.prompt_token_ids + r.output_token_ids
             self._write_tokens(row, 0, tokens)
             self.num_tokens[row], self.num_prompt[row], self.num_computed[row] = len(tokens), p, r.num_computed_tokens
@@ -137,6 +144,8 @@ class InputBatch:
         row = self.index.pop(seq_id, None)
         if row is not None:
             self.seq_ids[row], self.params[row] = -1, None
+            self.pooling_ids.discard(seq_id)
+            self.prompt_logprob_ids.discard(seq_id)
             self.block_table[row, : self.num_blocks[row]] = 0  # a free row's table is all zeros
             self.num_blocks[row] = self.num_tokens[row] = 0
             self._free.append(row)

@@ -179,6 +179,9 @@ class ModelRunner:
         :meth:`sample_tokens`) reads only what it returns and the rows it names, and may run on another
         thread while the next step is scheduled.
         """
+        ib = self.input_batch
+        # (embedding requests leaving: the pooler drops their partial sums)
+        leaving = bool(ib.pooling_ids) and not ib.pooling_ids.isdisjoint(sched.finished_ids | sched.preempted_ids)
         try:
             inputs, rows, logits_indices = self.prepare_inputs(sched)
         except Exception as exc:
@@ -186,8 +189,7 @@ class ModelRunner:
                 f"preparing the step's inputs failed (block tables from KV-cache manager '{self.kv_manager_name}'): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        ib = self.input_batch
-        pool_plan = self.pooler.plan(sched, ib, np.cumsum((0, *sched.num_scheduled)).tolist())
+        pool_plan = self.pooler.plan(sched, ib, np.cumsum((0, *sched.num_scheduled)).tolist()) if ib.pooling_ids or leaving else None
         if pool_plan is not None and pool_plan.rows:  # embedding requests are pooled, not sampled
             pooled = {p.row for p in pool_plan.rows}
             keep = np.fromiter((i not in pooled for i in rows.tolist()), dtype=bool, count=len(rows))
@@ -206,7 +208,7 @@ class ModelRunner:
             )
         return PreparedStep(
             sched, inputs, rows, logits_indices, batch_rows, seqs, meta, eos_token_ids, has_drafts,
-            self._prompt_logprob_plan(sched, inputs), pool_plan,
+            self._prompt_logprob_plan(sched, inputs) if ib.prompt_logprob_ids else [], pool_plan,
         )
 
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
@@ -228,7 +230,7 @@ class ModelRunner:
         rows, logits_indices, seqs = step.rows, step.logits_indices, step.seqs
         self._finished_for_sampler.update(step.sched.finished_ids)  # (told at the next call that samples)
         try:
-            pooled = self.pooler.pool(step.pool_plan, hidden)
+            pooled = self.pooler.pool(step.pool_plan, hidden) if step.pool_plan is not None else {}
         except Exception as exc:
             raise StepError(f"pooling the embedding requests' hidden states failed: {type(exc).__name__}: {exc}") from exc
         if len(rows) == 0:
