@@ -64,9 +64,9 @@ def family(request, tmp_path_factory):
     return base, loras, refs
 
 
-def _engine(base: Path, **lora):
+def _engine(base: Path, async_scheduling: bool = False, **lora):
     return make_llm(base, lora={"enabled": True, "max_loras": 4, "max_lora_rank": 8, **lora},
-                    scheduler={"max_num_seqs": 8})
+                    scheduler={"max_num_seqs": 8, "async_scheduling": async_scheduling})
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -126,7 +126,8 @@ def test_more_adapters_than_slots_all_finish_unchanged_with_aborts(family):
     if base.name.startswith("tiny-qwen2"):
         pytest.skip("one family is enough for the soak")
     rng = random.Random(7)
-    with _engine(base, max_loras=2, max_cpu_loras=2) as llm:  # 4 adapters, 2 slots, 2 kept in host memory
+    # 4 adapters, 2 slots, 2 kept in host memory; asynchronous scheduling: slots change while a step is in flight
+    with _engine(base, async_scheduling=True, max_loras=2, max_cpu_loras=2) as llm:
         for _ in range(3):
             plan = [(rng.randrange(len(PROMPTS)), rng.choice([None, *loras])) for _ in range(10)]
             streams = [llm.engine_loop.add_request(PROMPTS[p], GREEDY, lora_request=lora) for p, lora in plan]
