@@ -43,3 +43,30 @@ def test_prefix_blocks_are_never_shared_across_extra_keys(hash_fn):
     for sid in range(4):
         kv.free(sid)
     assert kv.num_free_blocks == 32
+
+
+def test_scheduler_admits_in_arrival_order_so_no_adapter_starves_behind_another():
+    from corerun.core.scheduler import Scheduler
+    from corerun.core.sequence import Sequence
+    from corerun.lora.request import LoRARequest
+    from corerun.sampling_params import SamplingParams
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    sched = Scheduler(PagedKVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_loras=1)
+    params = SamplingParams(max_tokens=4)
+    seqs = [Sequence(i, f"r{i}", [3, 1, 4, 1, 5], params, lora=lora) for i, lora in enumerate([a, b, a, None])]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.req_ids == (0,)  # b holds the head: a's second request and the base one wait behind it
+    assert [(r.lora, r.lora_slot) for r in batch.new_reqs] == [(a, 0)]
+    sched.finish(seqs[0], "stop")  # a's slot goes idle: b takes it
+    batch = sched.schedule()
+    assert batch.req_ids == (1,) and [(r.lora, r.lora_slot) for r in batch.new_reqs] == [(b, 0)]
+    assert sched.lora_slots.slot_of == {2: 0} and sched.lora_slots.num_pinned == 1
+    sched.finish(seqs[1], "stop")
+    batch = sched.schedule()
+    assert set(batch.req_ids) == {2, 3} and {r.seq_id: r.lora_slot for r in batch.new_reqs} == {2: 0, 3: -1}
+    for s in seqs[2:]:
+        sched.finish(s, "stop")
+    assert sched.lora_slots.num_pinned == 0 and not sched.lora_slot_of
