@@ -42,8 +42,8 @@ class LoRAManager:
         self.in_slot: list[int] = [0] * max_loras  # slot -> adapter id whose weights it holds (0: none)
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> weights, least recently used first
         self._host_lock = threading.Lock()  # (the server adds adapters while the step thread activates others)
-        logger.info("lora: %d layers adapted, %d slots of rank %d: %.1f MiB on %s", len(self.layers), max_loras,
-                    max_lora_rank, self.slot_bytes() / 2**20, device)
+        logger.info("lora: %d layers adapted, %d slots of rank %d: %.1f MiB on %s; kernel %r", len(self.layers),
+                    max_loras, max_lora_rank, self.slot_bytes() / 2**20, device, getattr(kernel, "name", type(kernel).__name__))
 
     def slot_bytes(self) -> int:
         """Device memory the slots take (every layer's A and B stacks)."""
