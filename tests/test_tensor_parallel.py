@@ -30,6 +30,7 @@ import torch.distributed as dist
 import yaml
 
 from corerun import LLM, SamplingParams
+from corerun.conformance.executor_suite import gone as _gone
 from corerun.distributed.errors import TensorParallelError
 from corerun.errors import ConfigError
 from tests.helpers.tiny_models import make_tiny_model
@@ -96,15 +97,6 @@ def _check_matches(llm: LLM, case: Case) -> None:
     assert len(got_p) == len(ref_p) == len(case.prompts[-1])
     assert all(abs(g[t].logprob - r[t].logprob) < 1e-4 for g, r in zip(got_p[1:], ref_p[1:]) for t in r)
     assert llm.engine.kv.num_free_blocks == llm.engine.runner.num_blocks  # nothing leaked
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (reaped, or a zombie nobody has reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _wait_gone(pids: list[int], timeout: float = 20.0) -> bool:

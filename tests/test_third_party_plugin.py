@@ -108,12 +108,13 @@ def _twin(letter: str, extra: str = "") -> PluginPackage:
 TWIN_A = _twin("a")
 TWIN_B = _twin("b", 'register("solo", "corerun_twin_b.sampler:Solo")')
 BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("graph", "compile"), ("sampler", "full")}
-# the model layer's built-ins: families, quantization methods, tool-call and reasoning parsers
+# the model layer's built-ins: families, quantization methods, tool-call and reasoning parsers; the executors
 MODEL_LAYER_BUILTINS = {
     *(("model", arch) for arch in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
                                    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
     ("quantization", "none"), ("quantization", "gguf"), ("tool_parser", "hermes"), ("tool_parser", "llama3_json"),
     ("tool_parser", "mistral"), ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
+    ("executor", "inproc"), ("executor", "local"), ("executor", "launched"),
 }
 HAS_CUDA = torch.cuda.is_available()
 

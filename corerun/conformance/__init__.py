@@ -26,6 +26,7 @@ _LAZY = {
     "Transcript": "corerun.conformance.tool_parser_suite",
     "ModelSuite": "corerun.conformance.model_suite",
     "QuantizationSuite": "corerun.conformance.quantization_suite",
+    "ExecutorSuite": "corerun.conformance.executor_suite",
     "ConformanceSuite": "corerun.conformance.suite",
     "Case": "corerun.conformance.suite",
     "Target": "corerun.conformance.target",
@@ -35,6 +36,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from corerun.conformance.attention_suite import AttentionBackendSuite
+    from corerun.conformance.executor_suite import ExecutorSuite
     from corerun.conformance.graph_suite import GraphRunnerSuite
     from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
     from corerun.conformance.runner import CheckResult, run

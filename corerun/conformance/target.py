@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from corerun.plugin.capabilities import (
     AttentionCapabilities,
+    ExecutorCapabilities,
     GraphRunnerCapabilities,
     KVCacheCapabilities,
     LogitsProcessorCapabilities,
@@ -37,8 +38,10 @@ def default_capabilities(kind: str) -> Any:
         return ModelCapabilities()
     if kind == "quantization":
         return QuantizationCapabilities()
+    if kind == "executor":
+        return ExecutorCapabilities()
     raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, "
-                     "logits_processor, tool_parser, reasoning_parser, model, quantization")
+                     "logits_processor, tool_parser, reasoning_parser, model, quantization, executor")
 
 
 @dataclass

@@ -8,6 +8,7 @@ every test is skipped with the reason.  ``corerun conformance KIND:NAME`` runs t
 from typing import Any
 
 from corerun.conformance.attention_suite import AttentionBackendSuite
+from corerun.conformance.executor_suite import ExecutorSuite
 from corerun.conformance.graph_suite import GraphRunnerSuite
 from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
 from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
@@ -58,4 +59,8 @@ class TestModel(ModelSuite):
 
 
 class TestQuantization(QuantizationSuite):
+    implementation = FROM_OPTION
+
+
+class TestExecutor(ExecutorSuite):
     implementation = FROM_OPTION

@@ -1,4 +1,5 @@
-"""Backend, device and process group of one tensor-parallel rank."""
+"""Backend, device and process groups of one rank: the default group over every rank of the placement,
+and under pipeline parallelism each stage's tensor-parallel group."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from corerun.config import Config
 from corerun.errors import ConfigError
 from corerun.distributed.errors import TensorParallelError
 from corerun.distributed.group import TensorParallelGroup
+from corerun.protocols.executor import Placement
 
 logger = logging.getLogger("corerun.parallel")
 
@@ -76,3 +78,20 @@ def destroy_group() -> None:
     """Leave the default process group, if this process is in one."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def stage_group(placement: Placement, rank: int, device: torch.device) -> TensorParallelGroup | None:
+    """Rank ``rank``'s tensor-parallel group inside its pipeline stage (``None`` when a stage is one rank).
+
+    Every rank creates every stage's group, in stage order (torch.distributed's rule for ``new_group``);
+    the last stage's group gathers the logits to all of its ranks, which all sample.
+    """
+    tp, mine = placement.tensor_parallel_size, None
+    if tp == 1:
+        return None
+    for stage in range(placement.pipeline_parallel_size):
+        group = dist.new_group(placement.ranks_of_stage(stage))
+        if stage == placement.stage_of(rank):
+            last = stage == placement.pipeline_parallel_size - 1 and placement.pipeline_parallel_size > 1
+            mine = TensorParallelGroup(placement.tp_rank_of(rank), tp, device, group, gather_to_all=last)
+    return mine

@@ -20,6 +20,7 @@ from corerun.engine.output_processor import OutputProcessor
 from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.speculation import make_spec_decoder
 from corerun.lora.request import LoRARequest
+from corerun.executor.select import make_runner
 from corerun.errors import ConfigError, EngineClosedError, RequestError, StepError
 from corerun.outputs import RequestOutput
 from corerun.plugin.registry import Registry
@@ -36,17 +37,8 @@ class LLMEngine:
     def __init__(self, config: Config, registry: Registry | None = None) -> None:
         self.config = config
         self.async_scheduling = check_async_scheduling(config)
-        if config.speculative.method not in (None, "ngram") and config.tensor_parallel_size > 1:  # (before any rank starts)
-            raise ConfigError(
-                f"speculative.method: {config.speculative.method!r} runs on one device only; use "
-                "tensor_parallel_size: 1 or leave speculative.method unset"
-            )
-        if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (corerun.executor)
-            from corerun.executor.driver import TensorParallelRunner
-
-            self.runner: ModelRunner = TensorParallelRunner(config, registry)
-        else:
-            self.runner = ModelRunner(config, registry)
+        # one device (executor inproc), or rank 0 of a tensor x pipeline placement (corerun.executor)
+        self.runner: ModelRunner = make_runner(config, registry)
         runner, sc = self.runner, config.scheduler
         self.kv = runner.kv_manager
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(runner.model_dir)
@@ -378,3 +370,4 @@ class LLMEngine:
             self.runner.shutdown()
             if self.spec is not None:  # the draft model's too
                 self.spec.shutdown()
+

@@ -1,4 +1,4 @@
-"""``TensorParallelRunner``: rank 0 of a tensor-parallel group, a ModelRunner whose steps the workers mirror.
+"""``TensorParallelRunner``: rank 0 of a placement, a ModelRunner whose steps the other ranks mirror.
 
 Rank 0 does everything a ModelRunner does (it schedules nothing itself: the engine does, against
 rank 0's KV-cache manager).  Each step's :class:`ScheduledBatch` message goes to ranks 1..N-1 as it
@@ -7,6 +7,10 @@ its own persistent batch, builds its own step inputs and runs the same forward. 
 tells the workers which rows of their hidden states to project, so that every rank takes part in
 the vocabulary gather.  Only rank 0 samples.  The KV cache's block count is agreed inside
 ModelRunner's construction (the smallest rank's), before any rank allocates it.
+
+Under pipeline parallelism (:mod:`corerun.executor.stage`) rank 0 runs stage 0 only: it passes its
+hidden states to the next stage and collects the step's result from the last stage through the
+executor, then records the sampled tokens as if it had sampled them.
 
 A rank that fails mid-step takes the group down (the others may be waiting in a collective that
 will never complete): the step's requests end with :class:`RankFailedError` ("tensor-parallel rank 1
@@ -25,9 +29,13 @@ import torch
 
 from corerun.config import Config
 from corerun.core.batch import ScheduledBatch, StepResult
-from corerun.runner.model_runner import ExecuteModelState, ModelRunner, PreparedStep
 from corerun.distributed.errors import Failure, RankFailedError, TensorParallelError, is_communication_failure
-from corerun.executor.step import CompareBatch, Logits, Recorded, Step
+from corerun.distributed.group import TensorParallelGroup
+from corerun.errors import StepError
+from corerun.executor.stage import StageRunner
+from corerun.executor.step import CompareBatch, Logits, Recorded, Step, StepFailed
+from corerun.protocols.executor import Placement, WorkerLaunch
+from corerun.runner.model_runner import ExecuteModelState, PreparedStep
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
 from corerun.plugin.registry import Registry
@@ -37,69 +45,72 @@ logger = logging.getLogger("corerun.parallel")
 FAILURE_GRACE_S = 2.0  # after a failed collective, how long to wait for a worker's report or exit
 
 
-class TensorParallelRunner(ModelRunner):
-    """Rank 0 of ``config.tensor_parallel_size`` ranks; the same attributes and ``execute`` as :class:`ModelRunner`.
+class TensorParallelRunner(StageRunner):
+    """Rank 0 of a placement of ``tensor_parallel_size x pipeline_parallel_size`` ranks; the same attributes
+    and ``execute`` as :class:`ModelRunner`.
 
-    One host (``distributed.init_method`` unset): starts ranks 1..N-1 as child processes.  Launched
-    (``env://`` / ``tcp://``): joins ranks started by torchrun or by hand; on a rank other than 0 it
-    serves rank 0 until shutdown and then exits the process (``SystemExit(0)``).
-    Call :meth:`shutdown` (``llm.engine.shutdown()``) to stop the workers; they also stop when this
-    object is collected, at interpreter exit, and when this process dies.
+    The other ranks are started and driven by ``executor`` (``distributed.executor``; see
+    :mod:`corerun.protocols.executor`): ``local`` starts them as child processes, ``launched`` joins
+    ranks started by torchrun or by hand.  Call :meth:`shutdown` (``llm.engine.shutdown()``) to stop the
+    workers; they also stop when this object is collected, at interpreter exit, and when this process dies.
+
+    With one stage rank 0 runs the whole model and samples; with several it runs stage 0, passes its
+    hidden states on and collects each step's result from the last stage (``executor.collect``).
     """
 
-    def __init__(self, config: Config, registry: Registry | None = None) -> None:
-        from corerun.executor.launched import LaunchedWorkers, join, launched_rank, serve_launched
-        from corerun.executor.local import LocalWorkers
+    def __init__(self, config: Config, registry: Registry | None = None, placement: Placement | None = None,
+                 executor: Any = None) -> None:
         from corerun.distributed.process_group import (
-            backend_for, bind_device, ensure_not_initialized, init_group,
+            backend_for, bind_device, device_type, ensure_not_initialized, init_group, stage_group,
         )
+        from corerun.executor.placement import placement_for
+        from corerun.executor.select import make_executor
 
-        n, dcfg = config.tensor_parallel_size, config.distributed
-        if dcfg.init_method is not None:
-            rank, local_rank = launched_rank(config)
-            if rank != 0:
-                serve_launched(config)
-                raise SystemExit(0)
-        self._check_model(config)  # before any process starts
+        placement = placement or placement_for(config)
+        self._check_model(config, placement.tensor_parallel_size)  # before any process starts
+        if executor is None:
+            executor = make_executor(config, placement, registry)[1]
+        n, timeout = placement.world_size, config.distributed.timeout_s
         ensure_not_initialized()
         self._busy = False  # True while the workers may be waiting in a collective for rank 0
         self._recorded: Recorded = {}  # tokens sampled since the workers' last command (seq_id -> tokens)
         self._broken: RankFailedError | None = None
-        self.workers: Any = None
-        self._joined = False  # this object joined (and so must leave) the default process group
-        self._finalizer: weakref.finalize | None = None
+        self.workers: Any = executor
+        self._joined = True  # this object joins (and so must leave) the default process group
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, _release, executor, True, True)
         try:
-            if dcfg.init_method is not None:
-                group, store, control = join(config, 0, local_rank, is_worker=False)
-                self.workers = LaunchedWorkers(store, control, n)
-            else:
-                backend = backend_for(config)
+            backend = backend_for(config)
+            store = executor.start(WorkerLaunch(config.model_dump(), placement, backend, timeout))
+            executor.wait_for("started", timeout)
+            if store is not None:
                 device = bind_device(config, 0, n, is_worker=False)
-                self.workers = LocalWorkers(config, n, backend)
-                self.workers.wait_for("started", dcfg.timeout_s)
-                group = init_group(backend, self.workers.store, 0, n, dcfg.timeout_s, device)
-            self._joined = True
-            self._finalizer = weakref.finalize(self, _release, self.workers, True, True)
-            self.tp = group
-            super().__init__(config, registry, tp=group)  # with the workers' collectives (the KV block count)
-            self.workers.wait_for("ready", dcfg.timeout_s)
+                init_group(backend, store, 0, n, timeout, device)
+            else:  # the executor joined rank 0 itself
+                device = torch.device("cuda", torch.cuda.current_device()) if device_type(config) == "cuda" else torch.device("cpu")
+            world = TensorParallelGroup(0, n, device)
+            pipelined = placement.pipeline_parallel_size > 1
+            group = stage_group(placement, 0, device) if pipelined else world
+            self.tp = world  # every rank: the ranks' persistent batches are gathered over it
+            super().__init__(config, registry, group, placement, 0, world if pipelined else None)
+            executor.wait_for("ready", timeout)
         except BaseException as exc:
             found = self._startup_failure(exc)
             self.shutdown(graceful=False)
             if found is not None:
                 raise TensorParallelError(f"tensor-parallel rank {found.rank} failed while starting: {found.message}") from exc
             raise
-        logger.info("tensor parallel: %d ranks, %s", n, "launched" if dcfg.init_method else f"workers {self.worker_pids}")
+        logger.info("placement: %d x %d ranks on executor %s, workers %s", placement.tensor_parallel_size,
+                    placement.pipeline_parallel_size, type(executor).__name__, self.worker_pids)
 
     @staticmethod
-    def _check_model(config: Config) -> None:
+    def _check_model(config: Config, tp: int) -> None:
         """The model's heads and features split over the ranks, read from the folder the runner loads
         (a ``.gguf`` file's folder is written here once, before the workers would race to write it)."""
         from corerun.distributed.sharding import check_model
         from corerun.models.config import ModelConfig
         from corerun.runner.construction import model_dir_for
 
-        check_model(ModelConfig.from_model_dir(model_dir_for(config)), config.tensor_parallel_size)
+        check_model(ModelConfig.from_model_dir(model_dir_for(config)), tp)
 
     def _startup_failure(self, exc: BaseException) -> Failure | None:
         """The worker to blame when a collective of rank 0's construction broke (a worker failed while building)."""
@@ -112,9 +123,6 @@ class TensorParallelRunner(ModelRunner):
         """Process ids of ranks 1..N-1 on this host (empty when they were launched elsewhere)."""
         return [] if self.workers is None else self.workers.pids
 
-    def describe(self) -> dict[str, str]:
-        return {**super().describe(), "tensor_parallel_size": str(self.config.tensor_parallel_size)}
-
     # ------------------------------------------------------------------ step
     def prepare_step(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> PreparedStep:
         """The message goes to the workers first, with the tokens rank 0 sampled since its last command;
@@ -125,9 +133,9 @@ class TensorParallelRunner(ModelRunner):
         return super().prepare_step(sched, eos_token_ids)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Once rank 0's forward returns, every rank has left the step's collectives."""
+        """Once rank 0's forward returns, every rank of its stage has left the step's collectives."""
         hidden = super()._forward(inputs)
-        self._busy = False
+        self._busy = self.pipelined  # the later stages are still at work
         return hidden
 
     def _compute_logits(self, hidden: torch.Tensor, rows: slice | np.ndarray, batch: AttentionBatch) -> torch.Tensor:
@@ -145,6 +153,27 @@ class TensorParallelRunner(ModelRunner):
         result = super().sample_tokens(state)
         req_ids = state.step.sched.req_ids
         self._recorded = {req_ids[i]: tuple(result.emitted(j)) for j, i in enumerate(state.step.rows.tolist())}
+        return result
+
+    def _execute_stages(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
+        """Pipeline parallel: every stage applies the message; rank 0 runs stage 0 and passes its hidden
+        states on; the last stage samples and its result comes back through the executor.  Rank 0 records
+        the result's tokens in its own batch, and sends them to the stages before the last with the next command."""
+        self._busy = True
+        recorded, self._recorded = self._recorded, {}
+        self.workers.send(Step(sched, recorded, eos_token_ids))
+        inputs, _, _ = self.prepare_inputs(sched)
+        with torch.no_grad():
+            self.pass_on(self._forward(inputs))
+        reply = self.workers.collect(self.placement.last_stage_rank, self.config.distributed.timeout_s)
+        self._busy = False
+        if isinstance(reply, StepFailed):
+            raise StepError(reply.message)
+        result: StepResult = reply
+        index, req_ids = self.input_batch.index, sched.req_ids
+        for j, i in enumerate(result.rows):
+            self.input_batch.record(index[req_ids[i]], result.emitted(j))
+        self._recorded = {req_ids[i]: tuple(result.emitted(j)) for j, i in enumerate(result.rows)}
         return result
 
     def batch_snapshots(self) -> list[dict[int, Any]]:
@@ -177,10 +206,15 @@ class TensorParallelRunner(ModelRunner):
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
         self._check_up()
         try:
+            if self.pipelined:
+                return self._execute_stages(sched, eos_token_ids)
             return super().execute(sched, eos_token_ids)
         except BaseException as exc:
             if not self._busy:
                 raise  # outside the collectives (e.g. the sampler): the workers are waiting for the next command
+            if isinstance(exc, RankFailedError):  # the executor's collect named the rank
+                self._go_down(exc)
+                raise
             failure = self._diagnose(exc)
             self._go_down(failure)
             if isinstance(exc, Exception):

@@ -1,4 +1,4 @@
-"""One host: rank 0 spawns ranks 1..N-1 and sends them commands over pipes.
+"""The ``local`` executor: on one host, rank 0 spawns ranks 1..N-1 and sends them commands over pipes.
 
 Rendezvous is a TCPStore rank 0 opens on a free port of 127.0.0.1.  Workers are daemon processes
 (``torch.multiprocessing``; ``distributed.start_method``: spawn, or forkserver, whose server imports
@@ -19,6 +19,8 @@ import threading
 import traceback
 import time
 import weakref
+from collections import deque
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
@@ -26,9 +28,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from corerun.config import Config
-from corerun.distributed.errors import Failure, TensorParallelError, is_communication_failure, root_cause
+from corerun.distributed.errors import Failure, RankFailedError, TensorParallelError, is_communication_failure, root_cause
 from corerun.executor.step import Command, Shutdown
+from corerun.protocols.executor import WorkerLaunch
 
 logger = logging.getLogger("corerun.parallel")
 
@@ -47,38 +49,45 @@ def describe_exit(code: int | None) -> str:
     return f"its process exited with code {code}"
 
 
-class LocalWorkers:
-    """Rank 0's handle on ranks ``1..world_size-1`` of this host."""
+class LocalExecutor:
+    """The ``local`` executor: ranks ``1..world_size-1`` as child processes of this host (see the module docstring)."""
 
-    def __init__(self, config: Config, world_size: int, backend: str) -> None:
+    def __init__(self, start_method: str | None = None) -> None:
+        self.start_method = start_method  # None: distributed.start_method
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []  # commands out; ("started",), ("ready",), ("reply", obj), ("error", ...) back
+        self.lifelines: list[Connection] = []  # never written; closing (or dying) tells the worker to exit
+        self.reports: dict[int, Failure] = {}  # rank -> its error report
+        self.replies: dict[int, deque[Any]] = {}  # rank -> replies not collected yet
+        self.world_size = 1
+        self._monitor: _DeathMonitor | None = None
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.lifelines, True)
+
+    def start(self, launch: WorkerLaunch) -> dist.TCPStore:
         import torch.multiprocessing as mp
 
-        timeout = timedelta(seconds=config.distributed.timeout_s)
-        self.world_size, self.backend = world_size, backend
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        ctx = mp.get_context(config.distributed.start_method)
-        if config.distributed.start_method == "forkserver":
+        method = self.start_method or launch.config["distributed"]["start_method"]
+        self.world_size = world_size = launch.placement.world_size
+        timeout = timedelta(seconds=launch.timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        launch = replace(launch, store_host="127.0.0.1", store_port=store.port)
+        ctx = mp.get_context(method)
+        if method == "forkserver":
             ctx.set_forkserver_preload(["corerun.executor.local", "corerun.executor.worker", "corerun.runner.model_runner"])
-        self.procs: list[Any] = []
-        self.conns: list[Connection] = []  # commands out; ("started",), ("ready",), ("error", ...) back
-        self.lifelines: list[Connection] = []  # never written; closing (or dying) tells the worker to exit
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.lifelines, True)
-        data = config.model_dump()
         for rank in range(1, world_size):
             mine, theirs = ctx.Pipe(duplex=True)
             life_r, life_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=worker_main, args=(rank, world_size, self.store.port, backend, data, theirs, life_r),
-                name=f"corerun-tp-rank-{rank}", daemon=True,
-            )
+            proc = ctx.Process(target=worker_main, args=(launch, rank, theirs, life_r),
+                               name=f"corerun-tp-rank-{rank}", daemon=True)
             self.conns.append(mine)
             self.lifelines.append(life_w)
             proc.start()
             self.procs.append(proc)
             theirs.close()
             life_r.close()
-        self.reports: dict[int, Failure] = {}  # rank -> its error report
-        self._monitor = _DeathMonitor(self.procs) if backend == "nccl" else None
+            self.replies[rank] = deque()
+        self._monitor = _DeathMonitor(self.procs) if launch.backend == "nccl" else None
+        return store
 
     @property
     def pids(self) -> list[int]:
@@ -114,6 +123,8 @@ class LocalWorkers:
                     break
                 if msg[0] == "error":  # ("error", primary, time, message)
                     self.reports[rank] = Failure(rank, msg[3], primary=msg[1], at=msg[2])
+                elif msg[0] == "reply":
+                    self.replies[rank].append(msg[1])
                 elif msg[0] == what and pending is not None:
                     pending.discard(rank)
 
@@ -138,6 +149,24 @@ class LocalWorkers:
         payload = ForkingPickler.dumps(cmd)  # pickled once for every worker; they read it with recv()
         for conn in self.conns:
             conn.send_bytes(payload)
+
+    def collect(self, rank: int, timeout_s: float) -> Any:
+        """The next reply of ``rank``; RankFailedError naming a rank that failed or exited, or ``rank``
+        when nothing came within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.replies[rank]:
+            exits = self._exit_codes()
+            self._drain()
+            if self.replies[rank]:
+                break
+            found = self._root_cause(exits, settled=True)
+            if found is not None:
+                raise RankFailedError(found.rank, f"tensor-parallel rank {found.rank} failed: {found.message}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankFailedError(rank, f"rank {rank} sent no step result within {timeout_s:.0f} s (distributed.timeout_s)")
+            wait(self.conns + [p.sentinel for p in self.procs], min(remaining, 1.0))
+        return self.replies[rank].popleft()
 
     def failure(self, grace_s: float) -> Failure | None:
         """The worker to blame (see :func:`~corerun.distributed.errors.root_cause`), waiting up to ``grace_s``
@@ -224,7 +253,8 @@ class _DeathMonitor:
 
 # ------------------------------------------------------------------ worker side
 class PipeSource:
-    """A worker's end of its pipe: commands in; ``("started",)``, ``("ready",)``, ``("error", primary, time, message)`` out."""
+    """A worker's end of its pipe: commands in; ``("started",)``, ``("ready",)``, ``("reply", obj)``,
+    ``("error", primary, time, message)`` out."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -234,6 +264,9 @@ class PipeSource:
 
     def ready(self) -> None:
         self.conn.send(("ready",))
+
+    def reply(self, obj: Any) -> None:
+        self.conn.send(("reply", obj))
 
     def fail(self, message: str, primary: bool) -> None:
         try:
@@ -252,29 +285,17 @@ def _watch_lifeline(lifeline: Connection) -> None:
     threading.Thread(target=run, daemon=True, name="corerun-lifeline").start()
 
 
-def worker_main(
-    rank: int, world_size: int, port: int, backend: str, config_data: dict[str, Any], conn: Connection, lifeline: Connection,
-) -> None:
-    """A spawned worker: join the group through rank 0's store, then serve (see :func:`corerun.executor.worker.serve`)."""
+def worker_main(launch: WorkerLaunch, rank: int, conn: Connection, lifeline: Connection) -> None:
+    """A spawned worker: report started, then :func:`corerun.executor.worker.run_rank` until rank 0 shuts down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_lifeline(lifeline)
     source = PipeSource(conn)
     code = 0
     try:
-        from corerun.config import Config
-        from corerun.distributed.process_group import bind_device, destroy_group, init_group
-        from corerun.executor.worker import serve
+        from corerun.executor.worker import run_rank
 
-        config = Config.model_validate(config_data)
-        device = bind_device(config, rank, world_size, is_worker=True)
         conn.send(("started",))
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=timedelta(seconds=config.distributed.timeout_s))
-        group = init_group(backend, store, rank, world_size, config.distributed.timeout_s, device)
-        try:
-            serve(config, group, source)
-        finally:
-            destroy_group()
+        run_rank(launch, rank, source)
     except EOFError:
         code = 0  # rank 0 closed the pipe: nothing left to do
     except BaseException as exc:

@@ -1,4 +1,4 @@
-"""The commands rank 0 sends its workers: each step's message, the hidden rows to project, shutdown.
+"""The commands rank 0 sends its workers (each step's message, the hidden rows to project, shutdown) and the last stage's reply.
 
 A step travels as its :class:`~corerun.core.batch.ScheduledBatch` (plain values, pickled once for
 every worker) together with the tokens rank 0 sampled since its last command.  Every rank applies
@@ -22,10 +22,23 @@ Recorded = Mapping[int, tuple[int, ...]]
 
 @dataclass(slots=True)
 class Step:
-    """Record ``recorded``, apply ``batch`` to the persistent batch, build its inputs and run the forward."""
+    """Record ``recorded``, apply ``batch`` to the persistent batch, build its inputs and run the forward.
+
+    Under pipeline parallelism the last stage also samples (with ``eos_token_ids``), records its own
+    tokens (it skips ``recorded``) and its first rank replies with the :class:`StepResult`, or with
+    a :class:`StepFailed` when the step failed outside the collectives (a sampler refusing a request).
+    """
 
     batch: ScheduledBatch
     recorded: Recorded = field(default_factory=dict)
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class StepFailed:
+    """The last stage's reply to a step it could not finish: ``message`` is the StepError's text."""
+
+    message: str
 
 
 @dataclass(slots=True)

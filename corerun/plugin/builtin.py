@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from corerun.plugin.capabilities import AttentionCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities
+from corerun.plugin.capabilities import (
+    AttentionCapabilities, ExecutorCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities,
+)
 from corerun.plugin.hookspecs import Register, hookimpl
 from corerun.quantization.capabilities import DENSE as DENSE_QUANTIZATION, GGUF as GGUF_QUANTIZATION
 from corerun.sampler.options import CAPABILITIES as FULL_SAMPLER_CAPABILITIES, FullSamplerOptions
@@ -136,3 +138,15 @@ def corerun_models(register: Register) -> None:
     for arch, (factory, description) in EXPERT_FAMILIES.items():
         register(arch, factory, capabilities=ModelCapabilities(tensor_parallel=True, attention=LAYER_KINDS, experts=True),
                  description=description)
+
+
+@hookimpl
+def corerun_executors(register: Register) -> None:
+    register("inproc", "corerun.executor.inproc:InProcExecutor",
+             capabilities=ExecutorCapabilities(max_world_size=1, async_safe=True),
+             description="one rank: the engine's own process, nothing started")
+    register("local", "corerun.executor.local:LocalExecutor", capabilities=ExecutorCapabilities(),
+             description="ranks 1..N-1 as child processes of this host, commands over pipes")
+    register("launched", "corerun.executor.launched:LaunchedExecutor",
+             capabilities=ExecutorCapabilities(multi_host=True),
+             description="ranks started by torchrun or by hand, joined at distributed.init_method")

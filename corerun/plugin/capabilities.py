@@ -251,6 +251,47 @@ class QuantizationCapabilities:
         }
 
 
+@dataclass(frozen=True)
+class ExecutorCapabilities:
+    """What an executor (``corerun.protocols.executor``) can start.
+
+    - ``max_world_size``: the most ranks (tensor x pipeline) it starts; ``None``: any.
+    - ``pipeline_parallel``: it runs placements of several stages (its ``collect`` returns the last
+      stage's replies).
+    - ``multi_host``: its ranks may run on other hosts (the rendezvous store listens beyond 127.0.0.1).
+    - ``async_safe``: ``send`` and ``collect`` may run on the engine's step thread while
+      ``quick_check`` runs on the loop thread.
+    - ``devices``: the device types its ranks run on.
+
+    ``fits(need)`` lists why it cannot start ``need.placement`` (``need.multi_host``: the ranks join
+    through ``distributed.init_method``).
+    """
+
+    max_world_size: int | None = None
+    pipeline_parallel: bool = True
+    multi_host: bool = False
+    async_safe: bool = False
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+
+    def fits(self, need: Any) -> list[str]:
+        reasons = device_reasons(self.devices, need.device)
+        placement = getattr(need, "placement", None)
+        if placement is not None:
+            world, pp = placement.world_size, placement.pipeline_parallel_size
+            if self.max_world_size is not None and world > self.max_world_size:
+                reasons.append(f"it starts at most {self.max_world_size} rank(s); tensor_parallel_size x "
+                               f"pipeline_parallel_size is {world}")
+            if pp > 1 and not self.pipeline_parallel:
+                reasons.append(f"it does not run pipeline stages (pipeline_parallel=False); pipeline_parallel_size is {pp}")
+        if getattr(need, "multi_host", False) and not self.multi_host:
+            reasons.append("its ranks run on this host only (multi_host=False), but distributed.init_method is set")
+        return reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_world_size": self.max_world_size, "pipeline_parallel": self.pipeline_parallel,
+                "multi_host": self.multi_host, "async_safe": self.async_safe, "devices": sorted(self.devices)}
+
+
 ATTENTION_KINDS = ("full", "sliding")
 
 

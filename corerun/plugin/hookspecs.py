@@ -106,6 +106,15 @@ def corerun_quantization_methods(register: Register) -> None:
     """
 
 
+@hookspec
+def corerun_executors(register: Register) -> None:
+    """Register executors: ``register(name, factory, capabilities=ExecutorCapabilities(...), ...)``.
+
+    The factory is called as ``factory(**options)`` (``distributed.executor_options``) and returns a
+    ``corerun.protocols.executor.Executor``: it starts and drives the ranks of a placement.
+    """
+
+
 HOOKS: dict[str, str] = {
     "attention": "corerun_attention_backends",
     "kv_cache": "corerun_kv_cache_managers",
@@ -116,6 +125,7 @@ HOOKS: dict[str, str] = {
     "reasoning_parser": "corerun_reasoning_parsers",
     "model": "corerun_models",
     "quantization": "corerun_quantization_methods",
+    "executor": "corerun_executors",
 }
 
 __all__ = ["hookspec", "hookimpl", "HOOKS", "Register"]

@@ -6,8 +6,8 @@ Each stage reads the configuration and what the stages before it set on the runn
 - select:   attention backend, graph runner, sampler and logits processors from the registry
 - profile:  on CUDA, the peaks of the worst steps on a one-block scratch cache (returned, see
             :func:`profile_step_memory`), kept out of the KV budget
-- size:     the KV cache's block count (given, or from the memory left); tensor-parallel ranks agree
-- allocate: the KV cache and its manager
+- size:     the KV cache's block count (given, or from the memory left); every rank of a placement agrees
+- allocate: the KV cache of the layers it holds (a pipeline stage's range, else all) and its manager
 - capture:  the graph runner around the composed model (CUDA graphs where it captures)
 """
 
@@ -40,7 +40,7 @@ def build(runner: Any, tp: Any) -> None:
     load(runner, tp)
     limits, need = select(runner, tp)
     select_lora(runner, tp, limits)  # (before sizing: the KV cache gets what the slots leave)
-    per_block = runner.attention.kv_cache_bytes_per_block() * runner.model_config.num_layers
+    per_block = runner.attention.kv_cache_bytes_per_block() * len(stage_layers(runner))
     runner.step_memory = profile_step_memory(runner, limits) if _sized_from_memory(runner) and profiles_step_memory(runner.device) else None
     runner.num_blocks = size(runner, per_block, tp)
     allocate(runner, need)
@@ -61,7 +61,9 @@ def load(runner: Any, tp: Any) -> None:
 
     config = runner.config
     runner.device = device = resolve_device(config.device)
-    runner.threads = apply_threads(config.threads, tp.world_size if tp is not None else 1)  # torch's intra-op pool
+    placement = getattr(runner, "placement", None)  # a rank of a placement (corerun.executor.stage)
+    ranks = placement.world_size if placement is not None else tp.world_size if tp is not None else 1
+    runner.threads = apply_threads(config.threads, ranks)  # torch's intra-op pool, shared by this host's ranks
     # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
     torch.manual_seed(config.seed)
     runner.model_dir = model_dir_for(config)
@@ -76,6 +78,14 @@ def load(runner: Any, tp: Any) -> None:
     )
     mc = runner.model_config
     runner.dtype = next(runner.model.parameters()).dtype
+    if placement is not None and placement.pipeline_parallel_size > 1:
+        keep = getattr(runner.model, "keep_layers", None)
+        if keep is None:
+            raise ConfigError(
+                f"pipeline_parallel_size {placement.pipeline_parallel_size}: model class {type(runner.model).__name__} "
+                "cannot run a range of its layers (no keep_layers / forward_stage); use pipeline_parallel_size: 1"
+            )
+        keep(*runner.stage_layers)
     runner.vocab_size = mc.vocab_size
     runner.block_size = config.kv_cache.block_size
     ml = config.scheduler.max_model_len
@@ -96,7 +106,14 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
     runner.attention_name = choose("attention", config.attention.name, spec).name
     runner.attention = registry.create("attention", runner.attention_name, spec, options=config.attention.options)
     need = Need(runner.device, attention=runner.attention, tensor_parallel=tp is not None and tp.world_size > 1)
-    runner.graph_name = choose("graph", config.graph.runner.name, need, "graph.runner").name
+    graph = config.graph.runner.name
+    placement = getattr(runner, "placement", None)
+    if placement is not None and placement.pipeline_parallel_size > 1:  # a stage's input arrives between steps
+        if graph not in ("auto", "eager"):
+            raise ConfigError(f"graph.runner: {graph!r} cannot run a pipeline stage (pipeline_parallel_size "
+                              f"{placement.pipeline_parallel_size}); use graph.runner: eager (or auto)")
+        graph = "eager"
+    runner.graph_name = choose("graph", graph, need, "graph.runner").name
     limits = GraphLimits(
         max_batch_size=min(config.graph.max_batch_size, config.scheduler.max_num_seqs),
         max_model_len=runner.max_model_len,
@@ -161,15 +178,24 @@ def size(runner: Any, per_block: int, tp: Any) -> int:
     else:
         num_blocks = kc.num_blocks
         check_kv_cache_fits(num_blocks, per_block, runner.device)
-    if tp is not None and tp.world_size > 1:
-        num_blocks = tp.min_int(num_blocks)
+    agree = getattr(runner, "placement_group", None) or tp  # every rank of the placement, every stage
+    if agree is not None and agree.world_size > 1:
+        num_blocks = agree.min_int(num_blocks)
     return num_blocks
+
+
+def stage_layers(runner: Any) -> range:
+    """The decoder layers this runner holds: a pipeline stage's range (``runner.stage_layers``), else all."""
+    start, end = getattr(runner, "stage_layers", None) or (0, runner.model_config.num_layers)
+    return range(start, end)
 
 
 def allocate(runner: Any, need: Need) -> None:
     """The KV cache of every layer, and the KV-cache manager that hands out its blocks."""
     config = runner.config
-    runner.kv_caches = [runner.attention.allocate_kv_cache(runner.num_blocks) for _ in range(runner.model_config.num_layers)]
+    mine = stage_layers(runner)  # a pipeline stage allocates its own layers' caches; None stands for the others'
+    runner.kv_caches = [runner.attention.allocate_kv_cache(runner.num_blocks) if i in mine else None
+                        for i in range(runner.model_config.num_layers)]
     runner.kv_manager_name = runner.registry.select("kv_cache", config.kv_cache.manager.name, need, "kv_cache.manager").name
     runner.kv_manager = runner.registry.create(
         "kv_cache", runner.kv_manager_name, runner.num_blocks, runner.block_size,

@@ -7,6 +7,8 @@
   :func:`row_seed`, :func:`exponential_race`), host lists to device without a sync, and the logits check.
 - :mod:`corerun.sdk.kv_cache` / :mod:`corerun.sdk.graph`: corerun's ``paged`` KV-cache manager and
   ``eager`` graph runner, as base classes to start a plugin from.
+- :mod:`corerun.sdk.executor`: what an executor builds on (the protocol's types, ``run_rank``, the
+  errors it raises, corerun's ``local`` executor as a base class).
 - :func:`require_spec` / :func:`require_params`: raise :class:`corerun.UnsupportedError` for what
   the declared capabilities do not cover, as the protocols require.
 - :class:`LoRARequest`: the adapter a request runs under (name, integer id, PEFT folder), as the
@@ -30,6 +32,7 @@ from corerun.plugin.capabilities import (
     ENGINE_PARAMS,
     PROCESSOR_PARAMS,
     AttentionCapabilities,
+    ExecutorCapabilities,
     GraphRunnerCapabilities,
     KVCacheCapabilities,
     LogitsProcessorCapabilities,
@@ -44,8 +47,8 @@ from corerun.plugin.registry import Registration, Registry, get_registry, resolv
 from corerun.sdk.checks import require_params, require_spec
 
 __all__ = [
-    "ENGINE_PARAMS", "PROCESSOR_PARAMS", "AttentionCapabilities", "GraphRunnerCapabilities", "KVCacheCapabilities",
-    "LoRARequest", "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
+    "ENGINE_PARAMS", "PROCESSOR_PARAMS", "AttentionCapabilities", "ExecutorCapabilities", "GraphRunnerCapabilities",
+    "KVCacheCapabilities", "LoRARequest", "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
     "Registration", "Registry", "SamplerCapabilities", "cache_dir", "get_registry", "hookimpl", "require_params",
     "require_spec", "resolve",
 ]

@@ -1,0 +1,172 @@
+"""Pipeline parallelism through the whole engine: real stage processes (local executor), gloo, CPU.
+
+A 4-layer tiny Llama split into 2 stages, 3 uneven stages, and 2 stages of 2 tensor-parallel ranks
+each gives Hugging Face transformers' greedy tokens (and a single process's logprobs), with prefix
+caching, chunked prefill and preemption in the mix; every rank's persistent batch equals rank 0's
+after every step; a killed last stage is named and no process is left.  Placements that cannot work
+are refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from corerun import LLM, SamplingParams
+from corerun.errors import ConfigError, PluginUnavailableError
+from corerun.testing.reference import hf_greedy
+from tests.helpers.tiny_models import make_tiny_model
+
+MAX_TOKENS = 10
+LAYERS = 4
+BASE = dict(
+    device="cpu", dtype="float32", attention="torch",
+    kv_cache={"block_size": 4, "num_blocks": 14},  # too few blocks for every request at once: preemption
+    scheduler={"max_model_len": 128, "max_num_batched_tokens": 16, "max_num_seqs": 4},  # chunked prefill
+)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    shared = rnd(9)
+    return [rnd(1), rnd(5), shared + rnd(3), shared + rnd(6), rnd(23)]  # a shared prefix: prefix-cache hits
+
+
+def _params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2) for _ in range(n)]
+
+
+class Case:
+    def __init__(self, folder, vocab: int) -> None:
+        self.folder, self.prompts = folder, _prompts(vocab)
+        self.hf = hf_greedy(folder, self.prompts, MAX_TOKENS)
+        single = LLM(model=folder, **BASE)
+        try:
+            self.single = single.generate(self.prompts, _params(len(self.prompts)), use_tqdm=False)
+        finally:
+            single.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> Case:
+    folder = make_tiny_model(tmp_path_factory.mktemp("pp"), "llama", num_hidden_layers=LAYERS, vocab_size=254)
+    return Case(folder, 254)
+
+
+def _pp_llm(case: Case, pp: int, tp: int = 1, **distributed) -> LLM:
+    return LLM(model=case.folder, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+               distributed={"start_method": "forkserver", **distributed}, **BASE)
+
+
+def _children() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("corerun-tp-")]
+
+
+def _run_checking_batches(llm: LLM, case: Case) -> list[list[int]]:
+    """Step the engine by hand; after every step every rank's persistent batch equals rank 0's, and rank 0's
+    holds the scheduler's tokens and the KV-cache manager's block tables."""
+    engine, runner = llm.engine, llm.engine.runner
+    order = [engine.add_request(p, sp) for p, sp in zip(case.prompts, _params(len(case.prompts)))]
+    done: dict[str, list] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for seq in engine.step():
+            if seq.is_finished:
+                done[seq.request_id] = seq
+        steps += 1
+        rank0, *others = runner.batch_snapshots()
+        assert len(others) == runner.placement.world_size - 1
+        assert all(o == rank0 for o in others), f"step {steps}: the ranks' persistent batches differ"
+        for seq in engine.scheduler.running:
+            assert list(rank0[seq.seq_id][1]) == list(seq.token_ids), f"step {steps}: request {seq.seq_id}'s tokens"
+            assert list(rank0[seq.seq_id][4]) == engine.kv.block_table(seq.seq_id), f"step {steps}: blocks"
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.stats().prefix_hits > 0
+    return [done[r].token_ids[done[r].num_prompt_tokens:] for r in order]
+
+
+def _check_logprobs(outs, case: Case) -> None:
+    for got, ref in zip(outs, case.single):  # the same numbers as one process
+        for g, r in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert g.keys() == r.keys()
+            assert all(abs(g[t].logprob - r[t].logprob) < 1e-4 for t in g)
+
+
+# ---------------------------------------------------------------------- output
+@pytest.mark.timeout(240)
+def test_two_stages_equal_hf_and_a_killed_last_stage_is_named(case):
+    """PP=2 (layers [0,2) and [2,4), computed): HF's greedy tokens and one process's logprobs; each stage holds
+    only its layers' KV caches.  Then the last stage is killed mid-run: every request ends with an error naming
+    rank 1 within the timeout, later requests are refused with the same name, and no process is left."""
+    llm = _pp_llm(case, 2, timeout_s=60)
+    runner = llm.engine.runner
+    pids = runner.worker_pids
+    try:
+        assert runner.placement.stage_layers == ((0, 2), (2, 4)) and len(pids) == 1
+        assert [c is not None for c in runner.kv_caches] == [True, True, False, False]
+        outs = llm.generate(case.prompts, _params(len(case.prompts)), use_tqdm=False)
+        assert [o.outputs[0].error for o in outs] == [None] * len(outs)
+        assert [o.outputs[0].token_ids for o in outs] == case.hf
+        _check_logprobs(outs, case)
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.stats().prefix_hits > 0
+        stream = llm.stream(case.prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        first = next(stream)
+        os.kill(pids[0], signal.SIGKILL)
+        start = time.monotonic()
+        finals = [o for o in [first, *stream] if o.finished]
+        assert time.monotonic() - start < 30
+        assert len(finals) == len(case.prompts)
+        for o in finals:
+            assert o.outputs[0].finish_reason == "error"
+            assert "rank 1 failed: its process was killed by signal SIGKILL" in o.outputs[0].error
+        again = llm.generate(case.prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert "rank 1 failed" in again[0].outputs[0].error
+    finally:
+        llm.engine.shutdown()
+    assert not os.path.exists(f"/proc/{pids[0]}") and not _children()
+
+
+@pytest.mark.timeout(300)
+def test_three_uneven_stages_keep_every_rank_in_step(case):
+    """PP=3 with the split stated ([1, 2, 1]): HF's greedy tokens, every rank's batch equal after every step,
+    through preemption, prefix-cache hits and chunked prefill."""
+    llm = _pp_llm(case, 3, pipeline_layers=[1, 2, 1])
+    try:
+        assert llm.engine.runner.placement.stage_layers == ((0, 1), (1, 3), (3, 4))
+        assert _run_checking_batches(llm, case) == case.hf
+    finally:
+        llm.engine.shutdown()
+    assert not _children()
+
+
+@pytest.mark.timeout(300)
+def test_two_stages_of_two_tensor_parallel_ranks(case):
+    """TP=2 x PP=2: four ranks, each stage's heads split over its two ranks; the last stage's ranks gather the
+    whole vocabulary and sample alike.  HF's greedy tokens and one process's logprobs."""
+    llm = _pp_llm(case, 2, tp=2)
+    try:
+        assert len(llm.engine.runner.worker_pids) == 3
+        outs = llm.generate(case.prompts, _params(len(case.prompts)), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == case.hf
+        _check_logprobs(outs, case)
+    finally:
+        llm.engine.shutdown()
+    assert not _children()
+
+
+# ---------------------------------------------------------------------- refused placements
+def test_placements_that_cannot_work_are_refused_before_any_process_starts(case):
+    with pytest.raises(ConfigError, match=r"pipeline_layers \[1, 2\] must give 3 stages .* summing to the model's 4 layers"):
+        _pp_llm(case, 3, pipeline_layers=[1, 2])
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 5 exceeds the model's 4 layers"):
+        _pp_llm(case, 5)
+    with pytest.raises(ConfigError, match="async_scheduling: true is not supported with pipeline_parallel_size 2"):
+        LLM(model=case.folder, pipeline_parallel_size=2, **{**BASE, "scheduler": {**BASE["scheduler"], "async_scheduling": True}})
+    with pytest.raises(PluginUnavailableError, match=r"at most 1 rank\(s\); tensor_parallel_size x pipeline_parallel_size is 2"):
+        _pp_llm(case, 2, executor="inproc")
+    assert not _children()
