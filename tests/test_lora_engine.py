@@ -208,3 +208,19 @@ def test_decodes_with_adapters_replay_captured_graphs_with_the_steps_slots(famil
         assert engine.runner.graph.stats.replays >= MAX_TOKENS - 1  # the decodes replayed the captured steps
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_ranks_serve_their_share_of_each_adapter(family):
+    """Two ranks: column-parallel layers keep their rows of B, row-parallel ones their columns of A (the
+    partial products join the base's all-reduce); tokens equal transformers + PEFT merged."""
+    base, loras, refs = family
+    if base.name.startswith("tiny-qwen2"):
+        pytest.skip("one family is enough for tensor parallelism")
+    with make_llm(base, tensor_parallel_size=2, distributed={"start_method": "forkserver"},
+                  lora={"enabled": True, "max_loras": 2, "max_lora_rank": 8}) as llm:
+        plan = [(0, loras[0]), (1, None), (2, loras[1]), (3, loras[3]), (0, loras[2])]
+        outs = llm.generate([PROMPTS[p] for p, _ in plan], GREEDY, lora_request=[lora for _, lora in plan])
+        for (p, lora), out in zip(plan, outs):
+            assert out.outputs[0].token_ids == refs[None if lora is None else lora.lora_int_id][p], (p, lora)
+        assert_idle(llm)

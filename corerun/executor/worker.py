@@ -67,6 +67,8 @@ def serve(config: Config, group: TensorParallelGroup | None, source: CommandSour
                     continue
                 _record(batch, cmd.recorded)
                 inputs, _, _ = runner.prepare_inputs(cmd.batch)
+                if runner.lora is not None:  # (as ModelRunner.execute_model does on rank 0)
+                    runner.lora.begin_step(cmd.batch.new_reqs, inputs.lora_slots)
                 stage = "running the model forward"
                 hidden, step = runner.graph.run(inputs), inputs.batch
             elif isinstance(cmd, Logits):

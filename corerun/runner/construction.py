@@ -145,8 +145,8 @@ def select_lora(runner: Any, tp: Any, limits: GraphLimits) -> None:
     runner.lora = None
     if not lc.enabled:
         return
-    if tp is not None and tp.world_size > 1:
-        raise ConfigError(f"lora.enabled runs on one device for now; got tensor_parallel_size {tp.world_size}: use 1")
+    if getattr(runner, "pipelined", False):
+        raise ConfigError("lora.enabled does not run with pipeline parallelism yet; use pipeline_parallel_size: 1")
     graphs = bool(getattr(registry.get("graph", runner.graph_name).capabilities, "captures", False))
     need = LoRANeed(runner.device, str(runner.dtype).removeprefix("torch."), lc.max_lora_rank, lc.max_loras, graphs)
     if "lora" in registry.registrations:
