@@ -14,7 +14,9 @@ weights) has two implementations here:
 - :func:`experts_reference`: every (token, slot) pair's expert weights gathered, two einsums; plain
   torch and memory-hungry (``T * k * 3 * I * H`` values), for tests;
 - :func:`grouped_experts`: the pairs sorted by expert, one dense product per expert over its tokens,
-  scattered back with ``index_add_``; what the layer runs (CPU, and CUDA until a fused kernel exists).
+  scattered back with ``index_add_``; what the layer runs on CPU (and for float64 anywhere);
+- :func:`corerun.models.moe_triton.triton_experts`: the same grouping in two Triton launches (one
+  grouped GEMM per projection, every expert at once, no host sync); what the layer runs on CUDA.
 
 Weights: ``experts.gate_up_proj.weight`` ``[E, 2 * I, H]`` (each expert's gate rows, then its up
 rows) and ``experts.down_proj.weight`` ``[E, H, I]``.  Checkpoints store them per expert
@@ -137,6 +139,15 @@ def grouped_experts(
     return out
 
 
+def cuda_experts_kernel() -> Any:
+    """:func:`corerun.models.moe_triton.triton_experts`, or ``None`` where Triton does not import."""
+    try:
+        from corerun.models.moe_triton import triton_experts
+    except ImportError:
+        return None
+    return triton_experts
+
+
 def expert_modules_mapping(num_experts: int, names: dict[str, str]) -> dict[str, tuple[str, tuple[int, str]]]:
     """Entries of a family's ``packed_modules_mapping`` for per-expert checkpoint tensors.
 
@@ -199,8 +210,10 @@ class FusedExperts(nn.Module):
         param.data[expert].narrow(0, offset, self.size).copy_(as_dense(loaded_weight).narrow(0, self.start, self.size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, H]``, ``weights`` / ``ids`` ``[T, k]`` -> ``[T, H]`` (this rank's part)."""
-        return grouped_experts(x, self.gate_up_proj.weight, self.down_proj.weight, weights, ids)
+        """``x`` ``[T, H]``, ``weights`` / ``ids`` ``[T, k]`` -> ``[T, H]`` (this rank's part): the Triton kernel
+        on CUDA (float16, bfloat16, float32), the grouped torch products elsewhere."""
+        kernel = cuda_experts_kernel() if x.is_cuda and x.dtype != torch.float64 else None
+        return (kernel or grouped_experts)(x, self.gate_up_proj.weight, self.down_proj.weight, weights, ids)
 
 
 class SharedExpert(nn.Module):
