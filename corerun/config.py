@@ -67,6 +67,11 @@ class KVCacheConfig(_Strict):
     memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     prefix_caching: bool = True
     cpu_memory_gb: float = Field(2.0, gt=0.0, le=2.0**40)  # the KV budget on CPU when num_blocks is auto
+    # how K/V are stored (docs/kv-cache.md): auto (the model's dtype), fp8_e4m3 / fp8_e5m2 (value / k_scale or
+    # v_scale, per tensor) or int8 (a scale per token and head, set on write); the attention backend must support it
+    dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
+    k_scale: float = Field(1.0, gt=0.0, allow_inf_nan=False)  # fp8 only: K is stored as K / k_scale
+    v_scale: float = Field(1.0, gt=0.0, allow_inf_nan=False)
 
     @field_validator("block_size")
     @classmethod

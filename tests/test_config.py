@@ -79,7 +79,7 @@ def test_unknown_nested_key_is_named(tmp_path: Path) -> None:
     msg = error_of(tmp_path, "kv_cache:\n  blok_size: 32\n")
     assert msg.splitlines()[1] == (
         "  kv_cache.blok_size: unknown key (did you mean 'block_size'? allowed here: manager, block_size, "
-        "num_blocks, memory_fraction, prefix_caching, cpu_memory_gb)"
+        "num_blocks, memory_fraction, prefix_caching, cpu_memory_gb, dtype, k_scale, v_scale)"
     )
     msg = error_of(tmp_path, "attention: {name: triton, option: {}}\n")
     assert "  attention.option: unknown key (did you mean 'options'? allowed here: name, options)" in msg

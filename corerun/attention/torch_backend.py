@@ -10,7 +10,8 @@ are masks and a ``tanh`` on the scores: a windowed layer still gathers the whole
 exact at any length but costs what a full layer costs.
 
 Cache layout: one tensor per layer, ``[2, num_blocks + 1, block_size, num_kv_heads, head_size]``
-(K then V).  The extra last block is a write-off area: new tokens with slot ``-1`` are written there
+(K then V); with a quantized ``spec.kv_cache_dtype`` its element type, and for int8 each row longer by
+its scale (:mod:`corerun.attention.kv_quant`): rows are quantized on write and dequantized after the gather.  The extra last block is a write-off area: new tokens with slot ``-1`` are written there
 instead of being skipped with a data-dependent mask, so the write needs no host sync.
 """
 
@@ -22,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from corerun.plugin.capabilities import AttentionCapabilities
+from corerun.attention import kv_quant
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 
@@ -32,6 +34,7 @@ CAPABILITIES = AttentionCapabilities(
     cuda_graph_decode=True,
     sliding_window=True,
     logits_soft_cap=True,
+    kv_cache_dtypes=frozenset({"fp8_e4m3", "fp8_e5m2", "int8"}),
 )
 
 
@@ -61,16 +64,22 @@ class TorchAttentionBackend:
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         s = self.spec
-        return torch.empty(s.kv_cache_shape(num_blocks + 1), dtype=s.dtype, device=s.device)  # + the write-off block
+        shape = (2, num_blocks + 1, s.block_size, s.num_kv_heads, kv_quant.row_size(s))  # + the write-off block
+        return torch.empty(shape, dtype=kv_quant.storage_dtype(s), device=s.device)
 
     def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_cache[0, :-1], kv_cache[1, :-1]
+        values = kv_quant.values_view(kv_cache, self.spec)
+        return values[0, :-1], values[1, :-1]
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         _, nb1, bs, h, d = kv_cache.shape
         flat = kv_cache.view(2, nb1 * bs, h, d)
         trash = (nb1 - 1) * bs  # first slot of the write-off block
         slots = torch.where(slot_mapping < 0, trash, slot_mapping)
+        if kv_quant.is_quantized(self.spec):  # index_copy_ has no fp8 kernels: copy the bytes
+            flat = flat.view(torch.uint8)
+            key = kv_quant.quantize(key, self.spec, 0).view(torch.uint8)
+            value = kv_quant.quantize(value, self.spec, 1).view(torch.uint8)
         flat[0].index_copy_(0, slots, key.to(flat.dtype))
         flat[1].index_copy_(0, slots, value.to(flat.dtype))
 
@@ -109,21 +118,23 @@ class TorchAttentionBackend:
         self.write_kv(key, value, kv_cache, batch.slot_mapping)
         if out is None:
             out = torch.empty_like(query)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
         nd = batch.num_decodes
         if nd:
-            out[:nd] = self._decode(query[:nd], k_cache, v_cache, batch, nd, metadata.decode_len, window)
+            out[:nd] = self._decode(query[:nd], kv_cache, batch, nd, metadata.decode_len, window)
         for req, start, qlen, ctx in metadata.prefills:
-            out[start : start + qlen] = self._prefill(query[start : start + qlen], k_cache, v_cache, batch, req, ctx, window)
+            out[start : start + qlen] = self._prefill(query[start : start + qlen], kv_cache, batch, req, ctx, window)
         return out
 
-    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-        """Rows of ``block_tables`` ``[R, W]`` -> their first ``length`` tokens ``[R, length, Hkv, D]``."""
+    def _gather(self, kv_cache: torch.Tensor, which: int, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+        """Rows of ``block_tables`` ``[R, W]`` -> their first ``length`` tokens' K (``which`` 0) or V (1),
+        ``[R, length, Hkv, D]`` (dequantized, in the compute dtype, from a quantized cache)."""
+        cache = kv_cache[which]
         bs = self.spec.block_size
         pos = torch.arange(length, device=cache.device)
         col = (pos // bs).clamp_(max=block_tables.shape[1] - 1)
         blocks = block_tables[:, col].long()  # [R, length]
-        return cache[blocks, (pos % bs).expand_as(blocks)]
+        rows = cache[blocks, (pos % bs).expand_as(blocks)]
+        return kv_quant.dequantize(rows, self.spec, which, self.compute_dtype) if kv_quant.is_quantized(self.spec) else rows
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``q`` ``[R, L, Hq, D]``, ``k``/``v`` ``[R, S, Hkv, D]``, ``mask`` bool ``[R, L, S]`` (True = attend)."""
@@ -143,22 +154,22 @@ class TorchAttentionBackend:
         o = torch.einsum("rhgls,rshd->rlhgd", probs, v.to(cd))
         return o.reshape(r, l, hq, d).to(q.dtype)
 
-    def _decode(self, q, k_cache, v_cache, batch: AttentionBatch, nd: int, length: int, window: int | None) -> torch.Tensor:
+    def _decode(self, q, kv_cache, batch: AttentionBatch, nd: int, length: int, window: int | None) -> torch.Tensor:
         tables = batch.block_tables[:nd]
-        k = self._gather(k_cache, tables, length)
-        v = self._gather(v_cache, tables, length)
+        k = self._gather(kv_cache, 0, tables, length)
+        v = self._gather(kv_cache, 1, tables, length)
         pos = torch.arange(length, device=q.device)[None, :]
         mask = pos < batch.seq_lens[:nd, None]  # [nd, S]
         if window is not None:  # the last `window` keys, from device lengths (no host sync: graph-safe)
             mask &= pos >= batch.seq_lens[:nd, None] - window
         return self._attend(q[:, None], k, v, mask[:, None, :])[:, 0]
 
-    def _prefill(self, q, k_cache, v_cache, batch: AttentionBatch, req: int, ctx: int, window: int | None) -> torch.Tensor:
+    def _prefill(self, q, kv_cache, batch: AttentionBatch, req: int, ctx: int, window: int | None) -> torch.Tensor:
         qlen = q.shape[0]
         length = ctx + qlen
         tables = batch.block_tables[req : req + 1]
-        k = self._gather(k_cache, tables, length)
-        v = self._gather(v_cache, tables, length)
+        k = self._gather(kv_cache, 0, tables, length)
+        v = self._gather(kv_cache, 1, tables, length)
         qpos = ctx + torch.arange(qlen, device=q.device)
         kpos = torch.arange(length, device=q.device)[None, :]
         mask = kpos <= qpos[:, None]  # causal, [L, S]

@@ -64,6 +64,9 @@ class AttentionCapabilities:
     emulated_on: frozenset[str] = frozenset()
     sliding_window: bool = False  # per-layer sliding windows (AttentionSpec.sliding_windows)
     logits_soft_cap: bool = False  # tanh soft-capping of the scores (AttentionSpec.logits_soft_cap)
+    # quantized KV caches it stores and reads (AttentionSpec.kv_cache_dtype: fp8_e4m3, fp8_e5m2, int8);
+    # "auto" (K/V in the model's dtype) is always supported
+    kv_cache_dtypes: frozenset[str] = frozenset()
 
     def check(self, spec: Any) -> list[str]:
         reasons: list[str] = []
@@ -91,6 +94,10 @@ class AttentionCapabilities:
         cap = getattr(spec, "logits_soft_cap", None)
         if cap is not None and not self.logits_soft_cap:
             reasons.append(f"attention logit soft-capping (cap {cap:g}) not supported")
+        kv = getattr(spec, "kv_cache_dtype", "auto")
+        if kv != "auto" and kv not in self.kv_cache_dtypes:
+            have = ", ".join(sorted(self.kv_cache_dtypes)) or "none: K/V in the model's dtype only"
+            reasons.append(f"kv_cache.dtype {kv} not supported (quantized KV caches it supports: {have})")
         return reasons
 
     def fits(self, need: Any) -> list[str]:
@@ -109,6 +116,7 @@ class AttentionCapabilities:
             "emulated_on": sorted(self.emulated_on),
             "sliding_window": self.sliding_window,
             "logits_soft_cap": self.logits_soft_cap,
+            "kv_cache_dtypes": sorted(self.kv_cache_dtypes),
         }
 
 

@@ -32,6 +32,17 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
+# ``kv_cache.dtype`` values other than ``auto`` (K/V stored in the model's dtype) -> the element type the
+# cache stores.  fp8: one float scale per tensor (``AttentionSpec.kv_scales``); int8: a float32 scale per
+# token and KV head, stored after the head's values (docs/kv-cache.md, "Quantized KV cache").
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+INT8_SCALE_BYTES = 4  # the float32 scale that follows each token-head's int8 values
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float16`` -> ``"float16"``."""
     return str(dtype).removeprefix("torch.")
@@ -54,6 +65,10 @@ class AttentionSpec:
     # every layer's scaled scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2); None: none.
     # Needs capabilities.logits_soft_cap.
     logits_soft_cap: float | None = None
+    # how the cache stores K and V: "auto" (in ``dtype``) or a key of KV_CACHE_DTYPES.  Needs the backend's
+    # capabilities.kv_cache_dtypes.  kv_scales: fp8's (k_scale, v_scale): stored = value / scale.
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[float, float] = (1.0, 1.0)
 
     def sliding_window(self, layer: int) -> int | None:
         """Layer ``layer``'s window, or ``None`` for full attention."""
@@ -79,9 +94,13 @@ class AttentionSpec:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block's K and V in one layer in :meth:`kv_cache_shape`'s layout at ``dtype`` (the
-        usual ``kv_cache_bytes_per_block`` of a backend whose layout has no padding)."""
-        return math.prod(self.kv_cache_shape(1)) * self.dtype.itemsize
+        """Bytes of one block's K and V in one layer in :meth:`kv_cache_shape`'s layout at ``dtype``, or at
+        ``kv_cache_dtype`` (int8: plus each token-head's float32 scale); the usual ``kv_cache_bytes_per_block``
+        of a backend whose layout has no padding."""
+        if self.kv_cache_dtype == "auto":
+            return math.prod(self.kv_cache_shape(1)) * self.dtype.itemsize
+        extra = INT8_SCALE_BYTES if self.kv_cache_dtype == "int8" else 0
+        return 2 * self.block_size * self.num_kv_heads * (self.head_size + extra)
 
 
 @dataclass

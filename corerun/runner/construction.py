@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,9 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
     """Attention backend (the user's choice, or the best capable one for ``auto``), graph runner, sampler and
     logits processors; the graph runner and sampler are chosen before sizing, which leaves room for what they need."""
     config, registry = runner.config, runner.registry
-    spec = runner.model.attention_spec(runner.dtype, runner.block_size, runner.device)
+    kv = config.kv_cache
+    spec = replace(runner.model.attention_spec(runner.dtype, runner.block_size, runner.device),
+                   kv_cache_dtype=kv.dtype, kv_scales=(kv.k_scale, kv.v_scale))
     choose = registry.select  # explicit names as asked; `auto` by priority among what fits (registry.py)
     runner.attention_name = choose("attention", config.attention.name, spec).name
     runner.attention = registry.create("attention", runner.attention_name, spec, options=config.attention.options)
