@@ -69,24 +69,32 @@ def _children() -> list:
 
 
 def _run_checking_batches(llm: LLM, case: Case) -> list[list[int]]:
-    """Step the engine by hand; after every step every rank's persistent batch equals rank 0's, and rank 0's
-    holds the scheduler's tokens and the KV-cache manager's block tables."""
+    """Step the engine by hand; after every step every rank's persistent batch equals rank 0's (the last stage's
+    once no micro-batch is in flight: it has sampled what rank 0 has not collected yet), and rank 0's holds the
+    scheduler's tokens and the KV-cache manager's block tables.  Micro-batches of different requests overlap."""
     engine, runner = llm.engine, llm.engine.runner
     order = [engine.add_request(p, sp) for p, sp in zip(case.prompts, _params(len(case.prompts)))]
     done: dict[str, list] = {}
-    steps = 0
+    steps = deepest = 0
+    last = set(runner.placement.ranks_of_stage(runner.placement.pipeline_parallel_size - 1))
     while engine.has_unfinished_requests():
         for seq in engine.step():
             if seq.is_finished:
                 done[seq.request_id] = seq
         steps += 1
+        deepest = max(deepest, len(engine.stages) + 1)  # (+ the one just collected)
+        in_flight = {sid for b in engine.stages for sid in b.req_ids}
+        assert len(in_flight) == sum(len(b.req_ids) for b in engine.stages), "a request in two micro-batches at once"
         rank0, *others = runner.batch_snapshots()
         assert len(others) == runner.placement.world_size - 1
-        assert all(o == rank0 for o in others), f"step {steps}: the ranks' persistent batches differ"
+        for rank, snap in enumerate(others, start=1):
+            if rank not in last or not engine.stages:
+                assert snap == rank0, f"step {steps}: rank {rank}'s persistent batch differs from rank 0's"
         for seq in engine.scheduler.running:
             assert list(rank0[seq.seq_id][1]) == list(seq.token_ids), f"step {steps}: request {seq.seq_id}'s tokens"
             assert list(rank0[seq.seq_id][4]) == engine.kv.block_table(seq.seq_id), f"step {steps}: blocks"
     assert engine.scheduler.num_preemptions > 0 and engine.kv.stats().prefix_hits > 0
+    assert deepest >= 2, "no two micro-batches were ever in flight at once"
     return [done[r].token_ids[done[r].num_prompt_tokens:] for r in order]
 
 
@@ -170,3 +178,31 @@ def test_placements_that_cannot_work_are_refused_before_any_process_starts(case)
     with pytest.raises(PluginUnavailableError, match=r"at most 1 rank\(s\); tensor_parallel_size x pipeline_parallel_size is 2"):
         _pp_llm(case, 2, executor="inproc")
     assert not _children()
+
+
+# ---------------------------------------------------------------------- micro-batches
+def test_a_request_in_flight_is_neither_scheduled_again_nor_preempted():
+    """Scheduler.busy: the next micro-batch takes only requests not in flight, and when blocks run out the
+    youngest request not in flight is preempted: with both younger ones in flight, the request itself yields."""
+    from corerun.core.scheduler import Scheduler
+    from corerun.core.sequence import Sequence
+    from corerun.kv_cache.paged import PagedKVCacheManager
+
+    def seq(i: int, n: int) -> Sequence:
+        return Sequence(seq_id=i, request_id=str(i), prompt_token_ids=list(range(10 * i, 10 * i + n)),
+                        params=SamplingParams(max_tokens=8))
+
+    sched = Scheduler(PagedKVCacheManager(6, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b, c = seq(1, 8), seq(2, 7), seq(3, 7)
+    for s in (a, b, c):
+        sched.add(s)
+    first = sched.schedule()  # a (2 blocks) and b (2) fit, c (2) too: 6 blocks
+    assert list(first.req_ids) == [1, 2, 3]
+    for s, n in zip(sched.seqs_of(first), first.num_scheduled):
+        s.num_computed_tokens += n
+        s.token_ids.append(5)
+    tables = {2: sched.kv.block_table(2), 3: sched.kv.block_table(3)}
+    sched.busy.update([2, 3])  # b and c in flight
+    second = sched.schedule()  # a's decode needs a third block: b and c are younger but in flight, so a yields
+    assert list(second.req_ids) == [] and list(second.preempted_ids) == [1]
+    assert [s.seq_id for s in sched.running] == [2, 3] and {i: sched.kv.block_table(i) for i in (2, 3)} == tables

@@ -76,6 +76,8 @@ class Scheduler:
         self.in_flight: dict[int, InFlight] = {}
         self._moved: set[int] = set()  # preempted while in flight: their K/V of that step are gone
         self._guessed: dict[int, int] = {}  # scheduled from placeholder counts: seq_id -> draft slots held (see settle)
+        # pipeline parallelism: seq_ids in a micro-batch still in flight; never scheduled again or preempted until it is back
+        self.busy: set[int] = set()
         # LoRA (max_loras > 0): the adapters' device slots, and the slot each running request holds
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
         self.lora_slot_of = self.told.lora_slot_of  # seq_id -> the slot it holds (told to the runner)
@@ -121,7 +123,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             ahead = self.in_flight.get(seq.seq_id, _NOTHING_IN_FLIGHT)
-            if ahead.last:  # its token in flight is its last (max_tokens, max_model_len): nothing to schedule
+            if ahead.last or seq.seq_id in self.busy:  # its token in flight is its last (max_tokens, max_model_len): nothing to schedule
                 i += 1
                 continue
             computed = seq.num_computed_tokens + ahead.computed
@@ -145,7 +147,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self._allocate(seq, computed + n):
-                victim = self.running[-1]
+                victim = self._victim()
+                if victim is None:  # every younger request is in flight: wait for one to come back
+                    break
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -248,6 +252,12 @@ class Scheduler:
         are verified when it is next scheduled as a decode.  A running sequence not named has none."""
         for seq in self.running:
             seq.draft_token_ids = drafts.get(seq.seq_id, [])
+
+    def _victim(self) -> Sequence | None:
+        """The youngest running sequence not in a micro-batch in flight (pipeline parallelism), to preempt."""
+        if not self.busy:
+            return self.running[-1]
+        return next((s for s in reversed(self.running) if s.seq_id not in self.busy), None)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """``allocate_slots``; the ids it returns (the table's new entries) are noted for the runner."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import deque
 from typing import Any
 
 from corerun.config import Config
@@ -74,6 +75,7 @@ class LLMEngine:
         self.num_steps = 0
         # asynchronous scheduling: the step in flight, outputs collected outside step(), an emptied batch's finished ids
         self.queue = BatchQueue(runner)
+        self.stages: deque[ScheduledBatch] = deque()  # pipeline parallelism: micro-batches in flight, oldest first
         self._collected: list[Sequence] = []
         self._unsent: ScheduledBatch | None = None
 
@@ -182,7 +184,10 @@ class LLMEngine:
         with self.lock:
             if self.closed:
                 raise EngineClosedError("the engine was shut down; make a new one")
-            touched = self._step_async() if self.async_scheduling else self._step()
+            if self.async_scheduling:
+                touched = self._step_async()
+            else:
+                touched = self._step() if self.runner.pipeline_depth == 1 else self._step_stages()
             return parallel_sampling.as_requests(touched, self._group_of) if self._group_of else touched
 
     def _step(self) -> list[Sequence]:
@@ -198,6 +203,38 @@ class LLMEngine:
         except Exception as exc:
             return self._step_failed(batch, exc)
         return self._update(batch, result)
+
+    def _step_stages(self) -> list[Sequence]:
+        """Pipeline parallelism: keep up to one micro-batch per stage in flight, each of requests the others do
+        not hold (``Scheduler.busy``), launched as it is scheduled; then take the oldest one's result."""
+        touched: list[Sequence] = []
+        while len(self.stages) < self.runner.pipeline_depth:
+            try:
+                batch = self.scheduler.schedule()
+            except SchedulingError as exc:
+                touched += self._scheduling_failed(exc)
+                break
+            if not batch:
+                if not self.stages:
+                    touched += self._unschedulable(batch)
+                break
+            self.num_steps += 1
+            try:
+                self.runner.launch(batch, self.eos_token_ids)
+            except Exception as exc:
+                touched += self._step_failed(batch, exc)
+                break
+            self.scheduler.busy.update(batch.req_ids)
+            self.stages.append(batch)
+        if not self.stages:
+            return touched
+        batch = self.stages.popleft()
+        self.scheduler.busy.difference_update(batch.req_ids)
+        try:
+            result = self.runner.collect(batch)
+        except Exception as exc:
+            return touched + self._step_failed(batch, exc)
+        return touched + self._update(batch, result)
 
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         """Apply a step's result (the scheduler), then its outputs: logprobs, stop strings, the next drafts."""

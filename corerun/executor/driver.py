@@ -155,16 +155,19 @@ class TensorParallelRunner(StageRunner):
         self._recorded = {req_ids[i]: tuple(result.emitted(j)) for j, i in enumerate(state.step.rows.tolist())}
         return result
 
-    def _execute_stages(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
-        """Pipeline parallel: every stage applies the message; rank 0 runs stage 0 and passes its hidden
-        states on; the last stage samples and its result comes back through the executor.  Rank 0 records
-        the result's tokens in its own batch, and sends them to the stages before the last with the next command."""
+    def _launch_stages(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> None:
+        """Every stage applies the message; rank 0 runs stage 0 and passes its hidden states on."""
         self._busy = True
         recorded, self._recorded = self._recorded, {}
         self.workers.send(Step(sched, recorded, eos_token_ids))
         inputs, _, _ = self.prepare_inputs(sched)
         with torch.no_grad():
             self.pass_on(self._forward(inputs))
+
+    def _collect_stages(self, sched: ScheduledBatch) -> StepResult:
+        """The last stage sampled; its result comes back through the executor.  Rank 0 records the tokens in its
+        own batch, and sends them to the stages before the last with the next command."""
+        self._busy = True
         reply = self.workers.collect(self.placement.last_stage_rank, self.config.distributed.timeout_s)
         self._busy = False
         if isinstance(reply, StepFailed):
@@ -172,8 +175,10 @@ class TensorParallelRunner(StageRunner):
         result: StepResult = reply
         index, req_ids = self.input_batch.index, sched.req_ids
         for j, i in enumerate(result.rows):
-            self.input_batch.record(index[req_ids[i]], result.emitted(j))
-        self._recorded = {req_ids[i]: tuple(result.emitted(j)) for j, i in enumerate(result.rows)}
+            row = index.get(req_ids[i])  # (None: ended by a message applied since this micro-batch was launched)
+            if row is not None:
+                self.input_batch.record(row, result.emitted(j))
+                self._recorded[req_ids[i]] = tuple(result.emitted(j))
         return result
 
     def batch_snapshots(self) -> list[dict[int, Any]]:
@@ -204,11 +209,25 @@ class TensorParallelRunner(StageRunner):
             raise RankFailedError(self._broken.rank, f"{self._broken} (the tensor-parallel group is down; create a new LLM)")
 
     def execute(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> StepResult:
+        if self.pipelined:
+            self.launch(sched, eos_token_ids)
+            return self.collect(sched)
+        return self._guarded(super().execute, sched, eos_token_ids)
+
+    def launch(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> None:
+        """Pipeline parallel: start a micro-batch (every rank takes the message, rank 0 runs stage 0 and passes
+        its hidden states on) without waiting for its result; :meth:`collect` takes results in launch order."""
+        self._guarded(self._launch_stages, sched, eos_token_ids)
+
+    def collect(self, sched: ScheduledBatch) -> StepResult:
+        """The result of the oldest micro-batch launched (``sched``), from the last stage."""
+        return self._guarded(self._collect_stages, sched)
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with the group checked first; a failure inside the collectives takes the group down."""
         self._check_up()
         try:
-            if self.pipelined:
-                return self._execute_stages(sched, eos_token_ids)
-            return super().execute(sched, eos_token_ids)
+            return fn(*args)
         except BaseException as exc:
             if not self._busy:
                 raise  # outside the collectives (e.g. the sampler): the workers are waiting for the next command

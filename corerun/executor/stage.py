@@ -50,6 +50,11 @@ class StageRunner(ModelRunner):
         ctx = AttentionContext(self.attention, metadata, self.kv_caches)
         return self.model.forward_stage(input_ids, positions, ctx, hidden, self.stage_layers)
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Micro-batches the engine keeps in flight: one per stage."""
+        return self.placement.pipeline_parallel_size
+
     def receive(self, num_tokens: int) -> None:
         """The stage before's hidden states for this step's ``num_tokens`` tokens (nothing on the first stage)."""
         self._stage_in = None

@@ -87,6 +87,8 @@ class ModelRunner:
 
     lora: Any = None  # the adapters' slots and layers with lora.enabled (corerun.lora.manager.LoRAManager)
 
+    pipeline_depth = 1  # micro-batches in flight (corerun.executor.stage: one per pipeline stage; launch / collect)
+
     def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
         from corerun.runner.construction import build
 
