@@ -17,6 +17,22 @@ class TestGGUF(QuantizationSuite):
     implementation = "gguf"
 
 
+class TestGPTQ(QuantizationSuite):
+    implementation = "gptq"
+
+
+class TestAWQ(QuantizationSuite):
+    implementation = "awq"
+
+
+class TestCompressedTensors(QuantizationSuite):
+    implementation = "compressed-tensors"
+
+
+class TestFP8(QuantizationSuite):
+    implementation = "fp8"
+
+
 def _run(factory, check: str, type_name: str, capabilities=GGUF) -> None:
     class Suite(QuantizationSuite):
         pass

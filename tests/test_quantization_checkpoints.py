@@ -110,3 +110,21 @@ def test_an_unread_config_field_is_refused_naming_field_value_and_what_is_read()
         READERS["fp8"]({"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(QuantizedLoadError, match=r"config_groups\.group_0\.weights\.num_bits: 2"):
         READERS["compressed-tensors"]({"format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 2, "type": "int"}}}})
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_reads_a_gptq_folder_with_quantization_auto(float_dir: Path, tmp_path: Path) -> None:
+    from corerun import SamplingParams
+    from corerun.testing import make_llm
+
+    folder = tmp_path / "gptq"
+    dequantized = write_quantized(float_dir, "gptq-4bit-g32", folder)
+    hf = hf_model(float_dir)
+    with torch.no_grad():
+        params = dict(hf.named_parameters())
+        for name, w in dequantized.items():
+            params[name].copy_(w.float())
+        want = hf.generate(torch.tensor([IDS]), max_new_tokens=4, do_sample=False)[0, len(IDS):].tolist()
+    with make_llm(folder, quantization="auto") as llm:
+        out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == want

@@ -31,7 +31,7 @@ def registry() -> Registry:
 
 
 def test_hook_corerun_quantization_methods(registry: Registry) -> None:
-    assert registry.names("quantization") == ["gguf", "mine", "none"]
+    assert registry.names("quantization") == ["awq", "compressed-tensors", "fp8", "gguf", "gptq", "mine", "none"]
     assert registry.get("quantization", "gguf").origin == "built-in"
     awq = CheckpointFormat("cpu", quant_method="awq")
     assert registry.get("quantization", "mine").capabilities.fits(awq) == []
@@ -56,8 +56,16 @@ def test_a_name_that_cannot_read_the_checkpoint_is_refused_naming_what_it_reads(
         reg.select("quantization", "gguf", CheckpointFormat("cpu", quant_method="gptq"))
     with pytest.raises(PluginUnavailableError, match=r"the checkpoint is not quantized; it reads GGUF tensor types"):
         reg.select("quantization", "gguf", CheckpointFormat("cpu"))
-    with pytest.raises(PluginUnavailableError, match=r"(?s)auto.*none: the checkpoint's quantization_config.quant_method is 'gptq'"):
-        reg.select("quantization", "auto", CheckpointFormat("cpu", quant_method="gptq"))
+    with pytest.raises(PluginUnavailableError, match=r"(?s)auto.*gptq: the checkpoint's quantization_config.quant_method is 'bitsandbytes'"):
+        reg.select("quantization", "auto", CheckpointFormat("cpu", quant_method="bitsandbytes"))
+    with pytest.raises(PluginUnavailableError, match=r"quant_method is 'awq'; it reads quantization_config.quant_method \{gptq\}"):
+        reg.select("quantization", "gptq", CheckpointFormat("cpu", quant_method="awq"))
+
+
+@pytest.mark.parametrize("quant_method", ["gptq", "awq", "compressed-tensors", "fp8"])
+def test_auto_picks_the_builtin_that_reads_each_quant_method(quant_method: str) -> None:
+    reg = Registry.from_environment(allow=[])
+    assert reg.select("quantization", "auto", CheckpointFormat("cpu", quant_method=quant_method)).name == quant_method
 
 
 def test_checkpoint_format_reads_config_json(tmp_path: Any) -> None:

@@ -549,9 +549,11 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
         ("attention", "torch"), ("kv_cache", "paged"), ("graph", "compile"), ("graph", "cuda"), ("graph", "eager"), ("sampler", "full"),
         ("tool_parser", "hermes"), ("tool_parser", "llama3_json"), ("tool_parser", "mistral"),
         ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
-        ("model", "LlamaForCausalLM"), ("model", "MistralForCausalLM"), ("model", "MixtralForCausalLM"),
+        ("model", "Gemma2ForCausalLM"), ("model", "Gemma3ForCausalLM"), ("model", "LlamaForCausalLM"), ("model", "MistralForCausalLM"), ("model", "MixtralForCausalLM"),
         ("model", "Phi3ForCausalLM"), ("model", "Qwen2ForCausalLM"), ("model", "Qwen2MoeForCausalLM"), ("model", "Qwen3ForCausalLM"),
-        ("model", "Qwen3MoeForCausalLM"), ("quantization", "gguf"), ("quantization", "none"),
+        ("model", "Qwen3MoeForCausalLM"), ("quantization", "awq"), ("quantization", "compressed-tensors"),
+        ("quantization", "fp8"), ("quantization", "gguf"), ("quantization", "gptq"), ("quantization", "none"),
+        ("executor", "inproc"), ("executor", "launched"), ("executor", "local"),
     ]
     assert doc["not_loaded"] == []  # CORERUN_PLUGINS is unset: nothing was left out on purpose
     render(doc)

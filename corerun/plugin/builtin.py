@@ -6,7 +6,7 @@ from corerun.plugin.capabilities import (
     AttentionCapabilities, ExecutorCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities,
 )
 from corerun.plugin.hookspecs import Register, hookimpl
-from corerun.quantization.capabilities import DENSE as DENSE_QUANTIZATION, GGUF as GGUF_QUANTIZATION
+from corerun.quantization import capabilities as quantization_caps
 from corerun.sampler.options import CAPABILITIES as FULL_SAMPLER_CAPABILITIES, FullSamplerOptions
 from corerun.tool_parsers.hermes import HermesToolParser
 from corerun.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -92,11 +92,19 @@ def corerun_tool_parsers(register: Register) -> None:
 
 @hookimpl
 def corerun_quantization_methods(register: Register) -> None:
-    register("none", "corerun.quantization.dense:DenseMethod", capabilities=DENSE_QUANTIZATION,
+    register("none", "corerun.quantization.dense:DenseMethod", capabilities=quantization_caps.DENSE,
              description="dense float weights, as always; a GGUF file is dequantized once at load")
-    register("gguf", "corerun.quantization.gguf_method:GGUFMethod", capabilities=GGUF_QUANTIZATION,
+    register("gguf", "corerun.quantization.gguf_method:GGUFMethod", capabilities=quantization_caps.GGUF,
              priority=10,  # auto reads a GGUF file packed
              description="GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) kept packed, dequantized per layer in torch")
+    for name, cls, caps, description in (
+        ("gptq", "GPTQMethod", quantization_caps.GPTQ, "GPTQ checkpoints (4/8-bit, groups, act-order), packed as stored"),
+        ("awq", "AWQMethod", quantization_caps.AWQ, "AWQ GEMM checkpoints (4-bit, zero points), packed as stored"),
+        ("compressed-tensors", "CompressedTensorsMethod", quantization_caps.COMPRESSED_TENSORS,
+         "llm-compressor's W4A16 (pack-quantized), W8A8 / W8A16 int8 and FP8 checkpoints"),
+        ("fp8", "FP8Method", quantization_caps.FP8, "FP8 e4m3 weights with per-tensor or per-channel scales"),
+    ):
+        register(name, f"corerun.quantization.packed_method:{cls}", capabilities=caps, description=description)
 
 
 @hookimpl
