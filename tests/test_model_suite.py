@@ -17,9 +17,11 @@ def _outcomes(results: list) -> dict[str, str]:
 @pytest.mark.timeout(600)
 def test_llama_passes_every_check_and_shape() -> None:
     results = run("model", "LlamaForCausalLM")
-    assert {r.check for r in results} == CHECKS
-    assert {r.case for r in results} == {"gqa-untied", "mha-tied", "mqa-untied"}
-    assert [k for k, v in _outcomes(results).items() if v != "passed"] == []
+    ran = [r for r in results if r.check != "tensor_parallel"]  # two processes: only with the full matrix
+    assert {r.check for r in ran} == CHECKS
+    assert {r.case for r in ran} == {"gqa-untied", "mha-tied", "mqa-untied"}
+    assert [k for k, v in _outcomes(ran).items() if v != "passed"] == []
+    assert {r.outcome for r in results if r.check == "tensor_parallel"} == {"skipped"}
 
 
 @pytest.mark.timeout(600)

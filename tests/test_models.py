@@ -240,7 +240,8 @@ def test_unsupported_architecture_lists_supported():
         assert arch in msg
     assert supported_architectures() == sorted(["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                                 "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                                "Qwen3MoeForCausalLM", "Phi3ForCausalLM"])
+                                                "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                                "Gemma3ForCausalLM"])
 
 
 def test_unsupported_activation():
