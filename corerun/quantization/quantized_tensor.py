@@ -14,7 +14,7 @@ input cut (the cut ``g_idx`` still indexes them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -46,7 +46,6 @@ class Scheme:
     decode: Callable[[dict[str, torch.Tensor], int, int], torch.Tensor]
     bits: int = 4
     activations: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

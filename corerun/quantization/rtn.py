@@ -34,7 +34,9 @@ from corerun.quantization.int_packing import pack
 METHODS = ("int8", "int4")
 PROJECTION = re.compile(r"\.layers\.\d+\..*(q|k|v|o|gate|up|down)_proj\.weight$")
 TARGETS = ["re:.*(q|k|v|o|gate|up|down)_proj$"]
-WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf", "corerun-gguf.json")
+# not copied: the float weights, and corerun's markers of where a folder came from (it is no longer that)
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf", "corerun-gguf.json",
+                "corerun-source.json")
 
 
 def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
