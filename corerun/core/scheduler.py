@@ -78,6 +78,7 @@ class Scheduler:
         self._guessed: dict[int, int] = {}  # scheduled from placeholder counts: seq_id -> draft slots held (see settle)
         # pipeline parallelism: seq_ids in a micro-batch still in flight; never scheduled again or preempted until it is back
         self.busy: set[int] = set()
+        self.max_batch_seqs = max_num_seqs  # requests in one batch (pipeline parallelism: max_num_seqs / stages)
         # LoRA (max_loras > 0): the adapters' device slots, and the slot each running request holds
         self.lora_slots = LoRASlots(max_loras) if max_loras else None
         self.lora_slot_of = self.told.lora_slot_of  # seq_id -> the slot it holds (told to the runner)
@@ -120,7 +121,7 @@ class Scheduler:
 
         # 1. running sequences, oldest first; preempt the youngest when blocks run out
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.max_batch_seqs:
             seq = self.running[i]
             ahead = self.in_flight.get(seq.seq_id, _NOTHING_IN_FLIGHT)
             if ahead.last or seq.seq_id in self.busy:  # its token in flight is its last (max_tokens, max_model_len): nothing to schedule
@@ -162,7 +163,8 @@ class Scheduler:
             break  # seq itself was preempted: nothing younger is left running
 
         # 2. waiting sequences in arrival order (preempted ones were put at the front)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
+               and len(scheduled) < self.max_batch_seqs):
             seq = self._current = self.waiting[0]
             if self.lora_slots is not None and not self._lora_ready(seq):
                 break  # its adapter waits for a slot, and everything behind it waits too: no adapter starves

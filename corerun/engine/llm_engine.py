@@ -76,6 +76,7 @@ class LLMEngine:
         # asynchronous scheduling: the step in flight, outputs collected outside step(), an emptied batch's finished ids
         self.queue = BatchQueue(runner)
         self.stages: deque[ScheduledBatch] = deque()  # pipeline parallelism: micro-batches in flight, oldest first
+        self.scheduler.max_batch_seqs = -(-sc.max_num_seqs // runner.pipeline_depth)  # (one micro-batch per stage)
         self._collected: list[Sequence] = []
         self._unsent: ScheduledBatch | None = None
 

@@ -33,7 +33,7 @@ from corerun.distributed.errors import Failure, RankFailedError, TensorParallelE
 from corerun.distributed.group import TensorParallelGroup
 from corerun.errors import StepError
 from corerun.executor.stage import StageRunner
-from corerun.executor.step import CompareBatch, Logits, Recorded, Step, StepFailed
+from corerun.executor.step import CompareBatch, Logits, Recorded, Step, StepFailed, Timeline
 from corerun.protocols.executor import Placement, WorkerLaunch
 from corerun.runner.model_runner import ExecuteModelState, PreparedStep
 from corerun.protocols.attention import AttentionBatch
@@ -161,8 +161,10 @@ class TensorParallelRunner(StageRunner):
         recorded, self._recorded = self._recorded, {}
         self.workers.send(Step(sched, recorded, eos_token_ids))
         inputs, _, _ = self.prepare_inputs(sched)
+        self.receive(0)  # (stage 0: nothing to receive; its work starts now)
         with torch.no_grad():
             self.pass_on(self._forward(inputs))
+        self.worked()
 
     def _collect_stages(self, sched: ScheduledBatch) -> StepResult:
         """The last stage sampled; its result comes back through the executor.  Rank 0 records the tokens in its
@@ -186,10 +188,19 @@ class TensorParallelRunner(StageRunner):
         agree.  Between steps only; the workers first take the tokens rank 0 recorded since its last step."""
         self._check_up()
         recorded, self._recorded = self._recorded, {}
+        return self._gather(CompareBatch(recorded), lambda: self.input_batch.snapshot())
+
+    def stage_timelines(self) -> list[list[tuple[float, float]]]:
+        """Every rank's stage work intervals (``(start, end)``, wall clock), rank 0's first; between steps only."""
+        self._check_up()
+        return self._gather(Timeline(), lambda: list(self.timeline))
+
+    def _gather(self, cmd: Any, mine: Any) -> list[Any]:
+        """Send ``cmd``, whose answer every worker gives by ``gather_object``; rank 0's own is ``mine()``."""
         self._busy = True
         try:
-            self.workers.send(CompareBatch(recorded))
-            snaps = self.tp.gather_object(self.input_batch.snapshot())
+            self.workers.send(cmd)
+            out = self.tp.gather_object(mine())
         except BaseException as exc:
             failure = self._diagnose(exc)
             self._go_down(failure)
@@ -197,7 +208,7 @@ class TensorParallelRunner(StageRunner):
                 raise failure from exc
             raise
         self._busy = False
-        return snaps
+        return out
 
     def _check_up(self) -> None:
         """Raise RankFailedError when the group is down (or a worker is seen gone now)."""

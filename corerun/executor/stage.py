@@ -11,6 +11,8 @@ final norm, computes the logits and samples.  With one stage it is a plain Model
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -39,6 +41,9 @@ class StageRunner(ModelRunner):
         self.is_last = self.stage == placement.pipeline_parallel_size - 1
         self.placement_group = world  # construction agrees on the KV block count over it
         self._stage_in: torch.Tensor | None = None  # the stage before's hidden states for the current step
+        # (start, end) wall-clock seconds of each step's work on this stage, newest last (pipeline parallel only)
+        self.timeline: deque[tuple[float, float]] = deque(maxlen=1 << 16)
+        self._started = 0.0
         super().__init__(config, registry, tp=tp)
 
     def _model_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
@@ -56,12 +61,18 @@ class StageRunner(ModelRunner):
         return self.placement.pipeline_parallel_size
 
     def receive(self, num_tokens: int) -> None:
-        """The stage before's hidden states for this step's ``num_tokens`` tokens (nothing on the first stage)."""
+        """The stage before's hidden states for this step's ``num_tokens`` tokens (nothing on the first stage);
+        the step's work on this stage starts once they are in."""
         self._stage_in = None
         if not self.is_first:
             assert self.placement_group is not None
             shape = (num_tokens, self.model_config.hidden_size)
             self._stage_in = self.placement_group.recv(shape, self.dtype, self.rank - self.placement.tensor_parallel_size)
+        self._started = time.time()
+
+    def worked(self) -> None:
+        """The step's work on this stage is done (its hidden states passed on, or its tokens sampled)."""
+        self.timeline.append((self._started, time.time()))
 
     def pass_on(self, hidden: torch.Tensor) -> None:
         """This stage's hidden states to the same tensor-parallel rank of the next stage (not from the last)."""

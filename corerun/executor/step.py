@@ -57,8 +57,13 @@ class CompareBatch:
 
 
 @dataclass(slots=True)
+class Timeline:
+    """Send this rank's stage work intervals (``StageRunner.timeline``) to rank 0."""
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Leave the worker loop and exit."""
 
 
-Command = Step | Logits | CompareBatch | Shutdown
+Command = Step | Logits | CompareBatch | Timeline | Shutdown

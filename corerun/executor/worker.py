@@ -20,7 +20,7 @@ from corerun.config import Config
 from corerun.distributed.errors import TensorParallelError, is_communication_failure
 from corerun.distributed.group import TensorParallelGroup
 from corerun.errors import StepError
-from corerun.executor.step import CompareBatch, Logits, Recorded, Shutdown, Step, StepFailed
+from corerun.executor.step import CompareBatch, Logits, Recorded, Shutdown, Step, StepFailed, Timeline
 from corerun.protocols.executor import CommandSource, Placement, WorkerLaunch
 from corerun.runner.input_batch import InputBatch
 
@@ -82,6 +82,9 @@ def serve(config: Config, group: TensorParallelGroup | None, source: CommandSour
                 if not runner.is_last or not runner.pipelined:
                     _record(batch, cmd.recorded)
                 world.gather_object(batch.snapshot())
+            elif isinstance(cmd, Timeline):
+                stage = "sending the stage timeline to rank 0"
+                world.gather_object(list(runner.timeline))
             elif isinstance(cmd, Shutdown):
                 return
             else:
@@ -100,6 +103,7 @@ def _pipeline_step(runner: Any, cmd: Step, source: CommandSource, placement: Pla
         runner.receive(inputs.input_ids.shape[0])
         with torch.no_grad():
             runner.pass_on(runner.graph.run(inputs))
+        runner.worked()
         return
     prepared = runner.prepare_step(cmd.batch, cmd.eos_token_ids)
     runner.receive(prepared.inputs.input_ids.shape[0])
@@ -110,6 +114,7 @@ def _pipeline_step(runner: Any, cmd: Step, source: CommandSource, placement: Pla
         if is_communication_failure(exc):
             raise
         result = StepFailed(str(exc))  # the group stays up: rank 0 ends this step's requests with it
+    runner.worked()
     if placement.tp_rank_of(rank) == 0:
         source.reply(result)
 
