@@ -1,7 +1,10 @@
 """``CpuAttentionBackend``: paged attention on CPU that reads the KV cache in place.
 
 KV cache, one tensor per layer: the usual dense ``[2, num_blocks, block_size, num_kv_heads,
-head_size]`` (K at 0, V at 1) in the model's dtype, zeroed at allocation (``DenseKVCache``).
+head_size]`` (K at 0, V at 1) in the model's dtype, zeroed at allocation (``DenseKVCache``); with a
+quantized ``spec.kv_cache_dtype`` the same in fp8, or int8 rows of ``head_size + 4`` bytes (the values,
+then their float32 scale), quantized in torch on write (``corerun.attention.kv_quant``) and
+dequantized by the kernel as it reads each block.
 
 ``plan`` makes the step's lengths, block tables and slot mapping contiguous int32 / int64 tensors,
 once per step; ``forward`` makes two C calls per layer: the K/V write by slot mapping, then the
@@ -24,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from corerun.attention import kv_quant
 from corerun.sdk import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
@@ -35,6 +39,7 @@ logger = logging.getLogger("corerun_attention_cpu")
 
 IMPLEMENTATION = "attention backend 'cpu'"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DType in the source
+KV_TYPE_CODES = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}  # enum KVType in the source
 
 
 @dataclass
@@ -71,6 +76,9 @@ class CpuAttentionBackend(DenseKVCache):
         self.scale = float(spec.softmax_scale)
         self.soft_cap = float(spec.logits_soft_cap or 0.0)  # 0: none
         self._dtype_code = DTYPE_CODES[spec.dtype]
+        self._kv_code = KV_TYPE_CODES[spec.kv_cache_dtype]
+        self._storage = kv_quant.storage_dtype(spec)
+        self._row = kv_quant.row_size(spec)
         self._err = (ctypes.c_int64 * 4)()
         self._err_ptr = ctypes.addressof(self._err)
         logger.info(
@@ -78,6 +86,16 @@ class CpuAttentionBackend(DenseKVCache):
             dtype_name(spec.dtype), spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
             "OpenMP" if lib.corerun_cpu_openmp() else "single-threaded (built without OpenMP)",
         )
+
+    # ------------------------------------------------------------------- cache
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """Zeroed ``[2, num_blocks, block_size, num_kv_heads, row]`` at the stored dtype (row: head_size, int8 + 4)."""
+        s = self.spec
+        return torch.zeros((2, num_blocks, s.block_size, s.num_kv_heads, self._row), dtype=self._storage)
+
+    def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._cache_parts(kv_cache)
+        return kv_quant.values_view(k, self.spec), kv_quant.values_view(v, self.spec)
 
     # ---------------------------------------------------------------- per step
     def plan(self, batch: AttentionBatch) -> CpuAttentionMetadata:
@@ -94,12 +112,12 @@ class CpuAttentionBackend(DenseKVCache):
         s = self.spec
         if (
             kv_cache.dim() != 5 or kv_cache.shape[0] != 2
-            or tuple(kv_cache.shape[2:]) != (s.block_size, s.num_kv_heads, s.head_size)
-            or kv_cache.dtype != s.dtype or kv_cache.device.type != "cpu" or kv_cache.stride(-1) != 1
+            or tuple(kv_cache.shape[2:]) != (s.block_size, s.num_kv_heads, self._row)
+            or kv_cache.dtype != self._storage or kv_cache.device.type != "cpu" or kv_cache.stride(-1) != 1
         ):
             raise ValueError(
-                f"cpu attention: kv_cache must be a CPU {dtype_name(s.dtype)} tensor [2, num_blocks, {s.block_size}, "
-                f"{s.num_kv_heads}, {s.head_size}] with a contiguous last dimension, got {dtype_name(kv_cache.dtype)} "
+                f"cpu attention: kv_cache must be a CPU {dtype_name(self._storage)} tensor [2, num_blocks, {s.block_size}, "
+                f"{s.num_kv_heads}, {self._row}] with a contiguous last dimension, got {dtype_name(kv_cache.dtype)} "
                 f"{list(kv_cache.shape)} on {kv_cache.device}"
             )
         return kv_cache[0], kv_cache[1]
@@ -121,6 +139,8 @@ class CpuAttentionBackend(DenseKVCache):
         k_cache, v_cache = self._cache_parts(kv_cache)
         key = self._rows(key, s.num_kv_heads, "key")
         value = self._rows(value, s.num_kv_heads, "value")
+        if self._kv_code:  # quantized rows, copied as bytes
+            key, value = kv_quant.quantize(key, s, 0), kv_quant.quantize(value, s, 1)
         slots = _int_tensor(slot_mapping, torch.int64, "slot_mapping")
         n = slots.shape[0]
         if key.shape[0] != n or value.shape[0] != n:
@@ -134,7 +154,7 @@ class CpuAttentionBackend(DenseKVCache):
             k_cache.element_size(), key.data_ptr(), key.stride(0), key.stride(1),
             value.data_ptr(), value.stride(0), value.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            slots.data_ptr(), n, s.num_kv_heads, s.head_size, s.block_size, k_cache.shape[0], self._err_ptr,
+            slots.data_ptr(), n, s.num_kv_heads, self._row, s.block_size, k_cache.shape[0], self._err_ptr,
         )
         if rc:
             _, token, slot, num_slots = list(self._err)
@@ -176,7 +196,8 @@ class CpuAttentionBackend(DenseKVCache):
             target.data_ptr(), target.stride(0), target.stride(1),
             md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
             md.num_reqs, q.shape[0], k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
-            self.scale, s.sliding_window(layer) or 0, self.soft_cap, torch.get_num_threads(), self._err_ptr,
+            self.scale, s.sliding_window(layer) or 0, self.soft_cap, self._kv_code, *s.kv_scales,
+            torch.get_num_threads(), self._err_ptr,
         )
         if rc:
             raise ValueError(self._explain(rc, md, k_cache.shape[0]))

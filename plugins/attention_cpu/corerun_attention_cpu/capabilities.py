@@ -3,7 +3,8 @@
 The kernel takes any head size up to 256 (its per-thread buffers are sized for that), any block
 size, GQA/MQA with any group size, per-layer sliding windows and logit soft-capping, and keeps
 float32 accumulators for every dtype.  float64 is left
-to the ``torch`` reference backend.
+to the ``torch`` reference backend.  Quantized KV caches (fp8 e4m3 / e5m2 with per-tensor scales, int8 with a
+scale per token-head) are dequantized block by block inside the kernel.
 """
 
 from __future__ import annotations
@@ -22,4 +23,5 @@ CPU_CAPABILITIES = AttentionCapabilities(
     cuda_graph_decode=False,
     sliding_window=True,
     logits_soft_cap=True,
+    kv_cache_dtypes=frozenset({"fp8_e4m3", "fp8_e5m2", "int8"}),
 )

@@ -28,7 +28,7 @@ logger = logging.getLogger("corerun_attention_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 LIB_NAME = "libcorerun_attention_cpu.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 BASE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_S = 300
@@ -142,7 +142,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.corerun_cpu_attention.argtypes = [
         ctypes.c_int, _vp, _i64, _i64, _vp, _vp, _i64, _i64, _i64, _vp, _i64, _i64,
         _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_float,
-        ctypes.c_int, _vp,
+        ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int, _vp,
     ]
     lib.corerun_cpu_write_kv.restype = ctypes.c_int
     lib.corerun_cpu_write_kv.argtypes = [

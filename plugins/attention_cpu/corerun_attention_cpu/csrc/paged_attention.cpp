@@ -6,7 +6,9 @@
 //
 // Layouts (strides in elements, last dimension contiguous):
 //   query/out  [num_tokens, num_heads, head_size]
-//   k/v cache  [num_blocks, block_size, num_kv_heads, head_size]
+//   k/v cache  [num_blocks, block_size, num_kv_heads, head_size] in the query's dtype, or quantized (kv_type):
+//              fp8 e4m3 / e5m2 bytes of value / k_scale (v_scale), or int8 rows of head_size values followed
+//              by their float32 scale (head_size + 4 bytes; value = q * scale); strides then count bytes
 //   query_start_loc int32 [num_reqs + 1], seq_lens int32 [num_reqs], block_tables int32 [num_reqs, width]
 //
 // Work item = (request, KV head, tile of up to TILE_ROWS / group query tokens): the query heads that
@@ -32,6 +34,7 @@
 namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
+enum KVType { KV_SAME = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2, KV_INT8 = 3 };
 constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int64_t MAX_HEAD_SIZE = 256;
 
@@ -93,6 +96,40 @@ inline uint16_t f32_to_f16(float f) {  // round to nearest even
     return static_cast<uint16_t>(sign | (r >> 13));
 }
 #endif
+
+// fp8 e4m3 (no infinities; 0x7f / 0xff are NaN) -> float, all 256 codes
+struct E4M3Table {
+    float v[256];
+    E4M3Table() {
+        for (int b = 0; b < 256; ++b) {
+            const int exp = (b >> 3) & 0xf, man = b & 7;
+            float f = exp == 0 ? std::ldexp(static_cast<float>(man), -9) : std::ldexp(static_cast<float>(8 + man), exp - 10);
+            if (exp == 0xf && man == 7) f = NAN;
+            v[b] = b & 0x80 ? -f : f;
+        }
+    }
+};
+
+inline const float* e4m3_table() {
+    static const E4M3Table table;
+    return table.v;
+}
+
+// One stored K or V row of a quantized cache -> D floats (e5m2 is the top byte of an IEEE half)
+inline void dequant_row(int kv_type, const uint8_t* src, int64_t D, float scale, float* dst) {
+    if (kv_type == KV_INT8) {
+        float s;
+        std::memcpy(&s, src + D, 4);
+        const int8_t* q = reinterpret_cast<const int8_t*>(src);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(q[d]) * s;
+    } else if (kv_type == KV_FP8_E4M3) {
+        const float* lut = e4m3_table();
+        for (int64_t d = 0; d < D; ++d) dst[d] = lut[src[d]] * scale;
+    } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = f16_to_f32(static_cast<uint16_t>(src[d]) << 8) * scale;
+    }
+}
 
 template <int DT> struct Elem;
 template <> struct Elem<F32> {
@@ -163,6 +200,8 @@ struct Args {
     float scale;
     int64_t window;  // 0: full causal attention
     float soft_cap;  // 0: none
+    int kv_type;     // KVType
+    float k_scale, v_scale;  // fp8's per-tensor scales
 };
 
 struct Item {
@@ -316,6 +355,9 @@ void attend_item(const Args& a, const Item& it, float* buf) {
 
     const T* kc = static_cast<const T*>(a.k);
     const T* vc = static_cast<const T*>(a.v);
+    const bool quant = a.kv_type != KV_SAME;  // then strides and offsets count bytes
+    const uint8_t* kq = static_cast<const uint8_t*>(a.k);
+    const uint8_t* vq = static_cast<const uint8_t*>(a.v);
     const int64_t nblocks = (max_hz + BS - 1) / BS;
     // with a window, the tile's first token sees nothing before min_lo; no row of the tile sees earlier keys
     const int64_t min_lo = a.window > 0 && ctx + it.first + 1 > a.window ? ctx + it.first + 1 - a.window : 0;
@@ -324,16 +366,26 @@ void attend_item(const Args& a, const Item& it, float* buf) {
         const int64_t nkeys = max_hz - start < BS ? max_hz - start : BS;
         if (b + 1 < nblocks) {
             const int64_t next_keys = max_hz - start - BS < BS ? max_hz - start - BS : BS;
-            for (int64_t hh = 0; hh < nh; ++hh)
-                prefetch_block<T>(kc, vc, static_cast<int64_t>(table[b + 1]) * a.kv_sb + (h0 + hh) * a.kv_sh,
-                                  next_keys, a.kv_st, D);
+            for (int64_t hh = 0; hh < nh; ++hh) {
+                const int64_t next = static_cast<int64_t>(table[b + 1]) * a.kv_sb + (h0 + hh) * a.kv_sh;
+                if (quant) prefetch_block<uint8_t>(kq, vq, next, next_keys, a.kv_st, D);
+                else prefetch_block<T>(kc, vc, next, next_keys, a.kv_st, D);
+            }
         }
         for (int64_t hh = 0; hh < nh; ++hh) {
             const int64_t off = static_cast<int64_t>(table[b]) * a.kv_sb + (h0 + hh) * a.kv_sh;
             const float* krows;
             const float* vrows;
             int64_t kstride;
-            if constexpr (DT == F32) {
+            if (quant) {
+                for (int64_t j = 0; j < nkeys; ++j) {
+                    dequant_row(a.kv_type, kq + off + j * a.kv_st, D, a.k_scale, kf + j * D);
+                    dequant_row(a.kv_type, vq + off + j * a.kv_st, D, a.v_scale, vf + j * D);
+                }
+                krows = kf;
+                vrows = vf;
+                kstride = D;
+            } else if constexpr (DT == F32) {
                 krows = kc + off;
                 vrows = vc + off;
                 kstride = a.kv_st;
@@ -420,10 +472,11 @@ int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, 
                           const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt, int64_t bt_stride,
                           int64_t bt_width, int64_t num_reqs, int64_t num_tokens, int64_t num_blocks,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
-                          int64_t window, float soft_cap, int num_threads, int64_t* err) {
+                          int64_t window, float soft_cap, int kv_type, float k_scale, float v_scale, int num_threads,
+                          int64_t* err) {
     err[0] = err[1] = err[2] = err[3] = 0;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_size <= 0 || head_size > MAX_HEAD_SIZE || block_size <= 0 ||
-        window < 0 || soft_cap < 0.0f) {
+        window < 0 || soft_cap < 0.0f || kv_type < KV_SAME || kv_type > KV_INT8) {
         err[0] = 5;
         err[1] = head_size;
         return 5;
@@ -485,7 +538,7 @@ int corerun_cpu_attention(int dtype, const void* q, int64_t q_st, int64_t q_sh, 
             for (int64_t h = 0; h < num_kv_heads; ++h) items[n++] = Item{static_cast<int32_t>(r), 0, 1, static_cast<int32_t>(h), 1};
     }
     Args a{q, q_st, q_sh, k, v, kv_sb, kv_st, kv_sh, out, o_st, o_sh, qsl, seq_lens, bt, bt_stride,
-           num_heads, num_kv_heads, head_size, block_size, scale, window, soft_cap};
+           num_heads, num_kv_heads, head_size, block_size, scale, window, soft_cap, kv_type, k_scale, v_scale};
     if (dtype != F32 && dtype != BF16 && dtype != F16) {
         err[0] = 5; err[1] = -1; err[2] = dtype;
         std::free(items);
@@ -527,7 +580,7 @@ int corerun_cpu_write_kv(int64_t elem_size, const void* key, int64_t k_st, int64
     return 0;
 }
 
-int corerun_cpu_abi_version(void) { return 2; }
+int corerun_cpu_abi_version(void) { return 3; }
 
 int corerun_cpu_openmp(void) {
 #ifdef _OPENMP
