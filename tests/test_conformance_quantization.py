@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from corerun.conformance.quantization_suite import QuantizationSuite
-from corerun.quantization.capabilities import AWQ, COMPRESSED_TENSORS, GGUF, GPTQ
+from corerun.quantization.capabilities import AWQ, COMPRESSED_TENSORS, FP8, GGUF, GPTQ
 from tests.broken_impls.quantization import (
-    AWQInOrder, CompressedScalesTransposed, GPTQZerosAsStored, IgnoresMinimum, ScalesOnWrongAxis, SwappedNibbles,
+    AWQInOrder, CompressedScalesTransposed, FP8ScaleIgnored, GPTQZerosAsStored, IgnoresMinimum, ScalesOnWrongAxis, SwappedNibbles,
 )
 
 pytest.importorskip("gguf")
@@ -56,7 +56,7 @@ def test_broken_methods_are_rejected(broken, type_name: str, check: str) -> None
 
 @pytest.mark.parametrize(("broken", "capabilities", "fmt"), [
     (GPTQZerosAsStored, GPTQ, "gptq-4bit-g32"), (AWQInOrder, AWQ, "awq-4bit-g32"),
-    (CompressedScalesTransposed, COMPRESSED_TENSORS, "ct-w4a16-g32"),
+    (CompressedScalesTransposed, COMPRESSED_TENSORS, "ct-w4a16-g32"), (FP8ScaleIgnored, FP8, "fp8-tensor"),
 ])
 @pytest.mark.parametrize("check", ["test_matmul", "test_sharded"])
 def test_broken_packed_methods_are_rejected(broken, capabilities, fmt: str, check: str) -> None:

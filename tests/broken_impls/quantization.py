@@ -1,5 +1,5 @@
 """Broken quantization methods, each a built-in (``gguf``, ``gptq``, ``awq``, ``compressed-tensors``) with
-one fault, that ``QuantizationSuite`` must reject."""
+one fault, that ``QuantizationSuite`` must reject (``fp8`` too)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from corerun.quantization import schemes
 from corerun.quantization.int_packing import unpack
-from corerun.quantization.packed_method import AWQMethod, CompressedTensorsMethod, GPTQMethod
+from corerun.quantization.packed_method import AWQMethod, CompressedTensorsMethod, FP8Method, GPTQMethod
 from corerun.quantization.quantized_tensor import QuantizedTensor
 
 from corerun.quantization.gguf_method import GGUFMethod
@@ -100,6 +100,12 @@ def _scales_transposed(t: QuantizedTensor) -> Any:
     return decode
 
 
+def _fp8_scale_ignored(t: QuantizedTensor) -> Any:
+    """FP8 weights taken as their e4m3 values, the ``weight_scale`` never applied."""
+    return lambda p, out, cols: p["weight"].float()
+
+
 GPTQZerosAsStored = _redecoded(GPTQMethod, _gptq_zeros_as_stored)
+FP8ScaleIgnored = _redecoded(FP8Method, _fp8_scale_ignored)
 AWQInOrder = _redecoded(AWQMethod, _awq_in_order)
 CompressedScalesTransposed = _redecoded(CompressedTensorsMethod, _scales_transposed)
