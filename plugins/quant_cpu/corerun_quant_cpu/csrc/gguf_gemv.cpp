@@ -1,0 +1,232 @@
+// GGUF block formats times float32 activations on CPU, read straight from the packed blocks.
+//
+// Op (registered as torch.ops.corerun_quant_cpu.gguf_gemv; see kernels.py):
+//   gguf_gemv(out, blocks, x, type, isa)
+//     blocks  uint8 [rows, cols / 32 * block_bytes], one GGML row per output feature, contiguous
+//     x       float32 [T, cols], contiguous
+//     out     float32 [T, rows], last dimension contiguous (a column slice of a wider output is fine)
+//     type    0 = Q8_0 (34-byte blocks), 1 = Q4_0 (18), 2 = Q4_1 (20); 32 values per block
+//     isa     0 = scalar, 1 = AVX2 + FMA + F16C (refused where the CPU lacks them)
+//   gguf_isa() -> the best isa this CPU runs.
+//
+// Method: dequantize in registers, never in memory.  For a block b of row j with scale d (and
+// minimum m for Q4_1) and codes q, the block's share of y[t, j] is
+//   Q8_0: d * sum(q * x)        Q4_0: d * (sum(q * x) - 8 * sum(x))        Q4_1: d * sum(q * x) + m * sum(x)
+// where sum(x) over the block is computed once per call for every token.  Codes become float32
+// exactly; sums are float32 with fused multiply-adds.  Work is split over output rows with
+// at::parallel_for (torch's own thread pool and OpenMP runtime); tokens go in tiles of 4 so that a
+// row's blocks are read from memory once and from L1 for the other tiles.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <immintrin.h>
+
+namespace {
+
+enum Type : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1 };
+constexpr int64_t QK = 32;
+constexpr int64_t TILE = 4;  // tokens per pass over a row
+
+int64_t block_bytes(int64_t type) { return type == Q8_0 ? 34 : type == Q4_0 ? 18 : 20; }
+
+float half_to_float(uint16_t h) {  // IEEE binary16 -> float32, exact (subnormals, inf and NaN included)
+    uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalise
+            int e = -1;
+            do { ++e; man <<= 1; } while ((man & 0x400u) == 0);
+            u = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t load_u16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+
+struct Problem {
+    const uint8_t* blocks;
+    const float* x;
+    const float* xsum;  // [T, nb] sums of x over each block
+    float* out;
+    int64_t T, cols, nb, row_bytes, out_stride, type;
+};
+
+// ---- scalar ---------------------------------------------------------------------------------------
+
+void rows_scalar(const Problem& p, int64_t begin, int64_t end) {
+    const int64_t bb = block_bytes(p.type);
+    for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* row = p.blocks + j * p.row_bytes;
+        for (int64_t t = 0; t < p.T; ++t) {
+            const float* xt = p.x + t * p.cols;
+            float acc = 0.f;
+            for (int64_t b = 0; b < p.nb; ++b) {
+                const uint8_t* blk = row + b * bb;
+                const float* xb = xt + b * QK;
+                const float d = half_to_float(load_u16(blk));
+                float s = 0.f;
+                if (p.type == Q8_0) {
+                    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+                    for (int i = 0; i < QK; ++i) s += static_cast<float>(q[i]) * xb[i];
+                    acc += d * s;
+                } else {
+                    const uint8_t* q = blk + (p.type == Q4_1 ? 4 : 2);
+                    for (int i = 0; i < QK / 2; ++i) {
+                        s += static_cast<float>(q[i] & 0x0f) * xb[i];
+                        s += static_cast<float>(q[i] >> 4) * xb[i + QK / 2];
+                    }
+                    const float sx = p.xsum[t * p.nb + b];
+                    if (p.type == Q4_0) acc += d * (s - 8.f * sx);
+                    else acc += d * s + half_to_float(load_u16(blk + 2)) * sx;
+                }
+            }
+            p.out[t * p.out_stride + j] = acc;
+        }
+    }
+}
+
+// ---- AVX2 + FMA -----------------------------------------------------------------------------------
+
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2_FN inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// the 32 codes of a block as four vectors of 8 floats, in value order
+AVX2_FN inline void codes_q4(const uint8_t* q, __m256 w[4]) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+AVX2_FN inline void codes_q8(const uint8_t* q, __m256 w[4]) {
+    for (int k = 0; k < 4; ++k) {
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k));
+        w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    }
+}
+
+template <int64_t TYPE, int NT>
+AVX2_FN void row_tile_avx2(const Problem& p, const uint8_t* row, int64_t t0, int64_t j) {
+    constexpr int64_t bb = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
+    __m256 acc[NT];
+    float corr[NT];  // Q4_0's -8 d sum(x), Q4_1's m sum(x): one scalar per block and token
+    for (int n = 0; n < NT; ++n) {
+        acc[n] = _mm256_setzero_ps();
+        corr[n] = 0.f;
+    }
+    for (int64_t b = 0; b < p.nb; ++b) {
+        const uint8_t* blk = row + b * bb;
+        __m256 w[4];
+        if (TYPE == Q8_0) codes_q8(blk + 2, w);
+        else codes_q4(blk + (TYPE == Q4_1 ? 4 : 2), w);
+        const float d = _cvtsh_ss(load_u16(blk));
+        const __m256 dv = _mm256_set1_ps(d);
+        float c = 0.f;
+        if (TYPE == Q4_0) c = -8.f * d;
+        if (TYPE == Q4_1) c = _cvtsh_ss(load_u16(blk + 2));
+        for (int n = 0; n < NT; ++n) {
+            const float* xb = p.x + (t0 + n) * p.cols + b * QK;
+            __m256 s0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+            __m256 s1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8));
+            s0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), s0);
+            s1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), s1);
+            acc[n] = _mm256_fmadd_ps(dv, _mm256_add_ps(s0, s1), acc[n]);
+            if (TYPE != Q8_0) corr[n] += c * p.xsum[(t0 + n) * p.nb + b];
+        }
+    }
+    for (int n = 0; n < NT; ++n) p.out[(t0 + n) * p.out_stride + j] = hsum8(acc[n]) + corr[n];
+}
+
+template <int64_t TYPE>
+AVX2_FN void rows_avx2_typed(const Problem& p, int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* row = p.blocks + j * p.row_bytes;
+        int64_t t = 0;
+        for (; t + TILE <= p.T; t += TILE) row_tile_avx2<TYPE, TILE>(p, row, t, j);
+        for (; t < p.T; ++t) row_tile_avx2<TYPE, 1>(p, row, t, j);
+    }
+}
+
+void rows_avx2(const Problem& p, int64_t begin, int64_t end) {
+    if (p.type == Q8_0) rows_avx2_typed<Q8_0>(p, begin, end);
+    else if (p.type == Q4_0) rows_avx2_typed<Q4_0>(p, begin, end);
+    else rows_avx2_typed<Q4_1>(p, begin, end);
+}
+
+bool cpu_has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+// ---- the op ---------------------------------------------------------------------------------------
+
+int64_t gguf_isa() { return cpu_has_avx2() ? AVX2 : SCALAR; }
+
+void gguf_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, int64_t type, int64_t isa) {
+    TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "gguf_gemv: type must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1), got ", type);
+    TORCH_CHECK(isa == SCALAR || (isa == AVX2 && cpu_has_avx2()), "gguf_gemv: isa ", isa, " is not available on this CPU (best: ", gguf_isa(), ")");
+    TORCH_CHECK(blocks.device().is_cpu() && x.device().is_cpu() && out.device().is_cpu(), "gguf_gemv: CPU tensors only");
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(), "gguf_gemv: blocks must be contiguous uint8 [rows, bytes], got ", blocks.scalar_type(), " ", blocks.sizes());
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "gguf_gemv: x must be contiguous float32 [T, cols], got ", x.scalar_type(), " ", x.sizes());
+    const int64_t T = x.size(0), cols = x.size(1), rows = blocks.size(0);
+    TORCH_CHECK(cols % QK == 0, "gguf_gemv: cols must be a multiple of 32, got ", cols);
+    const int64_t nb = cols / QK, row_bytes = nb * block_bytes(type);
+    TORCH_CHECK(blocks.size(1) == row_bytes, "gguf_gemv: blocks have ", blocks.size(1), " bytes per row; ", cols, " columns of type ", type, " need ", row_bytes);
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == rows && out.stride(1) == 1,
+                "gguf_gemv: out must be float32 [", T, ", ", rows, "] with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
+    if (T == 0 || rows == 0) return;
+    std::vector<float> xsum(static_cast<size_t>(T * nb), 0.f);
+    const float* xp = x.data_ptr<float>();
+    if (type != Q8_0) {
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t b = 0; b < nb; ++b) {
+                float s = 0.f;
+                for (int64_t i = 0; i < QK; ++i) s += xp[t * cols + b * QK + i];
+                xsum[t * nb + b] = s;
+            }
+    }
+    const Problem p{blocks.data_ptr<uint8_t>(), xp, xsum.data(), out.data_ptr<float>(), T, cols, nb, row_bytes, out.stride(0), type};
+    // about 64 KiB of blocks per task: enough work to pay for a thread's start
+    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        if (isa == AVX2) rows_avx2(p, begin, end);
+        else rows_scalar(p, begin, end);
+    });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(corerun_quant_cpu, m) {
+    m.def("gguf_gemv(Tensor(a!) out, Tensor blocks, Tensor x, int type, int isa) -> ()");
+    m.def("gguf_isa() -> int", gguf_isa);  // no tensor arguments: a catch-all kernel
+}
+
+TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) { m.impl("gguf_gemv", gguf_gemv); }

@@ -1,0 +1,118 @@
+"""Building, loading and calling the C++ kernels (``csrc/gguf_gemv.cpp``), a torch operator library.
+
+Built on first use with ``torch.utils.cpp_extension`` (ninja and a C++ compiler) into corerun's cache
+folder (``$CORERUN_CACHE_DIR/quant_cpu/<key>/``, see ``corerun.sdk.cache_dir``); the key hashes the
+source, the torch version and the flags, so an edit or another torch builds anew.  The source is
+compiled without ``-march``: the AVX2 functions carry their own target attribute and are chosen at
+run time from the CPU's feature flags (cpuid), with a scalar path everywhere else.  ``-fopenmp`` makes
+``at::parallel_for`` use torch's thread pool; the library links torch's own ``libgomp`` (from
+``torch/lib``), never a second OpenMP runtime.
+
+``CORERUN_QUANT_CPU_ISA=scalar`` forces the scalar path (tests, comparisons).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("corerun_quant_cpu")
+
+SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
+NAME = "corerun_quant_cpu"
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
+ISAS = {"scalar": 0, "avx2": 1}
+TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the GGML types the kernel reads
+ISA_ENV = "CORERUN_QUANT_CPU_ISA"
+
+_lock = threading.Lock()
+_loaded: list[str] | None = None  # [] once loaded, else the reasons it cannot be
+
+
+def build_dir() -> Path:
+    from corerun.sdk import cache_dir
+
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+        h.update(part)
+        h.update(b"\0")
+    return cache_dir() / "quant_cpu" / h.hexdigest()[:20]
+
+
+def _torch_lib() -> Path:
+    return Path(torch.__file__).parent / "lib"
+
+
+def _build_and_load() -> list[str]:
+    if shutil.which("ninja") is None:
+        return ["ninja is not on PATH (torch.utils.cpp_extension builds with it): install it (apt-get install ninja-build, "
+                "or pip install ninja in an activated environment), or keep quantization: gguf"]
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return [f"no C++ compiler: {cxx!r} is not on PATH; install one (e.g. apt-get install g++) or keep quantization: gguf"]
+    ldflags = []
+    if (_torch_lib() / "libgomp.so.1").is_file():  # torch's own OpenMP runtime, the one already in the process
+        ldflags = [f"-L{_torch_lib()}", "-l:libgomp.so.1", f"-Wl,-rpath,{_torch_lib()}"]
+    from torch.utils import cpp_extension
+
+    target = build_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        logger.info("quant_cpu: building %s in %s", SOURCE.name, target)
+        cpp_extension.load(
+            name=NAME, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=ldflags,
+            build_directory=str(target), is_python_module=False, verbose=False,
+        )
+    except Exception as exc:  # a compiler error, a missing header: the reason, not a crash
+        tail = " ".join(str(exc).strip().splitlines()[-6:])
+        return [f"building {SOURCE.name} with torch.utils.cpp_extension failed: {type(exc).__name__}: {tail}"]
+    return []
+
+
+def load() -> list[str]:
+    """``[]`` once the operators are registered, else the reasons they cannot be.  Built at most once per process."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build_and_load()
+        return _loaded
+
+
+def best_isa() -> str:
+    """The instruction set the kernels use here: ``avx2`` where the CPU has AVX2, FMA and F16C, else ``scalar``."""
+    return "avx2" if torch.ops.corerun_quant_cpu.gguf_isa() == ISAS["avx2"] else "scalar"
+
+
+def chosen_isa() -> str:
+    """:func:`best_isa`, or what ``$CORERUN_QUANT_CPU_ISA`` asks for (refused when this CPU lacks it)."""
+    asked = os.environ.get(ISA_ENV, "").strip().lower()
+    if not asked:
+        return best_isa()
+    if asked not in ISAS:
+        raise ValueError(f"${ISA_ENV}={asked!r}: expected one of {sorted(ISAS)}")
+    if ISAS[asked] > ISAS[best_isa()]:
+        raise ValueError(f"${ISA_ENV}={asked!r}: this CPU runs at most {best_isa()!r}")
+    return asked
+
+
+def gguf_gemv(out: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, type_name: str, isa: str) -> None:
+    """``out[t, j] = sum_i x[t, i] * W[j, i]`` with ``W`` the GGML rows ``blocks``, decoded in registers.
+
+    ``blocks`` uint8 ``[rows, cols / 32 * block_bytes]`` contiguous; ``x`` float32 ``[T, cols]``
+    contiguous; ``out`` float32 ``[T, rows]`` whose last dimension is contiguous (a column slice of a
+    wider output); ``type_name`` one of :data:`TYPES`; ``isa`` one of :data:`ISAS`.
+    """
+    torch.ops.corerun_quant_cpu.gguf_gemv(out, blocks, x, TYPES[type_name], ISAS[isa])
+
+
+def reset() -> None:
+    """Forget the load result, so the next :func:`load` looks again (tests)."""
+    global _loaded
+    with _lock:
+        _loaded = None

@@ -1,0 +1,51 @@
+"""``gguf_cpu``: the built-in ``gguf`` method with its one-token and small-batch products in C++.
+
+Storage and loading are ``gguf``'s (packed blocks, one buffer per shard).  ``apply`` on a CPU batch of
+at most :data:`~corerun_quant_cpu.capabilities.KERNEL_MAX_TOKENS` rows in float32, bfloat16 or
+float16 writes each Q8_0 / Q4_0 / Q4_1 shard's columns of the output with the kernel
+(:func:`corerun_quant_cpu.kernels.gguf_gemv`), in float32, and decodes any other shard in torch;
+larger batches, float64 and other devices take ``gguf``'s path unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corerun.quantization.gguf_method import GGUFMethod
+
+from corerun_quant_cpu import kernels
+from corerun_quant_cpu.capabilities import GGUF_CPU, KERNEL_MAX_TOKENS, KERNEL_TYPES
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GGUFCpuMethod(GGUFMethod):
+    name = "gguf_cpu"
+    capabilities = GGUF_CPU
+
+    def __init__(self) -> None:
+        reasons = kernels.load()
+        if reasons:
+            raise RuntimeError("quantization method gguf_cpu cannot run here: " + "; ".join(reasons))
+        self.isa = kernels.chosen_isa()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > KERNEL_MAX_TOKENS or x.dtype not in _KERNEL_DTYPES:
+            return super().apply(layer, x)
+        shards = self.shards(layer)
+        if not any(s.type_name in KERNEL_TYPES for s in shards):
+            return super().apply(layer, x)
+        x32 = x.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], sum(s.data.shape[0] for s in shards), dtype=torch.float32)
+        at = 0
+        for shard in shards:
+            rows = shard.data.shape[0]
+            cols = out[:, at : at + rows]
+            if shard.type_name in KERNEL_TYPES:
+                kernels.gguf_gemv(cols, shard.data, x32, shard.type_name, self.isa)
+            else:
+                cols.copy_(F.linear(x32, shard.dequantize(torch.float32)))
+            at += rows
+        return out if x.dtype == torch.float32 else out.to(x.dtype)

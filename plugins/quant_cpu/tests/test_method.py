@@ -1,0 +1,73 @@
+"""``gguf_cpu`` through corerun's layers: the kernel runs for small batches, prefill keeps ``gguf``'s path,
+and both equal float64 dequantize-then-matmul; the conformance suite, with the AVX2 and the forced
+scalar path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from corerun.conformance import QuantizationSuite
+
+gguf = pytest.importorskip("gguf")
+
+from corerun_quant_cpu import kernels  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    reasons = kernels.load()
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
+class TestGgufCpuConformance(QuantizationSuite):
+    implementation = "gguf_cpu"
+
+
+class TestGgufCpuScalarConformance(QuantizationSuite):
+    implementation = "gguf_cpu"
+
+    @pytest.fixture(autouse=True)
+    def scalar(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(kernels.ISA_ENV, "scalar")
+
+
+def test_merged_layer_uses_the_kernel_for_decode_and_torch_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corerun.models.layers import MergedLinear
+    from corerun.quantization.gguf_tensor import GGUFTensor
+
+    from corerun_quant_cpu.method import GGUFCpuMethod
+
+    rng = np.random.default_rng(21)
+    cols = 192
+    layer = MergedLinear(cols, {"gate": 40, "up": 24}, quant=GGUFCpuMethod())
+    # gate in Q4_1 (the kernel's), up in F16 (left to torch's decode)
+    w_gate = (rng.standard_normal((40, cols)) * 0.05).astype(np.float32)
+    packed = gguf.quants.quantize(w_gate, gguf.GGMLQuantizationType.Q4_1)
+    gate = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q4_1).astype(np.float64))
+    layer.weight.weight_loader(layer.weight, GGUFTensor("blk.0.ffn_gate.weight", "Q4_1", torch.from_numpy(packed), cols), "gate")
+    up16 = torch.from_numpy(rng.standard_normal((24, cols)) * 0.05).half()
+    layer.weight.weight_loader(layer.weight, GGUFTensor("blk.0.ffn_up.weight", "F16", up16.view(torch.uint8), cols), "up")
+    refs = [gate, up16.double()]
+    w = torch.cat(refs)
+    calls = []
+    real = kernels.gguf_gemv
+    monkeypatch.setattr(kernels, "gguf_gemv", lambda *a: (calls.append(a[3]), real(*a))[1])
+    gen = torch.Generator().manual_seed(22)
+    for tokens, kernel_calls in ((1, 1), (16, 1), (17, 0)):
+        calls.clear()
+        x = torch.randn(tokens, cols, generator=gen)
+        with torch.no_grad():
+            got = layer(x)
+        assert len(calls) == kernel_calls, f"{tokens} tokens: {calls}"
+        bound = 8 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T)
+        assert ((got.double() - x.double() @ w.T).abs() <= bound).all(), f"{tokens} tokens"
+    x = torch.randn(2, cols, generator=gen).bfloat16()
+    with torch.no_grad():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), x.double() @ w.T, rtol=1e-2, atol=1e-2)
