@@ -112,19 +112,27 @@ def test_an_unread_config_field_is_refused_naming_field_value_and_what_is_read()
         READERS["compressed-tensors"]({"format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 2, "type": "int"}}}})
 
 
-@pytest.mark.timeout(120)
-def test_an_engine_reads_a_gptq_folder_with_quantization_auto(float_dir: Path, tmp_path: Path) -> None:
-    from corerun import SamplingParams
-    from corerun.testing import make_llm
-
-    folder = tmp_path / "gptq"
-    dequantized = write_quantized(float_dir, "gptq-4bit-g32", folder)
+def _hf_greedy(float_dir: Path, dequantized: dict[str, torch.Tensor], tokens: int) -> list[int]:
     hf = hf_model(float_dir)
     with torch.no_grad():
         params = dict(hf.named_parameters())
         for name, w in dequantized.items():
             params[name].copy_(w.float())
-        want = hf.generate(torch.tensor([IDS]), max_new_tokens=4, do_sample=False)[0, len(IDS):].tolist()
-    with make_llm(folder, quantization="auto") as llm:
+        return hf.generate(torch.tensor([IDS]), max_new_tokens=tokens, do_sample=False)[0, len(IDS):].tolist()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("fmt", "ranks"), [("gptq-4bit-g32", 1), ("gptq-4bit-g32-act-order", 2)])
+def test_an_engine_reads_a_gptq_folder_with_quantization_auto(float_dir: Path, tmp_path: Path, fmt: str, ranks: int) -> None:
+    """Two ranks: each keeps its output columns of q/k/v and gate/up, and its input rows of o_proj and
+    down_proj (qweight's packed words, the g_idx slice, every group's scales)."""
+    from corerun import SamplingParams
+    from corerun.testing import make_llm
+
+    folder = tmp_path / fmt
+    want = _hf_greedy(float_dir, write_quantized(float_dir, fmt, folder), 4)
+    extra = {"tensor_parallel_size": ranks, "distributed": {"start_method": "forkserver"}} if ranks > 1 else {}
+    with make_llm(folder, quantization="auto", **extra) as llm:
+        assert llm.engine.runner.quantization_name == "gptq"
         out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == want
