@@ -167,6 +167,26 @@ def test_two_stages_of_two_tensor_parallel_ranks(case):
     assert not _children()
 
 
+@pytest.mark.timeout(240)
+def test_ngram_drafts_are_verified_on_the_last_stage(case):
+    """n-gram speculation under PP=2: the drafts travel in the message, the last stage verifies them and the
+    accepted ones reach every stage; the tokens stay HF's greedy ones."""
+    g = torch.Generator().manual_seed(3)
+    motif = torch.randint(3, 254, (6,), generator=g).tolist()
+    prompts = [motif * 4, motif * 3 + [5], torch.randint(3, 254, (9,), generator=g).tolist()]
+    want = hf_greedy(case.folder, prompts, MAX_TOKENS)
+    llm = LLM(model=case.folder, pipeline_parallel_size=2, distributed={"start_method": "forkserver"},
+              speculative={"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+              **{**BASE, "kv_cache": {"block_size": 4, "num_blocks": 64}})
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.spec_stats.num_accepted_tokens > 0, llm.engine.spec_stats.to_dict()
+    finally:
+        llm.engine.shutdown()
+    assert not _children()
+
+
 # ---------------------------------------------------------------------- refused placements
 def test_placements_that_cannot_work_are_refused_before_any_process_starts(case):
     with pytest.raises(ConfigError, match=r"pipeline_layers \[1, 2\] must give 3 stages .* summing to the model's 4 layers"):
