@@ -3,8 +3,8 @@
 Used for a float8_e4m3fn weight on a CUDA device of compute capability 8.9 or more (Ada, Hopper)
 with both feature counts multiples of 16, as ``_scaled_mm`` asks; anything else decodes the weight
 and multiplies in ``x.dtype`` (the CPU path).  The activations are quantized per token:
-``s_x = max|x_t| / 448``, ``x_q = e4m3(x / s_x)``; ``y = (x_q @ w_q.T) * s_x * s_w``.  This branch
-is compile-checked only (no GPU runs it in corerun's tests); docs/quantization.md says so.
+``s_x = max|x_t| / 448``, ``x_q = e4m3(x / s_x)``; ``y = (x_q @ w_q.T) * s_x * s_w``.  No GPU runs
+this branch in corerun's tests; the ``_scaled_mm`` call runs on CPU too and is checked there.
 """
 
 from __future__ import annotations
