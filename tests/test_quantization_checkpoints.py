@@ -136,3 +136,18 @@ def test_an_engine_reads_a_gptq_folder_with_quantization_auto(float_dir: Path, t
         assert llm.engine.runner.quantization_name == "gptq"
         out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == want
+
+
+def test_actorder_weight_needs_no_g_idx() -> None:
+    """llm-compressor's actorder "weight" (alias "static") only reorders calibration: no weight_g_idx is written."""
+    import copy
+
+    from corerun.quantization.readers import READERS, group_weights
+
+    ref = FORMATS["ct-w4a16-g32"].make(8, 96, 1)
+    for actorder in ("weight", "static"):
+        config = copy.deepcopy(ref.config)
+        config["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+        out = list(group_weights(((f"m.q_proj.{k}", t) for k, t in ref.tensors.items()), READERS["compressed-tensors"](config)))
+        assert [name for name, _ in out] == ["m.q_proj.weight"]
+        assert torch.allclose(out[0][1].dequantize().double(), ref.weight, rtol=0, atol=1e-6)

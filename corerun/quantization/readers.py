@@ -173,7 +173,9 @@ class CompressedTensorsReader(Reader):
         if kind == "pack-quantized":
             want = {"weight_packed", "weight_scale", "weight_shape"}
             want |= set() if weights.get("symmetric", True) else {"weight_zero_point"}
-            return frozenset(want | ({"weight_g_idx"} if weights.get("actorder") else set()))
+            # actorder "group" (alias "dynamic") stores each input's group, weight_g_idx; "weight" (alias
+            # "static") only changed the order of calibration, not the format
+            return frozenset(want | ({"weight_g_idx"} if weights.get("actorder") in ("group", "dynamic", True) else set()))
         static = (group.get("input_activations") or {}).get("dynamic") is False
         return frozenset({"weight", "weight_scale"} | ({"input_scale"} if static else set()))
 
