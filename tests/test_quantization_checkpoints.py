@@ -106,6 +106,7 @@ def test_an_unread_config_field_is_refused_naming_field_value_and_what_is_read()
 
     with pytest.raises(QuantizedLoadError, match=r"quantization_config\.bits: 3 is not read by corerun; it reads 4, 8"):
         READERS["gptq"]({"bits": 3})
+    assert READERS["awq"]({"w_bit": 4, "q_group_size": 64, "zero_point": True, "version": "GEMM"}).group_size == 64  # older keys
     with pytest.raises(QuantizedLoadError, match=r"quantization_config\.weight_block_size: \[128, 128\]"):
         READERS["fp8"]({"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(QuantizedLoadError, match=r"config_groups\.group_0\.weights\.num_bits: 2"):

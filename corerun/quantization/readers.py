@@ -99,10 +99,11 @@ class AWQReader(Reader):
     parts = frozenset({"qweight", "qzeros", "scales"})
 
     def __init__(self, config: Mapping[str, Any]) -> None:
+        config = {"bits": config.get("w_bit", 4), "group_size": config.get("q_group_size", 128), **config}  # AutoAWQ's older keys
         _field(config, "bits", 4, (4,))
         _field(config, "version", "gemm", ("gemm", "GEMM"))
         _field(config, "zero_point", True, (True,))
-        self.group_size = int(config.get("group_size", 128))
+        self.group_size = int(config["group_size"])
 
     def build(self, prefix: str, parts: dict[str, torch.Tensor]) -> QuantizedTensor:
         _need(prefix, parts, self.parts, "AWQ")
