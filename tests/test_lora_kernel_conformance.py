@@ -6,17 +6,15 @@ import pytest
 
 from corerun.conformance.lora_suite import LoRAKernelSuite
 from corerun.conformance.suite import Case
-from corerun.lora.grouped import GroupedLoRAKernel
-from corerun.lora.reference import TorchLoRAKernel
 from tests.broken_impls.lora import AppliesToBaseTokens, IgnoresScaling, Overwrites, SwapsSlices, TransposesB
 
 
 class TestTorch(LoRAKernelSuite):
-    factory = TorchLoRAKernel
+    implementation = "torch"
 
 
 class TestGrouped(LoRAKernelSuite):
-    factory = GroupedLoRAKernel
+    implementation = "grouped"
 
 
 def _run(factory, check: str, case_id: str) -> None:

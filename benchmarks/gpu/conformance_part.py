@@ -50,8 +50,10 @@ class Suite:
 # Most important first inside each group: a part cut short keeps what ran.
 GROUPS: dict[str, list[Suite]] = {
     "graph": [Suite("graph:cuda"), Suite("graph:cuda", attention="triton")],
-    "triton": [Suite("attention:triton"), Suite("attention:triton", options={"num_splits": 4}, keyword="decode or mixed")],
-    "rest": [Suite("attention:torch"), Suite("sampler:full"), Suite("sampler:basic"), Suite("attention:flash", optional=True)],
+    "triton": [Suite("attention:triton"), Suite("attention:triton", options={"num_splits": 4}, keyword="decode or mixed"),
+               Suite("lora:triton")],
+    "rest": [Suite("attention:torch"), Suite("sampler:full"), Suite("sampler:basic"), Suite("lora:torch"),
+             Suite("lora:grouped"), Suite("attention:flash", optional=True)],
 }
 
 

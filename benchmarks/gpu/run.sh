@@ -21,10 +21,12 @@
 #   install               40   the carried wheels the image lacks, corerun and 4 plugins editable
 #   bench-graphs          45   CUDA-graph replay == eager for every bucket (torch, triton); step times
 #   conformance-graph     40   graph:cuda conformance, with torch and with triton attention
-#   conformance-triton   100   attention:triton conformance on CUDA (30-50 compiles), + num_splits=4
+#   conformance-triton   100   attention:triton conformance on CUDA (30-50 compiles), + num_splits=4,
+#                              then lora:triton (about 10 compiles; its CUDA-graph replay check)
 #   kv-profile           100   step-memory profile vs capture and serving: torch, then triton, each
 #                              engine in its own process (40 s each, + 5 s to die) on a clean device
-#   conformance-rest      45   attention:torch, sampler:full, sampler:basic, attention:flash if installed
+#   conformance-rest      45   attention:torch, sampler:full, sampler:basic, lora:torch, lora:grouped,
+#                              attention:flash if installed
 #   bench-attention       45   decode bandwidth, prefill TFLOP/s against SDPA
 #   bench-e2e            110   corerun bench: triton+cuda (vs transformers: 30 s), then triton+eager,
 #                              torch+cuda, torch+eager (22 s each), each in its own process

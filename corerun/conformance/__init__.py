@@ -26,6 +26,7 @@ _LAZY = {
     "Transcript": "corerun.conformance.tool_parser_suite",
     "ModelSuite": "corerun.conformance.model_suite",
     "QuantizationSuite": "corerun.conformance.quantization_suite",
+    "LoRAKernelSuite": "corerun.conformance.lora_suite",
     "ExecutorSuite": "corerun.conformance.executor_suite",
     "ConformanceSuite": "corerun.conformance.suite",
     "Case": "corerun.conformance.suite",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
     from corerun.conformance.runner import CheckResult, run
     from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
+    from corerun.conformance.lora_suite import LoRAKernelSuite
     from corerun.conformance.model_suite import ModelSuite
     from corerun.conformance.quantization_suite import QuantizationSuite
     from corerun.conformance.sampler_suite import SamplerSuite

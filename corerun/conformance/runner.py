@@ -33,6 +33,7 @@ SUITES = {
     "reasoning_parser": "corerun.conformance.tool_parser_suite:ReasoningParserSuite",
     "model": "corerun.conformance.model_suite:ModelSuite",
     "quantization": "corerun.conformance.quantization_suite:QuantizationSuite",
+    "lora": "corerun.conformance.lora_suite:LoRAKernelSuite",
     "executor": "corerun.conformance.executor_suite:ExecutorSuite",
 }
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")

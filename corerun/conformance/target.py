@@ -15,6 +15,7 @@ from corerun.plugin.capabilities import (
     QuantizationCapabilities,
     SamplerCapabilities,
 )
+from corerun.protocols.lora import LoRAKernelCapabilities
 from corerun.tool_parsers.protocol import ReasoningParserCapabilities, ToolParserCapabilities
 
 
@@ -38,10 +39,12 @@ def default_capabilities(kind: str) -> Any:
         return ModelCapabilities()
     if kind == "quantization":
         return QuantizationCapabilities()
+    if kind == "lora":
+        return LoRAKernelCapabilities()
     if kind == "executor":
         return ExecutorCapabilities()
     raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, "
-                     "logits_processor, tool_parser, reasoning_parser, model, quantization, executor")
+                     "logits_processor, tool_parser, reasoning_parser, model, quantization, lora, executor")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from corerun.conformance.executor_suite import ExecutorSuite
 from corerun.conformance.graph_suite import GraphRunnerSuite
 from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
 from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
+from corerun.conformance.lora_suite import LoRAKernelSuite
 from corerun.conformance.model_suite import ModelSuite
 from corerun.conformance.quantization_suite import QuantizationSuite
 from corerun.conformance.sampler_suite import SamplerSuite
@@ -63,4 +64,8 @@ class TestQuantization(QuantizationSuite):
 
 
 class TestExecutor(ExecutorSuite):
+    implementation = FROM_OPTION
+
+
+class TestLoRAKernel(LoRAKernelSuite):
     implementation = FROM_OPTION

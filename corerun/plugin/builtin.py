@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from corerun.lora.capabilities import GROUPED_KERNEL as GROUPED_LORA, TORCH_KERNEL as TORCH_LORA
 from corerun.plugin.capabilities import (
     AttentionCapabilities, ExecutorCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities,
 )
@@ -158,3 +159,12 @@ def corerun_executors(register: Register) -> None:
     register("launched", "corerun.executor.launched:LaunchedExecutor",
              capabilities=ExecutorCapabilities(multi_host=True),
              description="ranks started by torchrun or by hand, joined at distributed.init_method")
+
+
+@hookimpl
+def corerun_lora_kernels(register: Register) -> None:
+    register("torch", "corerun.lora.reference:TorchLoRAKernel", capabilities=TORCH_LORA,
+             description="each token gathers its slot's A and B, two batched products: the reference (graph safe)")
+    # faster than the reference on CPU (benchmarks/RESULTS.md); on CUDA its host read would stall every layer
+    register("grouped", "corerun.lora.grouped:GroupedLoRAKernel", capabilities=GROUPED_LORA, priority={"cpu": 5, "cuda": -5},
+             description="tokens sorted by slot, two products per adapter present (host sync: not graph safe)")

@@ -115,6 +115,15 @@ def corerun_executors(register: Register) -> None:
     """
 
 
+@hookspec
+def corerun_lora_kernels(register: Register) -> None:
+    """Register LoRA kernels: ``register(name, factory, capabilities=LoRAKernelCapabilities(...), ...)``.
+
+    The factory is called as ``factory(**options)`` (``lora.kernel``'s options) and returns a
+    ``corerun.protocols.lora.LoRAKernel``: it adds each token's adapter to a targeted layer's output.
+    """
+
+
 HOOKS: dict[str, str] = {
     "attention": "corerun_attention_backends",
     "kv_cache": "corerun_kv_cache_managers",
@@ -125,6 +134,7 @@ HOOKS: dict[str, str] = {
     "reasoning_parser": "corerun_reasoning_parsers",
     "model": "corerun_models",
     "quantization": "corerun_quantization_methods",
+    "lora": "corerun_lora_kernels",
     "executor": "corerun_executors",
 }
 

@@ -33,7 +33,7 @@ KINDS = tuple(hookspecs.HOOKS)
 KIND_TITLES = {
     "attention": "attention backend", "kv_cache": "KV-cache manager", "graph": "graph runner", "sampler": "sampler",
     "logits_processor": "logits processor", "tool_parser": "tool-call parser", "reasoning_parser": "reasoning parser",
-    "model": "model family", "quantization": "quantization method", "executor": "executor",
+    "model": "model family", "quantization": "quantization method", "lora": "LoRA kernel", "executor": "executor",
 }
 
 BUILTIN_MODULE = "corerun.plugin.builtin"

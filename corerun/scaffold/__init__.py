@@ -21,6 +21,7 @@ KINDS = {  # kind: (title, conformance suite, YAML that selects NAME)
     "reasoning_parser": ("reasoning parser", "ReasoningParserSuite", ""),  # by `--reasoning-parser`
     "model": ("model family", "ModelSuite", ""),  # chosen by `architectures` in a model folder's config.json
     "quantization": ("quantization method", "QuantizationSuite", "quantization: {name}"),
+    "lora": ("LoRA kernel", "LoRAKernelSuite", "lora: {{kernel: {name}}}"),
     "executor": ("executor", "ExecutorSuite", "distributed: {{executor: {name}}}"),
 }
 SERVE_OPTION = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}

@@ -1,4 +1,5 @@
-"""Entry point of corerun-attention-triton: registers the ``triton`` backend (imports no torch or triton)."""
+"""Entry point of corerun-attention-triton: registers the ``triton`` attention backend and the ``triton``
+LoRA kernel (imports no torch or triton)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from corerun import hookimpl
 
-from corerun_attention_triton.capabilities import CAPABILITIES
+from corerun_attention_triton.capabilities import CAPABILITIES, LORA_CAPABILITIES
 
 
 def _options_model() -> Any:
@@ -31,4 +32,16 @@ def corerun_attention_backends(register):
             "Triton unified paged attention (prefill chunks + decodes in one launch), split-KV decode; "
             "compiled on CUDA, interpreted on CPU"
         ),
+    )
+
+
+@hookimpl
+def corerun_lora_kernels(register):
+    register(
+        "triton",
+        "corerun_attention_triton.lora:TritonLoRAKernel",
+        capabilities=LORA_CAPABILITIES,
+        probe="corerun_attention_triton.probe:probe",
+        priority={"cuda": 10, "cpu": -10},  # the interpreter on CPU is far slower than the built-in kernels
+        description="Triton shrink/expand over tokens grouped by slot (vLLM's form); graph safe; interpreted on CPU",
     )

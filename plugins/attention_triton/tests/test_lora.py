@@ -1,12 +1,11 @@
 """The ``triton`` LoRA kernel in Triton's interpreter: the LoRA kernel suite (float32 and bfloat16, to
 keep the interpreter's time down; the GPU script runs every dtype and the CUDA-graph replay)."""
 
-from corerun.conformance.lora_suite import LoRAKernelSuite
-from corerun_attention_triton.lora import TritonLoRAKernel
+from corerun.conformance import LoRAKernelSuite
 
 
 class TestTritonLoRAConformance(LoRAKernelSuite):
-    factory = TritonLoRAKernel
+    implementation = "triton"
 
     def configs(self, check, target, full):
         made = super().configs(check, target, full)
