@@ -7,7 +7,8 @@ with ``weight_scale``) with the ``quantization_config`` beside them, and decodes
 into the reference weight ``W`` in float64 (never from the packed words: the packing is what a method
 under test must undo).  Packing is written out word by word from each format's description:
 
-- GPTQ: ``qweight[r, j]`` holds ``q[8r + k, j]`` at bits ``4k``; ``qzeros[g, c]`` holds ``z[g, 8c + k] - 1``;
+- GPTQ: ``qweight[r, j]`` holds ``q[8r + k, j]`` at bits ``4k`` (8-bit: ``q[4r + k, j]`` at ``8k``);
+  ``qzeros[g, c]`` holds ``z[g, 8c + k] - 1``;
 - AWQ: ``qweight[i, c]`` holds ``q[i, 8c + (0, 2, 4, 6, 1, 3, 5, 7)[k]]`` at bits ``4k``; ``qzeros`` alike;
 - compressed-tensors: ``weight_packed[j, c]`` holds ``q[j, 8c + k] + 8`` at bits ``4k`` (signed codes);
   ``weight_zero_point[r, g]`` holds ``z[8r + k, g] + 8``.
@@ -48,12 +49,13 @@ class Format:
         return self.quantize(_weights(rows, cols, seed))
 
 
-def _words(codes: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """int ``codes`` ``[..., 8n]`` (each 0..15) -> int32 ``[..., n]``: code ``order[k]`` of each eight at bits ``4k``."""
-    eights = codes.long().reshape(*codes.shape[:-1], -1, 8)
-    word = torch.zeros(eights.shape[:-1], dtype=torch.int64)
-    for k, source in enumerate(order):
-        word = word + (eights[..., source] << (4 * k))
+def _words(codes: torch.Tensor, order: tuple[int, ...] = tuple(range(8)), bits: int = 4) -> torch.Tensor:
+    """int ``codes`` ``[..., 8n]`` (each below ``2**bits``) -> int32: code ``order[k]`` of each ``32 / bits`` at bits ``bits * k``."""
+    per = 32 // bits
+    runs = codes.long().reshape(*codes.shape[:-1], -1, per)
+    word = torch.zeros(runs.shape[:-1], dtype=torch.int64)
+    for k, source in enumerate(order[:per]):
+        word = word + (runs[..., source] << (bits * k))
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
@@ -62,16 +64,17 @@ def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=g, dtype=torch.float64) * 0.05 + 0.01 * torch.randn(rows, 1, generator=g, dtype=torch.float64)
 
 
-def _asym(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``w`` ``[..., n]`` -> 4-bit codes 0..15, zero points 1..15 and scales ``[..., 1]`` (min-max, zero exact)."""
+def _asym(w: torch.Tensor, scale_dtype: torch.dtype, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` ``[..., n]`` -> codes ``0..2**bits-1``, zero points from 1 and scales ``[..., 1]`` (min-max, zero exact)."""
+    top = 2**bits - 1
     lo, hi = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
-    s = ((hi - lo) / 15).to(scale_dtype).double()
-    z = torch.round(-lo / s).clamp(1, 15)
-    q = (torch.round(w / s) + z).clamp(0, 15)
+    s = ((hi - lo) / top).to(scale_dtype).double()
+    z = torch.round(-lo / s).clamp(1, top)
+    q = (torch.round(w / s) + z).clamp(0, top)
     return q, z, s
 
 
-def _gptq(act_order: bool) -> Callable[[torch.Tensor], Quantized]:
+def _gptq(act_order: bool, bits: int = 4) -> Callable[[torch.Tensor], Quantized]:
     def make(w: torch.Tensor) -> Quantized:
         group, (rows, cols) = 32, w.shape
         g_idx = torch.arange(cols) // group
@@ -81,14 +84,14 @@ def _gptq(act_order: bool) -> Callable[[torch.Tensor], Quantized]:
         q, z, s = torch.zeros(cols, rows), torch.zeros(n_groups, rows), torch.zeros(n_groups, rows, dtype=torch.float64)
         for g in range(n_groups):
             cols_g = (g_idx == g).nonzero().flatten()
-            qg, zg, sg = _asym(w[:, cols_g], torch.float16)
+            qg, zg, sg = _asym(w[:, cols_g], torch.float16, bits)
             q[cols_g], z[g], s[g] = qg.t().float(), zg.flatten().float(), sg.flatten()
         weight = ((q.double() - z.double()[g_idx]) * s[g_idx]).t()
         tensors = {
-            "qweight": _words(q.t().long()).t().contiguous(),  # input features packed: eight rows per word
-            "qzeros": _words(z.long() - 1), "scales": s.half(), "g_idx": g_idx.to(torch.int32),
+            "qweight": _words(q.t().long(), bits=bits).t().contiguous(),  # input features packed: 32 / bits rows per word
+            "qzeros": _words(z.long() - 1, bits=bits), "scales": s.half(), "g_idx": g_idx.to(torch.int32),
         }
-        config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": False,
+        config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False,
                   "checkpoint_format": "gptq"}
         return Quantized(config, tensors, weight, w, _step_bound(s[g_idx].t(), 2**-11))
 
@@ -176,6 +179,7 @@ def _fp8(per_channel: bool, compressed_tensors: bool) -> Callable[[torch.Tensor]
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("gptq-4bit-g32", "gptq", _gptq(False), (8, 80)),
     Format("gptq-4bit-g32-act-order", "gptq", _gptq(True), (8, 80)),
+    Format("gptq-8bit-g32", "gptq", _gptq(False, 8), (8, 80)),
     Format("awq-4bit-g32", "awq", _awq, "AWQ packs eight output features per word and whole groups of 32 inputs"),
     Format("ct-w4a16-g32", "compressed-tensors", _ct_w4a16(True), (7, 100)),
     Format("ct-w4a16-channel-asym", "compressed-tensors", _ct_w4a16(False), (7, 100)),
