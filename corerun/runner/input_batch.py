@@ -82,6 +82,7 @@ class InputBatch:
         # live requests that need host work beyond the step's arrays (none: that work is skipped)
         self.pooling_ids: set[int] = set()  # embedding requests (params.pooling)
         self.prompt_logprob_ids: set[int] = set()  # requests asking for prompt logprobs
+        self.table_writes: list[int] = []  # rows whose block-table row (or request) changed, for the step builder
 
     def __len__(self) -> int:
         return len(self.index)
@@ -147,6 +148,7 @@ class InputBatch:
             self.pooling_ids.discard(seq_id)
             self.prompt_logprob_ids.discard(seq_id)
             self.block_table[row, : self.num_blocks[row]] = 0  # a free row's table is all zeros
+            self.table_writes.append(row)
             self.num_blocks[row] = self.num_tokens[row] = 0
             self._free.append(row)
 
@@ -222,6 +224,7 @@ class InputBatch:
         if held > end:
             self.block_table[row, end:held] = 0
         self.num_blocks[row] = end
+        self.table_writes.append(row)
 
     def _grow(self, rows: int, width: int, table_width: int) -> None:
         old = len(self.seq_ids)

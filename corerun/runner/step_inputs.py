@@ -61,19 +61,22 @@ class CudaCopyFence:
 
 
 class _Staging:
-    """One host staging buffer: its bytes, the fence after the last copy out of it (CUDA), and the
-    field views of each layout it has held (numpy arrays to fill, CPU tensors to hand out)."""
+    """One host staging buffer: its bytes, the fence after the last copy out of it (CUDA), the field
+    views of each layout it has held (numpy arrays to fill, CPU tensors to hand out), and what its last
+    step of decodes holds: the layout, the requests, and the rows whose tables changed since."""
 
-    __slots__ = ("host", "host_np", "fence", "pending", "_views")
+    __slots__ = ("host", "host_np", "fence", "pending", "_views", "decodes", "stale")
 
     def __init__(self, nbytes: int, pin: bool, fence: CopyFence | None) -> None:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.host_np = self.host.numpy()
         self.fence, self.pending = fence, False
         self._views: dict[StepLayout, tuple[StepTensors, StepTensors]] = {}
+        self.decodes: tuple[StepLayout, tuple[int, ...]] | None = None
+        self.stale: set[int] = set()
 
     def wait(self) -> None:
-        """Block until the copy out of this buffer has finished (it was queued two steps ago)."""
+        """Block until the copy out of this buffer has finished (it was queued steps ago)."""
         if self.pending:
             self.fence.synchronize()  # type: ignore[union-attr]
             self.pending = False
@@ -93,7 +96,9 @@ class StepInputs:
     """Builds each step's inputs for a runner with KV-cache blocks of ``block_size`` tokens on ``device``.
 
     The staging buffers are sized for ``max_num_tokens`` tokens and ``max_num_reqs`` requests of
-    ``max_blocks_per_seq`` blocks (a larger step grows the one it fills).  ``fences``, one per
+    ``max_blocks_per_seq`` blocks (a larger step grows the one it fills).  ``in_flight``: the steps
+    that may still read their inputs while the next is built (one under asynchronous scheduling, one
+    per stage under pipeline parallelism); there are ``in_flight + 1`` buffers.  ``fences``, one per
     buffer, replace the CUDA events that guard their reuse; tests pass them on CPU, where copies are
     synchronous and none is needed.
     """
@@ -106,17 +111,20 @@ class StepInputs:
         max_num_tokens: int,
         max_num_reqs: int,
         max_blocks_per_seq: int,
-        fences: tuple[CopyFence, CopyFence] | None = None,
+        in_flight: int = 1,
+        fences: tuple[CopyFence, ...] | None = None,
     ) -> None:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {block_size}")
         self.block_size = block_size
         self.device = torch.device(device)
         self.pin_memory = self.device.type == "cuda"
-        if fences is None and self.pin_memory:
-            fences = (CudaCopyFence(self.device), CudaCopyFence(self.device))
+        if fences is None:
+            fences = tuple(CudaCopyFence(self.device) if self.pin_memory else None for _ in range(in_flight + 1))
+        if len(fences) != in_flight + 1:
+            raise ValueError(f"fences has {len(fences)} entries; in_flight={in_flight} needs one per buffer, {in_flight + 1}")
         nbytes = StepLayout.of(max_num_tokens, max_num_reqs, max_blocks_per_seq).nbytes
-        self._buffers = [_Staging(nbytes, self.pin_memory, f) for f in (fences or (None, None))]
+        self._buffers = [_Staging(nbytes, self.pin_memory, f) for f in fences]
         self._next = 0  # the buffer the next build fills
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
 
@@ -127,7 +135,8 @@ class StepInputs:
 
     def _staging(self, nbytes: int) -> _Staging:
         """The buffer this build fills, free of any copy still reading it and at least ``nbytes`` long."""
-        k, self._next = self._next, self._next ^ 1
+        k = self._next
+        self._next = (k + 1) % len(self._buffers)
         buf = self._buffers[k]
         buf.wait()
         if nbytes > buf.host_np.size:
@@ -170,8 +179,19 @@ class StepInputs:
         num_tokens = num_reqs if query_lens is None else int(query_lens.sum())
         lay = StepLayout.of(num_tokens, num_reqs, max(int(blocks.max()), 1))
         buf = self._staging(lay.nbytes)
+        if max(num_tokens, num_reqs) >= self._arange.size:
+            self._arange = np.arange(2 * max(num_tokens, num_reqs) + 1, dtype=np.int64)
+        if batch.table_writes:  # (rows whose tables every buffer must write again)
+            for b in self._buffers:
+                b.stale.update(batch.table_writes)
+            batch.table_writes.clear()
         out, host = buf.views(lay)
-        sampled_rows, logits_indices = self._fill(out, lay, batch, rows, ctx, query_lens)
+        if query_lens is None:
+            sampled_rows, logits_indices = self._fill_decodes(buf, out, lay, batch, sched.req_ids, rows, ctx)
+        else:
+            buf.decodes = None
+            sampled_rows, logits_indices = self._fill(out, lay, batch, rows, ctx, query_lens)
+        buf.stale.clear()
 
         if self.pin_memory:  # one copy, queued; the buffer's fence tells the build after next when it is free
             staged = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
@@ -192,32 +212,52 @@ class StepInputs:
         )
         return inputs, sampled_rows, logits_indices
 
+    def _fill_decodes(
+        self, buf: _Staging, out: StepTensors, lay: StepLayout, batch: InputBatch, req_ids: tuple[int, ...],
+        rows: np.ndarray, ctx: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_fill` for a step of decodes: one token per request at its computed count.  When this
+        buffer's last step was decodes of the same requests in the same layout, the query starts, block
+        tables and adapter slots it holds are kept but for the rows whose tables changed since."""
+        if buf.decodes is not None and buf.decodes[0] is lay and buf.decodes[1] == req_ids:
+            if buf.stale:
+                changed = np.zeros(len(batch.seq_ids), dtype=bool)
+                changed[list(buf.stale)] = True
+                at = np.flatnonzero(changed[rows])
+                out.block_tables[at] = batch.block_table[rows[at], : lay.table_width]
+                out.lora_slots[at] = batch.lora_slot[rows[at]]
+        else:
+            out.query_start_loc[:] = self._arange[: lay.num_reqs + 1]
+            np.take(batch.block_table[:, : lay.table_width], rows, axis=0, out=out.block_tables)
+            np.take(batch.lora_slot, rows, out=out.lora_slots)
+            buf.decodes = (lay, req_ids)
+        out.context_lens[:] = ctx
+        out.positions[:] = ctx
+        np.add(ctx, 1, out=out.seq_lens)
+        out.input_ids[:] = batch.token_ids[rows, ctx]
+        shift = self.block_size.bit_length() - 1
+        blocks = batch.block_table[rows, ctx >> shift]
+        np.add(np.left_shift(blocks, shift, dtype=np.int64), ctx & (self.block_size - 1), out=out.slot_mapping)
+        sampled_rows = np.flatnonzero(out.seq_lens >= batch.num_tokens[rows])  # (a one-token prompt chunk is not)
+        return sampled_rows, sampled_rows
+
     def _fill(
-        self, out: StepTensors, lay: StepLayout, batch: InputBatch, rows: np.ndarray, ctx: np.ndarray,
-        query_lens: np.ndarray | None,
+        self, out: StepTensors, lay: StepLayout, batch: InputBatch, rows: np.ndarray, ctx: np.ndarray, query_lens: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices).
 
-        ``query_lens`` ``None``: a step of decodes, one token per request at its computed count.
-        Otherwise request ``i``'s tokens run from ``ctx[i]``: token ``j`` sits at position
-        ``j - query_starts[i] + ctx[i]`` of row ``rows[i]``.  A token's slot is its block (from the
-        row's table) times ``block_size`` plus the position within the block.
+        Request ``i``'s tokens run from ``ctx[i]``: token ``j`` sits at position
+        ``j - query_starts[i] + ctx[i]`` of row ``rows[i]``, and its slot is its block (from the row's
+        table) times ``block_size`` plus the position within the block.
         """
-        num_tokens, num_reqs = lay.num_tokens, lay.num_reqs
-        if max(num_tokens, num_reqs) >= self._arange.size:
-            self._arange = np.arange(2 * max(num_tokens, num_reqs) + 1, dtype=np.int64)
+        num_tokens = lay.num_tokens
         query_starts, seq_lens = out.query_start_loc, out.seq_lens
         out.context_lens[:] = ctx
-        if query_lens is None:
-            query_starts[:] = self._arange[: num_reqs + 1]
-            np.add(ctx, 1, out=seq_lens)
-            token_row, pos = rows, ctx
-        else:
-            query_starts[0] = 0
-            np.cumsum(query_lens, out=query_starts[1:])
-            np.add(ctx, query_lens, out=seq_lens)
-            token_row = np.repeat(rows, query_lens)
-            pos = self._arange[:num_tokens] + np.repeat(ctx - query_starts[:-1], query_lens)
+        query_starts[0] = 0
+        np.cumsum(query_lens, out=query_starts[1:])
+        np.add(ctx, query_lens, out=seq_lens)
+        token_row = np.repeat(rows, query_lens)
+        pos = self._arange[:num_tokens] + np.repeat(ctx - query_starts[:-1], query_lens)
         out.positions[:] = pos
         out.input_ids[:] = batch.token_ids[token_row, pos]
         out.block_tables[:] = batch.block_table[rows, : lay.table_width]
@@ -227,8 +267,6 @@ class StepInputs:
         out.lora_slots[:] = batch.lora_slot[token_row]
         # rows whose scheduled tokens reach their last token are sampled from that token's logits
         sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
-        if query_lens is None:
-            return sampled_rows, sampled_rows
         return sampled_rows, query_starts[1:][sampled_rows].astype(np.int64) - 1
 
 
