@@ -57,10 +57,14 @@ def test_scaffolded_kernel_passes_the_suite_unedited(tmp_path: Path, monkeypatch
     root = tmp_path / "corerun-lora-fresh"
     assert "`lora: {kernel: fresh}`" in (root / "README.md").read_text()
     monkeypatch.syspath_prepend(str(root))
+    import corerun_lora_fresh.plugin as entry_point
     from corerun_lora_fresh.kernel import Kernel
     from corerun_lora_fresh.plugin import CAPABILITIES
 
     assert isinstance(CAPABILITIES, LoRAKernelCapabilities)
+    own = Registry()
+    own.register_module(entry_point, plugin="lora_fresh", distribution="corerun-lora-fresh", version="0.1.0")
+    assert own.load_errors == [] and own.get("lora", "fresh").capabilities is CAPABILITIES
     results = run("lora", factory=Kernel, capabilities=CAPABILITIES, name="fresh")
     outcomes = {r.id: r.outcome for r in results}
     assert all(o == "passed" for i, o in outcomes.items() if "graph_replay" not in i), outcomes
