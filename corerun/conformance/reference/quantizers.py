@@ -93,13 +93,14 @@ def _gptq(act_order: bool, bits: int = 4) -> Callable[[torch.Tensor], Quantized]
         }
         config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False,
                   "checkpoint_format": "gptq"}
-        return Quantized(config, tensors, weight, w, _step_bound(s[g_idx].t(), 2**-11))
+        return Quantized(config, tensors, weight, w, _step_bound(s[g_idx].t(), 2**-11, 2**bits))
 
     return make
 
 
-def _step_bound(step: torch.Tensor, scale_eps: float) -> torch.Tensor:
-    return step * (0.5 + 16 * scale_eps) + 1e-12
+def _step_bound(step: torch.Tensor, scale_eps: float, levels: int = 16) -> torch.Tensor:
+    """Half a step, plus the rounding of the scale (relative ``scale_eps``) times the largest of ``levels`` codes."""
+    return step * (0.5 + levels * scale_eps) + 1e-12
 
 
 def _awq(w: torch.Tensor) -> Quantized:
@@ -120,29 +121,32 @@ def _ct_config(fmt: str, weights: dict[str, Any], activations: dict[str, Any] | 
             "ignore": ["lm_head"], "quantization_status": "compressed", "kv_cache_scheme": None}
 
 
-def _ct_w4a16(symmetric: bool) -> Callable[[torch.Tensor], Quantized]:
+def _ct_pack(symmetric: bool, bits: int = 4, group: int | None = 32) -> Callable[[torch.Tensor], Quantized]:
+    """pack-quantized, ``bits`` per code; ``group`` ``None``: one scale (and zero point) per output channel."""
+    half = 2 ** (bits - 1)  # codes -half .. half - 1, stored as code + half
+
     def make(w: torch.Tensor) -> Quantized:
-        group = 32 if symmetric else None  # the asymmetric case: one scale and zero point per output channel
         rows, cols = w.shape
         n_groups = -(-cols // group) if group else 1
         width = group or cols
         padded = torch.nn.functional.pad(w, (0, n_groups * width - cols)).reshape(rows, n_groups, width)
         if symmetric:
-            s = (padded.abs().amax(-1, keepdim=True) / 7.5).bfloat16().double()
+            s = (padded.abs().amax(-1, keepdim=True) / (half - 0.5)).bfloat16().double()
             z = torch.zeros_like(s)
         else:
-            q_u, z_u, s = _asym(padded, torch.bfloat16)
-            z = z_u - 8
-        q = (torch.round(padded / s) + z).clamp(-8, 7)
+            _, z_u, s = _asym(padded, torch.bfloat16, bits)
+            z = z_u - half
+        q = (torch.round(padded / s) + z).clamp(-half, half - 1)
         weight = ((q - z) * s).reshape(rows, -1)[:, :cols]
-        codes = torch.nn.functional.pad((q.reshape(rows, -1)[:, :cols] + 8).long(), (0, -cols % 8))
-        tensors = {"weight_packed": _words(codes), "weight_scale": s[..., 0].bfloat16(), "weight_shape": torch.tensor([rows, cols])}
+        per = 32 // bits
+        codes = torch.nn.functional.pad((q.reshape(rows, -1)[:, :cols] + half).long(), (0, -cols % per))
+        tensors = {"weight_packed": _words(codes, bits=bits), "weight_scale": s[..., 0].bfloat16(), "weight_shape": torch.tensor([rows, cols])}
         if not symmetric:
-            zp = torch.nn.functional.pad((z[..., 0] + 8).long().t(), (0, -rows % 8))  # [G, out] -> packed along out
-            tensors["weight_zero_point"] = _words(zp).t().contiguous()
-        args = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group" if group else "channel",
+            zp = torch.nn.functional.pad((z[..., 0] + half).long().t(), (0, -rows % per))  # [G, out] -> packed along out
+            tensors["weight_zero_point"] = _words(zp, bits=bits).t().contiguous()
+        args = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group" if group else "channel",
                 "group_size": group, "dynamic": False, "actorder": None, "observer": "minmax"}
-        bound = _step_bound(s.expand(-1, -1, width).reshape(rows, -1)[:, :cols], 2**-8)
+        bound = _step_bound(s.expand(-1, -1, width).reshape(rows, -1)[:, :cols], 2**-8, 2**bits)
         return Quantized(_ct_config("pack-quantized", args), tensors, weight, w, bound)
 
     return make
@@ -155,7 +159,7 @@ def _ct_w8a8(w: torch.Tensor) -> Quantized:
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False, "observer": "minmax"}
     activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True, "observer": None}
     tensors = {"weight": q.to(torch.int8), "weight_scale": s.bfloat16()}
-    return Quantized(_ct_config("int-quantized", weights, activations), tensors, q * s, w, _step_bound(s.expand(-1, cols), 2**-8), act_step=True)
+    return Quantized(_ct_config("int-quantized", weights, activations), tensors, q * s, w, _step_bound(s.expand(-1, cols), 2**-8, 256), act_step=True)
 
 
 def _fp8(per_channel: bool, compressed_tensors: bool) -> Callable[[torch.Tensor], Quantized]:
@@ -181,8 +185,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("gptq-4bit-g32-act-order", "gptq", _gptq(True), (8, 80)),
     Format("gptq-8bit-g32", "gptq", _gptq(False, 8), (8, 80)),
     Format("awq-4bit-g32", "awq", _awq, "AWQ packs eight output features per word and whole groups of 32 inputs"),
-    Format("ct-w4a16-g32", "compressed-tensors", _ct_w4a16(True), (7, 100)),
-    Format("ct-w4a16-channel-asym", "compressed-tensors", _ct_w4a16(False), (7, 100)),
+    Format("ct-w4a16-g32", "compressed-tensors", _ct_pack(True), (7, 100)),
+    Format("ct-w4a16-channel-asym", "compressed-tensors", _ct_pack(False, group=None), (7, 100)),
+    Format("ct-w8a16-pack-channel", "compressed-tensors", _ct_pack(True, bits=8, group=None), (7, 100)),
     Format("ct-w8a8-int8", "compressed-tensors", _ct_w8a8, (7, 100)),
     Format("ct-fp8-channel", "compressed-tensors", _fp8(True, True), (7, 100)),
     Format("fp8-tensor", "fp8", _fp8(False, False), (7, 100)),
