@@ -20,6 +20,7 @@ import torch
 from corerun import LLM, SamplingParams
 from corerun.errors import ConfigError, PluginUnavailableError
 from corerun.testing.reference import hf_greedy
+from tests.helpers.launched import launched_ranks
 from tests.helpers.tiny_models import make_tiny_model
 
 MAX_TOKENS = 10
@@ -185,6 +186,19 @@ def test_ngram_drafts_are_verified_on_the_last_stage(case):
     finally:
         llm.engine.shutdown()
     assert not _children()
+
+
+@pytest.mark.timeout(240)
+def test_stages_launched_with_env_rendezvous(case, tmp_path, monkeypatch):
+    """The launched executor: stage 1 is ``python -m corerun.executor.worker`` with RANK=1 (as under torchrun);
+    commands go by broadcast and the last stage's results come back through the rendezvous store."""
+    with launched_ranks({"model": str(case.folder), "pipeline_parallel_size": 2, **BASE}, tmp_path, monkeypatch) as config:
+        llm = LLM(config=config)
+        try:
+            outs = llm.generate(case.prompts, _params(len(case.prompts)), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == case.hf
+        finally:
+            llm.engine.shutdown()
 
 
 # ---------------------------------------------------------------------- refused placements

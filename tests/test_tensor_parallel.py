@@ -15,7 +15,6 @@ import gc
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,6 @@ from types import MappingProxyType
 import pytest
 import torch
 import torch.distributed as dist
-import yaml
 
 from corerun import LLM, SamplingParams
 from corerun.conformance.executor_suite import gone as _gone
@@ -35,6 +33,7 @@ from corerun.distributed.errors import TensorParallelError
 from corerun.errors import ConfigError
 from tests.helpers.tiny_models import make_tiny_model
 from tests.helpers.engine_testing import hf_greedy
+from tests.helpers.launched import launched_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 10
@@ -313,39 +312,15 @@ def test_a_failed_start_stops_the_workers(cases):
 
 
 # ---------------------------------------------------------------------- launched ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_launched_with_env_rendezvous(cases, tmp_path, monkeypatch):
     """As under torchrun: this process is rank 0; rank 1 is ``python -m corerun.executor.worker`` with RANK=1."""
     case = cases["llama"]
-    config = tmp_path / "tp.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": str(case.folder), "tensor_parallel_size": 2, "distributed": {"init_method": "env://"}, **BASE,
-    }))
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    log = open(tmp_path / "rank1.log", "w")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "corerun.executor.worker", "--config", str(config)],
-        env={**os.environ, **env, "RANK": "1", "LOCAL_RANK": "1"}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        for k, v in {**env, "RANK": "0", "LOCAL_RANK": "0"}.items():
-            monkeypatch.setenv(k, v)
+    with launched_ranks({"model": str(case.folder), "tensor_parallel_size": 2, **BASE}, tmp_path, monkeypatch) as config:
         llm = LLM(config=config)
         try:
             _check_matches(llm, case)
         finally:
             llm.engine.shutdown()
-        assert worker.wait(timeout=60) == 0, (tmp_path / "rank1.log").read_text()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
-        log.close()
 
 
 # ---------------------------------------------------------------------- parent death
