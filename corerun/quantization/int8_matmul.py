@@ -6,8 +6,8 @@ Then ``acc = x_q @ w_q.T`` and ``y = acc * s_x * s_w`` in float32.  Where ``acc`
 
 - CUDA: ``torch._int_mm`` (cuBLASLt int8 x int8 -> int32; it wants more than 16 rows: fewer are padded);
 - CPU: the codes multiplied as float32 when every partial sum is an integer below 2**24 (input
-  features <= 1040, as ``127 * 127 * 1040 < 2**24``), else as float64: exact either way, the same
-  ``acc`` as int32.  ``torch._int_mm`` runs on CPU too but measured 20x slower than the float32
+  features <= 1032, as ``127 * 128 * 1032 < 2**24``: activation codes within 127, weight codes
+  within 128), else as float64: exact either way, the same ``acc`` as int32.  ``torch._int_mm`` runs on CPU too but measured 20x slower than the float32
   product here (docs/quantization.md), so it is not used there.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 _INT_MM = hasattr(torch, "_int_mm")
-EXACT_FLOAT32 = 2**24 // (127 * 127)  # input features whose int8 products sum exactly in float32
+EXACT_FLOAT32 = 2**24 // (127 * 128)  # input features whose products (activations to 127, weights to -128) sum exactly in float32
 
 
 def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
