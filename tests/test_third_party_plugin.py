@@ -109,6 +109,7 @@ TWIN_A = _twin("a")
 TWIN_B = _twin("b", 'register("solo", "corerun_twin_b.sampler:Solo")')
 BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("graph", "compile"), ("sampler", "full")}
 # the model layer's built-ins: families, quantization methods, tool-call and reasoning parsers; the executors
+# and LoRA kernels
 MODEL_LAYER_BUILTINS = {
     *(("model", arch) for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                                    "MixtralForCausalLM", "Phi3ForCausalLM",
@@ -116,7 +117,8 @@ MODEL_LAYER_BUILTINS = {
     *(("quantization", name) for name in ("none", "gguf", "gptq", "awq", "compressed-tensors", "fp8")),
     ("tool_parser", "hermes"), ("tool_parser", "llama3_json"),
     ("tool_parser", "mistral"), ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
-    ("executor", "inproc"), ("executor", "local"), ("executor", "launched"),
+    ("executor", "inproc"), ("executor", "local"), ("executor", "launched"), ("executor", "ray"),
+    ("lora", "torch"), ("lora", "grouped"),
 }
 HAS_CUDA = torch.cuda.is_available()
 

@@ -159,6 +159,9 @@ def corerun_executors(register: Register) -> None:
     register("launched", "corerun.executor.launched:LaunchedExecutor",
              capabilities=ExecutorCapabilities(multi_host=True),
              description="ranks started by torchrun or by hand, joined at distributed.init_method")
+    register("ray", "corerun.executor.ray_executor:RayExecutor", capabilities=ExecutorCapabilities(multi_host=True),
+             probe="corerun.executor.ray_executor:probe",
+             description="ranks 1..N-1 as Ray actors in a placement group, on this host or a Ray cluster (corerun[ray])")
 
 
 @hookimpl
