@@ -110,7 +110,7 @@ def _check_logprobs(outs, case: Case) -> None:
 @pytest.mark.timeout(240)
 def test_two_stages_equal_hf_and_a_killed_last_stage_is_named(case):
     """PP=2 (layers [0,2) and [2,4), computed): HF's greedy tokens and one process's logprobs; each stage holds
-    only its layers' KV caches.  Then the last stage is killed mid-run: every request ends with an error naming
+    only its layers' weights and KV caches.  Then the last stage is killed mid-run: every request ends with an error naming
     rank 1 within the timeout, later requests are refused with the same name, and no process is left."""
     llm = _pp_llm(case, 2, timeout_s=60)
     runner = llm.engine.runner
@@ -118,6 +118,8 @@ def test_two_stages_equal_hf_and_a_killed_last_stage_is_named(case):
     try:
         assert runner.placement.stage_layers == ((0, 2), (2, 4)) and len(pids) == 1
         assert [c is not None for c in runner.kv_caches] == [True, True, False, False]
+        held = {n.split(".")[2] for n, _ in runner.model.named_parameters() if n.startswith("model.layers.")}
+        assert held == {"0", "1"} and runner.model.lm_head is None  # stage 0 loaded its own weights only
         outs = llm.generate(case.prompts, _params(len(case.prompts)), use_tqdm=False)
         assert [o.outputs[0].error for o in outs] == [None] * len(outs)
         assert [o.outputs[0].token_ids for o in outs] == case.hf

@@ -231,15 +231,20 @@ class LlamaForCausalLM(nn.Module):
     def keep_layers(self, start: int, end: int) -> None:
         """Drop what a pipeline stage holding layers ``[start, end)`` never runs: the other decoder
         layers (empty modules keep the indices), the embedding before the first stage's, the final norm
-        and LM head after the last stage's (a tied LM head keeps its embedding's parameter)."""
-        layers = self.model.layers
+        and LM head after the last stage's (a tied LM head keeps its embedding's parameter).  Called
+        before the weights load: ``dropped_weights`` names the checkpoint prefixes nobody reads."""
+        layers, dropped = self.model.layers, []
         for i in range(len(layers)):
             if not start <= i < end:
                 layers[i] = nn.Module()
+                dropped.append(f"model.layers.{i}.")
         if start > 0 and not (self.config.tie_word_embeddings and end == len(layers)):
             self.model.embed_tokens = None
+            dropped.append("model.embed_tokens.")
         if end < len(layers):
             self.model.norm = self.lm_head = None
+            dropped += ["model.norm.", "lm_head."]
+        self.dropped_weights = tuple(dropped)  # checkpoint names the loader skips (corerun.models.loader)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``.

@@ -53,6 +53,7 @@ def load_model(
     allow_pickle: bool = False,
     tp: "TensorParallelGroup | None" = None,
     quant: "QuantizationMethod | None" = None,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model ``config.json`` names, on ``device`` in ``dtype``, and fill it from the folder's weights.
 
@@ -61,6 +62,8 @@ def load_model(
     checkpoint's dtype (``None`` when unknown) that returns the dtype to use.
     ``tp``: this process's tensor-parallel group; the model is built with, and loads, this rank's slices.
     ``quant``: the quantization method of the model's linear layers (``None``: dense float weights).
+    ``layers``: a pipeline stage's decoder layers ``(start, end)``: the model keeps only what the stage
+    runs (its ``keep_layers``) and only those weights are read.
     Returns ``(model, config)``, the model in eval mode with every parameter loaded.
     """
     model_dir = Path(model_dir)
@@ -80,6 +83,14 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         extra = {} if quant is None else {"quant": quant}
         model = model_cls(config, **extra) if tp is None else model_cls(config, tp=tp, **extra)
+    if layers is not None:
+        keep = getattr(model, "keep_layers", None)
+        if keep is None:
+            raise UnsupportedModelError(
+                f"model family {family.architecture}: {model_cls.__name__} cannot run a range of its layers (no "
+                "keep_layers / forward_stage); use pipeline_parallel_size: 1"
+            )
+        keep(*layers)
     weights = iterate_weights(files, allow_pickle=allow_pickle)
     if quant is not None and hasattr(quant, "checkpoint_weights"):  # a layer's parts gathered into one packed tensor
         weights = quant.checkpoint_weights(weights, quantization_config(model_dir))
@@ -244,8 +255,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
     loaded: set[tuple[int, Hashable]] = set()
     mismatched: list[str] = []
     unexpected: list[str] = []
+    dropped: tuple[str, ...] = getattr(model, "dropped_weights", ())  # another pipeline stage's (keep_layers)
     for name, tensor in weights:
-        if name.endswith(IGNORED_SUFFIXES):
+        if name.endswith(IGNORED_SUFFIXES) or (dropped and name.startswith(dropped)):
             continue
         target, shard = _target_name(name, packed)
         param = params.get(target)

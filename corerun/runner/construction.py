@@ -76,17 +76,10 @@ def load(runner: Any, tp: Any) -> None:
         allow_pickle=config.allow_pickle_weights,
         tp=tp,
         quant=quant,
+        layers=runner.stage_layers if placement is not None and placement.pipeline_parallel_size > 1 else None,
     )
     mc = runner.model_config
     runner.dtype = next(runner.model.parameters()).dtype
-    if placement is not None and placement.pipeline_parallel_size > 1:
-        keep = getattr(runner.model, "keep_layers", None)
-        if keep is None:
-            raise ConfigError(
-                f"pipeline_parallel_size {placement.pipeline_parallel_size}: model class {type(runner.model).__name__} "
-                "cannot run a range of its layers (no keep_layers / forward_stage); use pipeline_parallel_size: 1"
-            )
-        keep(*runner.stage_layers)
     runner.vocab_size = mc.vocab_size
     runner.block_size = config.kv_cache.block_size
     ml = config.scheduler.max_model_len
