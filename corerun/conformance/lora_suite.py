@@ -14,8 +14,8 @@ Checks, one case per declared dtype (and layout):
   q/k/v (unequal slices) and gate/up (equal ones);
 - ``base_only``: every token ``-1``: ``y`` unchanged;
 - ``one_token``: a single decode token (batch 1);
-- ``large``: 70 tokens, 200 input features, slices of 96 and 40 columns, rank up to 16 (no size a
-  power of two: tiles must mask);
+- ``large``: 70 tokens, 200 input features, slices of 96 and 40 columns, rank up to 16 (token and
+  feature counts no tile divides: tiles must mask);
 - ``graph_replay`` (``graph_safe`` kernels, on CUDA): captured in a CUDA graph (a host
   synchronisation fails the capture), replayed with other slots and inputs in the same tensors.
 
