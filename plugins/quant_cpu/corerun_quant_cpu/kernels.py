@@ -111,6 +111,12 @@ def gguf_gemv(out: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, type_nam
     torch.ops.corerun_quant_cpu.gguf_gemv(out, blocks, x, TYPES[type_name], ISAS[isa])
 
 
+def gguf_dequantize(out: torch.Tensor, blocks: torch.Tensor, type_name: str, isa: str) -> None:
+    """``out`` (float32 ``[rows, cols]``, contiguous) = the GGML rows ``blocks`` decoded, for calls too
+    large for :func:`gguf_gemv` (prefill), whose product then goes to torch's matmul."""
+    torch.ops.corerun_quant_cpu.gguf_dequantize(out, blocks, TYPES[type_name], ISAS[isa])
+
+
 def reset() -> None:
     """Forget the load result, so the next :func:`load` looks again (tests)."""
     global _loaded

@@ -3,8 +3,9 @@
 Storage and loading are ``gguf``'s (packed blocks, one buffer per shard).  ``apply`` on a CPU batch of
 at most :data:`~corerun_quant_cpu.capabilities.KERNEL_MAX_TOKENS` rows in float32, bfloat16 or
 float16 writes each Q8_0 / Q4_0 / Q4_1 shard's columns of the output with the kernel
-(:func:`corerun_quant_cpu.kernels.gguf_gemv`), in float32, and decodes any other shard in torch;
-larger batches, float64 and other devices take ``gguf``'s path unchanged.
+(:func:`corerun_quant_cpu.kernels.gguf_gemv`), in float32; a larger batch (prefill) has those shards
+decoded by :func:`~corerun_quant_cpu.kernels.gguf_dequantize` and multiplied by torch; any other
+shard is decoded in torch.  float64 and other devices take ``gguf``'s path unchanged.
 """
 
 from __future__ import annotations
@@ -32,19 +33,24 @@ class GGUFCpuMethod(GGUFMethod):
         self.isa = kernels.chosen_isa()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > KERNEL_MAX_TOKENS or x.dtype not in _KERNEL_DTYPES:
+        if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KERNEL_DTYPES:
             return super().apply(layer, x)
         shards = self.shards(layer)
         if not any(s.type_name in KERNEL_TYPES for s in shards):
             return super().apply(layer, x)
+        small = x.shape[0] <= KERNEL_MAX_TOKENS
         x32 = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], sum(s.data.shape[0] for s in shards), dtype=torch.float32)
         at = 0
         for shard in shards:
             rows = shard.data.shape[0]
             cols = out[:, at : at + rows]
-            if shard.type_name in KERNEL_TYPES:
+            if shard.type_name in KERNEL_TYPES and small:
                 kernels.gguf_gemv(cols, shard.data, x32, shard.type_name, self.isa)
+            elif shard.type_name in KERNEL_TYPES:  # prefill: decoded by the kernel, multiplied by torch
+                w = torch.empty(rows, shard.cols, dtype=torch.float32)
+                kernels.gguf_dequantize(w, shard.data, shard.type_name, self.isa)
+                cols.copy_(F.linear(x32, w))
             else:
                 cols.copy_(F.linear(x32, shard.dequantize(torch.float32)))
             at += rows

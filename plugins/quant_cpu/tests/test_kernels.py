@@ -56,6 +56,16 @@ def test_gemv_matches_float64(type_name: str) -> None:
             assert wide[:, :5].isnan().all() and wide[:, 42:].isnan().all(), "wrote outside its columns"
 
 
+@pytest.mark.parametrize("type_name", sorted(kernels.TYPES))
+def test_dequantize_matches_the_reference_decoder(type_name: str) -> None:
+    packed, w = _weights(type_name, 13, 5 * 32, seed=16)
+    for isa in _isas():
+        out = torch.full(tuple(w.shape), float("nan"))
+        kernels.gguf_dequantize(out, packed, type_name, isa)
+        # one float32 rounding at most (d * q exact, + m or the FMA rounded once)
+        assert ((out.double() - w).abs() <= 2.0**-24 * w.abs()).all(), f"{type_name} {isa}"
+
+
 def test_scalar_and_avx2_agree_on_the_model_shape() -> None:
     if kernels.best_isa() != "avx2":
         pytest.skip("this CPU has no AVX2: only the scalar path runs")
@@ -78,6 +88,8 @@ def test_bad_arguments_are_refused_with_what_would_be_right() -> None:
         kernels.gguf_gemv(torch.empty(1, 5), packed, x, "Q8_0", "scalar")
     with pytest.raises(RuntimeError, match="x must be contiguous float32"):
         kernels.gguf_gemv(torch.empty(1, 4), packed, x.double(), "Q8_0", "scalar")
+    with pytest.raises(RuntimeError, match="out must be contiguous float32"):
+        kernels.gguf_dequantize(torch.empty(5, 64), packed, "Q8_0", "scalar")
 
 
 def test_isa_override(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,5 @@
-"""``gguf_cpu`` through corerun's layers: the kernel runs for small batches, prefill keeps ``gguf``'s path,
-and both equal float64 dequantize-then-matmul; the conformance suite, with the AVX2 and the forced
+"""``gguf_cpu`` through corerun's layers: the kernel runs for small batches, prefill decodes with the
+kernel library and multiplies in torch, and both equal float64 dequantize-then-matmul; the conformance suite, with the AVX2 and the forced
 scalar path."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class TestGgufCpuScalarConformance(QuantizationSuite):
         monkeypatch.setenv(kernels.ISA_ENV, "scalar")
 
 
-def test_merged_layer_uses_the_kernel_for_decode_and_torch_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_merged_layer_uses_the_kernel_for_decode_and_its_decoder_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     from corerun.models.layers import MergedLinear
     from corerun.quantization.gguf_tensor import GGUFTensor
 
@@ -54,16 +54,17 @@ def test_merged_layer_uses_the_kernel_for_decode_and_torch_for_prefill(monkeypat
     layer.weight.weight_loader(layer.weight, GGUFTensor("blk.0.ffn_up.weight", "F16", up16.view(torch.uint8), cols), "up")
     refs = [gate, up16.double()]
     w = torch.cat(refs)
-    calls = []
-    real = kernels.gguf_gemv
-    monkeypatch.setattr(kernels, "gguf_gemv", lambda *a: (calls.append(a[3]), real(*a))[1])
+    calls: list[str] = []
+    for fn in ("gguf_gemv", "gguf_dequantize"):
+        real = getattr(kernels, fn)
+        monkeypatch.setattr(kernels, fn, lambda *a, _fn=fn, _real=real: (calls.append(_fn), _real(*a))[1])
     gen = torch.Generator().manual_seed(22)
-    for tokens, kernel_calls in ((1, 1), (16, 1), (17, 0)):
+    for tokens, want in ((1, ["gguf_gemv"]), (16, ["gguf_gemv"]), (17, ["gguf_dequantize"])):
         calls.clear()
         x = torch.randn(tokens, cols, generator=gen)
         with torch.no_grad():
             got = layer(x)
-        assert len(calls) == kernel_calls, f"{tokens} tokens: {calls}"
+        assert calls == want, f"{tokens} tokens: {calls}"
         bound = 8 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T)
         assert ((got.double() - x.double() @ w.T).abs() <= bound).all(), f"{tokens} tokens"
     x = torch.randn(2, cols, generator=gen).bfloat16()

@@ -7,6 +7,8 @@
 //     out     float32 [T, rows], last dimension contiguous (a column slice of a wider output is fine)
 //     type    0 = Q8_0 (34-byte blocks), 1 = Q4_0 (18), 2 = Q4_1 (20); 32 values per block
 //     isa     0 = scalar, 1 = AVX2 + FMA + F16C (refused where the CPU lacks them)
+//   gguf_dequantize(out, blocks, type, isa)
+//     out     float32 [rows, cols] contiguous: the decoded weight (for calls too large for gguf_gemv)
 //   gguf_isa() -> the best isa this CPU runs.
 //
 // Method: dequantize in registers, never in memory.  For a block b of row j with scale d (and
@@ -104,6 +106,29 @@ void rows_scalar(const Problem& p, int64_t begin, int64_t end) {
     }
 }
 
+void dequant_scalar(const uint8_t* blocks, float* w, int64_t type, int64_t nb, int64_t row_bytes, int64_t begin, int64_t end) {
+    const int64_t bb = block_bytes(type);
+    for (int64_t j = begin; j < end; ++j) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = blocks + j * row_bytes + b * bb;
+            float* o = w + (j * nb + b) * QK;
+            const float d = half_to_float(load_u16(blk));
+            if (type == Q8_0) {
+                const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+                for (int i = 0; i < QK; ++i) o[i] = d * static_cast<float>(q[i]);
+                continue;
+            }
+            const uint8_t* q = blk + (type == Q4_1 ? 4 : 2);
+            const float m = type == Q4_1 ? half_to_float(load_u16(blk + 2)) : 0.f;
+            const int off = type == Q4_0 ? 8 : 0;
+            for (int i = 0; i < QK / 2; ++i) {
+                o[i] = d * static_cast<float>((q[i] & 0x0f) - off) + m;
+                o[i + QK / 2] = d * static_cast<float>((q[i] >> 4) - off) + m;
+            }
+        }
+    }
+}
+
 // ---- AVX2 + FMA -----------------------------------------------------------------------------------
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
@@ -181,6 +206,30 @@ void rows_avx2(const Problem& p, int64_t begin, int64_t end) {
     else rows_avx2_typed<Q4_1>(p, begin, end);
 }
 
+template <int64_t TYPE>
+AVX2_FN void dequant_avx2_typed(const uint8_t* blocks, float* w, int64_t nb, int64_t row_bytes, int64_t begin, int64_t end) {
+    constexpr int64_t bb = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
+    for (int64_t j = begin; j < end; ++j) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = blocks + j * row_bytes + b * bb;
+            float* o = w + (j * nb + b) * QK;
+            __m256 v[4];
+            if (TYPE == Q8_0) codes_q8(blk + 2, v);
+            else codes_q4(blk + (TYPE == Q4_1 ? 4 : 2), v);
+            const float d = _cvtsh_ss(load_u16(blk));
+            const __m256 dv = _mm256_set1_ps(d);
+            const __m256 cv = _mm256_set1_ps(TYPE == Q4_1 ? _cvtsh_ss(load_u16(blk + 2)) : TYPE == Q4_0 ? -8.f * d : 0.f);
+            for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, _mm256_fmadd_ps(v[k], dv, cv));
+        }
+    }
+}
+
+void dequant_avx2(const uint8_t* blocks, float* w, int64_t type, int64_t nb, int64_t row_bytes, int64_t begin, int64_t end) {
+    if (type == Q8_0) dequant_avx2_typed<Q8_0>(blocks, w, nb, row_bytes, begin, end);
+    else if (type == Q4_0) dequant_avx2_typed<Q4_0>(blocks, w, nb, row_bytes, begin, end);
+    else dequant_avx2_typed<Q4_1>(blocks, w, nb, row_bytes, begin, end);
+}
+
 bool cpu_has_avx2() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -222,11 +271,33 @@ void gguf_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, in
     });
 }
 
+void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type, int64_t isa) {
+    TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "gguf_dequantize: type must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1), got ", type);
+    TORCH_CHECK(isa == SCALAR || (isa == AVX2 && cpu_has_avx2()), "gguf_dequantize: isa ", isa, " is not available on this CPU (best: ", gguf_isa(), ")");
+    TORCH_CHECK(blocks.device().is_cpu() && out.device().is_cpu(), "gguf_dequantize: CPU tensors only");
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(), "gguf_dequantize: blocks must be contiguous uint8 [rows, bytes], got ", blocks.scalar_type(), " ", blocks.sizes());
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == blocks.size(0) && out.size(1) % QK == 0,
+                "gguf_dequantize: out must be contiguous float32 [", blocks.size(0), ", a multiple of 32], got ", out.scalar_type(), " ", out.sizes());
+    const int64_t rows = out.size(0), nb = out.size(1) / QK, row_bytes = nb * block_bytes(type);
+    TORCH_CHECK(blocks.size(1) == row_bytes, "gguf_dequantize: blocks have ", blocks.size(1), " bytes per row; ", out.size(1), " columns of type ", type, " need ", row_bytes);
+    const uint8_t* bp = blocks.data_ptr<uint8_t>();
+    float* wp = out.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        if (isa == AVX2) dequant_avx2(bp, wp, type, nb, row_bytes, begin, end);
+        else dequant_scalar(bp, wp, type, nb, row_bytes, begin, end);
+    });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(corerun_quant_cpu, m) {
     m.def("gguf_gemv(Tensor(a!) out, Tensor blocks, Tensor x, int type, int isa) -> ()");
+    m.def("gguf_dequantize(Tensor(a!) out, Tensor blocks, int type, int isa) -> ()");
     m.def("gguf_isa() -> int", gguf_isa);  // no tensor arguments: a catch-all kernel
 }
 
-TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) { m.impl("gguf_gemv", gguf_gemv); }
+TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) {
+    m.impl("gguf_gemv", gguf_gemv);
+    m.impl("gguf_dequantize", gguf_dequantize);
+}

@@ -1,0 +1,98 @@
+"""GGUF products on CPU: corerun-quant-cpu's kernel against the decode-per-call path and dense float32.
+
+For the default model's linear shapes (SmolLM2-135M: hidden 576, intermediate 1536, q/k/v merged
+960 rows, gate/up merged 3072, and 192-column row shards of a 3-rank split), each GGUF type the
+kernel reads, and a few token counts, the time of ``y = x @ W.T`` by:
+
+- ``kernel`` / ``scalar``: ``corerun_quant_cpu.kernels.gguf_gemv`` on the packed blocks (AVX2, forced scalar);
+- ``decode``: the built-in ``gguf`` method's path, the blocks dequantized to float32 in torch, then ``F.linear``;
+- ``cdecode``: the blocks dequantized by the kernel library (``gguf_dequantize``), then ``F.linear`` (gguf_cpu's prefill path);
+- ``dense``: ``F.linear`` on a float32 weight already in memory (what a float model streams).
+
+Interleaved rounds, median of ``--repeats``; "GB/s" is the weight's stored bytes (packed for the
+GGUF paths, 4 bytes a value for dense) over the time.  One thread unless ``--threads``.
+
+    .venv/bin/python benchmarks/gguf_kernel_bench.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from corerun.quantization.gguf_tensor import GGUFTensor
+from corerun_quant_cpu import kernels
+
+SHAPES = [(576, 576), (576, 1536), (1536, 576), (192, 576), (576, 960), (576, 3072)]  # (in, out)
+
+
+def _time(fn, inner: int) -> float:
+    t = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t) / inner * 1e3
+
+
+def _cdecoded(packed: torch.Tensor, rows: int, cols: int, type_name: str, isa: str) -> torch.Tensor:
+    w = torch.empty(rows, cols)
+    kernels.gguf_dequantize(w, packed, type_name, isa)
+    return w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--types", default="Q4_1,Q8_0,Q4_0")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--shapes", default="all", help="'all' or in x out pairs like 576x576,1536x576")
+    args = ap.parse_args()
+    import gguf
+
+    torch.set_num_threads(args.threads)
+    reasons = kernels.load()
+    if reasons:
+        raise SystemExit("; ".join(reasons))
+    isa = kernels.best_isa()
+    shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    print(f"threads {args.threads}, kernel isa {isa}, median of {args.repeats} interleaved rounds")
+    print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "scalar", "decode", "cdecode", "dense"))
+          + " | decode/kernel cdecode/kernel dense/kernel")
+    rng = np.random.default_rng(0)
+    for type_name in args.types.split(","):
+        for cols, rows in shapes:
+            w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+            packed = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]))
+            tensor = GGUFTensor("w", type_name, packed, cols)
+            dense = tensor.dequantize(torch.float32)
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                x = torch.randn(tokens, cols)
+                out = torch.empty(tokens, rows)
+                inner = max(1, int(2e6 // (rows * cols)))  # about 2M weights a sample
+                paths = {
+                    "kernel": lambda: kernels.gguf_gemv(out, packed, x, type_name, isa),
+                    "scalar": lambda: kernels.gguf_gemv(out, packed, x, type_name, "scalar"),
+                    "decode": lambda: F.linear(x, tensor.dequantize(torch.float32)),
+                    "cdecode": lambda: F.linear(x, _cdecoded(packed, rows, cols, type_name, isa)),
+                    "dense": lambda: F.linear(x, dense),
+                }
+                samples: dict[str, list[float]] = {p: [] for p in paths}
+                for fn in paths.values():
+                    fn()
+                for _ in range(args.repeats):
+                    for p, fn in paths.items():
+                        samples[p].append(_time(fn, inner))
+                ms = {p: statistics.median(v) for p, v in samples.items()}
+                nbytes = {p: packed.numel() for p in ("kernel", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4}
+                cells = [f"{ms[p]:7.4f}ms {nbytes[p] / ms[p] / 1e6:5.1f}GB/s" for p in paths]
+                print(f"{type_name:5} {cols:>4}x{rows:<5} {tokens:>3} | " + " | ".join(cells)
+                      + f" | {ms['decode'] / ms['kernel']:12.2f}x {ms['cdecode'] / ms['kernel']:13.2f}x {ms['dense'] / ms['kernel']:10.2f}x")
+
+
+if __name__ == "__main__":
+    main()
