@@ -48,6 +48,17 @@ def test_router_takes_the_least_busy_unless_a_prefix_lives_elsewhere() -> None:
         r.choose(shared, [None, None])
 
 
+def test_data_parallel_refuses_what_replicas_cannot_serve() -> None:
+    from corerun.errors import ConfigError
+    from corerun.server.data_parallel.front import DataParallelEngine
+
+    for extra, field in (({"distributed": {"init_method": "tcp://10.0.0.1:29500"}}, "distributed.init_method"),
+                         ({"lora": {"enabled": True}}, "lora.enabled")):
+        config = load_config(None, overrides={**TEST_DEFAULTS, "server": {"data_parallel_size": 2}, **extra})
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            DataParallelEngine(config)  # refused before any process starts
+
+
 # ------------------------------------------------------------------ two replicas
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -118,9 +129,16 @@ def test_greedy_outputs_equal_one_engine_and_shared_prefixes_stay_together(serve
         status, body = http(url + "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0.0})
         assert status == 200, body
         got.append(body["choices"][0]["text"])
+    tok = front.get_tokenizer()
+    ids = [tok.encode(p) for p in prompts[:2]]
+    status, body = http(url + "/v1/embeddings", {"input": ids})
+    assert status == 200, body
     with make_llm(model_dir, **ENGINE) as ref:
         want = [o.outputs[0].text for o in ref.generate(prompts, {"max_tokens": 8, "temperature": 0.0})]
+        vectors = [o.outputs.embedding for o in ref.embed(ids)]
     assert got == want
+    for d, v in zip(body["data"], vectors, strict=True):  # embedding requests through a replica too
+        assert d["embedding"] == pytest.approx(v, abs=1e-6)
 
     before = http(url + "/metrics")[1]
     system = "the cat sat on a mat and then the dog ran off to see what it had " * 2  # several blocks
