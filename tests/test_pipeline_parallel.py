@@ -242,3 +242,31 @@ def test_a_request_in_flight_is_neither_scheduled_again_nor_preempted():
     second = sched.schedule()  # a's decode needs a third block: b and c are younger but in flight, so a yields
     assert list(second.req_ids) == [] and list(second.preempted_ids) == [1]
     assert [s.seq_id for s in sched.running] == [2, 3] and {i: sched.kv.block_table(i) for i in (2, 3)} == tables
+
+
+@pytest.mark.timeout(240)
+def test_structured_outputs_on_the_last_stage(tmp_path):
+    """The last stage samples through the logits processors with the engine's tokenizer (sent once): seeded
+    choice-constrained requests give one process's texts, each one of the choices, ended by the grammar."""
+    pytest.importorskip("xgrammar")
+    from tests.helpers.serving import tiny_chat_model
+
+    folder = tiny_chat_model(tmp_path)
+    choices = ["yes", "no", "maybe later"]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, structured_outputs={"choice": choices}) for s in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))  # an unconstrained row beside them
+    prompts = ["Answer:"] * 3 + ["the dog"]
+    engine = dict(device="cpu", dtype="float32", attention="torch", kv_cache={"block_size": 4, "num_blocks": 64})
+    one = LLM(model=folder, **engine)
+    try:
+        want = [o.outputs[0].text for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    llm = LLM(model=folder, pipeline_parallel_size=2, distributed={"start_method": "forkserver"}, **engine)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].error for o in outs] == [None] * 4
+    assert [o.outputs[0].text for o in outs] == want
+    assert all(o.outputs[0].text in choices and o.outputs[0].finish_reason == "stop" for o in outs[:3])

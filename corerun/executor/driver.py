@@ -33,7 +33,7 @@ from corerun.distributed.errors import Failure, RankFailedError, TensorParallelE
 from corerun.distributed.group import TensorParallelGroup
 from corerun.errors import StepError
 from corerun.executor.stage import StageRunner
-from corerun.executor.step import CompareBatch, Logits, Recorded, Step, StepFailed, Timeline
+from corerun.executor.step import CompareBatch, Logits, Recorded, Step, StepFailed, Timeline, Vocabulary
 from corerun.protocols.executor import Placement, WorkerLaunch
 from corerun.runner.model_runner import ExecuteModelState, PreparedStep
 from corerun.protocols.attention import AttentionBatch
@@ -154,6 +154,12 @@ class TensorParallelRunner(StageRunner):
         req_ids = state.step.sched.req_ids
         self._recorded = {req_ids[i]: tuple(result.emitted(j)) for j, i in enumerate(state.step.rows.tolist())}
         return result
+
+    def set_vocabulary(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        """Pipeline parallel: the last stage samples, so its logits processors get the tokenizer too (pickled once)."""
+        super().set_vocabulary(tokenizer, eos_token_ids)
+        if self.pipelined:
+            self.workers.send(Vocabulary(tokenizer, eos_token_ids))
 
     def _launch_stages(self, sched: ScheduledBatch, eos_token_ids: frozenset[int]) -> None:
         """Every stage applies the message; rank 0 runs stage 0 and passes its hidden states on."""

@@ -10,7 +10,7 @@ from it; no prepared tensor crosses between the ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -57,6 +57,14 @@ class CompareBatch:
 
 
 @dataclass(slots=True)
+class Vocabulary:
+    """The engine's tokenizer and end-of-sequence ids, for the logits processors of a last stage that samples."""
+
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
 class Timeline:
     """Send this rank's stage work intervals (``StageRunner.timeline``) to rank 0."""
 
@@ -66,4 +74,4 @@ class Shutdown:
     """Leave the worker loop and exit."""
 
 
-Command = Step | Logits | CompareBatch | Timeline | Shutdown
+Command = Step | Logits | CompareBatch | Vocabulary | Timeline | Shutdown

@@ -20,7 +20,7 @@ from corerun.config import Config
 from corerun.distributed.errors import TensorParallelError, is_communication_failure
 from corerun.distributed.group import TensorParallelGroup
 from corerun.errors import StepError
-from corerun.executor.step import CompareBatch, Logits, Recorded, Shutdown, Step, StepFailed, Timeline
+from corerun.executor.step import CompareBatch, Logits, Recorded, Shutdown, Step, StepFailed, Timeline, Vocabulary
 from corerun.protocols.executor import CommandSource, Placement, WorkerLaunch
 from corerun.runner.input_batch import InputBatch
 
@@ -82,6 +82,8 @@ def serve(config: Config, group: TensorParallelGroup | None, source: CommandSour
                 if not runner.is_last or not runner.pipelined:
                     _record(batch, cmd.recorded)
                 world.gather_object(batch.snapshot())
+            elif isinstance(cmd, Vocabulary):
+                runner.set_vocabulary(cmd.tokenizer, cmd.eos_token_ids)
             elif isinstance(cmd, Timeline):
                 stage = "sending the stage timeline to rank 0"
                 world.gather_object(list(runner.timeline))
