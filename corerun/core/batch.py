@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Container, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from corerun.lora.request import LoRARequest
 from corerun.sampling_params import SamplingParams
@@ -45,9 +45,9 @@ class BlockIds(NamedTuple):
         return list(table[: self.start]) + list(self.ids)
 
 
-@dataclass(frozen=True, slots=True)
-class NewRequest:
-    """A request scheduled for the first time, or again after a preemption: everything the runner keeps.
+class NewRequest(NamedTuple):
+    """A request scheduled for the first time, or again after a preemption: everything the runner keeps
+    (a named tuple: a few of them are built every step, and a tuple costs a tenth of a frozen dataclass).
 
     ``num_prompt_logprobs``: prompt-logprob entries the request already holds (a resumed request's are
     kept, so the runner computes only the positions after them).
@@ -237,17 +237,17 @@ class Told:
         self.pending.pop(seq_id, None)
         self.tokens.pop(seq_id, None)
 
-    def describe(self, seqs: list[Sequence], scheduled: Container[int], resumed: frozenset[int],
+    def describe(self, scheduled: dict[int, tuple[Sequence, int, int]], resumed: frozenset[int],
                  in_flight: dict[int, InFlight]) -> tuple[list[NewRequest], dict[int, NewTokens], dict[int, BlockIds]]:
-        """The scheduled ``seqs`` (their ids: ``scheduled``) as the runner is told them (``resumed``:
+        """The ``scheduled`` sequences (seq_id -> (sequence, ...)) as the runner is told them (``resumed``:
         scheduled again after a preemption): those it holds nothing of in full, of the others only what changed.  A request
         whose tokens the runner sampled itself (:meth:`sampled`) and whose table kept its length
         costs one dictionary look-up."""
         new_reqs: list[NewRequest] = []
         new_tokens: dict[int, NewTokens] = {}
         told, pending = self.tokens, self.pending
-        for seq in seqs:
-            sid, num_tokens = seq.seq_id, len(seq.token_ids)
+        for sid, (seq, _, _) in scheduled.items():
+            num_tokens = len(seq.token_ids)
             start = told.get(sid)
             if start == num_tokens:
                 continue
@@ -274,13 +274,17 @@ class Told:
             self.tokens[seq_id] = after
 
 
-def make_batch(rows: list[tuple[int, int, int]], new_reqs: tuple[NewRequest, ...], new_tokens: dict[int, NewTokens],
+def make_batch(rows: dict[int, tuple[Any, int, int]], new_reqs: tuple[NewRequest, ...], new_tokens: dict[int, NewTokens],
                block_changes: dict[int, BlockIds], drafts: dict[int, tuple[int, ...]], finished: frozenset[int],
                preempted: frozenset[int]) -> ScheduledBatch:
-    """The message for ``rows`` (seq_id, tokens scheduled, computed count), decodes (one token) first."""
-    decodes = [r for r in rows if r[1] == 1]
-    if len(decodes) < len(rows):
-        rows = decodes + [r for r in rows if r[1] != 1]
-    ids, num, computed = zip(*rows) if rows else ((), (), ())
-    return ScheduledBatch(ids, num, len(decodes), new_reqs, computed, MappingProxyType(new_tokens),
+    """The message for ``rows`` (seq_id -> (its sequence, tokens scheduled, computed count)), decodes
+    (one token) first."""
+    ids = tuple(rows)
+    num = tuple([r[1] for r in rows.values()])
+    computed = tuple([r[2] for r in rows.values()])
+    d = num.count(1)
+    if num[:d].count(1) != d:  # (a one-token chunk scheduled after a longer one: reordered, stably)
+        order = sorted(range(len(num)), key=lambda i: num[i] != 1)
+        ids, num, computed = (tuple([t[i] for i in order]) for t in (ids, num, computed))
+    return ScheduledBatch(ids, num, d, new_reqs, computed, MappingProxyType(new_tokens),
                           MappingProxyType(block_changes), MappingProxyType(drafts), finished, preempted)

@@ -36,8 +36,7 @@ class SchedulingError(StepError):
     """
 
     def __init__(self, seq: Sequence | None, cause: BaseException) -> None:
-        self.seq = seq
-        self.cause = cause
+        self.seq, self.cause = seq, cause
         super().__init__(f"{type(cause).__name__}: {cause}")
 
 
@@ -193,44 +192,38 @@ class Scheduler:
         finished: frozenset[int] = frozenset()
         if scheduled:  # (an empty batch reaches no runner: the finished ids wait for the next one)
             finished, self._finished = frozenset(self._finished), []
-        seqs = [seq for seq, _, _ in scheduled.values()]
-        new_reqs, new_tokens, changes = self.told.describe(seqs, scheduled, frozenset(resumed), self.in_flight)
+        new_reqs, new_tokens, changes = self.told.describe(scheduled, frozenset(resumed), self.in_flight)
         self._seqs.update((r.seq_id, scheduled[r.seq_id][0]) for r in new_reqs)  # (the draft model's scheduler puts its own)
-        return make_batch([(sid, n, c) for sid, (_, n, c) in scheduled.items()], tuple(new_reqs), new_tokens, changes,
+        return make_batch(scheduled, tuple(new_reqs), new_tokens, changes,
                           {sid: tuple(d) for sid, d in drafts.items() if sid in scheduled}, finished,
                           frozenset(s.seq_id for s in preempted))
 
     def settle(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """Asynchronous scheduling with speculative decoding: ``batch`` was scheduled while the step before
-        it ran, its decodes of requests in that step from placeholder counts (every draft accepted, as many
-        draft slots as the request may get).  Now that the step's result and the drafts proposed after it
-        are in, those rows are told as they are: the tokens appended, the computed count, the drafts (at
-        most the slots held), and the blocks past them given back."""
+        """Asynchronous scheduling with speculation: ``batch``'s decodes of requests in the step before it were
+        scheduled from placeholder counts (every draft accepted); now that its result and the next drafts are
+        in, those rows are told as they are (counts, drafts up to the slots held), the blocks past them freed."""
         guessed, self._guessed = self._guessed, {}
         if not guessed:
             return batch
-        rows = {sid: [n, c] for sid, n, c in zip(batch.req_ids, batch.num_scheduled, batch.num_computed)}
+        rows = {sid: (None, n, c) for sid, n, c in zip(batch.req_ids, batch.num_scheduled, batch.num_computed)}
         drafts, new_tokens, changes = dict(batch.drafts), dict(batch.new_tokens), dict(batch.block_changes)
         for sid, room in guessed.items():
             seq = self._seqs.get(sid)
             if seq is None or seq.is_finished or sid not in rows:  # (a finished one's row is dropped by the caller)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, rows[sid][0])
+            n = min(seq.num_tokens - seq.num_computed_tokens, rows[sid][1])
             d = tuple(seq.draft_token_ids[:room]) if n == 1 else ()
             self.trim(seq, seq.num_computed_tokens + n + len(d))
             self.told.settle(seq, changes, new_tokens)
-            rows[sid] = [n + len(d), seq.num_computed_tokens]
+            rows[sid] = (None, n + len(d), seq.num_computed_tokens)
             drafts.pop(sid, None)
             if d:
                 drafts[sid] = d
-        return make_batch([(sid, n, c) for sid, (n, c) in rows.items()], batch.new_reqs, new_tokens, changes, drafts,
-                          batch.finished_ids, batch.preempted_ids)
+        return make_batch(rows, batch.new_reqs, new_tokens, changes, drafts, batch.finished_ids, batch.preempted_ids)
 
     def set_in_flight(self, batch: ScheduledBatch) -> None:
-        """Asynchronous scheduling: ``batch`` runs while the next one is scheduled.  Each of its
-        sequences will have computed its ``num_new`` tokens, and one token more (a placeholder until
-        the step's result comes) when they reach its last token; a placeholder that certainly ends
-        the request (its length limit) leaves nothing to schedule for it."""
+        """Asynchronous scheduling: ``batch`` runs while the next is scheduled; its sequences count its tokens as
+        computed and, reaching their last, 1 + drafts placeholder tokens (one that ends the request: nothing left)."""
         flight = {}
         for s, n in zip(self.seqs_of(batch), batch.num_scheduled):
             if s is not None:
@@ -244,8 +237,7 @@ class Scheduler:
         self.in_flight, self._moved, self._guessed = {}, set(), {}
 
     def rewind(self, seq: Sequence, num_tokens: int) -> None:
-        """``seq``'s tokens past ``num_tokens`` were replaced (a draft model's copy of a request after the
-        target rejected its drafts): they are computed again and told to the runner again."""
+        """``seq``'s tokens past ``num_tokens`` were replaced (a draft model's copy): computed and told again."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         self.told.rewind(seq.seq_id, num_tokens)
 
