@@ -111,3 +111,24 @@ def test_greedy_through_the_engine_equals_transformers(tmp_path: Path, arch: str
     with make_llm(folder, attention=_attention_backend(), scheduler={"max_num_batched_tokens": 6}) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_transformers_4_config_json_keys() -> None:
+    """Gemma 3 1B's config.json as transformers 4 wrote it: no layer_types, the local base and the
+    pattern as their own keys; Gemma 2's: alternating layers from layer 0."""
+    from corerun.models.config import ModelConfig
+
+    common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                  vocab_size=128, max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=16)
+    gemma3 = ModelConfig.from_dict({**common, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7,
+                                    "rope_theta": 1000000, "rope_local_base_freq": 10000, "sliding_window_pattern": 6,
+                                    "rope_scaling": None, "hidden_activation": "gelu_pytorch_tanh"})
+    assert Gemma3ForCausalLM.layer_windows(gemma3) == (512,) * 5 + (None, 512)
+    assert (gemma3.rope.theta, gemma3.local_rope.theta) == (1e6, 1e4)
+    gemma2 = ModelConfig.from_dict({**common, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4,
+                                    "hidden_act": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0})
+    assert Gemma2ForCausalLM.layer_windows(gemma2) == (512, None, 512, None)
+    model = Gemma2ForCausalLM(gemma2)
+    spec = model.attention_spec(torch.float32, 16, "cpu")
+    assert (spec.logits_soft_cap, spec.sliding_windows, spec.softmax_scale) == (50.0, (512, None, 512, None), 0.25)
+    assert model.final_soft_cap is None and model.local_rotary is None
