@@ -10,6 +10,7 @@ import torch
 
 from corerun.attention.torch_backend import TorchAttentionBackend
 from corerun.config import Config
+from corerun.conformance.reference.kv_quant import fake_quant
 from corerun.errors import UnsupportedError
 from corerun.kv_cache import num_blocks_for_budget
 from corerun.plugin.capabilities import AttentionCapabilities
@@ -19,25 +20,6 @@ from corerun.protocols.step_layout import requests_step
 
 # the default model's attention (SmolLM2-135M): 3 KV heads of 64, 30 layers
 DEFAULT_SHAPE = dict(num_heads=9, num_kv_heads=3, head_size=64, block_size=16, device=torch.device("cpu"))
-
-
-def _round_fp8(x: torch.Tensor, mantissa_bits: int, min_exp: int, largest: float) -> torch.Tensor:
-    """Round to the nearest value with ``mantissa_bits`` bits after the point (ties to even), exponents below
-    ``min_exp`` subnormal, saturating at ``largest``: fp8 written out with frexp, not torch's fp8 cast."""
-    x = x.to(torch.float64).clamp(-largest, largest)
-    _, e = torch.frexp(x)  # x = m * 2**e, 0.5 <= |m| < 1
-    step = torch.exp2((e - 1).clamp(min=min_exp).to(torch.float64) - mantissa_bits)
-    return torch.round(x / step) * step
-
-
-def fake_quant(x: torch.Tensor, kv_dtype: str, scale: float) -> torch.Tensor:
-    """Reference quantize-then-dequantize of K or V rows ``[..., head_size]`` in float64."""
-    xf = x.float()
-    if kv_dtype == "int8":
-        s = xf.abs().amax(-1, keepdim=True) / 127.0
-        return (torch.round(xf / s).clamp(-127, 127).to(torch.float64) * s.to(torch.float64))
-    bits, min_exp, largest = {"fp8_e4m3": (3, -6, 448.0), "fp8_e5m2": (2, -14, 57344.0)}[kv_dtype]
-    return _round_fp8(xf / scale, bits, min_exp, largest) * scale
 
 
 def test_fake_quant_matches_the_formats_grid() -> None:
@@ -106,7 +88,7 @@ def tiny(tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp("kvq"), "llama", num_hidden_layers=2)
     m32, _ = load_model(folder, dtype="float32", device="cpu")
     m64, _ = load_model(folder, dtype="float64", device="cpu")
-    return m32, m64
+    return m32, m64, folder
 
 
 def _logits(model, backend, tokens: list[int], chunks: list[int], block_size: int = 4) -> torch.Tensor:
@@ -130,7 +112,7 @@ def test_tiny_model_logits(tiny, kv_dtype: str) -> None:
     """A prompt of 10 then 4 decodes through a quantized cache: logits equal (float32 tolerance) to float64
     attention over the reference-rounded K/V, and within the format's relative step (2^-3 for e4m3's 3
     mantissa bits; 2^-7 of the row's largest value for int8) of the unquantized cache's, without being equal."""
-    m32, m64 = tiny
+    m32, m64, _ = tiny
     tokens = torch.randint(0, 200, (14,), generator=torch.Generator().manual_seed(5)).tolist()
     chunks = [10, 1, 1, 1, 1]
     scales = (0.7, 1.3)
@@ -152,3 +134,35 @@ def test_a_quantized_cache_for_a_backend_without_it_is_refused() -> None:
     with pytest.raises(UnsupportedError, match="kv_cache.dtype int8"):
         Plain(AttentionSpec(dtype=torch.float32, kv_cache_dtype="int8", **DEFAULT_SHAPE))
 
+
+
+def test_element_bound_holds_and_is_reached() -> None:
+    """The per-element bound the suite derives (half a step) covers the rounding error and is nearly attained."""
+    from corerun.conformance.reference.kv_quant import element_bound
+
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
+        ratio = (fake_quant(x, name, 0.37) - x).abs() / element_bound(x, name, 0.37)
+        assert ratio.max() <= 1 + 1e-6 and ratio.max() > 0.95, (name, ratio.max())
+
+
+@pytest.mark.timeout(60)
+def test_engine_runs_the_configured_kv_dtype(tiny) -> None:
+    """kv_cache.dtype reaches the backend through the engine: fp8 cache tensors and 4x the blocks of float32
+    in the same budget."""
+    from corerun.llm import LLM
+    from corerun.sampling_params import SamplingParams
+
+    folder = tiny[2]
+    blocks = {}
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(model=str(folder), device="cpu", dtype="float32", attention="torch",
+                  kv_cache={"dtype": kv, "block_size": 4, "cpu_memory_gb": 0.001})
+        runner = llm.engine.runner
+        blocks[kv] = runner.num_blocks
+        out = llm.generate([[5, 9, 2, 7, 1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        if kv != "auto":
+            assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        llm.shutdown()
+    assert 4 * blocks["auto"] <= blocks["fp8_e4m3"] < 4 * (blocks["auto"] + 1)

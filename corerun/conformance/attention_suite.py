@@ -17,9 +17,17 @@ import torch
 
 from corerun.conformance.attention_matrix import AttentionConfig, attention_configs, unsupported_configs
 from corerun.conformance.attention_scenario import Scenario, build_scenario, cache_failures, output_failures
+from corerun.conformance.reference.attention import paged_attention_reference
+from corerun.conformance.reference.kv_quant import attention_bound, element_bound, fake_quant
+from corerun.conformance.tolerances import TOLERANCES, within
 from corerun.conformance.suite import Case, ConformanceSuite
 from corerun.conformance.target import Target
 from corerun.errors import UnsupportedError
+from corerun.protocols.attention import KV_CACHE_DTYPES, dtype_name
+from corerun.protocols.step_layout import requests_step
+
+# fp8's per-tensor (k_scale, v_scale) in the KV-dtype check: not 1, so a backend that drops one is seen
+KV_SCALES = (0.37, 1.7)
 
 
 def _fail(case: Case, what: str, problems: list[str]) -> None:
@@ -54,6 +62,9 @@ class AttentionBackendSuite(ConformanceSuite):
         configs = attention_configs(caps, full)
         if not configs:
             return f"{target.name} declares no dtype / head size / block size it supports"
+        if check == "kv_cache_dtype":  # every format, declared (checked) or not (refused), on the sharpest dtype
+            base = next((c for c in configs if c.dtype in ("float32", "float64")), configs[0])
+            return [(f"{kv}-{base.id}", (base, kv)) for kv in KV_CACHE_DTYPES]
         return [(c.id, c) for c in configs]
 
     # ------------------------------------------------------------------ helpers
@@ -297,6 +308,83 @@ class AttentionBackendSuite(ConformanceSuite):
         problems += [f"without out: {p}" for p in output_failures(sc2, fresh)]
         if problems:
             _fail(case, "output buffer", problems)
+
+    def test_kv_cache_dtype(self, case: Case) -> None:
+        """A quantized KV cache (``capabilities.kv_cache_dtypes``; fp8 with scales ``KV_SCALES``): a context written
+        by ``write_kv``, then decodes and prefill chunks through ``forward``.  The output must match float64
+        attention over K/V rounded by the reference (:mod:`corerun.conformance.reference.kv_quant`) within the
+        dtype's tolerance, and the unquantized float64 result within the bound the format implies.  A backend
+        that does not declare the format must refuse the spec."""
+        self.start(case)
+        cfg, kv = case.config
+        spec = replace(cfg.spec(case.device), kv_cache_dtype=kv, kv_scales=KV_SCALES)
+        if kv not in case.target.capabilities.kv_cache_dtypes:
+            try:
+                case.target.create(spec)
+            except UnsupportedError:
+                return
+            pytest.fail(f"{case.target.label} does not declare kv_cache_dtype {kv} but constructed a backend for it; "
+                        "it must raise corerun.UnsupportedError", pytrace=False)
+        try:
+            backend = case.target.create(spec)
+        except UnsupportedError as exc:
+            pytest.fail(f"{case.target.label} declares kv_cache_dtype {kv} but refused {cfg.id} with it: {exc}", pytrace=False)
+        bs, dev = spec.block_size, spec.device
+        requests = [(2 * bs + 5, 1), (bs - 1, 1), (0, bs + 3), (bs + 2, 4)]
+        gen = torch.Generator().manual_seed(self._seed(case))
+        seqs = [c + q for c, q in requests]
+        need = [-(-n // bs) for n in seqs]
+        order = torch.randperm(sum(need) + 2, generator=gen).tolist()
+        tables = [order[sum(need[:i]):sum(need[:i + 1])] for i in range(len(requests))]
+        shape = (spec.num_kv_heads, spec.head_size)
+        keys = [torch.randn(n, *shape, generator=gen, dtype=torch.float64).to(spec.dtype) for n in seqs]
+        values = [torch.randn(n, *shape, generator=gen, dtype=torch.float64).to(spec.dtype) for n in seqs]
+        query = torch.randn(sum(q for _, q in requests), spec.num_heads, spec.head_size, generator=gen,
+                            dtype=torch.float64).to(spec.dtype)
+        slots = [[t[p // bs] * bs + p % bs for p in range(n)] for t, n in zip(tables, seqs)]
+
+        def rows(parts: list[torch.Tensor], new: bool) -> torch.Tensor:
+            return torch.cat([x[c:] if new else x[:c] for x, (c, _) in zip(parts, requests)]).to(dev)
+
+        cache = backend.allocate_kv_cache(len(order))
+        old_slots = torch.tensor([s for sl, (c, _) in zip(slots, requests) for s in sl[:c]], dtype=torch.int64)
+        backend.write_kv(rows(keys, False), rows(values, False), cache, old_slots.to(dev))
+        inputs = requests_step([c for c, _ in requests], [q for _, q in requests], tables, bs, dev)
+        out = torch.full(query.shape, float("nan"), dtype=spec.dtype, device=dev)
+        backend.forward(query.to(dev), rows(keys, True), rows(values, True), cache, backend.plan(inputs.batch), out=out)
+        got = out.detach().cpu().to(torch.float64)
+
+        def paged(parts: list[torch.Tensor]) -> torch.Tensor:
+            flat = torch.zeros(len(order) * bs, *shape, dtype=torch.float64)
+            for sl, x in zip(slots, parts):
+                flat[sl] = x.to(torch.float64)
+            return flat.view(len(order), bs, *shape)
+
+        def attend(k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+            return paged_attention_reference(query, paged(k), paged(v), tables, [c for c, _ in requests],
+                                             [q for _, q in requests], spec.softmax_scale)
+
+        rounded = attend([fake_quant(k, kv, KV_SCALES[0]) for k in keys], [fake_quant(v, kv, KV_SCALES[1]) for v in values])
+        exact = attend(keys, values)
+        problems, row = [], 0
+        tol = TOLERANCES[dtype_name(spec.dtype)][1]
+        for i, (ctx, qlen) in enumerate(requests):
+            o, r, e = got[row:row + qlen], rounded[row:row + qlen], exact[row:row + qlen]
+            ok, how = within(dtype_name(spec.dtype), o, r)
+            if not ok:
+                problems.append(f"request {i} (context {ctx}, query {qlen}) against attention over the reference-rounded "
+                                f"{kv} K/V: {how}")
+            bound = attention_bound(query[row:row + qlen], keys[i], values[i], element_bound(keys[i], kv, KV_SCALES[0]),
+                                    element_bound(values[i], kv, KV_SCALES[1]), ctx, spec.softmax_scale)
+            excess = (o - e).abs() - bound - tol * e.abs().max()
+            if (excess > 0).any():
+                worst = int(excess.flatten().argmax())
+                problems.append(f"request {i} (context {ctx}, query {qlen}) against unquantized attention: |error| "
+                                f"{(o - e).abs().flatten()[worst]:.3g} above the {kv} bound {bound.flatten()[worst]:.3g} "
+                                f"at element {worst}")
+            row += qlen
+        if problems:
+            _fail(case, f"kv_cache_dtype {kv} (fp8 scales k {KV_SCALES[0]}, v {KV_SCALES[1]})", problems)
 
     def test_unsupported(self, case: Case) -> None:
         """A combination the backend did not declare raises ``corerun.UnsupportedError`` at construction."""

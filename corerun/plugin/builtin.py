@@ -27,6 +27,7 @@ def corerun_attention_backends(register: Register) -> None:
             cuda_graph_decode=True,
             sliding_window=True,
             logits_soft_cap=True,
+            kv_cache_dtypes=frozenset({"fp8_e4m3", "fp8_e5m2", "int8"}),
         ),
         priority=0,
         description="reference paged attention in plain torch; runs anywhere; the conformance oracle (float64)",
