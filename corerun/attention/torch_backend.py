@@ -11,7 +11,7 @@ exact at any length but costs what a full layer costs.
 
 Cache layout: one tensor per layer, ``[2, num_blocks + 1, block_size, num_kv_heads, head_size]``
 (K then V); with a quantized ``spec.kv_cache_dtype`` its element type, and for int8 each row longer by
-its scale (:mod:`corerun.attention.kv_quant`): rows are quantized on write and dequantized after the gather.  The extra last block is a write-off area: new tokens with slot ``-1`` are written there
+its scale (:mod:`corerun.protocols.kv_quant`): rows are quantized on write and dequantized after the gather.  The extra last block is a write-off area: new tokens with slot ``-1`` are written there
 instead of being skipped with a data-dependent mask, so the write needs no host sync.
 """
 
@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from corerun.plugin.capabilities import AttentionCapabilities
-from corerun.attention import kv_quant
+from corerun.protocols import kv_quant
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from corerun.attention import kv_quant
+from corerun.protocols import kv_quant
 from corerun.attention.torch_backend import TorchAttentionBackend
 from corerun.protocols.attention import AttentionSpec
 

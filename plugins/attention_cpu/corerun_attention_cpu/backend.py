@@ -3,7 +3,7 @@
 KV cache, one tensor per layer: the usual dense ``[2, num_blocks, block_size, num_kv_heads,
 head_size]`` (K at 0, V at 1) in the model's dtype, zeroed at allocation (``DenseKVCache``); with a
 quantized ``spec.kv_cache_dtype`` the same in fp8, or int8 rows of ``head_size + 4`` bytes (the values,
-then their float32 scale), quantized in torch on write (``corerun.attention.kv_quant``) and
+then their float32 scale), quantized in torch on write (``corerun.protocols.kv_quant``) and
 dequantized by the kernel as it reads each block.
 
 ``plan`` makes the step's lengths, block tables and slot mapping contiguous int32 / int64 tensors,
@@ -27,7 +27,7 @@ from typing import ClassVar
 
 import torch
 
-from corerun.attention import kv_quant
+from corerun.protocols import kv_quant
 from corerun.sdk import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name

@@ -1,6 +1,6 @@
 """Quantized KV caches in the cpu kernel (fp8 e4m3 / e5m2 with per-tensor scales, int8 with per-row scales) at
-the head sizes it specialises (64, 128) and one it does not (80), in bfloat16 and float32: the same step as the
-torch reference backend, which dequantizes with torch's own fp8 casts."""
+the head sizes it specialises (64, 128) and one it does not (80), in bfloat16 and float32: a step over a context
+written by ``write_kv`` against float64 attention over the K/V the conformance reference rounds (from frexp)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from corerun.attention.torch_backend import TorchAttentionBackend
+from corerun.conformance.reference.attention import paged_attention_reference
+from corerun.conformance.reference.kv_quant import fake_quant
 from corerun.conformance.tolerances import within
 from corerun.protocols.step_layout import requests_step
 from corerun_attention_cpu.backend import CpuAttentionBackend
@@ -43,7 +44,13 @@ def test_quantized_cache_matches_the_torch_reference(kv: str, dtype: torch.dtype
     values = [rnd(c + q, spec.num_kv_heads, head_size) for c, q in requests]
     query = rnd(sum(q for _, q in requests), spec.num_heads, head_size)
     got = _run(CpuAttentionBackend(spec), spec, requests, tables, keys, values, query)
-    ref = replace(spec, dtype=torch.float64)
-    want = _run(TorchAttentionBackend(ref), ref, requests, tables, keys, [v.double() for v in values], query.double())
+    bs, shape = spec.block_size, (spec.num_kv_heads, head_size)
+    paged_k, paged_v = torch.zeros(12, bs, *shape, dtype=torch.float64), torch.zeros(12, bs, *shape, dtype=torch.float64)
+    for t, k, v in zip(tables, keys, values):
+        for p in range(k.shape[0]):
+            paged_k[t[p // bs], p % bs] = fake_quant(k[p], kv, spec.kv_scales[0])
+            paged_v[t[p // bs], p % bs] = fake_quant(v[p], kv, spec.kv_scales[1])
+    want = paged_attention_reference(query, paged_k, paged_v, tables, [c for c, _ in requests], [q for _, q in requests],
+                                     spec.softmax_scale)
     ok, how = within(str(dtype).removeprefix("torch."), got, want)
     assert ok, how
