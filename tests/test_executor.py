@@ -21,6 +21,7 @@ def test_hook_corerun_executors() -> None:
     assert {"inproc", "local", "launched"} <= set(registry.names("executor"))
     caps = {n: registry.get("executor", n).capabilities for n in ("inproc", "local", "launched")}
     assert caps["inproc"].max_world_size == 1 and not caps["local"].multi_host and caps["launched"].multi_host
+    assert caps["local"].starts_ranks and not caps["launched"].starts_ranks
     for name in caps:
         assert isinstance(registry.create("executor", name), Executor)
 

@@ -116,6 +116,8 @@ class ExecutorSuite(ConformanceSuite):
         caps = target.capabilities
         if caps.max_world_size is not None and caps.max_world_size < 2:
             return f"{target.label} starts one rank at most: the in-process run is all it does"
+        if not getattr(caps, "starts_ranks", True):
+            return f"{target.label} joins ranks started elsewhere (starts_ranks=False): the suite cannot start them"
         names = ["tp2"] + (["pp2"] if caps.pipeline_parallel else [])
         if check == "greedy":
             return [(n, PLACEMENTS[n]) for n in names]

@@ -158,7 +158,7 @@ def corerun_executors(register: Register) -> None:
     register("local", "corerun.executor.local:LocalExecutor", capabilities=ExecutorCapabilities(),
              description="ranks 1..N-1 as child processes of this host, commands over pipes")
     register("launched", "corerun.executor.launched:LaunchedExecutor",
-             capabilities=ExecutorCapabilities(multi_host=True),
+             capabilities=ExecutorCapabilities(multi_host=True, starts_ranks=False),
              description="ranks started by torchrun or by hand, joined at distributed.init_method")
     register("ray", "corerun.executor.ray_executor:RayExecutor", capabilities=ExecutorCapabilities(multi_host=True),
              probe="corerun.executor.ray_executor:probe",

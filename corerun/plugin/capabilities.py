@@ -269,6 +269,8 @@ class ExecutorCapabilities:
     - ``multi_host``: its ranks may run on other hosts (the rendezvous store listens beyond 127.0.0.1).
     - ``async_safe``: ``send`` and ``collect`` may run on the engine's step thread while
       ``quick_check`` runs on the loop thread.
+    - ``starts_ranks``: ``start`` starts the other ranks itself; ``False`` when something else does
+      (torchrun), which the conformance suite cannot do for it.
     - ``devices``: the device types its ranks run on.
 
     ``fits(need)`` lists why it cannot start ``need.placement`` (``need.multi_host``: the ranks join
@@ -279,6 +281,7 @@ class ExecutorCapabilities:
     pipeline_parallel: bool = True
     multi_host: bool = False
     async_safe: bool = False
+    starts_ranks: bool = True
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
 
     def fits(self, need: Any) -> list[str]:
@@ -297,7 +300,8 @@ class ExecutorCapabilities:
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_world_size": self.max_world_size, "pipeline_parallel": self.pipeline_parallel,
-                "multi_host": self.multi_host, "async_safe": self.async_safe, "devices": sorted(self.devices)}
+                "multi_host": self.multi_host, "async_safe": self.async_safe, "starts_ranks": self.starts_ranks,
+                "devices": sorted(self.devices)}
 
 
 ATTENTION_KINDS = ("full", "sliding")
