@@ -166,3 +166,15 @@ def test_engine_runs_the_configured_kv_dtype(tiny) -> None:
             assert runner.kv_caches[0].dtype == torch.float8_e4m3fn
         llm.shutdown()
     assert 4 * blocks["auto"] <= blocks["fp8_e4m3"] < 4 * (blocks["auto"] + 1)
+
+
+def test_selection_names_the_kv_dtype_and_what_the_backend_supports() -> None:
+    """``auto`` passes over a backend without the format; the backend named explicitly is refused with the reason."""
+    from corerun.plugin.registry import get_registry
+
+    spec = AttentionSpec(dtype=torch.float32, kv_cache_dtype="int8", **DEFAULT_SHAPE)
+    reg = get_registry()
+    assert "int8" in reg.select("attention", "auto", spec).registration.capabilities.kv_cache_dtypes
+    if "triton" in reg.registrations["attention"]:
+        with pytest.raises(Exception, match=r"kv_cache.dtype int8 not supported \(quantized KV caches it supports: none"):
+            reg.select("attention", "triton", spec)
