@@ -19,6 +19,7 @@ What differs from Llama, layer by layer:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -159,13 +160,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
 
     def attention_spec(self, dtype: torch.dtype, block_size: int, device: torch.device | str) -> AttentionSpec:
-        spec = super().attention_spec(dtype, block_size, device)
+        """Llama's spec with Gemma's softmax scale (``query_pre_attn_scalar ** -0.5``) and attention soft cap."""
         scalar = float(self.config.raw.get("query_pre_attn_scalar") or self.config.head_dim)
-        return AttentionSpec(
-            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=dtype,
-            block_size=block_size, device=spec.device, scale=scalar**-0.5, sliding_windows=spec.sliding_windows,
-            logits_soft_cap=self.attention_soft_cap(),
-        )
+        return replace(super().attention_spec(dtype, block_size, device), scale=scalar**-0.5,
+                       logits_soft_cap=self.attention_soft_cap())
 
     def attention_soft_cap(self) -> float | None:
         return _positive(self.config, "attn_logit_softcapping")
