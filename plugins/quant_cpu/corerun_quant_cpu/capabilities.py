@@ -1,8 +1,8 @@
 """What the ``gguf_cpu`` method declares, as plain data (imported at plugin-listing time: no torch).
 
 It reads every GGUF type the built-in ``gguf`` method reads; Q8_0, Q4_0 and Q4_1 shards go through the
-C++ kernel for batches of up to ``KERNEL_MAX_TOKENS`` rows, everything else through ``gguf``'s own
-decode-and-multiply.  CPU only.
+C++ product for batches of up to ``KERNEL_MAX_TOKENS`` rows and through the C++ decoder plus torch's
+matmul above that; every other type through ``gguf``'s own decode-and-multiply.  CPU only.
 """
 
 from __future__ import annotations
@@ -12,6 +12,6 @@ from dataclasses import replace
 from corerun.quantization.capabilities import GGUF
 
 KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # kernels.TYPES
-KERNEL_MAX_TOKENS = 16  # larger batches (prefill) decode once per call and use torch's matmul
+KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster from here on: benchmarks/RESULTS.md)
 
 GGUF_CPU = replace(GGUF, devices=frozenset({"cpu"}))
