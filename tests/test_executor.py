@@ -49,8 +49,10 @@ class TestLocalExecutor(ExecutorSuite):
 
 
 def _check(broken, check: str, placement: str = "tp2") -> None:
-    class Suite(ExecutorSuite):
-        timeout_s = 25.0  # (a loaded machine starts a rank in seconds)
+    class Suite(ExecutorSuite):  # short waits: each broken executor fails by waiting them out
+        timeout_s = 5.0  # (a loaded machine starts a forked rank within it; the dropped step's collective waits it out)
+        lost_rank_grace_s = 3.0
+        leak_grace_s = 2.0
 
     Suite.factory, Suite.capabilities = broken, CAPABILITIES
     target = Suite.resolve_targets()[0]
@@ -58,7 +60,7 @@ def _check(broken, check: str, placement: str = "tp2") -> None:
     getattr(Suite(), f"test_{check}")(Case(target, check, placement, tp_pp, "cpu"))
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize(("broken", "check", "message"), [
     (DropsAStep, "greedy", "requests ended with errors"),
     (HangsOnADeadRank, "lost_rank", "did not end its requests within"),

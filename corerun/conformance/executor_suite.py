@@ -10,10 +10,13 @@ with ``distributed.executor`` set to the implementation, and steps it by hand.  
   equal those of the in-process run, token for token, with no request ending in an error;
 - ``lost_rank``: the last rank's process (``executor.pids``) is killed after the first step; every
   request ends with an error naming that rank (``"rank N"``) within ``timeout_s`` (the
-  ``distributed.timeout_s`` the engine runs with, plus a grace), a later request is refused with an
+  ``distributed.timeout_s`` the engine runs with, plus ``lost_rank_grace_s``), a later request is refused with an
   error, and ``shutdown()`` returns; skipped for an executor whose ranks are not this host's processes;
 - ``no_leaks``: after ``shutdown()`` every process the executor listed is gone, and this process has no
-  child it did not have before the engine started (within ``LEAK_GRACE_S``).
+  child it did not have before the engine started (within ``leak_grace_s``).
+
+``timeout_s``, ``lost_rank_grace_s`` and ``leak_grace_s`` are class settings: a suite for an executor
+expected to fail (corerun's own broken ones) sets them short so that the failure shows in seconds.
 
 Adopt it with::
 
@@ -33,7 +36,6 @@ from typing import Any, ClassVar
 from corerun.conformance.suite import Case, ConformanceSuite
 from corerun.conformance.target import Target
 
-LEAK_GRACE_S = 10.0  # how long the executor's processes may take to be reaped after shutdown()
 LAYERS = 4
 MAX_TOKENS = 6
 ENGINE = dict(
@@ -111,6 +113,8 @@ class ExecutorSuite(ConformanceSuite):
 
     kind = "executor"
     timeout_s: ClassVar[float] = 30.0  # distributed.timeout_s of the engines it builds
+    lost_rank_grace_s: ClassVar[float] = 15.0  # beyond timeout_s, for the requests to end after a rank's death
+    leak_grace_s: ClassVar[float] = 10.0  # how long the executor's processes may take to be reaped after shutdown()
 
     def configs(self, check: str, target: Target, full: bool) -> list[tuple[str, Any]] | str:
         caps = target.capabilities
@@ -216,7 +220,7 @@ class ExecutorSuite(ConformanceSuite):
             seqs = [engine.requests[engine.add_request(p, params)] for p in _prompts()]
             engine.step()
             os.kill(pids[-1], signal.SIGKILL)
-            limit = self.timeout_s + 15.0
+            limit = self.timeout_s + self.lost_rank_grace_s
             stepped = _run_with_limit(lambda: _drain(engine), limit)
             assert stepped, (f"{case.target.label}: the engine did not end its requests within {limit:.0f} s of rank "
                              f"{rank}'s death (distributed.timeout_s {self.timeout_s:.0f}); a lost rank must be reported")
@@ -238,7 +242,7 @@ class ExecutorSuite(ConformanceSuite):
             self.generate(engine, max_tokens=2)
         finally:
             finished = _run_with_limit(engine.shutdown, 60.0)
-        deadline = time.monotonic() + LEAK_GRACE_S
+        deadline = time.monotonic() + self.leak_grace_s
         while time.monotonic() < deadline and (not all(gone(p) for p in pids) or _children() - before - set(pids)):
             time.sleep(0.05)
         alive = [p for p in pids if not gone(p)]
@@ -247,8 +251,8 @@ class ExecutorSuite(ConformanceSuite):
         if not finished:
             _leave_group()
         assert finished, f"{case.target.label}: shutdown() did not return within 60 s"
-        assert not alive, f"{case.target.label}: its ranks {alive} outlived shutdown() by {LEAK_GRACE_S:.0f} s"
-        assert not extra, f"{case.target.label}: processes {extra} it started outlived shutdown() by {LEAK_GRACE_S:.0f} s"
+        assert not alive, f"{case.target.label}: its ranks {alive} outlived shutdown() by {self.leak_grace_s:.0f} s"
+        assert not extra, f"{case.target.label}: processes {extra} it started outlived shutdown() by {self.leak_grace_s:.0f} s"
 
 
 def _leave_group() -> None:
