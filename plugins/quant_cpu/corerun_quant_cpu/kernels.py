@@ -50,6 +50,14 @@ def _torch_lib() -> Path:
 
 
 def _build_and_load() -> list[str]:
+    target = build_dir()
+    built = target / f"{NAME}.so"
+    if built.is_file():  # the key covers source, torch and flags: load it without asking ninja (about 0.5 s)
+        try:
+            torch.ops.load_library(str(built))
+            return []
+        except (OSError, RuntimeError) as exc:
+            logger.warning("quant_cpu: %s does not load (%s); building it again", built, exc)
     if shutil.which("ninja") is None:
         return ["ninja is not on PATH (torch.utils.cpp_extension builds with it): install it (apt-get install ninja-build, "
                 "or pip install ninja in an activated environment), or keep quantization: gguf"]
@@ -61,14 +69,6 @@ def _build_and_load() -> list[str]:
         ldflags = [f"-L{_torch_lib()}", "-l:libgomp.so.1", f"-Wl,-rpath,{_torch_lib()}"]
     from torch.utils import cpp_extension
 
-    target = build_dir()
-    built = target / f"{NAME}.so"
-    if built.is_file():  # the key covers source, torch and flags: load it without asking ninja (about 0.5 s)
-        try:
-            torch.ops.load_library(str(built))
-            return []
-        except (OSError, RuntimeError) as exc:
-            logger.warning("quant_cpu: %s does not load (%s); building it again", built, exc)
     target.mkdir(parents=True, exist_ok=True)
     try:
         logger.info("quant_cpu: building %s in %s", SOURCE.name, target)

@@ -98,3 +98,16 @@ def test_isa_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="expected one of"):
         kernels.chosen_isa()
+
+
+def test_probe_says_why_it_cannot_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from corerun_quant_cpu import probe
+
+    monkeypatch.setenv("CORERUN_CACHE_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    kernels.reset()
+    try:
+        reasons = probe.probe()
+        assert len(reasons) == 1 and "ninja is not on PATH" in reasons[0], reasons
+    finally:
+        kernels.reset()
