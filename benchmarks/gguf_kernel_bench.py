@@ -7,7 +7,9 @@ kernel reads, and a few token counts, the time of ``y = x @ W.T`` by:
 - ``kernel`` / ``scalar``: ``corerun_quant_cpu.kernels.gguf_gemv`` on the packed blocks (AVX2, forced scalar);
 - ``decode``: the built-in ``gguf`` method's path, the blocks dequantized to float32 in torch, then ``F.linear``;
 - ``cdecode``: the blocks dequantized by the kernel library (``gguf_dequantize``), then ``F.linear`` (gguf_cpu's prefill path);
-- ``dense``: ``F.linear`` on a float32 weight already in memory (what a float model streams).
+- ``dense``: ``F.linear`` on a float32 weight already in memory (what a float model streams);
+- ``q8act``: llama.cpp's way, for comparison only (``gguf_gemv_q8``, not used by ``gguf_cpu``): the
+  activations quantized to int8 per 32-block once per call, integer dot products per block.
 
 Interleaved rounds, median of ``--repeats``; "GB/s" is the weight's stored bytes (packed for the
 GGUF paths, 4 bytes a value for dense) over the time.  One thread unless ``--threads``.
@@ -61,8 +63,8 @@ def main() -> None:
     isa = kernels.best_isa()
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"threads {args.threads}, kernel isa {isa}, median of {args.repeats} interleaved rounds")
-    print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "scalar", "decode", "cdecode", "dense"))
-          + " | decode/kernel cdecode/kernel dense/kernel")
+    print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "scalar", "decode", "cdecode", "dense", "q8act"))
+          + " | decode/kernel cdecode/kernel dense/kernel q8act/kernel")
     rng = np.random.default_rng(0)
     for type_name in args.types.split(","):
         for cols, rows in shapes:
@@ -80,6 +82,7 @@ def main() -> None:
                     "decode": lambda: F.linear(x, tensor.dequantize(torch.float32)),
                     "cdecode": lambda: F.linear(x, _cdecoded(packed, rows, cols, type_name, isa)),
                     "dense": lambda: F.linear(x, dense),
+                    "q8act": lambda: torch.ops.corerun_quant_cpu.gguf_gemv_q8(out, packed, x, kernels.TYPES[type_name]),
                 }
                 samples: dict[str, list[float]] = {p: [] for p in paths}
                 for fn in paths.values():
@@ -88,10 +91,10 @@ def main() -> None:
                     for p, fn in paths.items():
                         samples[p].append(_time(fn, inner))
                 ms = {p: statistics.median(v) for p, v in samples.items()}
-                nbytes = {p: packed.numel() for p in ("kernel", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4}
+                nbytes = {p: packed.numel() for p in ("kernel", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4, "q8act": packed.numel()}
                 cells = [f"{ms[p]:7.4f}ms {nbytes[p] / ms[p] / 1e6:5.1f}GB/s" for p in paths]
                 print(f"{type_name:5} {cols:>4}x{rows:<5} {tokens:>3} | " + " | ".join(cells)
-                      + f" | {ms['decode'] / ms['kernel']:12.2f}x {ms['cdecode'] / ms['kernel']:13.2f}x {ms['dense'] / ms['kernel']:10.2f}x")
+                      + f" | {ms['decode'] / ms['kernel']:12.2f}x {ms['cdecode'] / ms['kernel']:13.2f}x {ms['dense'] / ms['kernel']:10.2f}x {ms['q8act'] / ms['kernel']:11.2f}x")
 
 
 if __name__ == "__main__":

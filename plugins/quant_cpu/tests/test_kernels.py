@@ -111,3 +111,17 @@ def test_probe_says_why_it_cannot_build(monkeypatch: pytest.MonkeyPatch, tmp_pat
         assert len(reasons) == 1 and "ninja is not on PATH" in reasons[0], reasons
     finally:
         kernels.reset()
+
+
+@pytest.mark.parametrize("type_name", sorted(kernels.TYPES))
+def test_int8_activation_variant_within_its_bound(type_name: str) -> None:
+    # llama.cpp's way (benchmarks only): float32 rounding plus half an activation step per 32-block
+    if kernels.best_isa() != "avx2":
+        pytest.skip("gguf_gemv_q8 is AVX2 only")
+    packed, w = _weights(type_name, 37, 6 * 32, seed=17)
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(18))
+    out = torch.empty(3, 37)
+    torch.ops.corerun_quant_cpu.gguf_gemv_q8(out, packed, x, kernels.TYPES[type_name])
+    step = x.double().reshape(3, -1, 32).abs().amax(-1, keepdim=True).expand(3, 6, 32).reshape(3, -1) / 254
+    bound = step @ w.abs().T + _bound(x, w)
+    assert ((out.double() - x.double() @ w.T).abs() <= bound).all()

@@ -9,6 +9,10 @@
 //     isa     0 = scalar, 1 = AVX2 + FMA + F16C (refused where the CPU lacks them)
 //   gguf_dequantize(out, blocks, type, isa)
 //     out     float32 [rows, cols] contiguous: the decoded weight (for calls too large for gguf_gemv)
+//   gguf_gemv_q8(out, blocks, x, type)   AVX2 only; for comparison (benchmarks/gguf_kernel_bench.py),
+//     not used by the method: llama.cpp's way, x quantized per 32-block to int8 (scale max|x_b| / 127)
+//     once per call, integer dot products per block, scales applied at the end.  Adds half an
+//     activation step per block to the error bound.
 //   gguf_isa() -> the best isa this CPU runs.
 //
 // Method: dequantize in registers, never in memory.  For a block b of row j with scale d (and
@@ -24,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -230,6 +235,70 @@ void dequant_avx2(const uint8_t* blocks, float* w, int64_t type, int64_t nb, int
     else dequant_avx2_typed<Q4_1>(blocks, w, nb, row_bytes, begin, end);
 }
 
+// ---- llama.cpp's way, for comparison: int8 activations, integer block dot products ------------------
+
+struct XQuant {  // per token and block: int8 codes, their scale and the sum of the codes
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> sum;
+};
+
+XQuant quantize_x(const float* x, int64_t T, int64_t cols) {
+    const int64_t nb = cols / QK;
+    XQuant r{std::vector<int8_t>(static_cast<size_t>(T * cols)), std::vector<float>(static_cast<size_t>(T * nb)),
+             std::vector<int32_t>(static_cast<size_t>(T * nb))};
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* xb = x + t * cols + b * QK;
+            float amax = 0.f;
+            for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            int32_t sum = 0;
+            for (int i = 0; i < QK; ++i) {
+                const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+                r.q[t * cols + b * QK + i] = static_cast<int8_t>(v);
+                sum += v;
+            }
+            r.d[t * nb + b] = d;
+            r.sum[t * nb + b] = sum;
+        }
+    return r;
+}
+
+template <int64_t TYPE>
+AVX2_FN void rows_q8act_avx2(const uint8_t* blocks, const XQuant& xq, float* out, int64_t T, int64_t cols,
+                             int64_t out_stride, int64_t begin, int64_t end) {
+    constexpr int64_t bb = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
+    const int64_t nb = cols / QK, row_bytes = nb * bb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t j = begin; j < end; ++j) {
+        for (int64_t t = 0; t < T; ++t) {
+            __m256 acc = _mm256_setzero_ps();
+            float corr = 0.f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = blocks + j * row_bytes + b * bb;
+                const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + t * cols + b * QK));
+                const float dw = _cvtsh_ss(load_u16(blk)), dx = xq.d[t * nb + b];
+                __m256i p16;
+                if (TYPE == Q8_0) {
+                    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+                    p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+                } else {
+                    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == Q4_1 ? 4 : 2)));
+                    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+                    p16 = _mm256_maddubs_epi16(w, xv);
+                    const float s = static_cast<float>(xq.sum[t * nb + b]) * dx;
+                    corr += TYPE == Q4_1 ? _cvtsh_ss(load_u16(blk + 2)) * s : -8.f * dw * s;
+                }
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), f, acc);
+            }
+            out[t * out_stride + j] = hsum8(acc) + corr;
+        }
+    }
+}
+
 bool cpu_has_avx2() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -289,15 +358,37 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type, int
     });
 }
 
+void gguf_gemv_q8(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, int64_t type) {
+    TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "gguf_gemv_q8: type must be 0, 1 or 2, got ", type);
+    TORCH_CHECK(cpu_has_avx2(), "gguf_gemv_q8: needs AVX2");
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(), "gguf_gemv_q8: blocks must be contiguous uint8");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % QK == 0, "gguf_gemv_q8: x must be contiguous float32 [T, 32k]");
+    const int64_t T = x.size(0), cols = x.size(1), rows = blocks.size(0);
+    TORCH_CHECK(blocks.size(1) == cols / QK * block_bytes(type), "gguf_gemv_q8: blocks have ", blocks.size(1), " bytes per row");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == rows && out.stride(1) == 1, "gguf_gemv_q8: out must be float32 [T, rows]");
+    const XQuant xq = quantize_x(x.data_ptr<float>(), T, cols);
+    const uint8_t* bp = blocks.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    const int64_t os = out.stride(0);
+    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, blocks.size(1)));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        if (type == Q8_0) rows_q8act_avx2<Q8_0>(bp, xq, op, T, cols, os, begin, end);
+        else if (type == Q4_0) rows_q8act_avx2<Q4_0>(bp, xq, op, T, cols, os, begin, end);
+        else rows_q8act_avx2<Q4_1>(bp, xq, op, T, cols, os, begin, end);
+    });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(corerun_quant_cpu, m) {
     m.def("gguf_gemv(Tensor(a!) out, Tensor blocks, Tensor x, int type, int isa) -> ()");
     m.def("gguf_dequantize(Tensor(a!) out, Tensor blocks, int type, int isa) -> ()");
+    m.def("gguf_gemv_q8(Tensor(a!) out, Tensor blocks, Tensor x, int type) -> ()");
     m.def("gguf_isa() -> int", gguf_isa);  // no tensor arguments: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) {
     m.impl("gguf_gemv", gguf_gemv);
     m.impl("gguf_dequantize", gguf_dequantize);
+    m.impl("gguf_gemv_q8", gguf_gemv_q8);
 }
