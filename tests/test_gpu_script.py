@@ -93,6 +93,8 @@ def test_dry_run_rehearses_every_part_in_plan_order(tmp_path: Path) -> None:
     # the real command lines were checked: every corerun bench configuration parsed, the KV-profile settings loaded
     e2e = load(results / "bench_e2e.json")
     assert [c["name"] for c in e2e["checks"]] == ["triton+cuda (+hf)", "triton+eager", "torch+cuda", "torch+eager"]
+    triton = [c["name"] for c in load(results / "conformance-triton.json")["checks"]]
+    assert triton[-2:] == ["lora:triton", "pytest tests/test_models_moe_triton.py::test_triton_experts_equal_a_dense_per_expert_reference"]
     graphs = [c["name"] for c in load(results / "bench_graphs.json")["checks"]]
     assert "torch: capture" in graphs and "triton: capture" in graphs
     # each engine of the KV profile in a process of its own
@@ -323,18 +325,60 @@ def test_part_report_names_the_running_check_before_its_body_runs(tmp_path: Path
 
 def test_conformance_groups_enumerate_their_cuda_cases() -> None:
     sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu.conformance_part import GROUPS, cases
+    import torch
+
+    from benchmarks.gpu.conformance_part import GROUPS, Tests, cases, test_ids, tests_unavailable
 
     for group, suites in GROUPS.items():
         for suite in suites:
+            if isinstance(suite, Tests):
+                continue
             _, target, selected = cases(suite, "cuda")
             if suite.optional:
                 continue
             assert selected, (group, suite.label)
             assert all(c.device == "cuda" for c in selected)
-    split = next(s for s in GROUPS["triton"] if s.options)
+    split = next(s for s in GROUPS["triton"] if not isinstance(s, Tests) and s.options)
     checks = {c.check for c in cases(split, "cuda")[2]}
     assert checks == {"decode", "mixed"}
+    # the experts kernel, after lora:triton: its three top-k cases, refused where they would be interpreted
+    labels = [s.label for s in GROUPS["triton"]]
+    moe = GROUPS["triton"][labels.index("lora:triton") + 1]
+    assert isinstance(moe, Tests) and [i.rpartition("[")[2] for i in test_ids(moe)] == ["1]", "2]", "4]"]
+    assert all(i.startswith("tests/test_models_moe_triton.py::") for i in test_ids(moe))
+    refused = tests_unavailable("cuda")
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        assert refused == []
+    else:
+        assert refused and all(r.endswith(("interpreted", "unset it")) for r in refused), refused
+
+
+def test_a_tests_entry_reports_each_outcome_and_fails_the_part_on_a_failure(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.conformance_part import PartReport, Tests, run_suite
+
+    (tmp_path / "test_cases.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n    raise OSError('no device 3')\n"
+        "def test_ok():\n    pass\n"
+        "def test_wrong():\n    assert 2 + 2 == 5, 'sum 4 is not 5'\n"
+        "def test_setup(broken):\n    pass\n"
+        "def test_skipped():\n    pytest.skip('needs 2 GPUs')\n"
+        "@pytest.mark.xfail(reason='known', strict=True)\n"
+        "def test_expected():\n    assert False\n"
+    )
+    report = PartReport(tmp_path / "part.json", "conformance-demo")
+    assert run_suite(report, Tests(str(tmp_path / "test_cases.py")), "cpu") is False
+    doc = load(tmp_path / "part.json")
+    rows = {c["name"].rpartition("::")[2]: c for c in doc["checks"][1:]}
+    assert {k: (r["outcome"], r["ok"]) for k, r in rows.items()} == {
+        "test_ok": ("passed", True), "test_wrong": ("failed", False), "test_setup": ("error", False),
+        "test_skipped": ("skipped", True), "test_expected": ("xfailed", True)}
+    assert "sum 4 is not 5" in rows["test_wrong"]["reason"] and "no device 3" in rows["test_setup"]["reason"]
+    entry = doc["results"][f"pytest {tmp_path / 'test_cases.py'}"]
+    assert entry["planned"] == 5 and entry["ok"] is False
+    assert entry["summary"] == {"passed": 1, "failed": 1, "error": 1, "skipped": 1, "xfailed": 1}
 
 
 def test_every_build_system_requires_setuptools_77() -> None:

@@ -22,7 +22,9 @@
 #   bench-graphs          45   CUDA-graph replay == eager for every bucket (torch, triton); step times
 #   conformance-graph     40   graph:cuda conformance, with torch and with triton attention
 #   conformance-triton   100   attention:triton conformance on CUDA (30-50 compiles), + num_splits=4,
-#                              then lora:triton (about 10 compiles; its CUDA-graph replay check)
+#                              then lora:triton (about 10 compiles; its CUDA-graph replay check),
+#                              then the MoE experts kernel's test (12 compiles, 0.1-0.2 s each
+#                              for sm_90 by scripts/compile_check.py: about 5 s with its runs)
 #   kv-profile           100   step-memory profile vs capture and serving: torch, then triton, each
 #                              engine in its own process (40 s each, + 5 s to die) on a clean device
 #   conformance-rest      45   attention:torch, sampler:full, sampler:basic, lora:torch, lora:grouped,
