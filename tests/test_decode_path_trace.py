@@ -65,4 +65,8 @@ def test_one_traced_decode_step_has_the_promised_shape(trace_module, capsys):
                  "corerun/runner/model_runner.py", "corerun/models/llama.py", "corerun/attention/torch_backend.py"):
         assert path in files, f"{path} missing from the traced path: {sorted(files)}"
     assert "LLMEngine.step" in files["corerun/engine/llm_engine.py"]["names"]
+    # a plain greedy decode takes the argmax without the sampler's processing stages
+    assert "corerun/sampler/full.py" in files
+    for path in ("corerun/sampler/penalties.py", "corerun/sampler/processors.py", "corerun/sampler/histories.py"):
+        assert path not in files, f"{path} on the path of an all-greedy decode"
     assert totals["moves"] >= totals["files"] - 1

@@ -1,6 +1,8 @@
 """The ``full`` sampler: vLLM v1's sampling pipeline, batched over requests with mixed parameters.
 
-Order of operations for one step (``B`` rows, vocabulary ``V``)::
+An all-greedy batch in which no row asks for logprobs, logit bias, ``min_tokens`` or a penalty takes
+the argmax of the logits as they come (vLLM v1's shortcut: none of the stages could move it).
+Otherwise, the order of operations for one step (``B`` rows, vocabulary ``V``)::
 
     raw logprobs = log_softmax(logits) in float32         (only if a row asks for logprobs)
     x = float32 copy of logits
@@ -38,6 +40,13 @@ from corerun.sampler.processors import apply_logit_bias, apply_min_tokens
 from corerun.sampler.truncation import apply_truncation
 
 
+def _argmax_alone(p: SamplingParams) -> bool:
+    """Whether row ``p`` is the argmax of its raw logits: greedy, and neither logprobs, logit bias,
+    ``min_tokens`` nor a penalty (the stages that change the logits before the greedy choice)."""
+    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.min_tokens
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+
+
 class FullSampler:
     """Honours every sampling parameter of :class:`~corerun.SamplingParams`; see the module docstring.
 
@@ -67,6 +76,9 @@ class FullSampler:
         """``logits`` float ``[B, V]`` (any float dtype; not modified) -> int64 ``[B]`` tokens and, if asked, logprobs."""
         check_logits(logits, metadata.batch_size, self.vocab_size)
         params = metadata.params
+        if all(map(_argmax_alone, params)):  # vLLM v1's all-greedy shortcut: no stage below can move the argmax
+            values, tokens = logits.max(dim=-1)
+            return SamplerOutput(mark_non_finite(tokens, values), None)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         raw = None
         if asked and self.options.logprobs_mode == "raw":

@@ -151,3 +151,29 @@ def test_shape_errors(ref) -> None:
         sampler.sample(torch.randn(2, V + 1), ref.metadata([SP(), SP()]))
     with pytest.raises(ValueError, match="got torch.int64"):
         sampler.sample(torch.ones(2, V, dtype=torch.int64), ref.metadata([SP(), SP()]))
+
+
+def test_all_greedy_batch_is_the_float64_argmax_and_a_penalised_greedy_row_is_not_skipped(ref) -> None:
+    """An all-greedy batch without logprobs, bias, min_tokens or penalties takes the raw argmax
+    (non-finite rows marked); one greedy row with a penalty in the batch still gets its processed argmax."""
+    torch.manual_seed(7)
+    plain = [SP(temperature=0.0) for _ in range(5)]
+    logits = _logits(5)
+    logits[3, 4] = math.nan
+    out = FullSampler(V).sample(logits.to(torch.bfloat16), ref.metadata(plain, [[]] * 5, [[]] * 5, EOS))
+    expected = logits.to(torch.bfloat16).to(torch.float64).argmax(dim=-1)
+    expected[3] = -1  # NON_FINITE
+    assert out.sampled_token_ids.tolist() == expected.tolist()
+    assert out.logprobs is None
+
+    penalised = SP(temperature=0.0, repetition_penalty=4.0)
+    logits = _logits(2)
+    logits[1] = logits[0]
+    top = int(logits[0].argmax())
+    logits[1, top] = logits[1].abs().max() + 0.5  # alone on top, and not after the penalty divides it by 4
+    history = [[top], [top]]
+    out = FullSampler(V).sample(logits, ref.metadata([plain[0], penalised], history, [[], []], EOS))
+    assert out.sampled_token_ids[0].item() == top
+    processed = ref.processed_row(logits[1], penalised, history[1], [], EOS)
+    assert int(processed.argmax()) != int(logits[1].argmax())  # the penalty moves this row's argmax
+    assert out.sampled_token_ids[1].item() == int(processed.argmax())
