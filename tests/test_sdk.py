@@ -1,5 +1,6 @@
 """corerun.sdk, the plugin author's toolkit: the dense KV write, the base attention backend's checks,
-seeded generators and capability checks.  (Its reference_attention passes the whole attention suite
+seeded generators, capability checks, and Gemma's building blocks in corerun.sdk.models against
+transformers and closed forms.  (Its reference_attention passes the whole attention suite
 in test_plugin_platform.py, as the certified ``narrow`` backend and the scaffolded ``foo``.)"""
 
 from __future__ import annotations
@@ -78,3 +79,48 @@ def test_seeded_generator_depends_on_seed_and_step_only() -> None:
     assert seeded_generator(7, 2, generator=reused) is reused and torch.equal(torch.rand(6, generator=reused), draw(7, 2))
     params = [SamplingParams(seed=1), SamplingParams(), SamplingParams(seed=9)]
     assert seeded_rows(params, [[4, 5], [1], []]) == [(0, 1, 2), (2, 9, 0)]
+
+
+def test_gemma_blocks_from_the_sdk_equal_transformers_gemma2_in_float64() -> None:
+    """A family outside corerun builds Gemma's GeGLU MLP and ``1 + weight`` norm from corerun.sdk.models alone,
+    loads the checkpoint's tensors through each parameter's ``weight_loader`` and gets transformers' outputs."""
+    from transformers import Gemma2Config
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP, Gemma2RMSNorm
+
+    from corerun.sdk.models import ArchOptions, GemmaMLP, GemmaRMSNorm, ModelConfig
+
+    g = torch.Generator().manual_seed(3)
+    hf_config = Gemma2Config(hidden_size=16, intermediate_size=24, hidden_activation="gelu_pytorch_tanh", vocab_size=32,
+                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    hf_mlp, hf_norm = Gemma2MLP(hf_config).double(), Gemma2RMSNorm(16, eps=1e-6).double()
+    for p in [*hf_mlp.parameters(), *hf_norm.parameters()]:
+        p.data = torch.randn(p.shape, generator=g, dtype=torch.float64)
+    mlp = GemmaMLP(ModelConfig.from_dict(hf_config.to_dict()), ArchOptions()).double()
+    gate_up = mlp.gate_up_proj.weight
+    gate_up.weight_loader(gate_up, hf_mlp.gate_proj.weight.data, "gate")
+    gate_up.weight_loader(gate_up, hf_mlp.up_proj.weight.data, "up")
+    mlp.down_proj.weight.weight_loader(mlp.down_proj.weight, hf_mlp.down_proj.weight.data)
+    norm = GemmaRMSNorm(16, 1e-6).double()
+    norm.weight.weight_loader(norm.weight, hf_norm.weight.data)
+    x = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), hf_mlp(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(norm(x), hf_norm(x), rtol=1e-6, atol=1e-6)  # both in float32 inside
+
+
+def test_soft_cap_is_cap_times_tanh_and_config_caps_are_checked() -> None:
+    from corerun.sdk.models import ModelConfig, UnsupportedModelError, config_soft_cap, soft_cap
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(8), dtype=torch.float64) * 40
+    e = torch.exp(2 * x / 30.0)
+    torch.testing.assert_close(soft_cap(x, 30.0), 30.0 * (e - 1) / (e + 1), rtol=1e-12, atol=1e-12)
+    assert soft_cap(x, 30.0).abs().max() < 30.0
+    base = {"architectures": ["Gemma2ForCausalLM"], "hidden_size": 16, "intermediate_size": 24, "vocab_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    caps = {"final_logit_softcapping": 30, "attn_logit_softcapping": None}
+    config = ModelConfig.from_dict({**base, **caps})
+    assert config_soft_cap(config, "final_logit_softcapping") == 30.0
+    assert config_soft_cap(config, "attn_logit_softcapping") is None and config_soft_cap(config, "absent_cap") is None
+    for bad in (0, -5.0, True, "30"):
+        with pytest.raises(UnsupportedModelError, match=rf"final_logit_softcapping must be a number above 0.*got {bad!r}"):
+            config_soft_cap(ModelConfig.from_dict({**base, "final_logit_softcapping": bad}), "final_logit_softcapping")

@@ -116,7 +116,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         super().__init__(config, tp, quant)
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # the final norm scales by 1 + w too
         self.embed_scale = config.hidden_size**0.5
-        self.final_soft_cap = _positive(config, "final_logit_softcapping")
+        self.final_soft_cap = config_soft_cap(config, "final_logit_softcapping")
         self.kinds = self.layer_types(config)
         local = config.local_rope or self.local_rope_default
         self.local_rotary = None if local is None else RotaryEmbedding(config.head_dim, config.max_position_embeddings, local)
@@ -157,7 +157,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         logits = self.lm_head(hidden)
         if logits is None or self.final_soft_cap is None:  # tensor parallel: ranks above 0 get None
             return logits
-        return torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
+        return soft_cap(logits, self.final_soft_cap)
 
     def attention_spec(self, dtype: torch.dtype, block_size: int, device: torch.device | str) -> AttentionSpec:
         """Llama's spec with Gemma's softmax scale (``query_pre_attn_scalar ** -0.5``) and attention soft cap."""
@@ -166,7 +166,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                        logits_soft_cap=self.attention_soft_cap())
 
     def attention_soft_cap(self) -> float | None:
-        return _positive(self.config, "attn_logit_softcapping")
+        return config_soft_cap(self.config, "attn_logit_softcapping")
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
@@ -190,7 +190,14 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return None
 
 
-def _positive(config: ModelConfig, key: str) -> float | None:
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: same shape and dtype, every value inside ``(-cap, cap)``, values well below
+    ``cap`` nearly unchanged (Gemma 2's final logits; attention scores are capped by the backend through
+    ``AttentionSpec.logits_soft_cap``)."""
+    return torch.tanh(x / cap) * cap
+
+
+def config_soft_cap(config: ModelConfig, key: str) -> float | None:
     """``config.json[key]`` as a cap: ``None`` when absent or null; refused (naming it) unless above 0."""
     value = config.raw.get(key)
     if value is None:

@@ -23,6 +23,12 @@ Building blocks, each parameter with its ``weight_loader(param, tensor, shard_id
   calls the backend corerun selected, which writes this step's K/V into the paged cache first;
 - the Llama family's pieces to reuse or subclass: :class:`LlamaForCausalLM`, :class:`LlamaModel`,
   :class:`LlamaDecoderLayer`, :class:`LlamaAttention`, :class:`LlamaMLP`, :class:`ArchOptions`;
+- Gemma's pieces (GeGLU, ``1 + weight`` norms, soft-capping): :class:`GemmaRMSNorm` (``x / rms(x) * (1 + weight)``
+  in float32), :class:`GeluTanhAndMul` (``[gate | up] -> gelu_tanh(gate) * up``), :class:`GemmaMLP` (Llama's
+  MLP with it), :data:`GELU_TANH` (its ``hidden_activation`` names), :func:`soft_cap` (``cap * tanh(x / cap)``,
+  final logits), :func:`config_soft_cap` (a cap key of ``config.json``, checked), :class:`GemmaAttention`,
+  :class:`GemmaDecoderLayer`, :class:`Gemma2ForCausalLM`, :class:`Gemma3ForCausalLM`; attention scores are
+  soft-capped by the backend, asked for with :class:`AttentionSpec`'s ``logits_soft_cap``;
 - mixture of experts: :class:`SparseMoeBlock` (router, stacked experts, optional shared expert),
   :class:`MoeConfig`, :class:`MoeDecoderLayer`, :func:`route`, :func:`grouped_experts`,
   :func:`experts_reference`, :func:`expert_modules_mapping` (per-expert checkpoint tensors);
@@ -37,6 +43,18 @@ from corerun.distributed.sharding import shard_heads, shard_range
 from corerun.protocols.forward_context import AttentionContext
 from corerun.models.config import ROPE_TYPES, ModelConfig, RopeConfig
 from corerun.models.errors import ModelLoadError, UnsupportedModelError
+from corerun.models.gemma import (
+    GELU_TANH,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    GemmaAttention,
+    GemmaDecoderLayer,
+    GemmaMLP,
+    GemmaRMSNorm,
+    GeluTanhAndMul,
+    config_soft_cap,
+    soft_cap,
+)
 from corerun.models.layers import (
     LMHead,
     Linear,
@@ -77,11 +95,19 @@ from corerun.models.rotary import Rope, RotaryEmbedding, inverse_frequencies
 from corerun.protocols.attention import AttentionSpec
 
 __all__ = [
+    "GELU_TANH",
     "ROPE_TYPES",
     "ArchOptions",
     "AttentionContext",
     "AttentionSpec",
     "ColumnParallelMergedLinear",
+    "GeluTanhAndMul",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "GemmaAttention",
+    "GemmaDecoderLayer",
+    "GemmaMLP",
+    "GemmaRMSNorm",
     "LMHead",
     "Linear",
     "LlamaAttention",
@@ -108,6 +134,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "WeightShapeError",
     "attention_projections",
+    "config_soft_cap",
     "default_weight_loader",
     "expert_modules_mapping",
     "experts_reference",
@@ -118,4 +145,5 @@ __all__ = [
     "route",
     "shard_heads",
     "shard_range",
+    "soft_cap",
 ]
