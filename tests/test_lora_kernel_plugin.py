@@ -22,7 +22,7 @@ def registry() -> Registry:
     return Registry.from_environment()
 
 
-def test_kernels_are_registered_with_their_capabilities(registry: Registry) -> None:
+def test_hook_corerun_lora_kernels(registry: Registry) -> None:
     kernels = registry.registrations["lora"]
     assert {"torch", "grouped", "triton"} <= set(kernels)
     assert kernels["torch"].distribution == kernels["grouped"].distribution == "corerun"
