@@ -73,3 +73,17 @@ def test_checkpoint_format_reads_config_json(tmp_path: Any) -> None:
     assert checkpoint_format(tmp_path, "cpu") == CheckpointFormat("cpu", quant_method="awq")
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     assert checkpoint_format(tmp_path, "cpu") == CheckpointFormat("cpu")
+
+
+@pytest.mark.parametrize("name", ["gguf", "gguf_cpu"])
+def test_a_gguf_method_runs_the_default_model_from_its_shipped_file(name: str) -> None:
+    from corerun.config import Config
+    from corerun.models.default import find_default_gguf
+    from corerun.models.gguf_convert import gguf_model_dir
+    from corerun.runner.construction import model_dir_for
+
+    if name not in Registry.from_environment().registrations["quantization"]:
+        pytest.skip(f"{name} is not installed here")
+    assert model_dir_for(Config(quantization={"name": name})) == gguf_model_dir(find_default_gguf())
+    # a dense method and auto keep the converted float folder
+    assert "bfloat16" in model_dir_for(Config(quantization={"name": "auto"})).name

@@ -303,18 +303,29 @@ def widest_sampling(sampler: Any, max_logprobs: int, rows: int) -> tuple[list[Sa
 def model_dir_for(config: Any) -> Path:
     """The folder to load: ``model`` itself (a Hugging Face Hub id resolved to its local snapshot, for
     every entry point: ``LLM``, the CLI, the server), a folder made for a ``.gguf`` file, or the default
-    model's (its shipped Q4_1 file with ``quantization: gguf``, else its converted bfloat16 folder)."""
+    model's (its shipped Q4_1 file with ``quantization: gguf`` or another method reading GGUF, else its converted bfloat16 folder)."""
     from corerun.models.gguf_convert import gguf_model_dir
     from corerun.models.hub import resolve_model
 
     if config.model:
         model = resolve_model(str(config.model))
         return gguf_model_dir(model) if model.endswith(".gguf") else Path(model)
-    if config.quantization.name == "gguf":
+    if _reads_gguf(config.quantization.name):
         from corerun.models.default import find_default_gguf
 
         return gguf_model_dir(find_default_gguf())
     return default_model_dir()
+
+
+def _reads_gguf(name: str) -> bool:
+    """Whether the quantization method ``name`` reads GGUF blocks (``gguf``, ``gguf_cpu``, a plugin's):
+    the default model then runs from its shipped file. ``auto`` and dense methods keep the float folder."""
+    if name == "auto":
+        return False
+    from corerun.plugin.registry import Registry
+
+    reg = Registry.from_environment().registrations["quantization"].get(name)
+    return reg is not None and not reg.capabilities.dense and bool(reg.capabilities.gguf_types)
 
 
 def select_quantization(runner: Any, device: Any) -> Any:
