@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,13 +20,19 @@ from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
 from tests.helpers.serving import http, tiny_chat_model  # noqa: E402
 
 
-def _free_port() -> int:
-    from corerun.server.run import bind
-
-    sock = bind()
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
+def start_serve(cmd: list[str]) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start ``cmd`` (``corerun serve ... --port 0``: the server binds a port the kernel picks, so no other
+    process, a parallel test worker's included, can take it between a probe and the bind) and read its
+    stderr up to uvicorn's startup line: the process, its URL from that line, and the lines read so far."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in proc.stderr:  # (the test deadline bounds this)
+        lines.append(line)
+        if found := re.search(r"Uvicorn running on (http://127\.0\.0\.1:[1-9]\d*)", line):
+            return proc, found.group(1), lines
+    proc.wait()
+    raise AssertionError(f"corerun serve exited with {proc.returncode} before it listened: {''.join(lines)}")
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
@@ -42,14 +49,11 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
 
 def test_serve_command_stops_gracefully_on_sigterm(tmp_path: Any) -> None:
     folder = tiny_chat_model(tmp_path)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "corerun", "serve", "--model", str(folder), "--port", str(port), "--device", "cpu",
+    cmd = [sys.executable, "-m", "corerun", "serve", "--model", str(folder), "--port", "0", "--device", "cpu",
            "--dtype", "float32", "--attention", "torch", "--served-model-name", "tiny",
            "--set", "kv_cache.num_blocks=64", "--set", "kv_cache.block_size=4", "--set", "server.shutdown_timeout_s=60",
            "--log-level", "info"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, started = start_serve(cmd)
     try:
         _wait_healthy(url, proc)
         assert http(url + "/v1/models")[1]["data"][0]["id"] == "tiny"
@@ -67,7 +71,7 @@ def test_serve_command_stops_gracefully_on_sigterm(tmp_path: Any) -> None:
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         # uvicorn ends by re-raising the signal it caught, once the shutdown is done (the engine released)
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-        log = proc.stderr.read()
+        log = "".join(started) + proc.stderr.read()
         assert "Application shutdown complete" in log and "Traceback" not in log, log
         with pytest.raises(OSError):  # it no longer listens
             http(url + "/health")

@@ -271,16 +271,13 @@ def test_choice_output_whole_and_deltas_with_thinking_and_two_calls() -> None:
 @pytest.mark.timeout(300)
 def test_corerun_serve_command_with_parser_options(tmp_path: Path) -> None:
     """``corerun serve --tool-call-parser hermes --reasoning-parser deepseek_r1`` in its own process."""
-    from tests.test_server_cli import _free_port, _wait_healthy
+    from tests.test_server_cli import _wait_healthy, start_serve
 
     folder = tools_model(tmp_path)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "corerun", "serve", "--model", str(folder), "--port", str(port), "--device", "cpu",
+    cmd = [sys.executable, "-m", "corerun", "serve", "--model", str(folder), "--port", "0", "--device", "cpu",
            "--dtype", "float32", "--attention", "torch", "--served-model-name", "tiny", "--set", "kv_cache.num_blocks=128",
            "--set", "scheduler.max_model_len=1024", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = start_serve(cmd)
     try:
         _wait_healthy(url, proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
