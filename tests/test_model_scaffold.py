@@ -37,4 +37,5 @@ def test_scaffolded_model_installs_lists_and_passes_conformance(tmp_path: Path) 
     assert "FooForCausalLM" in listed and "corerun-model-foo" in listed, listed
     conformance = site.corerun(["conformance", "model:FooForCausalLM", "-k", "gqa-untied"], timeout=500, **env)
     out = check(conformance)
-    assert "5 passed" in " ".join(out.split()) or "passed: 5" in out, out
+    # every check of the suite ran on the shape and passed (the count grows with the suite's checks)
+    assert "model:FooForCausalLM: PASS" in out and " failed" not in out and "preemption" in out, out

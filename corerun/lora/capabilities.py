@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corerun.protocols.lora import LoRAKernelCapabilities
+from corerun.plugin.capabilities import LoRAKernelCapabilities
 
 TORCH_KERNEL = LoRAKernelCapabilities(graph_safe=True)
 GROUPED_KERNEL = LoRAKernelCapabilities(grouped=True)  # reads each slot's token count on the host: not graph safe

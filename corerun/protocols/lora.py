@@ -15,14 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence, runtime_checkable
 
-from corerun.plugin.capabilities import device_reasons
+from corerun.plugin.capabilities import LoRAKernelCapabilities, device_reasons  # noqa: F401 (re-exported: defined beside the other capabilities, importable without torch)
 
 if TYPE_CHECKING:
     import torch
-
-
-def _fmt(values: frozenset) -> str:
-    return "{" + ", ".join(str(v) for v in sorted(values)) + "}"
 
 
 @dataclass(frozen=True)
@@ -35,49 +31,6 @@ class LoRANeed:
     max_rank: int = 16
     max_slots: int = 4
     graphs: bool = False
-
-
-@dataclass(frozen=True)
-class LoRAKernelCapabilities:
-    """What a LoRA kernel runs, as data.
-
-    - ``devices``: device types; ``dtypes``: model dtypes of ``y`` and ``x`` (``"float32"``, ...).
-    - ``max_rank`` / ``max_slots``: the largest ``R`` and ``S`` it takes (``None``: any).
-    - ``graph_safe``: no host synchronisation and no shape that depends on the values of
-      ``token_slots``, so a captured CUDA graph replays it with other slots.
-    - ``grouped``: it groups tokens by slot (one product per adapter present) rather than gathering
-      each token's weights.
-
-    ``fits(need)`` lists every reason it cannot serve a :class:`LoRANeed` (a bare
-    :class:`~corerun.plugin.capabilities.Need` is checked for its device only).
-    """
-
-    devices: frozenset[str] = frozenset({"cpu", "cuda"})
-    dtypes: frozenset[str] = frozenset({"float16", "bfloat16", "float32", "float64"})
-    max_rank: int | None = None
-    max_slots: int | None = None
-    graph_safe: bool = False
-    grouped: bool = False
-
-    def fits(self, need: Any) -> list[str]:
-        reasons = device_reasons(self.devices, need.device)
-        dtype = getattr(need, "dtype", None)
-        if dtype is not None and str(dtype).removeprefix("torch.") not in self.dtypes:
-            reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not in {_fmt(self.dtypes)}")
-        rank, slots = getattr(need, "max_rank", None), getattr(need, "max_slots", None)
-        if rank is not None and self.max_rank is not None and rank > self.max_rank:
-            reasons.append(f"max_lora_rank {rank} above its largest rank {self.max_rank}")
-        if slots is not None and self.max_slots is not None and slots > self.max_slots:
-            reasons.append(f"max_loras {slots} above its largest slot count {self.max_slots}")
-        if getattr(need, "graphs", False) and not self.graph_safe:
-            reasons.append("decode steps replay CUDA graphs and it is not graph_safe")
-        return reasons
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "devices": sorted(self.devices), "dtypes": sorted(self.dtypes), "max_rank": self.max_rank,
-            "max_slots": self.max_slots, "graph_safe": self.graph_safe, "grouped": self.grouped,
-        }
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from corerun import AttentionCapabilities
-from corerun.protocols.lora import LoRAKernelCapabilities
+from corerun.sdk import LoRAKernelCapabilities
 
 CAPABILITIES = AttentionCapabilities(
     dtypes=frozenset({"float16", "bfloat16", "float32"}),

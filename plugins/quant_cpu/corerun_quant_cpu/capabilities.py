@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from corerun.quantization.capabilities import GGUF
+from corerun.sdk import GGUF_CAPABILITIES as GGUF
 
 KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # kernels.TYPES
 KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster from here on: benchmarks/RESULTS.md)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corerun.quantization.gguf_method import GGUFMethod
+from corerun.sdk.quantization import GGUFMethod
 
 from corerun_quant_cpu import kernels
 from corerun_quant_cpu.capabilities import GGUF_CPU, KERNEL_MAX_TOKENS, KERNEL_TYPES

@@ -14,7 +14,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
 
 @pytest.mark.timeout(600)
 def test_q4_1_file_through_the_kernel_matches_the_converted_folder() -> None:
-    from corerun.models.default import find_default_gguf
+    from corerun.sdk.quantization import find_default_gguf
     from corerun_quant_cpu import kernels
 
     reasons = kernels.load()

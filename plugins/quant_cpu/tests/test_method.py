@@ -37,8 +37,8 @@ class TestGgufCpuScalarConformance(QuantizationSuite):
 
 
 def test_merged_layer_uses_the_kernel_for_decode_and_its_decoder_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
-    from corerun.models.layers import MergedLinear
-    from corerun.quantization.gguf_tensor import GGUFTensor
+    from corerun.sdk.models import MergedLinear
+    from corerun.sdk.quantization import GGUFTensor
 
     from corerun_quant_cpu.method import GGUFCpuMethod
 
