@@ -20,12 +20,12 @@ from tests.helpers.engine_testing import no_hang  # noqa: E402,F401
 from tests.helpers.serving import http, tiny_chat_model  # noqa: E402
 
 
-def start_serve(cmd: list[str]) -> tuple[subprocess.Popen, str, list[str]]:
+def start_serve(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, list[str]]:
     """Start ``cmd`` (``corerun serve ... --port 0``: the server binds a port the kernel picks, so no other
     process, a parallel test worker's included, can take it between a probe and the bind) and read its
     stderr up to uvicorn's startup line: the process, its URL from that line, and the lines read so far."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
     lines = []
     for line in proc.stderr:  # (the test deadline bounds this)
         lines.append(line)
