@@ -37,6 +37,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``pytest -n auto --dist loadfile`` (the README's test command): one worker more than the machine has cores.  Much
     of the suite waits on child processes (servers, tensor- and pipeline-parallel ranks, pip installs of
     throw-away plugins) with one torch thread per worker, and the extra worker fills that time: on the
-    2-core development machine the suite takes about 10.5 minutes with three workers, 11.5 with two and
+    2-core development machine the suite takes about 9 minutes with three workers, 11.5 with two and
     15 in one process."""
     return (os.cpu_count() or 1) + 1
