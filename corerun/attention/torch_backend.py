@@ -22,20 +22,12 @@ from typing import ClassVar
 
 import torch
 
+from corerun.attention.capabilities import CAPABILITIES
 from corerun.plugin.capabilities import AttentionCapabilities
 from corerun.protocols import kv_quant
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec
 
-CAPABILITIES = AttentionCapabilities(
-    dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-    devices=frozenset({"cpu", "cuda"}),
-    gqa=True,
-    cuda_graph_decode=True,
-    sliding_window=True,
-    logits_soft_cap=True,
-    kv_cache_dtypes=frozenset({"fp8_e4m3", "fp8_e5m2", "int8"}),
-)
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from corerun.attention.capabilities import CAPABILITIES as TORCH_ATTENTION
 from corerun.lora.capabilities import GROUPED_KERNEL as GROUPED_LORA, TORCH_KERNEL as TORCH_LORA
 from corerun.plugin.capabilities import (
-    AttentionCapabilities, ExecutorCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities,
+    ExecutorCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities,
 )
 from corerun.plugin.hookspecs import Register, hookimpl
 from corerun.quantization import capabilities as quantization_caps
@@ -20,15 +21,7 @@ def corerun_attention_backends(register: Register) -> None:
     register(
         "torch",
         "corerun.attention.torch_backend:TorchAttentionBackend",
-        capabilities=AttentionCapabilities(
-            dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-            devices=frozenset({"cpu", "cuda"}),
-            gqa=True,
-            cuda_graph_decode=True,
-            sliding_window=True,
-            logits_soft_cap=True,
-            kv_cache_dtypes=frozenset({"fp8_e4m3", "fp8_e5m2", "int8"}),
-        ),
+        capabilities=TORCH_ATTENTION,
         priority=0,
         description="reference paged attention in plain torch; runs anywhere; the conformance oracle (float64)",
     )

@@ -131,10 +131,9 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
 
 
 def select_lora(runner: Any, tp: Any, limits: GraphLimits) -> None:
-    """With ``lora.enabled``: the LoRA kernel (a ``lora`` plugin; the built-in ``torch`` reference until
-    that kind is registered) and the adapters' layers and device slots (:mod:`corerun.lora.manager`)."""
+    """With ``lora.enabled``: the LoRA kernel (``lora.kernel``, selected like every plugin kind) and the
+    adapters' layers and device slots (:mod:`corerun.lora.manager`)."""
     from corerun.lora.manager import LoRAManager
-    from corerun.lora.reference import TorchLoRAKernel
     from corerun.protocols.lora import LoRANeed
 
     lc, registry = runner.config.lora, runner.registry
@@ -145,13 +144,8 @@ def select_lora(runner: Any, tp: Any, limits: GraphLimits) -> None:
         raise ConfigError("lora.enabled does not run with pipeline parallelism yet; use pipeline_parallel_size: 1")
     graphs = bool(getattr(registry.get("graph", runner.graph_name).capabilities, "captures", False))
     need = LoRANeed(runner.device, str(runner.dtype).removeprefix("torch."), lc.max_lora_rank, lc.max_loras, graphs)
-    if "lora" in registry.registrations:
-        name = registry.select("lora", lc.kernel.name, need, "lora.kernel").name
-        kernel = registry.create("lora", name, options=lc.kernel.options)
-    elif lc.kernel.name in ("auto", "torch"):
-        kernel = TorchLoRAKernel(**lc.kernel.options)
-    else:
-        raise ConfigError(f"lora.kernel: {lc.kernel.name!r} is not installed; the built-in kernel is 'torch' (or auto)")
+    name = registry.select("lora", lc.kernel.name, need, "lora.kernel").name
+    kernel = registry.create("lora", name, options=lc.kernel.options)
     sc = runner.config.scheduler
     runner.lora = LoRAManager(
         runner.model, kernel, max_loras=lc.max_loras, max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
