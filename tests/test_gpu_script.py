@@ -291,6 +291,41 @@ def test_timeout_killing_the_script_still_brings_back_every_result(tmp_path: Pat
         os.kill(doc["pid"], 0)
 
 
+def test_signals_repeated_while_the_script_winds_down_do_not_cut_the_summary(tmp_path: Path) -> None:
+    """``timeout`` signals the script and then its whole process group, so the script may take a second
+    SIGTERM while it stops the part and packs (CI once lost the summary that way); a user may press
+    Ctrl-C twice. Here SIGTERM and SIGINT keep coming every 10 ms until the script exits: the first one
+    names the stop and every later one is ignored until the summary is printed."""
+    hang = "prefill 2048 tokens"
+    proc = subprocess.Popen(["bash", str(RUN_SH), "--dry-run", "--only", "bench-attention"],
+                            env=script_env(tmp_path, CORERUN_GPU_DRY_HANG=hang),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    running = tmp_path / "scratch" / "gpu-results" / "bench_attention.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if load(running)["running"] == hang:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail(f"the rehearsal never reached {hang!r}: {proc.communicate()}")
+    sent = 0
+    while proc.poll() is None and sent < 3000:
+        proc.send_signal(signal.SIGINT if sent % 2 else signal.SIGTERM)
+        sent += 1
+        time.sleep(0.01)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert sent >= 3, sent  # the script was still winding down when later signals came
+    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
+    summary = (returned(tmp_path) / "summary.txt").read_text()
+    assert stdout.endswith(summary), stdout
+    assert summary.splitlines()[-1].startswith("== run.sh stopped by SIGTERM after "), summary
+    assert "   STOPPED by SIGTERM after" in summary and f"stopped in: {hang}" in summary
+
+
 def test_kv_profile_engine_past_its_timeout_names_its_step_and_the_other_engine_runs(tmp_path: Path) -> None:
     env = {**os.environ, "CORERUN_GPU_DRY_HANG": "torch: build the engine"}
     proc = subprocess.run(

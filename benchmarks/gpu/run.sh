@@ -115,7 +115,10 @@ stop_part() {  # SIGTERM to the running part (its `timeout` passes it on; the pa
 
 finish() {  # on every exit: stop the running part, note how the run ended, pack $OUT, print the summary last
     local rc=$?
-    trap - EXIT TERM INT HUP
+    # a second signal must not cut the summary short: `timeout` signals the script and then its whole
+    # process group, and a user may press Ctrl-C twice; the stop below is bounded (SIGKILL after 5 s)
+    trap - EXIT
+    trap : TERM INT HUP
     local cuts="${cut:+; cut by their limit:${cut%,}}${skipped:+; not started, the budget spent:${skipped%,}}"
     if [ -n "$signal" ]; then
         rc=$((128 + $(kill -l "$signal")))
@@ -132,7 +135,7 @@ finish() {  # on every exit: stop the running part, note how the run ended, pack
     exit "$rc"
 }
 trap finish EXIT
-for s in TERM INT HUP; do trap "signal=$s; exit" "$s"; done
+for s in TERM INT HUP; do trap "[ -n \"\$signal\" ] || { signal=$s; exit; }" "$s"; done  # the first signal counts
 
 part() {  # part NAME LIMIT_S RESULTS_JSON COMMAND... : one part under its time limit; a failure never stops the run
     local name=$1 limit=$2 json=$3; shift 3
