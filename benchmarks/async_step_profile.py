@@ -1,7 +1,7 @@
 """Where a step's time goes, synchronous and asynchronous scheduling, on one workload, interleaved.
 
 For each mode it times the engine's parts over one ``generate`` (``Scheduler.schedule``,
-``ModelRunner.prepare_step``, ``execute_model``, ``sample_tokens``, ``LLMEngine._update``) and, with
+``ModelRunner.prepare_step``, ``execute_model``, ``sample_tokens``, ``LLMEngine.update``) and, with
 asynchronous scheduling, how long the step thread sits idle between two steps (the host work it
 cannot hide plus the two thread wake-ups per step).  The host share of a synchronous step bounds what
 asynchronous scheduling can hide; the idle gap is what it pays.
@@ -44,7 +44,7 @@ def profile(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, fl
         undo.append((owner, name))
 
     for owner, name in ((e.scheduler, "schedule"), (e.runner, "prepare_step"), (e.runner, "execute_model"),
-                        (e.runner, "sample_tokens"), (e, "_update")):
+                        (e.runner, "sample_tokens"), (e, "update")):
         timed(owner, name, name)
     run_step = bq._run_step
 
@@ -98,12 +98,12 @@ def main() -> None:
         for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
             llm.engine.set_async_scheduling(mode == "async")
             p = profile(llm, prompts, args.max_tokens)
-            host = p["schedule"] + p["prepare_step"] + p["_update"]
+            host = p["schedule"] + p["prepare_step"] + p["update"]
             share = host / (host + p["execute_model"] + p["sample_tokens"])
             gap = p.get("idle_gap_median_ms")
             print(f"{mode:6} {r + 1:5}  {p['elapsed']:9.2f}  {int(p['steps']):5}  {p['schedule'] * 1e3:11.1f}  "
                   f"{p['prepare_step'] * 1e3:10.1f}  {p['execute_model'] * 1e3:10.1f}  {p['sample_tokens'] * 1e3:9.1f}  "
-                  f"{p['_update'] * 1e3:9.1f}  {share:10.2%}  {'-' if gap is None else f'{gap:.2f}':>11}")
+                  f"{p['update'] * 1e3:9.1f}  {share:10.2%}  {'-' if gap is None else f'{gap:.2f}':>11}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     llm.shutdown()
 

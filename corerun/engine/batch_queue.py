@@ -1,8 +1,11 @@
-"""Asynchronous scheduling: a one-deep batch queue.
+"""The engine's overlapping steps: asynchronous scheduling's one-deep batch queue, and pipeline parallelism's
+micro-batches.
 
 While step N runs on the step thread (the forward, then sampling: torch releases the GIL inside its
 kernels), the engine schedules step N+1 from placeholder counts (``Scheduler.set_in_flight``).  The
-queue holds at most one step; :meth:`BatchQueue.take` waits for it.
+queue holds at most one step; :meth:`BatchQueue.take` waits for it.  :func:`step_async` and
+:func:`step_stages` are ``LLMEngine.step`` in those two modes; each applies results through the
+engine's ``update`` and its failure paths, as the synchronous step does.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from corerun.core.batch import ScheduledBatch, StepResult
+from corerun.core.scheduler import SchedulingError
 from corerun.errors import ConfigError, StepError
 
 
@@ -24,6 +28,8 @@ class BatchQueue:
         self._threads = runner.threads
         self._thread: ThreadPoolExecutor | None = None
         self.in_flight: tuple[ScheduledBatch, Future] | None = None
+        self.collected: list[Any] = []  # sequences whose step was collected outside step() (an abort, shutdown)
+        self.unsent: ScheduledBatch | None = None  # an emptied batch: what it tells the runner goes with the next one
 
     def launch(self, batch: ScheduledBatch, prepared: Any) -> None:
         if self._thread is None:
@@ -45,6 +51,85 @@ class BatchQueue:
     def shutdown(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+
+
+def step_stages(engine: Any) -> list[Any]:
+    """``LLMEngine.step`` with pipeline parallelism: keep up to one micro-batch per stage in flight, each of
+    requests the others do not hold (``Scheduler.busy``), launched as it is scheduled; then take the oldest
+    one's result."""
+    touched: list[Any] = []
+    while len(engine.stages) < engine.runner.pipeline_depth:
+        try:
+            batch = engine.scheduler.schedule()
+        except SchedulingError as exc:
+            touched += engine.scheduling_failed(exc)
+            break
+        if not batch:
+            if not engine.stages:
+                touched += engine.unschedulable(batch)
+            break
+        engine.num_steps += 1
+        try:
+            engine.runner.launch(batch, engine.eos_token_ids)
+        except Exception as exc:
+            touched += engine.step_failed(batch, exc)
+            break
+        engine.scheduler.busy.update(batch.req_ids)
+        engine.stages.append(batch)
+    if not engine.stages:
+        return touched
+    batch = engine.stages.popleft()
+    engine.scheduler.busy.difference_update(batch.req_ids)
+    try:
+        result = engine.runner.collect(batch)
+    except Exception as exc:
+        return touched + engine.step_failed(batch, exc)
+    return touched + engine.update(batch, result)
+
+
+def step_async(engine: Any) -> list[Any]:
+    """``LLMEngine.step`` with asynchronous scheduling: schedule step N+1 while step N runs on the step
+    thread; then take N's tokens, drop from N+1
+    the requests N ended (nothing of theirs run or emitted) and launch N+1.  Returns what N touched
+    (what a synchronous step N returns)."""
+    touched, engine.queue.collected = [s for s in engine.queue.collected if s.finish_reason != "abort"], []
+    had_in_flight = engine.queue.in_flight is not None
+    try:
+        batch = engine.scheduler.schedule()
+    except SchedulingError as exc:
+        return touched + collect(engine) + engine.scheduling_failed(exc)
+    touched += collect(engine)
+    batch = engine.scheduler.settle(batch)  # (rows scheduled from placeholder counts, now that N's result is in)
+    if not batch:
+        return touched if had_in_flight else touched + engine.unschedulable(batch)
+    keep = [i for i, s in enumerate(engine.scheduler.seqs_of(batch)) if s is not None and not s.is_finished]
+    if len(keep) < len(batch.req_ids):  # ended by step N: never run, never emitted
+        batch = batch.only(keep)
+        if not batch:  # nothing left to launch: what the batch tells the runner goes with the next one
+            engine.queue.unsent = batch if engine.queue.unsent is None else batch.telling(engine.queue.unsent)
+            return touched
+    if engine.queue.unsent is not None:
+        batch, engine.queue.unsent = batch.telling(engine.queue.unsent), None
+    engine.num_steps += 1
+    try:
+        prepared = engine.runner.prepare_step(batch, engine.eos_token_ids)
+    except Exception as exc:
+        return touched + engine.step_failed(batch, exc)
+    engine.scheduler.set_in_flight(batch)
+    engine.queue.launch(batch, prepared)
+    return touched
+
+
+def collect(engine: Any) -> list[Any]:
+    """Wait for the step in flight (if any) and apply its result, as a synchronous step would."""
+    taken = engine.queue.take()
+    if taken is None:
+        return []
+    batch, result = taken
+    if isinstance(result, BaseException):
+        engine.scheduler.clear_in_flight()
+        return engine.step_failed(batch, result)
+    return engine.update(batch, result)
 
 
 def check_async_scheduling(config: Any) -> bool:

@@ -1,6 +1,6 @@
 """The engine: accepts requests, and steps schedule -> execute -> update -> outputs (vLLM's ``EngineCore.step``).
-Input and output processing are ``input_processor`` and ``output_processor``, drafting ``corerun.spec_decode``;
-a plugin raising inside a step ends that step's requests with an error and the engine serves the rest."""
+Input and output processing are ``input_processor`` and ``output_processor``, drafting ``corerun.spec_decode``,
+the overlapping steps (asynchronous scheduling, pipeline stages) ``batch_queue``; a plugin raising inside a step ends that step's requests with an error and the engine serves the rest."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.core.scheduler import Scheduler, SchedulingError
 from corerun.core.sequence import Sequence
 from corerun.engine import parallel_sampling
-from corerun.engine.batch_queue import BatchQueue, check_async_scheduling
+from corerun.engine.batch_queue import BatchQueue, check_async_scheduling, collect, step_async, step_stages
 from corerun.engine.input_processor import InputProcessor, Limits, Prompt, load_tokenizer, sampler_check
 from corerun.engine.output_processor import OutputProcessor
 from corerun.engine.parallel_sampling import SequenceGroup
@@ -73,12 +73,9 @@ class LLMEngine:
         self.closed = False  # after shutdown(): no more requests or steps
         self._seq_ids = itertools.count()
         self.num_steps = 0
-        # asynchronous scheduling: the step in flight, outputs collected outside step(), an emptied batch's finished ids
-        self.queue = BatchQueue(runner)
+        self.queue = BatchQueue(runner)  # asynchronous scheduling: the step in flight (corerun.engine.batch_queue)
         self.stages: deque[ScheduledBatch] = deque()  # pipeline parallelism: micro-batches in flight, oldest first
         self.scheduler.max_batch_seqs = -(-sc.max_num_seqs // runner.pipeline_depth)  # (one micro-batch per stage)
-        self._collected: list[Sequence] = []
-        self._unsent: ScheduledBatch | None = None
 
     @property
     def proposer(self) -> Any:
@@ -158,7 +155,7 @@ class LLMEngine:
             if seq is None:
                 return
             if self.queue.in_flight is not None:  # its step ends first: it reads the blocks
-                self._collected += self._collect()
+                self.queue.collected += collect(self)
             group = self._group_of.get(seq.seq_id)
             live = [s for s in (group.seqs if group is not None else [seq]) if not s.is_finished]
             for s in live:
@@ -173,7 +170,7 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._collected)
+        return self.scheduler.has_unfinished() or bool(self.queue.collected)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[Sequence]:
@@ -186,58 +183,26 @@ class LLMEngine:
             if self.closed:
                 raise EngineClosedError("the engine was shut down; make a new one")
             if self.async_scheduling:
-                touched = self._step_async()
+                touched = step_async(self)
             else:
-                touched = self._step() if self.runner.pipeline_depth == 1 else self._step_stages()
+                touched = self._step() if self.runner.pipeline_depth == 1 else step_stages(self)
             return parallel_sampling.as_requests(touched, self._group_of) if self._group_of else touched
 
-    def _step(self) -> list[Sequence]:
+    def _step(self) -> list[Sequence]:  # (with asynchronous scheduling or pipeline stages: batch_queue.py)
         try:
             batch = self.scheduler.schedule()
         except SchedulingError as exc:
-            return self._scheduling_failed(exc)
+            return self.scheduling_failed(exc)
         if not batch:
-            return self._unschedulable(batch)
+            return self.unschedulable(batch)
         self.num_steps += 1
         try:
             result = self.runner.execute(batch, self.eos_token_ids)
         except Exception as exc:
-            return self._step_failed(batch, exc)
-        return self._update(batch, result)
+            return self.step_failed(batch, exc)
+        return self.update(batch, result)
 
-    def _step_stages(self) -> list[Sequence]:
-        """Pipeline parallelism: keep up to one micro-batch per stage in flight, each of requests the others do
-        not hold (``Scheduler.busy``), launched as it is scheduled; then take the oldest one's result."""
-        touched: list[Sequence] = []
-        while len(self.stages) < self.runner.pipeline_depth:
-            try:
-                batch = self.scheduler.schedule()
-            except SchedulingError as exc:
-                touched += self._scheduling_failed(exc)
-                break
-            if not batch:
-                if not self.stages:
-                    touched += self._unschedulable(batch)
-                break
-            self.num_steps += 1
-            try:
-                self.runner.launch(batch, self.eos_token_ids)
-            except Exception as exc:
-                touched += self._step_failed(batch, exc)
-                break
-            self.scheduler.busy.update(batch.req_ids)
-            self.stages.append(batch)
-        if not self.stages:
-            return touched
-        batch = self.stages.popleft()
-        self.scheduler.busy.difference_update(batch.req_ids)
-        try:
-            result = self.runner.collect(batch)
-        except Exception as exc:
-            return touched + self._step_failed(batch, exc)
-        return touched + self._update(batch, result)
-
-    def _update(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         """Apply a step's result (the scheduler), then its outputs: logprobs, stop strings, the next drafts."""
         rows = self.scheduler.seqs_of(batch)
         seqs = [s for s in rows if s is not None]  # (None: finished since the batch was scheduled)
@@ -266,50 +231,8 @@ class LLMEngine:
             self.scheduler.update_draft_token_ids(self.spec.propose(self.scheduler.running))
         return touched
 
-    def _step_async(self) -> list[Sequence]:
-        """Schedule step N+1 while step N runs on the step thread; then take N's tokens, drop from N+1
-        the requests N ended (nothing of theirs run or emitted) and launch N+1.  Returns what N touched
-        (what a synchronous step N returns)."""
-        touched, self._collected = [s for s in self._collected if s.finish_reason != "abort"], []
-        had_in_flight = self.queue.in_flight is not None
-        try:
-            batch = self.scheduler.schedule()
-        except SchedulingError as exc:
-            return touched + self._collect() + self._scheduling_failed(exc)
-        touched += self._collect()
-        batch = self.scheduler.settle(batch)  # (rows scheduled from placeholder counts, now that N's result is in)
-        if not batch:
-            return touched if had_in_flight else touched + self._unschedulable(batch)
-        keep = [i for i, s in enumerate(self.scheduler.seqs_of(batch)) if s is not None and not s.is_finished]
-        if len(keep) < len(batch.req_ids):  # ended by step N: never run, never emitted
-            batch = batch.only(keep)
-            if not batch:  # nothing left to launch: what the batch tells the runner goes with the next one
-                self._unsent = batch if self._unsent is None else batch.telling(self._unsent)
-                return touched
-        if self._unsent is not None:
-            batch, self._unsent = batch.telling(self._unsent), None
-        self.num_steps += 1
-        try:
-            prepared = self.runner.prepare_step(batch, self.eos_token_ids)
-        except Exception as exc:
-            return touched + self._step_failed(batch, exc)
-        self.scheduler.set_in_flight(batch)
-        self.queue.launch(batch, prepared)
-        return touched
-
-    def _collect(self) -> list[Sequence]:
-        """Wait for the step in flight (if any) and apply its result, as a synchronous step would."""
-        taken = self.queue.take()
-        if taken is None:
-            return []
-        batch, result = taken
-        if isinstance(result, BaseException):
-            self.scheduler.clear_in_flight()
-            return self._step_failed(batch, result)
-        return self._update(batch, result)
-
     # ------------------------------------------------------------- failures
-    def _step_failed(self, batch: ScheduledBatch, exc: BaseException) -> list[Sequence]:
+    def step_failed(self, batch: ScheduledBatch, exc: BaseException) -> list[Sequence]:
         """End only the step's requests: a plugin's StepError as it reads, anything else (a bug outside the plugins) logged too."""
         seqs = [s for s in self.scheduler.seqs_of(batch) if s is not None and not s.is_finished]
         if isinstance(exc, StepError):
@@ -317,13 +240,13 @@ class LLMEngine:
         logger.exception("step failed outside any plugin", exc_info=exc)
         return self._fail(seqs, f"step failed: {type(exc).__name__}: {exc}")
 
-    def _scheduling_failed(self, exc: SchedulingError) -> list[Sequence]:
+    def scheduling_failed(self, exc: SchedulingError) -> list[Sequence]:
         sc = self.scheduler
         culprits = [exc.seq] if exc.seq is not None else list(sc.running) + list(sc.waiting)[:1]
         culprits = [s for s in culprits if not s.is_finished]
         return self._fail(culprits, f"KV-cache manager '{self.runner.kv_manager_name}' failed while scheduling: {exc}")
 
-    def _unschedulable(self, batch: ScheduledBatch) -> list[Sequence]:
+    def unschedulable(self, batch: ScheduledBatch) -> list[Sequence]:
         """Nothing was scheduled: a request that can never be scheduled ends instead of spinning."""
         stuck = self.scheduler.stuck(batch)
         return [] if stuck is None else self._fail([stuck[0]], stuck[1])
@@ -350,7 +273,7 @@ class LLMEngine:
 
     # --------------------------------------------------------------- switches
     def _require_idle(self, what: str) -> None:
-        if self.scheduler.has_unfinished() or self.queue.in_flight is not None or self._collected:
+        if self.scheduler.has_unfinished() or self.queue.in_flight is not None or self.queue.collected:
             raise RuntimeError(f"{what} can be switched only while no request is running")
 
     def set_async_scheduling(self, on: bool) -> None:
@@ -399,8 +322,8 @@ class LLMEngine:
         (tensor-parallel workers); the engine refuses work afterwards. Safe to call twice."""
         with self.lock:
             self.closed = True
-            self._collect()
-            self._collected = []
+            collect(self)
+            self.queue.collected = []
             self.queue.shutdown()
             for rid in list(self.requests):
                 self.abort(rid)
