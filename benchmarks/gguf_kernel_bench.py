@@ -4,7 +4,8 @@ For the default model's linear shapes (SmolLM2-135M: hidden 576, intermediate 15
 960 rows, gate/up merged 3072, and 192-column row shards of a 3-rank split), each GGUF type the
 kernel reads, and a few token counts, the time of ``y = x @ W.T`` by:
 
-- ``kernel`` / ``scalar``: ``corerun_quant_cpu.kernels.gguf_gemv`` on the packed blocks (AVX2, forced scalar);
+- ``kernel`` / ``avx2`` / ``scalar``: ``corerun_quant_cpu.kernels.gguf_gemv`` on the packed blocks (the best
+  path here, AVX-512 + VNNI with int8 activations where the CPU has it; the float AVX2 path; forced scalar);
 - ``decode``: the built-in ``gguf`` method's path, the blocks dequantized to float32 in torch, then ``F.linear``;
 - ``cdecode``: the blocks dequantized by the kernel library (``gguf_dequantize``), then ``F.linear`` (gguf_cpu's prefill path);
 - ``dense``: ``F.linear`` on a float32 weight already in memory (what a float model streams);
@@ -63,8 +64,8 @@ def main() -> None:
     isa = kernels.best_isa()
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"threads {args.threads}, kernel isa {isa}, median of {args.repeats} interleaved rounds")
-    print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "scalar", "decode", "cdecode", "dense", "q8act"))
-          + " | decode/kernel cdecode/kernel dense/kernel q8act/kernel")
+    print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "avx2", "scalar", "decode", "cdecode", "dense", "q8act"))
+          + " | avx2/kernel decode/kernel cdecode/kernel dense/kernel q8act/kernel")
     rng = np.random.default_rng(0)
     for type_name in args.types.split(","):
         for cols, rows in shapes:
@@ -78,6 +79,7 @@ def main() -> None:
                 inner = max(1, int(2e6 // (rows * cols)))  # about 2M weights a sample
                 paths = {
                     "kernel": lambda: kernels.gguf_gemv(out, packed, x, type_name, isa),
+                    "avx2": lambda: kernels.gguf_gemv(out, packed, x, type_name, "avx2"),
                     "scalar": lambda: kernels.gguf_gemv(out, packed, x, type_name, "scalar"),
                     "decode": lambda: F.linear(x, tensor.dequantize(torch.float32)),
                     "cdecode": lambda: F.linear(x, _cdecoded(packed, rows, cols, type_name, isa)),
@@ -91,10 +93,12 @@ def main() -> None:
                     for p, fn in paths.items():
                         samples[p].append(_time(fn, inner))
                 ms = {p: statistics.median(v) for p, v in samples.items()}
-                nbytes = {p: packed.numel() for p in ("kernel", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4, "q8act": packed.numel()}
+                if "avx2" not in kernels.runnable_isas():
+                    del paths["avx2"], paths["q8act"]
+                nbytes = {p: packed.numel() for p in ("kernel", "avx2", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4, "q8act": packed.numel()}
                 cells = [f"{ms[p]:7.4f}ms {nbytes[p] / ms[p] / 1e6:5.1f}GB/s" for p in paths]
-                print(f"{type_name:5} {cols:>4}x{rows:<5} {tokens:>3} | " + " | ".join(cells)
-                      + f" | {ms['decode'] / ms['kernel']:12.2f}x {ms['cdecode'] / ms['kernel']:13.2f}x {ms['dense'] / ms['kernel']:10.2f}x {ms['q8act'] / ms['kernel']:11.2f}x")
+                ratios = [f"{ms[p] / ms['kernel']:.2f}x" if p in ms else "-" for p in ("avx2", "decode", "cdecode", "dense", "q8act")]
+                print(f"{type_name:5} {cols:>4}x{rows:<5} {tokens:>3} | " + " | ".join(cells) + " | " + " ".join(ratios))
 
 
 if __name__ == "__main__":

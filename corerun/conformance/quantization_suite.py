@@ -9,7 +9,8 @@ reference weight ``W``.  For every ``quant_method`` it declares (``gptq``, ``awq
 writes one layer's checkpoint tensors and ``quantization_config`` from random float64 weights and
 decodes its own codes into ``W``; the method reads them through its ``checkpoint_weights``.  A W8A8
 format's layers quantize their activations per token, so their bound adds half an activation step
-times ``|W|``'s row sums.  Checks, each through corerun's own layers:
+times ``|W|``'s row sums; so does a method declaring ``int8_activations`` (per token or per smaller
+group, whose step is no larger than the token's).  Checks, each through corerun's own layers:
 
 - ``matmul``: a plain linear layer's output for float32 activations against ``x @ W.T`` in float64,
   within ``8 * sqrt(in) * eps(float32) * (|x| @ |W|.T)`` (the decoded values are exact in float32;
@@ -129,7 +130,7 @@ class QuantizationSuite(ConformanceSuite):
         name = case.config
         if name not in FORMATS:
             packed, _ = reference_blocks(name, rows, cols, seed=seed)
-            return _packed(name, packed, cols), reference_weight(packed, name), False
+            return _packed(name, packed, cols), reference_weight(packed, name), case.target.capabilities.int8_activations
         ref = FORMATS[name].make(rows, cols, seed)
         prefix = "model.layers.0.self_attn.q_proj"
         out = list(case.target.create().checkpoint_weights(((f"{prefix}.{k}", t) for k, t in ref.tensors.items()), ref.config))

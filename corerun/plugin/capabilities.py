@@ -218,6 +218,9 @@ class QuantizationCapabilities:
     - ``bits``, ``group_sizes``: weight bits and values per scale group of the formats it reads.
     - ``zero_point``: its formats carry a zero point or minimum (asymmetric), besides symmetric ones.
     - ``activation_dtypes``, ``devices``: what its layers take and where they run.
+    - ``int8_activations``: its layers may quantize the activations to int8 (scale ``max|x| / 127`` per
+      token, or per smaller group of a token's values) before the product, as W8A8 formats do and as
+      llama.cpp does for GGUF blocks; its conformance bound then adds half an activation step.
 
     ``fits(checkpoint)`` lists why it cannot read a :class:`corerun.quantization.CheckpointFormat`.
     """
@@ -230,6 +233,7 @@ class QuantizationCapabilities:
     zero_point: bool = False
     activation_dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    int8_activations: bool = False
 
     def reads(self) -> str:
         """What it reads, in words (for errors)."""

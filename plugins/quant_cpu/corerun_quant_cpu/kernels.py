@@ -4,11 +4,12 @@ Built on first use with ``torch.utils.cpp_extension`` (ninja and a C++ compiler)
 folder (``$CORERUN_CACHE_DIR/quant_cpu/<key>/``, see ``corerun.sdk.cache_dir``); the key hashes the
 source, the torch version and the flags, so an edit or another torch builds anew.  The source is
 compiled without ``-march``: the AVX2 functions carry their own target attribute and are chosen at
-run time from the CPU's feature flags (cpuid), with a scalar path everywhere else.  ``-fopenmp`` makes
+run time from the CPU's feature flags (cpuid): AVX-512 (F, BW, VL, DQ) with VNNI, which quantizes the
+activations to int8 and multiplies with integer dot products, else AVX2 + FMA + F16C, else scalar.  ``-fopenmp`` makes
 ``at::parallel_for`` use torch's thread pool; the library links torch's own ``libgomp`` (from
 ``torch/lib``), never a second OpenMP runtime.
 
-``CORERUN_QUANT_CPU_ISA=scalar`` forces the scalar path (tests, comparisons).
+``CORERUN_QUANT_CPU_ISA=scalar`` (or ``avx2``) forces that path (tests, comparisons).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ logger = logging.getLogger("corerun_quant_cpu")
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
 NAME = "corerun_quant_cpu"
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
-ISAS = {"scalar": 0, "avx2": 1}
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # ordered: each runs where the ones above it do
 TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the GGML types the kernel reads
 ISA_ENV = "CORERUN_QUANT_CPU_ISA"
 
@@ -92,8 +93,15 @@ def load() -> list[str]:
 
 
 def best_isa() -> str:
-    """The instruction set the kernels use here: ``avx2`` where the CPU has AVX2, FMA and F16C, else ``scalar``."""
-    return "avx2" if torch.ops.corerun_quant_cpu.gguf_isa() == ISAS["avx2"] else "scalar"
+    """The instruction set the kernels use here: ``avx512`` where the CPU has AVX-512 F/BW/VL/DQ and VNNI,
+    ``avx2`` where it has AVX2, FMA and F16C, else ``scalar``."""
+    best = torch.ops.corerun_quant_cpu.gguf_isa()
+    return next(name for name, number in ISAS.items() if number == best)
+
+
+def runnable_isas() -> list[str]:
+    """Every instruction set the kernels can be forced to here, scalar first (tests run each)."""
+    return [name for name, number in ISAS.items() if number <= ISAS[best_isa()]]
 
 
 def chosen_isa() -> str:

@@ -66,6 +66,9 @@ def test_merged_layer_uses_the_kernel_for_decode_and_its_decoder_for_prefill(mon
             got = layer(x)
         assert calls == want, f"{tokens} tokens: {calls}"
         bound = 8 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T)
+        if calls == ["gguf_gemv"] and layer.quant.isa == "avx512":  # int8 activations: + half a step, Q4_1 rows only
+            step = x.double().reshape(tokens, -1, 32).abs().amax(-1, keepdim=True).expand(tokens, cols // 32, 32).reshape(tokens, cols) / 254
+            bound = 2 * bound + torch.cat([step @ gate.abs().T, torch.zeros(tokens, 24, dtype=torch.float64)], 1)
         assert ((got.double() - x.double() @ w.T).abs() <= bound).all(), f"{tokens} tokens"
     x = torch.randn(2, cols, generator=gen).bfloat16()
     with torch.no_grad():

@@ -6,7 +6,8 @@
 //     x       float32 [T, cols], contiguous
 //     out     float32 [T, rows], last dimension contiguous (a column slice of a wider output is fine)
 //     type    0 = Q8_0 (34-byte blocks), 1 = Q4_0 (18), 2 = Q4_1 (20); 32 values per block
-//     isa     0 = scalar, 1 = AVX2 + FMA + F16C (refused where the CPU lacks them)
+//     isa     0 = scalar, 1 = AVX2 + FMA + F16C, 2 = AVX-512 (F, BW, VL, DQ) + VNNI with int8
+//             activations (refused where the CPU lacks them)
 //   gguf_dequantize(out, blocks, type, isa)
 //     out     float32 [rows, cols] contiguous: the decoded weight (for calls too large for gguf_gemv)
 //   gguf_gemv_q8(out, blocks, x, type)   AVX2 only; for comparison (benchmarks/gguf_kernel_bench.py),
@@ -15,13 +16,15 @@
 //     activation step per block to the error bound.
 //   gguf_isa() -> the best isa this CPU runs.
 //
-// Method: dequantize in registers, never in memory.  For a block b of row j with scale d (and
+// Method (scalar, AVX2): dequantize in registers, never in memory.  For a block b of row j with scale d (and
 // minimum m for Q4_1) and codes q, the block's share of y[t, j] is
 //   Q8_0: d * sum(q * x)        Q4_0: d * (sum(q * x) - 8 * sum(x))        Q4_1: d * sum(q * x) + m * sum(x)
 // where sum(x) over the block is computed once per call for every token.  Codes become float32
 // exactly; sums are float32 with fused multiply-adds.  Work is split over output rows with
 // at::parallel_for (torch's own thread pool and OpenMP runtime); tokens go in tiles of 4 so that a
-// row's blocks are read from memory once and from L1 for the other tiles.
+// row's blocks are read from memory once and from L1 for the other tiles.  The AVX-512 path quantizes
+// x to int8 instead (see its section): integer dot products, at most half an activation step per
+// value of error on top of the float32 rounding.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -37,7 +40,7 @@
 namespace {
 
 enum Type : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 constexpr int64_t QK = 32;
 constexpr int64_t TILE = 4;  // tokens per pass over a row
 
@@ -299,18 +302,205 @@ AVX2_FN void rows_q8act_avx2(const uint8_t* blocks, const XQuant& xq, float* out
     }
 }
 
+// ---- AVX-512 + VNNI: int8 activations, vpdpbusd --------------------------------------------------
+//
+// llama.cpp's approach.  x is quantized once per call, per token and 32-block: dx = max|x_b| / 127,
+// qx = round(x / dx) in [-127, 127] (|x - dx qx| <= dx / 2), sx = dx * sum(qx).  The integer dot of
+// a block's codes with qx is exact (vpdpbusd: unsigned bytes times signed bytes, four at a time into
+// int32), then scaled:   Q8_0: dw dx dot     Q4_0: dw (dx dot - 8 sx)     Q4_1: dw dx dot + m sx.
+// Blocks go in groups of four: Q4's 4 x 16 bytes of nibbles are one 64-byte vector (low nibbles:
+// values 0-15 of each block, high: 16-31), so qx is stored per group as the 16 first values of each
+// block, then the 16 last; Q8_0's four blocks are two 64-byte vectors, qx in natural order.  The
+// per-block scales are spread over the int32 lanes that hold that block's partial sums (4 lanes a
+// block for Q4, 8 for Q8_0), so a group costs one gather of the four scale words, one f16 -> f32
+// conversion and a permute, and no horizontal sum until the row ends.  The last nb % 4 blocks
+// go one at a time in 256-bit vectors.
+
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+struct XQ {  // one call's quantized activations, per token
+    std::vector<int8_t> q;    // [T, cols]: codes, in the kernel's order (see above)
+    std::vector<float> dxe;   // [T, groups * 16 * V]: dx of the block each lane sums (V vectors a group)
+    std::vector<float> sxe;   // [T, groups * 16]: Q4_0: -2 sx, Q4_1: sx / 4 (a block's 4 lanes sum to -8 sx, sx)
+    std::vector<float> dx, sx;  // [T, nb], for the blocks after the last whole group
+};
+
+AVX512_FN void quantize_x_avx512(const float* x, int64_t T, int64_t cols, int64_t type, XQ& r) {
+    const int64_t nb = cols / QK, groups = nb / 4, V = type == Q8_0 ? 2 : 1;
+    r.q.resize(static_cast<size_t>(T * cols));
+    r.dxe.resize(static_cast<size_t>(T * groups * 16 * V));
+    r.sxe.resize(static_cast<size_t>(T * groups * 16));
+    r.dx.resize(static_cast<size_t>(T * nb));
+    r.sx.resize(static_cast<size_t>(T * nb));
+    for (int64_t t = 0; t < T; ++t) {
+        int8_t* qt = r.q.data() + t * cols;
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* xb = x + t * cols + b * QK;
+            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // nearest, ties to even
+            const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            const __m128i c0 = _mm512_cvtsepi32_epi8(i0), c1 = _mm512_cvtsepi32_epi8(i1);
+            const int64_t g = b / 4, k = b % 4;
+            if (type != Q8_0 && g < groups) {  // group layout: first halves of the 4 blocks, then the second halves
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + g * 128 + k * 16), c0);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + g * 128 + 64 + k * 16), c1);
+            } else {
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + b * QK), c0);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + b * QK + 16), c1);
+            }
+            const float s = d * static_cast<float>(sum);
+            r.dx[t * nb + b] = d;
+            r.sx[t * nb + b] = s;
+            if (g < groups) {
+                const int64_t lanes = 4 * V;  // lanes per block
+                float* de = r.dxe.data() + (t * groups + g) * 16 * V + k * lanes;
+                for (int64_t l = 0; l < lanes; ++l) de[l] = d;
+                float* se = r.sxe.data() + (t * groups + g) * 16 + k * 4;
+                for (int l = 0; l < 4; ++l) se[l] = type == Q4_0 ? -2.f * s : 0.25f * s;
+            }
+        }
+    }
+}
+
+AVX512_FN inline float hsum8_512(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// the f16 words at the start of four blocks bb bytes apart, as floats [w0, w0', w1, w1', ...]: the
+// scale d and, for Q4_1, the minimum m (Q8_0 and Q4_0: the next word is codes, unused)
+AVX512_FN inline __m512 block_words(const uint8_t* blk, __m128i offsets) {
+    const __m128i words = _mm_i32gather_epi32(reinterpret_cast<const int*>(blk), offsets, 1);
+    return _mm512_castps256_ps512(_mm256_cvtph_ps(words));
+}
+
+template <int64_t TYPE, int NT>
+AVX512_FN void row_tile_avx512(const uint8_t* row, const XQ& xq, float* out, int64_t out_stride, int64_t cols,
+                               int64_t t0, int64_t j) {
+    constexpr int64_t bb = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
+    constexpr int64_t V = TYPE == Q8_0 ? 2 : 1;
+    const int64_t nb = cols / QK, groups = nb / 4;
+    const __m128i offsets = _mm_setr_epi32(0, bb, 2 * bb, 3 * bb);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i lane_d4 = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    const __m512i lane_m4 = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
+    const __m512i lane_d8a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i lane_d8b = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+    __m512 acc[NT];
+    for (int n = 0; n < NT; ++n) acc[n] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* blk = row + g * 4 * bb;
+        const __m512 words = block_words(blk, offsets);
+        if (TYPE == Q8_0) {
+            const __m512 da = _mm512_permutexvar_ps(lane_d8a, words), db = _mm512_permutexvar_ps(lane_d8b, words);
+            const __m512i wa = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+                                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bb + 2)), 1);
+            const __m512i wb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * bb + 2))),
+                                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 3 * bb + 2)), 1);
+            // signed times signed through vpdpbusd: |w| (unsigned) times x carrying w's sign
+            const __mmask64 na = _mm512_movepi8_mask(wa), nbm = _mm512_movepi8_mask(wb);
+            const __m512i aa = _mm512_abs_epi8(wa), ab = _mm512_abs_epi8(wb);
+            for (int n = 0; n < NT; ++n) {
+                const int8_t* xg = xq.q.data() + (t0 + n) * cols + g * 128;
+                const __m512i xa = _mm512_loadu_si512(xg), xb = _mm512_loadu_si512(xg + 64);
+                const __m512i pa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aa, _mm512_mask_sub_epi8(xa, na, _mm512_setzero_si512(), xa));
+                const __m512i pb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ab, _mm512_mask_sub_epi8(xb, nbm, _mm512_setzero_si512(), xb));
+                const float* de = xq.dxe.data() + ((t0 + n) * groups + g) * 32;
+                acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(da, _mm512_loadu_ps(de)), _mm512_cvtepi32_ps(pa), acc[n]);
+                acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(db, _mm512_loadu_ps(de + 16)), _mm512_cvtepi32_ps(pb), acc[n]);
+            }
+        } else {
+            constexpr int64_t qo = TYPE == Q4_1 ? 4 : 2;
+            __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qo)));
+            raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + bb + qo)), 1);
+            raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * bb + qo)), 2);
+            raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 3 * bb + qo)), 3);
+            const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+            const __m512 d = _mm512_permutexvar_ps(lane_d4, words);
+            const __m512 c = TYPE == Q4_1 ? _mm512_permutexvar_ps(lane_m4, words) : d;  // times sxe: m sx, or -8 d sx
+            for (int n = 0; n < NT; ++n) {
+                const int8_t* xg = xq.q.data() + (t0 + n) * cols + g * 128;
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
+                p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512(xg + 64));
+                const float* de = xq.dxe.data() + ((t0 + n) * groups + g) * 16;
+                const float* se = xq.sxe.data() + ((t0 + n) * groups + g) * 16;
+                acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_loadu_ps(de)), _mm512_cvtepi32_ps(p), acc[n]);
+                acc[n] = _mm512_fmadd_ps(c, _mm512_loadu_ps(se), acc[n]);
+            }
+        }
+    }
+    float tail[NT];
+    for (int n = 0; n < NT; ++n) tail[n] = 0.f;
+    for (int64_t b = groups * 4; b < nb; ++b) {  // the blocks after the last whole group, one at a time
+        const uint8_t* blk = row + b * bb;
+        const float dw = _cvtsh_ss(load_u16(blk));
+        __m256i w;
+        if (TYPE == Q8_0) {
+            w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        } else {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (TYPE == Q4_1 ? 4 : 2)));
+            const __m128i m4 = _mm_set1_epi8(0x0f);
+            w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        }
+        for (int n = 0; n < NT; ++n) {
+            const int64_t t = t0 + n;
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + t * cols + b * QK));
+            const __m256i p = TYPE == Q8_0 ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
+                                           : _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+            const float dot = hsum8_512(_mm256_cvtepi32_ps(p)), dx = xq.dx[t * nb + b], sx = xq.sx[t * nb + b];
+            if (TYPE == Q8_0) tail[n] += dw * dx * dot;
+            else if (TYPE == Q4_0) tail[n] += dw * (dx * dot - 8.f * sx);
+            else tail[n] += dw * dx * dot + _cvtsh_ss(load_u16(blk + 2)) * sx;
+        }
+    }
+    for (int n = 0; n < NT; ++n) out[(t0 + n) * out_stride + j] = _mm512_reduce_add_ps(acc[n]) + tail[n];
+}
+
+template <int64_t TYPE>
+AVX512_FN void rows_avx512_typed(const uint8_t* blocks, const XQ& xq, float* out, int64_t T, int64_t cols,
+                                 int64_t out_stride, int64_t begin, int64_t end) {
+    constexpr int64_t bb = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
+    const int64_t row_bytes = cols / QK * bb;
+    for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* row = blocks + j * row_bytes;
+        int64_t t = 0;
+        for (; t + TILE <= T; t += TILE) row_tile_avx512<TYPE, TILE>(row, xq, out, out_stride, cols, t, j);
+        for (; t < T; ++t) row_tile_avx512<TYPE, 1>(row, xq, out, out_stride, cols, t, j);
+    }
+}
+
+void rows_avx512(const uint8_t* blocks, const XQ& xq, float* out, int64_t type, int64_t T, int64_t cols,
+                 int64_t out_stride, int64_t begin, int64_t end) {
+    if (type == Q8_0) rows_avx512_typed<Q8_0>(blocks, xq, out, T, cols, out_stride, begin, end);
+    else if (type == Q4_0) rows_avx512_typed<Q4_0>(blocks, xq, out, T, cols, out_stride, begin, end);
+    else rows_avx512_typed<Q4_1>(blocks, xq, out, T, cols, out_stride, begin, end);
+}
+
 bool cpu_has_avx2() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
+bool cpu_has_avx512() {
+    __builtin_cpu_init();
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+
 // ---- the op ---------------------------------------------------------------------------------------
 
-int64_t gguf_isa() { return cpu_has_avx2() ? AVX2 : SCALAR; }
+int64_t gguf_isa() { return cpu_has_avx512() ? AVX512 : cpu_has_avx2() ? AVX2 : SCALAR; }
+
+bool isa_runs(int64_t isa) { return isa == SCALAR || (isa == AVX2 && cpu_has_avx2()) || (isa == AVX512 && cpu_has_avx512()); }
 
 void gguf_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, int64_t type, int64_t isa) {
     TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "gguf_gemv: type must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1), got ", type);
-    TORCH_CHECK(isa == SCALAR || (isa == AVX2 && cpu_has_avx2()), "gguf_gemv: isa ", isa, " is not available on this CPU (best: ", gguf_isa(), ")");
+    TORCH_CHECK(isa_runs(isa), "gguf_gemv: isa ", isa, " is not available on this CPU (best: ", gguf_isa(), ")");
     TORCH_CHECK(blocks.device().is_cpu() && x.device().is_cpu() && out.device().is_cpu(), "gguf_gemv: CPU tensors only");
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(), "gguf_gemv: blocks must be contiguous uint8 [rows, bytes], got ", blocks.scalar_type(), " ", blocks.sizes());
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "gguf_gemv: x must be contiguous float32 [T, cols], got ", x.scalar_type(), " ", x.sizes());
@@ -321,6 +511,17 @@ void gguf_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, in
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == rows && out.stride(1) == 1,
                 "gguf_gemv: out must be float32 [", T, ", ", rows, "] with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
     if (T == 0 || rows == 0) return;
+    // about 64 KiB of blocks per task: enough work to pay for a thread's start
+    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes));
+    if (isa == AVX512) {
+        XQ xq;
+        quantize_x_avx512(x.data_ptr<float>(), T, cols, type, xq);
+        const uint8_t* bp = blocks.data_ptr<uint8_t>();
+        float* op = out.data_ptr<float>();
+        const int64_t os = out.stride(0);
+        at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { rows_avx512(bp, xq, op, type, T, cols, os, begin, end); });
+        return;
+    }
     std::vector<float> xsum(static_cast<size_t>(T * nb), 0.f);
     const float* xp = x.data_ptr<float>();
     if (type != Q8_0) {
@@ -332,8 +533,6 @@ void gguf_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, in
             }
     }
     const Problem p{blocks.data_ptr<uint8_t>(), xp, xsum.data(), out.data_ptr<float>(), T, cols, nb, row_bytes, out.stride(0), type};
-    // about 64 KiB of blocks per task: enough work to pay for a thread's start
-    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
         if (isa == AVX2) rows_avx2(p, begin, end);
         else rows_scalar(p, begin, end);
@@ -342,7 +541,7 @@ void gguf_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, in
 
 void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type, int64_t isa) {
     TORCH_CHECK(type == Q8_0 || type == Q4_0 || type == Q4_1, "gguf_dequantize: type must be 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1), got ", type);
-    TORCH_CHECK(isa == SCALAR || (isa == AVX2 && cpu_has_avx2()), "gguf_dequantize: isa ", isa, " is not available on this CPU (best: ", gguf_isa(), ")");
+    TORCH_CHECK(isa_runs(isa), "gguf_dequantize: isa ", isa, " is not available on this CPU (best: ", gguf_isa(), ")");
     TORCH_CHECK(blocks.device().is_cpu() && out.device().is_cpu(), "gguf_dequantize: CPU tensors only");
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(), "gguf_dequantize: blocks must be contiguous uint8 [rows, bytes], got ", blocks.scalar_type(), " ", blocks.sizes());
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == blocks.size(0) && out.size(1) % QK == 0,
@@ -353,7 +552,7 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type, int
     float* wp = out.data_ptr<float>();
     const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-        if (isa == AVX2) dequant_avx2(bp, wp, type, nb, row_bytes, begin, end);
+        if (isa != SCALAR) dequant_avx2(bp, wp, type, nb, row_bytes, begin, end);  // AVX-512 decodes as AVX2 does
         else dequant_scalar(bp, wp, type, nb, row_bytes, begin, end);
     });
 }
