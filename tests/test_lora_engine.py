@@ -1,10 +1,13 @@
-"""Multi-LoRA serving end to end: random PEFT adapters on tiny models, each request's greedy tokens
-equal to transformers + PEFT with its adapter merged, mixed batches equal to each request alone,
-prefix blocks never shared across adapters, and more adapters than slots without a leak."""
+"""Multi-LoRA serving end to end: random PEFT adapters on tiny models of every dense family (Llama,
+Qwen2, Mistral, Qwen3, Gemma 2 and 3, Phi-3 with its merged q/k/v and gate/up), each request's greedy
+tokens equal to transformers + PEFT with its adapter merged, mixed batches equal to each request alone,
+prefix blocks never shared across adapters, more adapters than slots without a leak, and
+mixture-of-experts models adapted on attention, their experts' adapters refused by name."""
 
 from __future__ import annotations
 
 import random
+import re
 import types
 from pathlib import Path
 
@@ -14,8 +17,8 @@ import torch
 from corerun import LoRARequest, SamplingParams
 from corerun.errors import RequestError
 from corerun.testing.engines import assert_idle, make_llm
-from corerun.testing.reference import hf_greedy
 from corerun.testing.tiny_models import make_tiny_model
+from tests.test_sliding_models import _hf_greedy
 
 pytest.importorskip("peft")
 
@@ -50,18 +53,67 @@ def _adapter(base: Path, out: Path, seed: int, rank: int, alpha: int, rslora: bo
     return folder, merged
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def _hf_tiny(tmp: Path, arch: str, **keys) -> Path:
+    """A tiny random transformers model of class ``arch`` (Gemma 2 and 3 with the keys their model suite
+    uses: a window of 8 the prompts run past, soft-capping that bites), saved under ``tmp``; the LM head
+    untied (tied, Gemma's scaled embedding makes every tiny model repeat its last token, adapter or not)."""
+    import transformers
+
+    from corerun.testing.tiny_models import randomize_
+
+    cls = getattr(transformers, arch)
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=256, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = cls(cls.config_class(**{**base, **keys}))
+    randomize_(model, seed=2)
+    folder = tmp / f"tiny-{arch.removesuffix('ForCausalLM').lower()}"
+    model.save_pretrained(folder)
+    return folder
+
+
+def _gemma(arch: str):
+    from corerun.models import gemma
+
+    return lambda tmp: _hf_tiny(tmp, arch, **getattr(gemma, arch).conformance_config)
+
+
+# Phi-3's checkpoint (and PEFT's modules) hold q/k/v and gate/up merged: an adapter's lora_B has every slice's rows
+PHI3_ADAPTERS = (
+    (4, 8, False, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    (8, 4, True, ["qkv_proj", "down_proj"]),
+)
+# family -> (tiny model folder under a path, adapters): Llama and Qwen2 take every adapter, the others two
+FAMILIES = {
+    "llama": (lambda tmp: make_tiny_model(tmp, arch="llama"), ADAPTERS),
+    "qwen2": (lambda tmp: make_tiny_model(tmp, arch="qwen2"), ADAPTERS),
+    "mistral": (lambda tmp: make_tiny_model(tmp, arch="mistral", sliding_window=8), ADAPTERS[:2]),
+    "qwen3": (lambda tmp: make_tiny_model(tmp, arch="qwen3"), ADAPTERS[:2]),
+    "gemma2": (_gemma("Gemma2ForCausalLM"), ADAPTERS[:2]),
+    "gemma3": (_gemma("Gemma3ForCausalLM"), ADAPTERS[:2]),
+    "phi3": (lambda tmp: _hf_tiny(tmp, "Phi3ForCausalLM"), PHI3_ADAPTERS),
+}
+
+
+def _greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens in float32 with eager attention (Gemma 2's soft-capping applies there only)."""
+    return _hf_greedy(folder, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """A tiny model of the family, four adapters, and the reference tokens of every (adapter, prompt)."""
+    """A tiny model of the family, its adapters, and the reference tokens of every (adapter, prompt)."""
     tmp = tmp_path_factory.mktemp(f"lora-{request.param}")
-    base = make_tiny_model(tmp, arch=request.param)
-    loras, refs = [], {None: hf_greedy(base, PROMPTS, MAX_TOKENS)}
-    for i, spec in enumerate(ADAPTERS):
+    make, specs = FAMILIES[request.param]
+    base = make(tmp)
+    loras, refs = [], {None: _greedy(base, PROMPTS)}
+    for i, spec in enumerate(specs):
         folder, merged = _adapter(base, tmp, i + 1, *spec)
         lora = LoRARequest(f"adapter{i + 1}", i + 1, str(folder))
         loras.append(lora)
-        refs[lora.lora_int_id] = hf_greedy(merged, PROMPTS, MAX_TOKENS)
-    return base, loras, refs
+        refs[lora.lora_int_id] = _greedy(merged, PROMPTS)
+    return request.param, base, loras, refs
 
 
 def _engine(base: Path, async_scheduling: bool = False, **lora):
@@ -74,7 +126,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 @pytest.mark.timeout(240)
 def test_mixed_batch_equals_peft_merged_and_each_request_alone(family):
-    base, loras, refs = family
+    name, base, loras, refs = family
     assert all(refs[lora.lora_int_id] != refs[None] for lora in loras)  # every adapter changes the tokens
     with _engine(base) as llm:
         plan = [(p, lora) for p in range(len(PROMPTS)) for lora in [None, *loras]]
@@ -85,7 +137,7 @@ def test_mixed_batch_equals_peft_merged_and_each_request_alone(family):
         # seeded sampling: each request's tokens are the same in the mixed batch as alone
         sampled = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(len(plan))]
         mixed = llm.generate([PROMPTS[p] for p, _ in plan], sampled, lora_request=[lora for _, lora in plan])
-        for i in (0, 1, 2, 3, 4, 7, 13):
+        for i in (i for i in (0, 1, 2, 3, 4, 7, 13) if i < len(plan)):
             alone = llm.generate([PROMPTS[plan[i][0]]], sampled[i], lora_request=plan[i][1])
             assert alone[0].outputs[0].token_ids == mixed[i].outputs[0].token_ids, plan[i]
         assert_idle(llm)
@@ -94,8 +146,8 @@ def test_mixed_batch_equals_peft_merged_and_each_request_alone(family):
 
 @pytest.mark.timeout(120)
 def test_same_prompt_under_two_adapters_and_the_base_never_shares_a_block(family):
-    base, loras, refs = family
-    if base.name.startswith("tiny-qwen2"):
+    name, base, loras, refs = family
+    if name != "llama":
         pytest.skip("one family is enough for the cache keys")
     prompt = list(range(3, 3 + 17))  # four full blocks of 4 before the last token
     with _engine(base) as llm:
@@ -125,8 +177,8 @@ def test_same_prompt_under_two_adapters_and_the_base_never_shares_a_block(family
 
 @pytest.mark.timeout(240)
 def test_more_adapters_than_slots_all_finish_unchanged_with_aborts(family):
-    base, loras, refs = family
-    if base.name.startswith("tiny-qwen2"):
+    name, base, loras, refs = family
+    if name != "llama":
         pytest.skip("one family is enough for the soak")
     rng = random.Random(7)
     # 4 adapters, 2 slots, 2 kept in host memory; asynchronous scheduling: slots change while a step is in flight
@@ -149,8 +201,8 @@ def test_more_adapters_than_slots_all_finish_unchanged_with_aborts(family):
 
 @pytest.mark.timeout(120)
 def test_adapters_that_do_not_fit_are_refused_at_load_by_name(family, tmp_path):
-    base, loras, refs = family
-    if base.name.startswith("tiny-qwen2"):
+    name, base, loras, refs = family
+    if name != "llama":
         pytest.skip("one family is enough for the errors")
     other = make_tiny_model(tmp_path, arch="llama", hidden_size=32, intermediate_size=64)
     wrong_shape, _ = _adapter(other, tmp_path, 9, 4, 8, False, ["q_proj"])
@@ -187,8 +239,8 @@ def test_decodes_with_adapters_replay_captured_graphs_with_the_steps_slots(famil
     from corerun.plugin.registry import Registry
     from corerun.testing.engines import TEST_DEFAULTS
 
-    base, loras, refs = family
-    if base.name.startswith("tiny-qwen2"):
+    name, base, loras, refs = family
+    if name != "llama":
         pytest.skip("one family is enough for the graphs")
     registry = Registry.from_environment()
     plugin = types.SimpleNamespace(corerun_graph_runners=hookimpl(_emulated_graphs))
@@ -214,8 +266,8 @@ def test_decodes_with_adapters_replay_captured_graphs_with_the_steps_slots(famil
 def test_tensor_parallel_ranks_serve_their_share_of_each_adapter(family):
     """Two ranks: column-parallel layers keep their rows of B, row-parallel ones their columns of A (the
     partial products join the base's all-reduce); tokens equal transformers + PEFT merged."""
-    base, loras, refs = family
-    if base.name.startswith("tiny-qwen2"):
+    name, base, loras, refs = family
+    if name != "llama":
         pytest.skip("one family is enough for tensor parallelism")
     with make_llm(base, tensor_parallel_size=2, distributed={"start_method": "forkserver"},
                   lora={"enabled": True, "max_loras": 2, "max_lora_rank": 8}) as llm:
@@ -223,4 +275,48 @@ def test_tensor_parallel_ranks_serve_their_share_of_each_adapter(family):
         outs = llm.generate([PROMPTS[p] for p, _ in plan], GREEDY, lora_request=[lora for _, lora in plan])
         for (p, lora), out in zip(plan, outs):
             assert out.outputs[0].token_ids == refs[None if lora is None else lora.lora_int_id][p], (p, lora)
+        assert_idle(llm)
+
+
+def _raw_adapter(folder: Path, modules: dict[str, tuple[int, int]], rank: int = 4) -> str:
+    """A PEFT folder written by hand: a random ``lora_A`` ``[rank, in]`` / ``lora_B`` ``[out, rank]`` per module."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    g = torch.Generator().manual_seed(11)
+    tensors = {f"base_model.model.{m}.lora_{k}.weight": torch.randn(shape, generator=g)
+               for m, (n_in, n_out) in modules.items() for k, shape in (("A", (rank, n_in)), ("B", (n_out, rank)))}
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8}))
+    return str(folder)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("arch", "moe"), [
+    ("MixtralForCausalLM", ["block_sparse_moe.experts.0.w1", "block_sparse_moe.gate", "mlp.gate"]),
+    ("Qwen2MoeForCausalLM", ["mlp.experts.1.down_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert_gate"]),
+], ids=["mixtral", "qwen2-moe"])
+def test_mixture_of_experts_take_attention_adapters_and_refuse_the_experts_by_name(tmp_path, arch, moe):
+    """Attention adapters on a mixture-of-experts model equal transformers + PEFT merged; an adapter on
+    an expert, the router or the shared expert (Mixtral's older per-expert checkpoints name them) is
+    refused when it loads, naming the module."""
+    from corerun.models import mixtral, qwen_moe
+
+    keys = {"MixtralForCausalLM": mixtral.MixtralForCausalLM, "Qwen2MoeForCausalLM": qwen_moe.Qwen2MoeForCausalLM}[arch]
+    base = _hf_tiny(tmp_path, arch, **keys.conformance_config)
+    folder, merged = _adapter(base, tmp_path, 1, 4, 8, False, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    want, plain = _greedy(merged, PROMPTS[:2]), _greedy(base, PROMPTS[:2])
+    assert want != plain
+    attention = LoRARequest("attention", 1, str(folder))
+    with _engine(base) as llm:
+        outs = llm.generate(PROMPTS[:2] * 2, GREEDY, lora_request=[attention, attention, None, None])
+        assert [o.outputs[0].token_ids for o in outs] == want + plain
+        for i, module in enumerate(moe):
+            bad = _raw_adapter(tmp_path / f"moe-{i}", {f"model.layers.0.self_attn.q_proj": (64, 64),
+                                                       f"model.layers.0.{module}": (64, 32)})
+            with pytest.raises(RequestError, match=rf"module 'model\.layers\.0\.{re.escape(module)}' is part of a "
+                                                   r"mixture-of-experts block .* attention projections \['q_proj'"):
+                llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest(f"moe{i}", 2 + i, bad))
         assert_idle(llm)

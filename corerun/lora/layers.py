@@ -64,13 +64,15 @@ def _is_linear(module: nn.Module) -> bool:
 
 def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     """Every linear layer of ``model`` adapters may target, by name (its ``packed_modules_mapping`` names
-    the slices); read before :func:`install` wraps them."""
+    the slices), but none inside a mixture-of-experts block (a module with ``experts``); read before
+    :func:`install` wraps them."""
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {}) or {}
     checkpoint_name = {(ours, shard): ckpt for ckpt, (ours, shard) in packed.items()}
+    moe = tuple(f"{name}." for name, module in model.named_modules() if hasattr(module, "experts"))
     targets: dict[str, LoRATarget] = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear) or not _is_linear(module):
-            continue
+        if isinstance(module, LoRALinear) or not _is_linear(module) or name.startswith(moe):
+            continue  # (a mixture-of-experts block's router and shared expert are not targets: its experts are not linear layers)
         leaf = name.rpartition(".")[2]
         ranges = getattr(module, "shard_ranges", None)
         sizes = getattr(module, "shard_sizes", None)

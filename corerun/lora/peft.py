@@ -11,7 +11,8 @@ columns of ``A`` (row-parallel layers).
 Scaling: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``; a module whose rank or
 alpha differs (``rank_pattern``, ``alpha_pattern``) has its ratio to the adapter's scaling folded
 into its ``B``.  Refused at load, each with a :class:`LoRAError` naming the module, the value and what
-would fit: a module the model has no linear layer for (embeddings, the LM head), a shape that differs
+would fit: a module the model has no linear layer for (embeddings, the LM head; a mixture-of-experts
+block's experts, router or shared expert: those models take adapters on attention), a shape that differs
 from the base layer's, a rank above ``lora.max_lora_rank``, DoRA, trained biases, ``modules_to_save``.
 """
 
@@ -33,6 +34,7 @@ from corerun.lora.request import LoRARequest
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+_MOE = re.compile(r"\.(experts|shared_expert|shared_expert_gate|block_sparse_moe)(\.|$)|\.mlp\.gate$")  # Mixtral's, Qwen-MoE's
 
 
 class LoRAError(RequestError):
@@ -127,6 +129,11 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank:
     out = LoRAWeights(request, 0, scaling(r, alpha))
     layer_names = sorted({t.leaf for t in targets.values()} | {s.module for t in targets.values() for s in t.slices})
     for module, pair in sorted(pairs.items()):
+        if module not in slices and _MOE.search(module):
+            attention = list(dict.fromkeys(s.module for t in targets.values() if t.parent.endswith("self_attn") for s in t.slices))
+            raise LoRAError(f"adapter {name!r}: module {module!r} is part of a mixture-of-experts block (its experts, "
+                            f"router or shared expert); corerun serves adapters on such a model's attention "
+                            f"projections {attention} (and the MLPs of its dense layers) only")
         if module not in slices:
             raise LoRAError(f"adapter {name!r}: module {module!r} is not a linear layer of this model; adapters may "
                             f"target {layer_names}")
