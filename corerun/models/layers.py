@@ -260,6 +260,7 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = _parameter(vocab_size, hidden_size)
         self.packed = PackedWeight()
+        self.quantized: nn.Module | None = None  # set after loading by a method's lm_head(): used in place of weight
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share ``embedding.weight`` (one parameter, loaded once under either name)."""
@@ -267,6 +268,8 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden_size]`` -> logits float32 ``[N, vocab_size]``."""
+        if self.quantized is not None:
+            return self.quantized(hidden).float()
         return self.packed.linear(hidden, self.weight, None).float()
 
 

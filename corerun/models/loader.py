@@ -94,9 +94,32 @@ def load_model(
     weights = iterate_weights(files, allow_pickle=allow_pickle)
     if quant is not None and hasattr(quant, "checkpoint_weights"):  # a layer's parts gathered into one packed tensor
         weights = quant.checkpoint_weights(weights, quantization_config(model_dir))
+    head: dict[str, object] = {}
+    if quant is not None and getattr(quant, "quantizes_lm_head", False) and tp is None:
+        weights = _remember(weights, ("lm_head.weight", "model.embed_tokens.weight"), head)
     load_weights(model, weights, source=str(model_dir))
+    if head:
+        _quantize_lm_head(model, quant, head.get("lm_head.weight", head.get("model.embed_tokens.weight") if config.tie_word_embeddings else None))
     use_cpu_matvec_layout(model)  # one-token steps stream float32 CPU weights faster column by column
     return model.eval(), config
+
+
+def _remember(weights: Iterable[tuple[str, object]], names: tuple[str, ...], seen: dict[str, object]) -> Iterator[tuple[str, object]]:
+    """``weights`` passed through, the tensors named ``names`` kept in ``seen`` as read."""
+    for name, tensor in weights:
+        if name in names:
+            seen[name] = tensor
+        yield name, tensor
+
+
+def _quantize_lm_head(model: nn.Module, quant: "QuantizationMethod", loaded: object) -> None:
+    """The model's LM head multiplied by ``quant.lm_head(loaded)`` when the method offers a layer for it."""
+    from corerun.models.layers import LMHead
+
+    head = getattr(model, "lm_head", None)
+    if loaded is None or type(head) is not LMHead or tuple(loaded.shape) != tuple(head.weight.shape):  # type: ignore[attr-defined]
+        return
+    head.quantized = quant.lm_head(loaded)
 
 
 def find_weight_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:

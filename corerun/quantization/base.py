@@ -23,6 +23,12 @@ the loader reads: a format that stores a layer's weight as several tensors (GPTQ
 ``qzeros``, ``scales``) yields them as one packed tensor under the layer's ``weight`` name
 (:mod:`corerun.quantization.readers`).  The default passes the stream through.
 
+Optional: ``lm_head(loaded)`` (with ``quantizes_lm_head = True``): a layer that multiplies the LM head
+from the checkpoint's tensor for it as read (``lm_head.weight``, or the tied embedding's
+``model.embed_tokens.weight``; packed or float, ``[vocab, hidden]``), used by the model's
+:class:`~corerun.models.layers.LMHead` in place of its float weight; ``None`` keeps the float head.
+Called once after loading, for a model on one rank.
+
 ``capabilities`` (:class:`~corerun.plugin.capabilities.QuantizationCapabilities`) say what it reads and
 where it runs; ``quantization: auto`` picks from the checkpoint (:func:`corerun.quantization.select`).
 """
@@ -42,6 +48,7 @@ class QuantizationMethod(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[QuantizationCapabilities]
     dense: ClassVar[bool] = False  # True: the layers keep their plain float path (no per-call dispatch)
+    quantizes_lm_head: ClassVar[bool] = False  # True: the loader offers the LM head's tensor to lm_head()
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None: ...
@@ -56,6 +63,10 @@ class QuantizationMethod(ABC):
         self, weights: Iterable[tuple[str, Any]], quantization_config: Mapping[str, Any] | None,
     ) -> Iterator[tuple[str, Any]]:
         return iter(weights)
+
+    def lm_head(self, loaded: Any) -> nn.Module | None:
+        """A layer ``[T, hidden] -> [T, vocab]`` multiplying the LM head from ``loaded``, or ``None`` for the float head."""
+        return None
 
 
 def shard_offsets(shard_sizes: Mapping[Hashable, int]) -> dict[Hashable, int]:

@@ -14,13 +14,6 @@ from corerun_quant_cpu import kernels  # noqa: E402
 pytestmark = pytest.mark.timeout(300)  # the first use in a fresh cache compiles the kernel
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    reasons = kernels.load()
-    if reasons:
-        pytest.skip("; ".join(reasons))
-
-
 def _weights(type_name: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)

@@ -17,13 +17,6 @@ from corerun_quant_cpu import kernels  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    reasons = kernels.load()
-    if reasons:
-        pytest.skip("; ".join(reasons))
-
-
 class TestGgufCpuConformance(QuantizationSuite):
     implementation = "gguf_cpu"
 
