@@ -42,7 +42,7 @@ def corerun_graph_runners(register: Register) -> None:
     register(
         "eager",
         "corerun.graph.eager:EagerGraphRunner",
-        capabilities=GraphRunnerCapabilities(devices=frozenset({"cpu", "cuda"}), captures=False),
+        capabilities=GraphRunnerCapabilities(devices=frozenset({"cpu", "cuda"}), captures=False, passthrough=True),
         description="runs every step eagerly",
     )
     register(

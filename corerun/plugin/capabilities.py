@@ -159,6 +159,9 @@ class GraphRunnerCapabilities:
     captures: bool = False
     # runs a step whose linear layers all-reduce across tensor-parallel ranks
     tensor_parallel: bool = True
+    # its ``run`` is ``attention.plan(batch)`` then the model, nothing more (``eager``): the model runner
+    # then plans and calls the model itself, a hop less per step (the runner's ``stats`` stay zero)
+    passthrough: bool = False
 
     def fits(self, need: Need) -> list[str]:
         reasons = device_reasons(self.devices, need.device)
@@ -179,7 +182,8 @@ class GraphRunnerCapabilities:
         return reasons
 
     def to_dict(self) -> dict[str, Any]:
-        return {"devices": sorted(self.devices), "captures": self.captures, "tensor_parallel": self.tensor_parallel}
+        return {"devices": sorted(self.devices), "captures": self.captures, "tensor_parallel": self.tensor_parallel,
+                "passthrough": self.passthrough}
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,17 @@ from corerun.protocols.attention import AttentionBackend
 @dataclass
 class AttentionContext:
     """``backend`` runs every layer; ``metadata`` is ``backend.plan(batch)`` for this step;
-    ``kv_caches[i]`` is layer ``i``'s cache in the backend's own layout."""
+    ``kv_caches[i]`` is layer ``i``'s cache in the backend's own layout; ``per_layer``: the backend is told
+    the layer (:func:`wants_layer`; ``None``: read from the backend here, once per context)."""
 
     backend: AttentionBackend
     metadata: Any
     kv_caches: list[torch.Tensor]
+    per_layer: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_layer is None:
+            self.per_layer = wants_layer(self.backend)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``; writes this step's K/V first.
@@ -36,12 +42,13 @@ class AttentionContext:
         (``spec.per_layer``), so backends without per-layer attention keep their signature."""
         if torch.compiler.is_compiling():
             return torch.ops.corerun.attention(q, k, v, self.kv_caches[layer_idx], layer_idx)
-        if _per_layer(self.backend):
+        if self.per_layer:
             return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata, layer=layer_idx)
         return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata)
 
 
-def _per_layer(backend: AttentionBackend) -> bool:
+def wants_layer(backend: AttentionBackend) -> bool:
+    """Some layer of ``backend``'s spec has a sliding window (``spec.per_layer``): ``forward`` takes ``layer=``."""
     return bool(getattr(getattr(backend, "spec", None), "per_layer", False))
 
 
@@ -72,7 +79,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torc
     step = _compiled_step
     if step.backend is None:
         raise RuntimeError("corerun::attention ran outside a compiled step (no compiled_step binding)")
-    if _per_layer(step.backend):
+    if wants_layer(step.backend):
         return step.backend.forward(q, k, v, kv_cache, step.metadata, layer=layer)
     return step.backend.forward(q, k, v, kv_cache, step.metadata)
 

@@ -200,6 +200,8 @@ def capture(runner: Any, limits: GraphLimits) -> None:
         options=runner.config.graph.runner.options,
     )
     runner.graph.capture()
+    # (a runner that only plans and calls the model: ModelRunner._forward does that itself)
+    runner.graph_passthrough = bool(getattr(runner.registry.get("graph", runner.graph_name).capabilities, "passthrough", False))
 
 
 # ------------------------------------------------------------------ profile

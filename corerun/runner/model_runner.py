@@ -24,7 +24,7 @@ import torch
 from corerun.config import Config
 from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.errors import ConfigError, StepError
-from corerun.protocols.forward_context import AttentionContext
+from corerun.protocols.forward_context import AttentionContext, wants_layer
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
 from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
@@ -86,6 +86,7 @@ class ModelRunner:
     (corerun.executor), the model then holding this rank's shard."""
 
     lora: Any = None  # the adapters' slots and layers with lora.enabled (corerun.lora.manager.LoRAManager)
+    graph_passthrough = False  # the graph runner declares passthrough: _forward plans and calls the model itself
 
     pipeline_depth = 1  # micro-batches in flight (corerun.executor.stage: one per pipeline stage; launch / collect)
 
@@ -97,12 +98,22 @@ class ModelRunner:
         build(self, tp)  # load -> select -> profile -> size -> allocate -> capture (corerun.runner.construction)
 
     def _model_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, AttentionContext(self.attention, metadata, self.kv_caches))
+        return self.model(input_ids, positions,
+                          AttentionContext(self.attention, metadata, self.kv_caches, self.attention_per_layer))
+
+    @cached_property
+    def attention_per_layer(self) -> bool:
+        """The backend is told each layer (some layer has a sliding window): read once, not per layer."""
+        return wants_layer(self.attention)
 
     # the two seams tensor-parallel rank 0 (corerun.executor.driver) extends to bring its workers along
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The step's hidden states ``[num_tokens, hidden_size]``."""
-        return self.graph.run(inputs)
+        """The step's hidden states ``[num_tokens, hidden_size]``; a passthrough graph runner (``eager``)
+        would only plan and call the model, so the runner does that itself."""
+        if not self.graph_passthrough:
+            return self.graph.run(inputs)
+        with torch.no_grad():
+            return self._model_fn(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch))
 
     def _compute_logits(self, hidden: torch.Tensor, rows: slice | np.ndarray, batch: AttentionBatch) -> torch.Tensor:
         """float32 logits ``[N, vocab_size]`` of rows ``rows`` of the step's hidden states (:meth:`hidden_rows`)."""

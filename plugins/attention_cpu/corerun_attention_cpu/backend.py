@@ -75,6 +75,7 @@ class CpuAttentionBackend(DenseKVCache):
         self.lib = lib
         self.scale = float(spec.softmax_scale)
         self.soft_cap = float(spec.logits_soft_cap or 0.0)  # 0: none
+        self._windows = tuple(w or 0 for w in spec.sliding_windows)  # per layer, 0: full; (): every layer full
         self._dtype_code = DTYPE_CODES[spec.dtype]
         self._kv_code = KV_TYPE_CODES[spec.kv_cache_dtype]
         self._storage = kv_quant.storage_dtype(spec)
@@ -196,7 +197,7 @@ class CpuAttentionBackend(DenseKVCache):
             target.data_ptr(), target.stride(0), target.stride(1),
             md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
             md.num_reqs, q.shape[0], k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
-            self.scale, s.sliding_window(layer) or 0, self.soft_cap, self._kv_code, *s.kv_scales,
+            self.scale, self._windows[layer] if self._windows else 0, self.soft_cap, self._kv_code, *s.kv_scales,
             torch.get_num_threads(), self._err_ptr,
         )
         if rc:
