@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from corerun.lora.reference import TorchLoRAKernel
+from corerun.lora.tokens import LoRATokens
 from corerun.protocols.lora import LoRAKernel, LoRAKernelCapabilities, LoRANeed
 
 
@@ -29,7 +30,7 @@ def test_torch_kernel_equals_merged_weights_per_token():
     x = torch.randn(len(token_slots), 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y = torch.cat([x @ w_i.T for w_i in w], dim=1)
     base = y.clone()
-    TorchLoRAKernel().add_lora(y, x, a, b, scalings, token_slots, slices)
+    TorchLoRAKernel().add_lora(y, x, a, b, scalings, LoRATokens.of(token_slots, num_slots=3), slices)
     for t, s in enumerate(token_slots.tolist()):
         if s < 0:
             assert torch.equal(y[t], base[t])  # untouched, bit for bit
@@ -48,3 +49,45 @@ def test_torch_kernel_is_a_lora_kernel_and_declares_graph_safety():
     assert len(reasons) == 5 and "max_lora_rank 16" in reasons[2] and "max_loras 4" in reasons[3]
     with pytest.raises(TypeError, match="takes no options"):
         TorchLoRAKernel(block=4)
+
+
+def test_step_bookkeeping_orders_counts_and_resets_the_rows_a_shorter_step_leaves():
+    """LoRATokens against Python's own stable sort and counts; a shorter step's leftover rows are -1,
+    a slot outside the slots is refused by value."""
+    g = torch.Generator().manual_seed(2)
+    tokens = LoRATokens(num_slots=3, max_tokens=20, device="cpu")
+    for n in (17, 6, 0, 11):
+        slots = torch.randint(-1, 3, (n,), generator=g, dtype=torch.int32)
+        tokens.update(slots)
+        values = slots.tolist()
+        want = sorted(range(n), key=lambda t: values[t])  # stable: token order within a slot
+        assert tokens.order[:n].tolist() == want and tokens.num_tokens == n
+        counts = [values.count(s) for s in range(3)]
+        assert tokens.counts.tolist() == counts and list(tokens.host_counts) == counts
+        assert tokens.num_base == values.count(-1)
+        assert tokens.starts.tolist() == [values.count(-1) + sum(counts[:s]) for s in range(3)]
+        assert tokens.slots[:n].tolist() == values and set(tokens.slots[n:].tolist()) <= {-1}
+    with pytest.raises(ValueError, match=r"token slots must lie in -1 \.\. 2 \(the LoRA slots\), got -1 \.\. 3"):
+        tokens.update(torch.tensor([0, 3, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="a step of 21 tokens, beyond the 20"):
+        tokens.update(torch.zeros(21, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kernel", ["torch", "grouped"])
+def test_padding_rows_past_the_steps_tokens_are_left_alone(kernel):
+    """A CUDA graph's bucket runs more rows than the step has tokens: those rows get no adapter."""
+    from corerun.lora.grouped import GroupedLoRAKernel
+
+    w, a, b, scalings, slices = _case(3)
+    step = torch.tensor([1, 0, 2, 0, -1], dtype=torch.int32)
+    tokens = LoRATokens(num_slots=3, max_tokens=8, device="cpu")
+    tokens.update(torch.full((8,), 1, dtype=torch.int32))  # an earlier, longer step
+    tokens.update(step)
+    x = torch.randn(8, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(4))  # 3 padding rows
+    y = torch.cat([x @ w_i.T for w_i in w], dim=1)
+    base = y.clone()
+    {"torch": TorchLoRAKernel, "grouped": GroupedLoRAKernel}[kernel]().add_lora(y, x, a, b, scalings, tokens, slices)
+    assert torch.equal(y[5:], base[5:]) and torch.equal(y[4], base[4])
+    for t, s in enumerate(step.tolist()[:4]):
+        merged = torch.cat([w_i + float(scalings[s]) * (b_i[s] @ a_i[s]) for w_i, a_i, b_i in zip(w, a, b)])
+        torch.testing.assert_close(y[t], x[t] @ merged.T, rtol=1e-10, atol=1e-10)

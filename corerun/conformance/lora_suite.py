@@ -17,7 +17,12 @@ Checks, one case per declared dtype (and layout):
 - ``large``: 70 tokens, 200 input features, slices of 96 and 40 columns, rank up to 16 (token and
   feature counts no tile divides: tiles must mask);
 - ``graph_replay`` (``graph_safe`` kernels, on CUDA): captured in a CUDA graph (a host
-  synchronisation fails the capture), replayed with other slots and inputs in the same tensors.
+  synchronisation fails the capture), replayed with other slots and inputs in the same tensors (the
+  step's :class:`~corerun.lora.tokens.LoRATokens` refilled in place between replays, as the engine
+  does before each step).
+
+The kernel gets the tokens' slots with their order by slot and each slot's count already computed
+(:class:`~corerun.lora.tokens.LoRATokens`, once per step in the engine), as the protocol states.
 
 Adopt it with::
 
@@ -35,6 +40,7 @@ import torch
 from corerun.conformance.suite import Case, ConformanceSuite
 from corerun.conformance.target import Target
 from corerun.conformance.tolerances import SHORT_DTYPE, within
+from corerun.lora.tokens import LoRATokens
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 LAYOUTS = {"one": (24,), "qkv": (32, 8, 8), "gate_up": (24, 24)}
@@ -81,12 +87,14 @@ class Problem:
         self.slices = case.slices
         self.dtype, self.device = case.dtype, device
 
-    def inputs(self, token_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(y, x, token_slots)`` on the device: ``y = x @ W.T + bias`` rounded to the dtype."""
+    def inputs(self, token_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, LoRATokens]:
+        """``(y, x, tokens)`` on the device: ``y = x @ W.T + bias`` rounded to the dtype; ``tokens`` the
+        step's bookkeeping of ``token_slots`` (their order by slot, each slot's count)."""
         x = self.x[: len(token_slots)]
         y = torch.cat([x.double() @ w.T for w in self.w], 1) + self.bias[: len(token_slots)]
-        slots = torch.tensor(token_slots, dtype=torch.int32)
-        return y.to(self.x.dtype).to(self.device), x.to(self.device), slots.to(self.device)
+        tokens = LoRATokens(len(self.scalings), max(1, len(token_slots)), self.device)
+        tokens.update(torch.tensor(token_slots, dtype=torch.int32))
+        return y.to(self.x.dtype).to(self.device), x.to(self.device), tokens
 
     def reference(self, token_slots: list[int], before: torch.Tensor) -> torch.Tensor:
         """``y`` as handed over plus ``x @ (W + s * B[s] @ A[s]).T - x @ W.T`` per token's slot ``s``, in
@@ -103,9 +111,9 @@ class Problem:
 
     def run(self, kernel: Any, token_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's ``y`` after ``add_lora``, and ``y`` as it was handed over."""
-        y, x, slots = self.inputs(token_slots)
+        y, x, tokens = self.inputs(token_slots)
         before = y.clone()
-        out = kernel.add_lora(y, x, self.a, self.b, self.scalings.to(self.device), slots, self.slices)
+        out = kernel.add_lora(y, x, self.a, self.b, self.scalings.to(self.device), tokens, self.slices)
         if out is not None and out is not y:
             raise AssertionError(f"add_lora returned a {type(out).__name__}; it must add into y in place and return None")
         return y, before
@@ -196,27 +204,27 @@ class LoRAKernelSuite(ConformanceSuite):
             pytest.skip("graph_replay captures a CUDA graph: it runs on a CUDA device")
         problem = Problem(case.config, case.device, seed=7)
         first = mixed_slots(case.config.tokens, case.config.slots, seed=8)
-        y, x, slots = problem.inputs(first)
+        y, x, tokens = problem.inputs(first)
         scalings = problem.scalings.to(case.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (compilation, autotuning) outside the capture
-            kernel.add_lora(y.clone(), x, problem.a, problem.b, scalings, slots, problem.slices)
+            kernel.add_lora(y.clone(), x, problem.a, problem.b, scalings, tokens, problem.slices)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                kernel.add_lora(y, x, problem.a, problem.b, scalings, slots, problem.slices)
+                kernel.add_lora(y, x, problem.a, problem.b, scalings, tokens, problem.slices)
         except RuntimeError as exc:
             raise AssertionError(f"{case.id}: add_lora cannot be captured in a CUDA graph (a host synchronisation "
                                  f"or an allocation that depends on the slots?): {exc}") from exc
         for seed in (9, 10):  # other slots, other inputs, in the captured tensors
             token_slots = mixed_slots(case.config.tokens, case.config.slots, seed=seed)
             problem.x = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(seed)).to(problem.x.dtype)
-            y_new, x_new, slots_new = problem.inputs(token_slots)
+            y_new, x_new, _ = problem.inputs(token_slots)
             y.copy_(y_new)
             x.copy_(x_new)
-            slots.copy_(slots_new)
+            tokens.update(torch.tensor(token_slots, dtype=torch.int32))  # the step's bookkeeping, outside the graph
             graph.replay()
             torch.cuda.synchronize()
             check(f"{case.id}, replay with slots {token_slots}", problem, token_slots, y, y_new)

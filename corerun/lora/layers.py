@@ -12,9 +12,10 @@ row-parallel one) and the family's ``packed_modules_mapping``, without importing
 
 :class:`LoRALinear` replaces such a layer when ``lora.enabled`` is set (nothing changes otherwise).
 Its A and B stacks, ``[S, R, in]`` and ``[S, out_i, R]`` per slice, are written by
-:class:`corerun.lora.manager.LoRAManager`; the tokens' slots and the slots' scalings are the
-manager's fixed device tensors, refilled before every forward, so a captured CUDA graph replays
-with the step's slots.
+:class:`corerun.lora.manager.LoRAManager`; the step's tokens (:class:`~corerun.lora.tokens.LoRATokens`:
+their slots, their order by slot, each slot's count) and the slots' scalings are the manager's fixed
+device tensors, refilled once before every forward, so a captured CUDA graph replays with the step's
+slots and every layer's kernel call finds the step's bookkeeping done.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from corerun.lora.tokens import LoRATokens
 from corerun.protocols.lora import LoRAKernel
 
 
@@ -88,12 +90,13 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
 
 
 class LoRAStepState:
-    """What every :class:`LoRALinear` of a model shares: the kernel, the tokens' slots (int32
-    ``[max_tokens]``, ``-1`` = base) and the slots' scalings (float32 ``[S]``), fixed device tensors."""
+    """What every :class:`LoRALinear` of a model shares: the kernel, the step's tokens (their slots and
+    their order by slot, :class:`~corerun.lora.tokens.LoRATokens`, refilled once per step) and the
+    slots' scalings (float32 ``[S]``), fixed device tensors."""
 
     def __init__(self, kernel: LoRAKernel, num_slots: int, max_tokens: int, device: torch.device) -> None:
         self.kernel = kernel
-        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.tokens = LoRATokens(num_slots, max_tokens, device)
         self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.enabled = True  # False: the layers run their base product only (``corerun bench --lora``'s base runs)
 
@@ -132,13 +135,15 @@ class LoRALinear(nn.Module):
         state, base = self.state, self.base
         if not state.enabled:
             return base(x)
-        slots = state.token_slots[: x.shape[0]]
+        if x.shape[0] < state.tokens.num_tokens:
+            raise ValueError(f"LoRA layer {type(base).__name__}: {x.shape[0]} tokens, fewer than the step's "
+                             f"{state.tokens.num_tokens} whose slots were set")
         if not self.row_parallel:
             y = base(x)
-            state.kernel.add_lora(y, x, self.a, self.b, state.scalings, slots, self.output_slices)
+            state.kernel.add_lora(y, x, self.a, self.b, state.scalings, state.tokens, self.output_slices)
             return y
         y = base.product(x)  # this rank's partial product; the adapter's partial shrink joins it in the all-reduce
-        state.kernel.add_lora(y, x, self.a, self.b, state.scalings, slots, self.output_slices)
+        state.kernel.add_lora(y, x, self.a, self.b, state.scalings, state.tokens, self.output_slices)
         y = base.tp.all_reduce(y)
         return y if base.bias is None else y + base.bias
 

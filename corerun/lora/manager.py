@@ -7,8 +7,9 @@ scheduler hands out, and each step's token slots where the model's LoRA layers r
 - :meth:`LoRAManager.begin_step`: the step's new requests name their adapter and slot
   (``NewRequest.lora`` / ``lora_slot``); an adapter not already in its slot is copied there (rank
   zero-padded to ``max_lora_rank``, slices it does not target zeroed), then the step's ``lora_slots``
-  field is copied into the fixed ``token_slots`` tensor the layers read.  Both run on the thread that
-  runs the forward, in stream order with it.
+  field fills the step's :class:`~corerun.lora.tokens.LoRATokens` the layers read (the slots, and the
+  tokens ordered by slot with each slot's count: once per step, not per layer).  Both run on the
+  thread that runs the forward, in stream order with it.
 """
 
 from __future__ import annotations
@@ -101,7 +102,4 @@ class LoRAManager:
         for r in new_reqs:
             if r.lora is not None:
                 self.activate(r.lora, r.lora_slot)
-        n = lora_slots.shape[0]
-        if n > self.state.token_slots.shape[0]:
-            raise ValueError(f"a step of {n} tokens, beyond the {self.state.token_slots.shape[0]} the LoRA slots were sized for")
-        self.state.token_slots[:n].copy_(lora_slots, non_blocking=True)
+        self.state.tokens.update(lora_slots)

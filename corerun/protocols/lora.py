@@ -1,8 +1,10 @@
 """The ``LoRAKernel`` protocol: add many adapters' low-rank products to one batch's linear outputs.
 
 A step mixes requests for different adapters (and the base model).  Each adapter sits in one of
-``S`` device slots; every token carries its slot (``token_slots``, ``-1`` for the base model), and
-each linear layer the adapters target calls :meth:`LoRAKernel.add_lora` once after its base product.
+``S`` device slots; every token carries its slot (``-1`` for the base model).  Once per step the
+engine orders the tokens by slot and counts each slot's (:class:`corerun.lora.tokens.LoRATokens`),
+and each linear layer the adapters target calls :meth:`LoRAKernel.add_lora` once after its base
+product, with that same bookkeeping.
 Adapters of rank below ``R = max_lora_rank`` are zero-padded to ``R``, so every slot has one shape.
 
 A kernel is a ``lora`` plugin (``corerun new lora NAME``, ``corerun conformance lora:NAME``); the
@@ -19,6 +21,8 @@ from corerun.plugin.capabilities import LoRAKernelCapabilities, device_reasons  
 
 if TYPE_CHECKING:
     import torch
+
+    from corerun.lora.tokens import LoRATokens
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,12 @@ class LoRAKernel(Protocol):
         a: Sequence["torch.Tensor"],
         b: Sequence["torch.Tensor"],
         scalings: "torch.Tensor",
-        token_slots: "torch.Tensor",
+        tokens: "LoRATokens",
         output_slices: Sequence[int],
     ) -> None:
         """In place: for each slice ``i`` (columns ``offset_i .. offset_i + output_slices[i]`` of ``y``,
         ``offset_i`` the sum of the slices before it) and each token ``t`` whose slot
-        ``s = token_slots[t] >= 0``::
+        ``s = tokens.slots[t] >= 0``::
 
             y[t, slice_i] += scalings[s] * ((x[t] @ a[i][s].T) @ b[i][s].T)
 
@@ -64,7 +68,14 @@ class LoRAKernel(Protocol):
           (``S`` device slots, ``R`` = ``max_lora_rank``; adapters of smaller rank zero-padded; a slice
           an adapter does not target is zero);
         - ``scalings``: ``[S]`` float32, ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA);
-        - ``token_slots``: ``[T]`` int32 on ``y``'s device, ``-1`` = base model.
+        - ``tokens``: the step's :class:`corerun.lora.tokens.LoRATokens`, built once per step and the same
+          for every layer: ``tokens.slots[:T]`` int32 on ``y``'s device (``-1`` = base model; ``T`` may
+          exceed the step's ``tokens.num_tokens`` by a CUDA graph's padding, whose slots are ``-1``),
+          ``tokens.order`` int64 (``order[:num_tokens]``: the tokens sorted by slot, stable, the base
+          model's first), ``tokens.starts`` / ``tokens.counts`` int64 ``[S]`` (slot ``s``'s tokens are
+          ``order[starts[s] : starts[s] + counts[s]]``), all on the device at fixed addresses; and host
+          values, ``num_tokens``, ``num_base``, ``host_counts`` (``S`` ints), which a captured graph
+          would replay as they were: only for kernels that are not ``graph_safe``.
 
         No host synchronisation: under CUDA graphs the slots change between replays.
         """
