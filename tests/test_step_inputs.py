@@ -69,12 +69,15 @@ def _check(out, ref: dict) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_many_steps_of_messages_match_the_reference(seed: int) -> None:
+@pytest.mark.parametrize("small_batch", [0, 16], ids=["vectorised", "lists"])
+def test_many_steps_of_messages_match_the_reference(seed: int, small_batch: int) -> None:
+    """(``small_batch``: decode steps of up to that many requests are filled from Python lists; 0: never.)"""
     rng = random.Random(seed)
     kv = PagedKVCacheManager(18, BS, prefix_caching=True)
     sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=14, max_model_len=200)
     ib = InputBatch(BS, rows=1, width=2, table_width=1)  # everything grows
     si = StepInputs(BS, "cpu", max_num_tokens=4, max_num_reqs=1, max_blocks_per_seq=1)  # and the staging buffer
+    si.small_batch = small_batch
     shared = [rng.randrange(1000) for _ in range(2 * BS)]
     seen = {"drafts": 0, "resumed": 0, "steps": 0}
     next_id = 0
@@ -112,13 +115,15 @@ def test_many_steps_of_messages_match_the_reference(seed: int) -> None:
     assert ib.token_ids.shape[0] > 1 and ib.token_ids.shape[1] > 2 and ib.block_table.shape[1] > 1
 
 
-def test_steady_decodes_keep_what_did_not_change_and_rewrite_the_tables_that_did() -> None:
+@pytest.mark.parametrize("small_batch", [0, 16], ids=["vectorised", "lists"])
+def test_steady_decodes_keep_what_did_not_change_and_rewrite_the_tables_that_did(small_batch: int) -> None:
     """The same requests decoding step after step (the buffers alternate; tables grow every few steps,
     a request is preempted and resumed into another row): every step equals the reference."""
     rng = random.Random(7)
     kv = PagedKVCacheManager(40, BS, prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=200)
     ib, si = InputBatch(BS), StepInputs(BS, "cpu", max_num_tokens=64, max_num_reqs=3, max_blocks_per_seq=16)
+    si.small_batch = small_batch
     for i in range(3):
         sched.add(Sequence(i, str(i), [rng.randrange(1000) for _ in range(3 + 2 * i)], SamplingParams(max_tokens=40)))
     for b in si._buffers:
@@ -161,6 +166,17 @@ def test_refusals_say_what_was_wrong() -> None:
     ib.apply(zero)
     with pytest.raises(ValueError, match="request 4 is scheduled 0 tokens"):
         si.build(zero, ib)
+
+
+@pytest.mark.parametrize("small_batch", [0, 16], ids=["vectorised", "lists"])
+def test_a_decode_past_its_table_is_refused_by_name(small_batch: int) -> None:
+    si = StepInputs(BS, "cpu", max_num_tokens=8, max_num_reqs=2, max_blocks_per_seq=2)
+    si.small_batch = small_batch
+    ib = InputBatch(BS)
+    decode = ScheduledBatch((2, 3), (1, 1), 2, new_reqs=(_one(2, 3, (4,), computed=2), _one(3, 5, (5,), computed=4)))
+    ib.apply(decode)
+    with pytest.raises(ValueError, match="request 3's block table has 1 blocks, but this step reaches 5 tokens, which need 2"):
+        si.build(decode, ib)
 
 
 def test_a_change_to_a_request_the_runner_never_held_is_refused_by_name() -> None:

@@ -22,7 +22,9 @@ handed out are views of the buffer (made once per buffer and layout).  On CUDA t
 buffer is copied into a fresh device tensor without waiting (``non_blocking``), the fields being
 views of it; before a buffer is written again, :meth:`_Staging.wait` waits for the copy out of it.
 One fill writes the buffer (:meth:`StepInputs._fill`): vectorised numpy gathers from the persistent
-batch, a fixed dozen calls whatever the step's size (fewer for a step of decodes only).
+batch, a fixed dozen calls whatever the step's size (fewer for a step of decodes only).  A step of a
+few decodes (:attr:`StepInputs.small_batch`) is filled from Python lists instead, a few element reads
+per request, as the fixed cost of those calls would exceed the whole step's work.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ class StepInputs:
     synchronous and none is needed.
     """
 
+    small_batch = 16  # decodes up to this many requests are filled from Python lists (:meth:`_small_decodes`)
+
     def __init__(
         self,
         block_size: int,
@@ -161,38 +165,51 @@ class StepInputs:
             raise ValueError("cannot prepare inputs for an empty scheduled batch (no requests); schedule at least one")
         if rows is None:
             rows = batch.rows_of(sched.req_ids)
-        decode = sched.num_decodes == num_reqs  # one token per request
-        query_lens = None if decode else np.array(sched.num_scheduled, dtype=np.int64)
-        if query_lens is not None and query_lens.min() < 1:
+        if sched.num_decodes == num_reqs:  # one token per request
+            if num_reqs <= self.small_batch:
+                return self._small_decodes(sched, batch, rows)
+            return self._decodes(sched, batch, rows)
+        query_lens = np.array(sched.num_scheduled, dtype=np.int64)
+        if query_lens.min() < 1:
             i = int(query_lens.argmin())
             raise ValueError(
                 f"request {sched.req_ids[i]} is scheduled {query_lens[i]} tokens; every scheduled request needs at "
                 "least one (a KV-cache manager's get_computed_prefix must leave the last prompt token uncomputed)"
             )
         ctx = batch.num_computed[rows]
-        reach = ctx + 1 if query_lens is None else ctx + query_lens
+        reach = ctx + query_lens
+        blocks = self._check_tables(sched, batch, rows, reach)
+        lay = StepLayout.of(int(query_lens.sum()), num_reqs, max(int(blocks.max()), 1))
+        buf, out, host = self._begin(lay, batch)
+        buf.decodes = None
+        sampled_rows, logits_indices = self._fill(out, lay, batch, rows, ctx, query_lens)
+        return self._finish(buf, lay, host, int(query_lens.max()), int(reach.max()), sched.num_decodes), sampled_rows, logits_indices
+
+    def _check_tables(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray, reach: np.ndarray) -> np.ndarray:
+        """The block counts of ``rows``; ``ValueError`` naming the first whose table holds fewer than ``reach`` tokens."""
         blocks = batch.num_blocks[rows]
         short = np.flatnonzero(blocks * self.block_size < reach)
         if short.size:
             i = int(short[0])
             raise _short_table(sched.req_ids[i], int(blocks[i]), int(reach[i]), self.block_size)
-        num_tokens = num_reqs if query_lens is None else int(query_lens.sum())
-        lay = StepLayout.of(num_tokens, num_reqs, max(int(blocks.max()), 1))
+        return blocks
+
+    def _begin(self, lay: StepLayout, batch: InputBatch) -> tuple[_Staging, StepTensors, StepTensors]:
+        """The buffer this build fills, with the fields of ``lay`` in it (numpy arrays to write, CPU tensors to hand out)."""
         buf = self._staging(lay.nbytes)
-        if max(num_tokens, num_reqs) >= self._arange.size:
-            self._arange = np.arange(2 * max(num_tokens, num_reqs) + 1, dtype=np.int64)
+        if max(lay.num_tokens, lay.num_reqs) >= self._arange.size:
+            self._arange = np.arange(2 * max(lay.num_tokens, lay.num_reqs) + 1, dtype=np.int64)
         if batch.table_writes:  # (rows whose tables every buffer must write again)
             for b in self._buffers:
                 b.stale.update(batch.table_writes)
             batch.table_writes.clear()
         out, host = buf.views(lay)
-        if query_lens is None:
-            sampled_rows, logits_indices = self._fill_decodes(buf, out, lay, batch, sched.req_ids, rows, ctx)
-        else:
-            buf.decodes = None
-            sampled_rows, logits_indices = self._fill(out, lay, batch, rows, ctx, query_lens)
-        buf.stale.clear()
+        return buf, out, host
 
+    def _finish(self, buf: _Staging, lay: StepLayout, host: StepTensors, max_query_len: int, max_seq_len: int,
+                num_decodes: int) -> ModelInputs:
+        """The filled buffer handed out: its own views on CPU, a device copy queued on CUDA."""
+        buf.stale.clear()
         if self.pin_memory:  # one copy, queued; the buffer's fence tells the build after next when it is free
             staged = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
             staged.copy_(buf.host[: lay.nbytes], non_blocking=True)
@@ -202,25 +219,28 @@ class StepInputs:
         if buf.fence is not None:
             buf.fence.record()
             buf.pending = True
-        inputs = model_inputs(
+        return model_inputs(
             fields,
-            max_query_len=1 if query_lens is None else int(query_lens.max()),
-            max_seq_len=int(reach.max()),
-            num_decodes=sched.num_decodes,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_decodes=num_decodes,
             query_start_loc_cpu=host.query_start_loc,
             seq_lens_cpu=host.seq_lens,
         )
-        return inputs, sampled_rows, logits_indices
 
-    def _fill_decodes(
-        self, buf: _Staging, out: StepTensors, lay: StepLayout, batch: InputBatch, req_ids: tuple[int, ...],
-        rows: np.ndarray, ctx: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_fill` for a step of decodes: one token per request at its computed count.  When this
-        buffer's last step was decodes of the same requests in the same layout, the query starts, block
-        tables and adapter slots it holds are kept but for the rows whose tables changed since."""
+    def _decode_tables(self, buf: _Staging, out: StepTensors, lay: StepLayout, batch: InputBatch, req_ids: tuple[int, ...],
+                       rows: np.ndarray, row_list: list[int] | None = None) -> None:
+        """A step of decodes' query starts, block tables and adapter slots.  When this buffer's last step was
+        decodes of the same requests in the same layout, it holds them already but for the rows whose
+        tables changed since (looked up one by one in ``row_list``, ``rows`` as a list, when given)."""
         if buf.decodes is not None and buf.decodes[0] is lay and buf.decodes[1] == req_ids:
-            if buf.stale:
+            if buf.stale and row_list is not None:
+                stale, width = buf.stale, lay.table_width
+                for i, r in enumerate(row_list):
+                    if r in stale:
+                        out.block_tables[i] = batch.block_table[r, :width]
+                        out.lora_slots[i] = batch.lora_slot[r]
+            elif buf.stale:
                 changed = np.zeros(len(batch.seq_ids), dtype=bool)
                 changed[list(buf.stale)] = True
                 at = np.flatnonzero(changed[rows])
@@ -231,15 +251,49 @@ class StepInputs:
             np.take(batch.block_table[:, : lay.table_width], rows, axis=0, out=out.block_tables)
             np.take(batch.lora_slot, rows, out=out.lora_slots)
             buf.decodes = (lay, req_ids)
+
+    def _small_decodes(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray,
+                       ) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
+        """A step of at most :attr:`small_batch` decodes, its per-request values read and written as Python
+        lists: a few element reads per request cost less than the two dozen numpy calls of :meth:`_decodes`."""
+        rl = rows.tolist()
+        ctx = batch.num_computed[rows].tolist()
+        blocks = batch.num_blocks[rows].tolist()
+        shift = self.block_size.bit_length() - 1
+        for i, (c, b) in enumerate(zip(ctx, blocks)):
+            if b << shift <= c:
+                raise _short_table(sched.req_ids[i], b, c + 1, self.block_size)
+        lay = StepLayout.of(len(rl), len(rl), max(max(blocks), 1))
+        buf, out, host = self._begin(lay, batch)
+        self._decode_tables(buf, out, lay, batch, sched.req_ids, rows, rl)
+        tok, table, mask = batch.token_ids.item, batch.block_table.item, self.block_size - 1
+        out.input_ids[:] = [tok(r, c) for r, c in zip(rl, ctx)]
+        out.positions[:] = out.context_lens[:] = ctx
+        out.slot_mapping[:] = [table(r, c >> shift) << shift | c & mask for r, c in zip(rl, ctx)]
+        seq_lens = [c + 1 for c in ctx]
+        out.seq_lens[:] = seq_lens
+        num_tokens = batch.num_tokens.item
+        sampled_rows = np.array([i for i, (r, n) in enumerate(zip(rl, seq_lens)) if n >= num_tokens(r)], dtype=np.int64)
+        return self._finish(buf, lay, host, 1, max(seq_lens), sched.num_decodes), sampled_rows, sampled_rows
+
+    def _decodes(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
+        """A step of decodes: one token per request at its computed count, vectorised."""
+        ctx = batch.num_computed[rows]
+        reach = ctx + 1
+        blocks = self._check_tables(sched, batch, rows, reach)
+        num_reqs = len(rows)
+        lay = StepLayout.of(num_reqs, num_reqs, max(int(blocks.max()), 1))
+        buf, out, host = self._begin(lay, batch)
+        self._decode_tables(buf, out, lay, batch, sched.req_ids, rows)
         out.context_lens[:] = ctx
         out.positions[:] = ctx
-        np.add(ctx, 1, out=out.seq_lens)
+        out.seq_lens[:] = reach
         out.input_ids[:] = batch.token_ids[rows, ctx]
         shift = self.block_size.bit_length() - 1
-        blocks = batch.block_table[rows, ctx >> shift]
-        np.add(np.left_shift(blocks, shift, dtype=np.int64), ctx & (self.block_size - 1), out=out.slot_mapping)
-        sampled_rows = np.flatnonzero(out.seq_lens >= batch.num_tokens[rows])  # (a one-token prompt chunk is not)
-        return sampled_rows, sampled_rows
+        block_ids = batch.block_table[rows, ctx >> shift]
+        np.add(np.left_shift(block_ids, shift, dtype=np.int64), ctx & (self.block_size - 1), out=out.slot_mapping)
+        sampled_rows = np.flatnonzero(reach >= batch.num_tokens[rows])  # (a one-token prompt chunk is not)
+        return self._finish(buf, lay, host, 1, int(reach.max()), sched.num_decodes), sampled_rows, sampled_rows
 
     def _fill(
         self, out: StepTensors, lay: StepLayout, batch: InputBatch, rows: np.ndarray, ctx: np.ndarray, query_lens: np.ndarray,
@@ -248,23 +302,25 @@ class StepInputs:
 
         Request ``i``'s tokens run from ``ctx[i]``: token ``j`` sits at position
         ``j - query_starts[i] + ctx[i]`` of row ``rows[i]``, and its slot is its block (from the row's
-        table) times ``block_size`` plus the position within the block.
+        table) times ``block_size`` plus the position within the block.  Token ids and blocks are read
+        from the flattened arrays (one index per element: a gather with a row and a column index array
+        costs twice as much).
         """
         num_tokens = lay.num_tokens
-        query_starts, seq_lens = out.query_start_loc, out.seq_lens
+        query_starts, seq_lens, pos = out.query_start_loc, out.seq_lens, out.positions
         out.context_lens[:] = ctx
         query_starts[0] = 0
         np.cumsum(query_lens, out=query_starts[1:])
         np.add(ctx, query_lens, out=seq_lens)
         token_row = np.repeat(rows, query_lens)
-        pos = self._arange[:num_tokens] + np.repeat(ctx - query_starts[:-1], query_lens)
-        out.positions[:] = pos
-        out.input_ids[:] = batch.token_ids[token_row, pos]
-        out.block_tables[:] = batch.block_table[rows, : lay.table_width]
+        np.add(self._arange[:num_tokens], np.repeat(ctx - query_starts[:-1], query_lens), out=pos)
+        tokens, table = batch.token_ids, batch.block_table
+        np.take(tokens.reshape(-1), token_row * tokens.shape[1] + pos, out=out.input_ids)
+        out.block_tables[:] = table[rows, : lay.table_width]
         shift = self.block_size.bit_length() - 1
-        blocks = batch.block_table[token_row, pos >> shift].astype(np.int64)
-        np.add(blocks << shift, pos & (self.block_size - 1), out=out.slot_mapping)
-        out.lora_slots[:] = batch.lora_slot[token_row]
+        blocks = table.reshape(-1).take(token_row * table.shape[1] + (pos >> shift))
+        np.add(np.left_shift(blocks, shift, dtype=np.int64), pos & (self.block_size - 1), out=out.slot_mapping)
+        out.lora_slots[:] = np.repeat(batch.lora_slot[rows], query_lens)
         # rows whose scheduled tokens reach their last token are sampled from that token's logits
         sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
         return sampled_rows, query_starts[1:][sampled_rows].astype(np.int64) - 1
