@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from corerun.bench.compare import (
-    BASELINE, PeerError, build_compare_report, build_request, compare, find_python, parse_compare, parse_env,
-    parse_peer_pythons, render_compare, result_from_json,
+    BASELINE, GGUF_DIR, PeerError, build_compare_report, build_request, compare, find_python, llamacpp_gguf, parse_compare,
+    parse_env, parse_peer_pythons, render_compare, result_from_json,
 )
 from corerun.bench.report import base_report
 from corerun.bench.workload import make_workload
@@ -193,6 +193,18 @@ def test_request_carries_the_workload():
                         max_model_len=64, vocab_size=100, gguf=Path("/g.gguf"), options={})
     assert req["prompts"] == WORKLOAD.prompts and req["output_lens"] == WORKLOAD.output_lens
     assert req["warmup_prompt"] is None and req["gguf"] == "/g.gguf" and json.loads(json.dumps(req)) == req
+
+
+def test_llamacpp_runs_the_gguf_file_corerun_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    q4 = tmp_path / "model.Q4_1.gguf"
+    assert llamacpp_gguf(str(q4), "float32", None) == q4  # the same file, quantized as it is
+    assert llamacpp_gguf(str(q4), "float32", Path("/other.gguf")) == Path("/other.gguf")  # --gguf wins
+    assert llamacpp_gguf(str(tmp_path / "folder"), "float32", None) is None  # a folder: llama.cpp needs --gguf
+    made = tmp_path / GGUF_DIR / "SmolLM2-135M-Instruct-F32.gguf"  # the default model: setup.sh's file in the dtype
+    made.parent.mkdir(parents=True)
+    made.write_bytes(b"")
+    assert llamacpp_gguf(None, "float32", None) == made
 
 
 def test_baseline_runs_with_its_environment(fake, monkeypatch):

@@ -53,7 +53,7 @@ setup_llama_cpp() {
     CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" nice -n 19 "$py" -m pip install "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
     "$py" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
     mkdir -p "$models"
-    for kind in f32 bf16; do
+    for kind in f32 bf16 q8_0; do  # q8_0: for the Q8_0 comparison (corerun's gguf_cpu on the same file)
         local out=$models/SmolLM2-135M-Instruct-${kind^^}.gguf
         [ -f "$out" ] || "$corerun_python" "$here/make_gguf.py" "$kind" "$out"
     done

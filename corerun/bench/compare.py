@@ -124,6 +124,17 @@ def find_gguf(dtype: str, given: Path | None) -> Path | None:
     return None
 
 
+def llamacpp_gguf(model: str | None, dtype: str, given: Path | None) -> Path | None:
+    """The GGUF file llama.cpp runs: ``given`` (``--gguf``); else corerun's ``model`` itself when it is a
+    ``.gguf`` file (the very file corerun reads, quantized or not); else, for the default model, the
+    unquantized file in ``dtype`` that ``setup.sh`` makes; ``None`` for a model folder."""
+    if given is not None:
+        return given
+    if model and str(model).endswith(".gguf"):
+        return Path(model)
+    return None if model else find_gguf(dtype, None)
+
+
 @dataclass
 class EngineRuns:
     """Every round of one engine, and why it was skipped (if it was)."""

@@ -63,7 +63,7 @@ class _BenchCommand(click.Command):
 @click.option("--baseline-env", "baseline_env", multiple=True, metavar="NAME=VALUE",
               help="With --compare: also run corerun with this environment variable set (corerun-baseline), e.g. CORERUN_CPU_PREPACK=0 for a before/after.")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="With --compare llama.cpp: the GGUF file of the model in the run's dtype [the default model's, from benchmarks/peers/setup.sh].")
+              help="With --compare llama.cpp: the GGUF file of the model in the run's dtype [--model itself when it is a .gguf file, else the default model's, from benchmarks/peers/setup.sh].")
 @click.option("--hf-batching", type=click.Choice(["batched", "per-prompt"]), default="batched", show_default=True,
               help="HF: left-padded batches (as vLLM's benchmark_throughput), or one generate per request.")
 @click.option("--hf-batch-size", type=click.IntRange(min=1), default=None, help="HF: requests per batch [all of them].")
@@ -391,7 +391,7 @@ def _run_compare(
     import os
     from pathlib import Path
 
-    from corerun.bench.compare import BASELINE, PeerError, build_compare_report, build_request, compare, find_gguf, find_python
+    from corerun.bench.compare import BASELINE, PeerError, build_compare_report, build_request, compare, find_python, llamacpp_gguf
     from corerun.bench.report import base_report
     from corerun.runner.model_runner import resolve_device, resolve_dtype
     from corerun.models.config import ModelConfig
@@ -400,7 +400,12 @@ def _run_compare(
     cfg = build_config(config_path, sets, **cfg_args)
     if resolve_device(cfg.device).type != "cpu":
         raise click.BadParameter("the peers run on CPU (vLLM's CPU build, llama.cpp): use --device cpu", param_hint="--compare")
-    if cfg.model:
+    model_gguf = Path(cfg.model) if cfg.model and str(cfg.model).endswith(".gguf") else None
+    if model_gguf is not None:  # a GGUF file: its config from the folder corerun makes for it; llama.cpp runs the file itself
+        from corerun.models.gguf_convert import gguf_model_dir
+
+        model_dir = gguf_model_dir(model_gguf)
+    elif cfg.model:
         model_dir = Path(cfg.model)
     else:
         from corerun.models.default import default_model_dir
@@ -413,7 +418,7 @@ def _run_compare(
     threads = resolve_threads(cfg.threads)
     common = dict(model_dir=str(model_dir), dtype=dtype, threads=threads, temperature=temperature, warmup=warmup,
                   max_model_len=min(max_len, workload.input_len.hi + workload.output_len.hi + 16), vocab_size=mc.vocab_size)
-    gguf = find_gguf(dtype, Path(gguf_path) if gguf_path else None) if not cfg.model or gguf_path else None
+    gguf = llamacpp_gguf(cfg.model, dtype, Path(gguf_path) if gguf_path else None)
     options = {
         "corerun": {"config_path": config_path, "sets": list(sets), "overrides": {k: v for k, v in cfg_args.items() if v is not None and k not in ("dtype", "threads")}},
         "hf": hf_args,
@@ -427,6 +432,9 @@ def _run_compare(
             pyths[name] = find_python(name, pythons)
             if name == "llama.cpp" and gguf is None:
                 raise PeerError(f"llama.cpp needs the model as GGUF in {dtype}: pass --gguf PATH (setup.sh makes the default model's)")
+            if name in ("hf", "vllm") and model_gguf is not None:
+                raise PeerError(f"{name} runs a model folder, and corerun's model is the GGUF file {model_gguf}; "
+                                "compare it with llama.cpp, or give corerun a folder")
         except PeerError as exc:
             skipped[name] = str(exc)
             continue

@@ -8,7 +8,13 @@ cells, in the run's dtype (F32 or BF16, rather than llama.cpp's default F16, so 
 K/V alike).  Greedy only: the argmax is taken over each row's logits.  TTFT and TPOT are stamped per
 sequence when its tokens are sampled.
 
-``options``: ``n_batch`` (tokens per ``llama_decode``, default 512).
+The model is the GGUF file in the request, quantized or not (``corerun bench --model FILE.gguf`` hands
+llama.cpp the very file corerun runs).  llama.cpp's extra weight buffers, which repack quantized
+tensors for AMX or its CPU_REPACK kernels, are off by default: with them on, ``llama_decode`` died of
+a segmentation fault on every Q4_1 and Q8_0 file on the AMX machine this was built on
+(llama-cpp-python 0.3.36, ``GGML_NATIVE``); the F32 and BF16 files take no repacked path either way.
+
+``options``: ``n_batch`` (tokens per ``llama_decode``, default 512), ``use_extra_bufts`` (default false).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class Engine:
         per_seq = -(-int(req["max_model_len"]) // 256) * 256
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
+        if hasattr(mparams, "use_extra_bufts"):  # llama.cpp's repacked weight buffers (AMX, CPU_REPACK): see above
+            mparams.use_extra_bufts = bool(req["options"].get("use_extra_bufts", False))
         t0 = time.perf_counter()
         self.model = L.llama_model_load_from_file(req["gguf"].encode(), mparams)
         if not self.model:
@@ -134,7 +142,8 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     return {
         "engine": "llama.cpp", "version": getattr(L, "__version__", "?"), "elapsed_s": elapsed, "load_s": eng.load_s,
         "output_token_ids": outs, "ttft_s": ttft, "tpot_s": tpot, "threads": int(req["threads"]),
-        "details": {"gguf": req["gguf"], "kv_cache_type": eng.kv_type, "n_batch": eng.n_batch, "api": "llama_decode, continuous batching"},
+        "details": {"gguf": req["gguf"], "kv_cache_type": eng.kv_type, "n_batch": eng.n_batch, "api": "llama_decode, continuous batching",
+                    "use_extra_bufts": bool(req["options"].get("use_extra_bufts", False))},
     }
 
 
