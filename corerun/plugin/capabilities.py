@@ -357,8 +357,9 @@ class LoRAKernelCapabilities:
 
     - ``devices``: device types; ``dtypes``: model dtypes of ``y`` and ``x`` (``"float32"``, ...).
     - ``max_rank`` / ``max_slots``: the largest ``R`` and ``S`` it takes (``None``: any).
-    - ``graph_safe``: no host synchronisation and no shape that depends on the values of
-      ``token_slots``, so a captured CUDA graph replays it with other slots.
+    - ``graph_safe``: no host synchronisation, none of the step's host values (``LoRATokens``'
+      ``num_tokens``, ``num_base``, ``host_counts``) and no shape that depends on the tokens' slots,
+      so a captured CUDA graph replays it with other slots.
     - ``grouped``: it groups tokens by slot (one product per adapter present) rather than gathering
       each token's weights.
 
