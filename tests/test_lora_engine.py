@@ -153,7 +153,9 @@ def test_same_prompt_under_two_adapters_and_the_base_never_shares_a_block(family
     with _engine(base) as llm:
         kv = llm.engine.kv
         tables = {}
-        streams = [llm.engine_loop.add_request(prompt, GREEDY, lora_request=lora) for lora in (None, loras[0], loras[1])]
+        # 40 tokens each: the engine's thread goes on decoding while the tables are read, so they must not finish first
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        streams = [llm.engine_loop.add_request(prompt, long, lora_request=lora) for lora in (None, loras[0], loras[1])]
         first = [next(iter(s)) for s in streams]  # every request has computed its prompt: all hold their blocks
         for lora, out in zip((None, loras[0], loras[1]), first):
             seq = llm.engine.requests[out.request_id]
@@ -162,7 +164,7 @@ def test_same_prompt_under_two_adapters_and_the_base_never_shares_a_block(family
         for s in streams:
             for last in s:
                 pass
-            finals.append(last.outputs[0].token_ids)
+            finals.append(last.outputs[0].token_ids[:MAX_TOKENS])
         a, b, c = tables.values()
         assert not (a & b) and not (a & c) and not (b & c)
         hits = kv.stats().prefix_hits
