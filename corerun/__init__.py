@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from corerun.platform.host import prepare_openmp
+
+prepare_openmp()  # before torch loads OpenMP: idle threads sleep instead of spinning (corerun.platform.host)
+
 from corerun._version import PROTOCOL_VERSION, __version__
 from corerun.plugin.capabilities import (
     AttentionCapabilities,

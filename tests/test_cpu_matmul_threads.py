@@ -13,7 +13,7 @@ import torch
 from corerun.config import load_config
 from corerun.errors import ConfigError
 from corerun.models.layers import Linear, LMHead, PackedWeight
-from corerun.platform.host import physical_cores, resolve_threads
+from corerun.platform.host import AUTO_PARALLEL_TOKENS, physical_cores, resolve_threads, step_threads
 from tests.helpers.tiny_models import make_tiny_model
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -108,6 +108,26 @@ def test_resolve_threads():
     for bad in (0, -1, True, "4"):
         with pytest.raises(ValueError, match="threads must be"):
             resolve_threads(bad)
+
+
+def test_step_threads():
+    big = AUTO_PARALLEL_TOKENS
+    assert [step_threads(n, 4, auto=True) for n in (1, 32, big - 1, big, 4 * big)] == [1, 1, 1, 4, 4]
+    assert {step_threads(n, 3, auto=False) for n in (1, big, 4 * big)} == {3}  # an integer setting: every step
+
+
+def test_import_asks_openmp_to_sleep_when_idle():
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, corerun, torch; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    run = lambda code, **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
+                                               text=True, check=True).stdout.split()
+    assert run(code) == ["PASSIVE", "None"]
+    assert run(code, GOMP_SPINCOUNT="1000") == ["None", "1000"]  # the user's own choice stays
+    assert run("import os, torch, corerun; print(os.environ.get('OMP_WAIT_POLICY'))") == ["None"]  # too late: left alone
 
 
 def test_threads_config_key():

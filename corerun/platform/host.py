@@ -1,9 +1,20 @@
 """The host: its processors (read once from ``/proc/cpuinfo``), the ``threads`` setting, and the cache folder.
 
-``threads: auto`` (the default) is the number of physical cores this process may run on: hyper-threads
-share one core's vector units, so a second thread per core slows dense matmuls down rather than up.
-Tensor-parallel ranks on one host share the cores, so ``auto`` gives each of ``world_size`` ranks its
-share.  The engine applies the setting once at start (:func:`apply_threads`); the benchmark reports it.
+``threads: auto`` (the default) sizes torch's pool to the physical cores this process may run on
+(hyper-threads share one core's vector units, so a second thread per core slows dense matmuls down
+rather than up; tensor-parallel ranks on one host share the cores, so each of ``world_size`` ranks gets
+its share), and then sizes each step (:func:`step_threads`): a step of fewer than
+:data:`AUTO_PARALLEL_TOKENS` tokens (decodes, small batches, short prompts) runs on one thread, a
+bigger one on all of them.  A small step's operators take tens of microseconds each, so the barrier
+that ends every parallel operator costs more than the second thread gains, and on a loaded machine
+it waits for a descheduled thread (docs/benchmarks.md has the measurements).  An integer ``threads``
+is used for every step.  The engine applies the setting once at start (:func:`apply_threads`) and
+sizes each step before its forward; the benchmark reports it.
+
+:func:`prepare_openmp` (called when ``corerun`` is imported) asks the OpenMP runtime torch loads to
+let idle threads sleep at once (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning for milliseconds
+after each operator, which took one core from everything else and made two threads up to ten
+times slower than one on a loaded machine.
 
 ``native_bfloat16()``: the CPU has bfloat16 dot-product instructions (AVX512_BF16, or AMX's bfloat16
 tiles) and torch's oneDNN uses them.  There bfloat16 weights are multiplied at about twice to three
@@ -17,6 +28,7 @@ Importing this module imports no torch; the functions that size or ask torch imp
 from __future__ import annotations
 
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -78,6 +90,25 @@ def native_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+AUTO_PARALLEL_TOKENS = 512  # threads: auto runs steps of fewer tokens on one thread (docs/benchmarks.md)
+WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
+
+_auto_threads = 0  # threads: auto's pool size once applied (0: an integer setting, every step as set)
+
+
+def prepare_openmp() -> bool:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` for the OpenMP runtime torch is about to load; ``True`` if it was set.
+
+    OpenMP reads its environment once, when it loads (with torch), so this acts only before torch is
+    imported and only where the environment names no wait policy (``OMP_WAIT_POLICY``,
+    ``GOMP_SPINCOUNT``, ``KMP_BLOCKTIME``) of its own.
+    """
+    if "torch" in sys.modules or any(name in os.environ for name in WAIT_POLICY_ENV):
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
 def resolve_threads(setting: int | str, world_size: int = 1) -> int:
     """The thread count for ``threads: setting`` (an integer, or ``"auto"``) in one of ``world_size`` ranks."""
     if setting == "auto":
@@ -88,10 +119,37 @@ def resolve_threads(setting: int | str, world_size: int = 1) -> int:
 
 
 def apply_threads(setting: int | str, world_size: int = 1) -> int:
-    """Size torch's intra-op pool for ``threads: setting``; returns the thread count now in force."""
+    """Size torch's intra-op pool for ``threads: setting``; returns the thread count now in force.
+
+    With ``auto`` the steps are then sized one by one (:func:`size_step`).
+    """
     import torch
 
+    global _auto_threads
     n = resolve_threads(setting, world_size)
+    _auto_threads = n if setting == "auto" else 0
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def step_threads(num_tokens: int, threads: int, auto: bool) -> int:
+    """The threads a step of ``num_tokens`` tokens runs on: all ``threads``, or one for a small step under ``auto``."""
+    return threads if not auto or num_tokens >= AUTO_PARALLEL_TOKENS else 1
+
+
+def size_step(num_tokens: int) -> int:
+    """Under ``threads: auto``, set the calling thread's torch pool for a step of ``num_tokens`` tokens
+    (:func:`step_threads`); returns the threads in force.  Under an integer setting it changes nothing.
+
+    torch's thread count belongs to the thread that sets it (OpenMP), so the thread that runs the
+    forward calls this, right before it.
+    """
+    import torch
+
+    if not _auto_threads:
+        return torch.get_num_threads()
+    n = step_threads(num_tokens, _auto_threads, True)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -12,9 +12,10 @@ import peer_protocol
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:
+    from corerun._version import __version__  # (corerun before torch: its OpenMP settings, see corerun.platform.host)
+
     import torch
 
-    from corerun._version import __version__
     from corerun.bench.corerun_run import load_corerun, run_corerun
     from corerun.bench.workload import LengthRange, Workload
     from corerun.config import load_config
