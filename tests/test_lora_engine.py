@@ -322,3 +322,36 @@ def test_mixture_of_experts_take_attention_adapters_and_refuse_the_experts_by_na
                                                    r"mixture-of-experts block .* attention projections \['q_proj'"):
                 llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest(f"moe{i}", 2 + i, bad))
         assert_idle(llm)
+
+
+@pytest.mark.timeout(120)
+def test_each_step_builds_its_bookkeeping_once_for_every_layer(family, monkeypatch):
+    """LoRATokens.update runs once per step, and every adapted layer of that step gets that one build."""
+    from corerun.lora.grouped import GroupedLoRAKernel
+    from corerun.lora.tokens import LoRATokens
+
+    name, base, loras, refs = family
+    if name != "llama":
+        pytest.skip("one family is enough for the bookkeeping")
+    builds, calls = [0], []
+    update, add_lora = LoRATokens.update, GroupedLoRAKernel.add_lora
+
+    def counted_update(self, step_slots):
+        builds[0] += 1
+        update(self, step_slots)
+
+    def recorded_add_lora(self, y, x, a, b, scalings, tokens, output_slices):
+        calls.append((builds[0], id(tokens)))
+        add_lora(self, y, x, a, b, scalings, tokens, output_slices)
+
+    monkeypatch.setattr(LoRATokens, "update", counted_update)
+    monkeypatch.setattr(GroupedLoRAKernel, "add_lora", recorded_add_lora)
+    with _engine(base) as llm:
+        layers = len(llm.engine.runner.lora.layers)  # 2 layers x (qkv, o, gate_up, down)
+        outs = llm.generate(PROMPTS[:2], GREEDY, lora_request=[loras[0], None])
+        assert [o.outputs[0].token_ids for o in outs] == [refs[1][0], refs[None][1]]
+    per_step = {}
+    for build, _ in calls:
+        per_step[build] = per_step.get(build, 0) + 1
+    assert layers == 8 and builds[0] >= MAX_TOKENS and len({t for _, t in calls}) == 1
+    assert set(per_step) == set(range(1, builds[0] + 1)) and set(per_step.values()) == {layers}
