@@ -130,6 +130,19 @@ def test_import_asks_openmp_to_sleep_when_idle():
     assert run("import os, torch, corerun; print(os.environ.get('OMP_WAIT_POLICY'))") == ["None"]  # too late: left alone
 
 
+def test_openmp_runtimes_from_maps():
+    from corerun.platform.host import openmp_runtimes
+
+    line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 1234                       {}\n"
+    maps = "".join(line.format(p) for p in (
+        "/venv/torch/lib/libgomp.so.1", "/venv/torch/lib/libgomp.so.1", "/usr/lib/libstdc++.so.6",
+        "/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0", "/opt/intel/libiomp5.so", "/home/libgompish.txt",
+    )) + "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 \n"
+    assert openmp_runtimes(maps) == ["/opt/intel/libiomp5.so", "/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0",
+                                     "/venv/torch/lib/libgomp.so.1"]
+    assert openmp_runtimes("") == []
+
+
 def test_threads_config_key():
     assert load_config().threads == "auto"
     assert load_config(sets=["threads=3"]).threads == 3

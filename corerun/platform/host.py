@@ -109,6 +109,28 @@ def prepare_openmp() -> bool:
     return True
 
 
+OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")  # GNU, Intel, LLVM
+
+
+def openmp_runtimes(maps: str | None = None) -> list[str]:
+    """The OpenMP runtime files mapped into this process (``/proc/self/maps``, or the ``maps`` text given).
+
+    One is right: two runtimes in one process keep two thread pools that oversubscribe the cores and
+    do not know of each other.  Empty where the file cannot be read (not Linux).
+    """
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return []
+    found = set()
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[5].strip() if len(line.split(maxsplit=5)) == 6 else ""
+        if os.path.basename(path).startswith(OPENMP_RUNTIMES) and ".so" in os.path.basename(path):
+            found.add(path)
+    return sorted(found)
+
+
 def resolve_threads(setting: int | str, world_size: int = 1) -> int:
     """The thread count for ``threads: setting`` (an integer, or ``"auto"``) in one of ``world_size`` ranks."""
     if setting == "auto":

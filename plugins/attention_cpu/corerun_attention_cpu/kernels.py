@@ -9,6 +9,12 @@ goes to a temporary file renamed into place, so concurrent first uses are safe. 
 OpenMP gets a single-threaded build.  No torch headers are involved: the library has a plain C ABI
 and takes ``data_ptr()``s, so it is independent of the torch version; ctypes releases the GIL
 during each call.
+
+One OpenMP runtime in the process: where torch ships its own ``libgomp`` (``torch/lib``, as its
+wheels do) the library is linked against that file (``-l:libgomp.so.1`` with an rpath to it), so its
+parallel regions run on the thread pool torch's operators use, with the symbols that runtime has,
+whatever the system's compiler brings.  The soname is the same (``libgomp.so.1``), so the dynamic
+loader would share torch's copy anyway once torch is loaded; the link makes it so in any order.
 """
 
 from __future__ import annotations
@@ -73,6 +79,16 @@ def build_dir() -> Path:
     return cache_dir() / "attention_cpu"
 
 
+def openmp_flags() -> tuple[str, ...]:
+    """``-fopenmp``, linked against torch's own ``libgomp`` where torch ships one (see the module's note)."""
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib"
+    if (lib / "libgomp.so.1").is_file():
+        return (OPENMP_FLAG, f"-L{lib}", "-l:libgomp.so.1", f"-Wl,-rpath,{lib}")
+    return (OPENMP_FLAG,)
+
+
 def _build_key(compiler: str, version: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), compiler.encode(), version.encode(), " ".join(flags).encode(), _cpu_flags().encode()):
@@ -114,7 +130,7 @@ def _build_and_open() -> tuple[ctypes.CDLL | None, list[str]]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, [f"the C++ compiler {compiler} does not run: {type(exc).__name__}: {exc}"]
     failures: list[str] = []
-    for flags in ((*BASE_FLAGS, OPENMP_FLAG), BASE_FLAGS):  # without OpenMP: single-threaded, still in place
+    for flags in ((*BASE_FLAGS, *openmp_flags()), BASE_FLAGS):  # without OpenMP: single-threaded, still in place
         target = build_dir() / _build_key(compiler, version, flags) / LIB_NAME
         if not target.is_file():
             logger.info("cpu attention: compiling %s with %s %s", SOURCE.name, compiler, " ".join(flags))

@@ -4,6 +4,8 @@ head sizes), its refusals, and its thread-count independence."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -188,3 +190,17 @@ def test_an_unwritable_build_folder_is_a_reason(monkeypatch, fresh_build):
     monkeypatch.setenv("CORERUN_CACHE_DIR", str(blocker))
     _, reasons = kernels.load()
     assert reasons and all("cannot write to the build folder" in r and "CORERUN_CACHE_DIR" in r for r in reasons)
+
+
+@needs_compiler
+def test_one_openmp_runtime_after_the_kernels_load():
+    """The kernels share torch's OpenMP runtime (torch/lib's libgomp where torch ships one): one in the process."""
+    from corerun.platform.host import openmp_runtimes
+
+    lib, why = kernels.load()
+    assert lib is not None, why
+    runtimes = openmp_runtimes()
+    assert len(runtimes) == 1, f"OpenMP runtimes mapped into the process: {runtimes}"
+    torch_lib = Path(torch.__file__).parent / "lib"
+    if lib.corerun_cpu_openmp() and (torch_lib / "libgomp.so.1").is_file():
+        assert Path(runtimes[0]).resolve() == (torch_lib / "libgomp.so.1").resolve()

@@ -144,3 +144,19 @@ def test_int8_activation_variant_within_its_bound(type_name: str) -> None:
     step = x.double().reshape(3, -1, 32).abs().amax(-1, keepdim=True).expand(3, 6, 32).reshape(3, -1) / 254
     bound = step @ w.abs().T + _bound(x, w)
     assert ((out.double() - x.double() @ w.T).abs() <= bound).all()
+
+
+def test_one_openmp_runtime_after_the_kernels_load():
+    """The operators' at::parallel_for runs on torch's own OpenMP runtime: one in the process."""
+    from pathlib import Path
+
+    from corerun.platform.host import openmp_runtimes
+
+    reasons = kernels.load()
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    runtimes = openmp_runtimes()
+    assert len(runtimes) == 1, f"OpenMP runtimes mapped into the process: {runtimes}"
+    torch_lib = Path(torch.__file__).parent / "lib"
+    if (torch_lib / "libgomp.so.1").is_file():
+        assert Path(runtimes[0]).resolve() == (torch_lib / "libgomp.so.1").resolve()
