@@ -286,5 +286,20 @@ def make_batch(rows: dict[int, tuple[Any, int, int]], new_reqs: tuple[NewRequest
     if num[:d].count(1) != d:  # (a one-token chunk scheduled after a longer one: reordered, stably)
         order = sorted(range(len(num)), key=lambda i: num[i] != 1)
         ids, num, computed = (tuple([t[i] for i in order]) for t in (ids, num, computed))
-    return ScheduledBatch(ids, num, d, new_reqs, computed, MappingProxyType(new_tokens),
-                          MappingProxyType(block_changes), MappingProxyType(drafts), finished, preempted)
+    return _message(ids, num, d, new_reqs, computed, _read_only(new_tokens), _read_only(block_changes), _read_only(drafts),
+                    finished, preempted)
+
+
+def _read_only(mapping: dict[int, Any]) -> Mapping[int, Any]:
+    return MappingProxyType(mapping) if mapping else _NONE
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(ScheduledBatch))
+
+
+def _message(*values: Any) -> ScheduledBatch:
+    """``ScheduledBatch(*values)`` (every field, in order) without the frozen dataclass's ``__init__``, which
+    sets each field through ``object.__setattr__`` (three times the cost, once per step); as frozen."""
+    batch = object.__new__(ScheduledBatch)
+    object.__setattr__(batch, "__dict__", dict(zip(_FIELD_NAMES, values)))
+    return batch

@@ -29,6 +29,7 @@ per request, as the fixed cost of those calls would exceed the whole step's work
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import numpy as np
@@ -105,7 +106,7 @@ class StepInputs:
     synchronous and none is needed.
     """
 
-    small_batch = 16  # decodes up to this many requests are filled from Python lists (:meth:`_small_decodes`)
+    small_batch = 16  # a step of up to this many requests: per-request values as Python lists (:meth:`_small_step`)
 
     def __init__(
         self,
@@ -169,13 +170,16 @@ class StepInputs:
             if num_reqs <= self.small_batch:
                 return self._small_decodes(sched, batch, rows)
             return self._decodes(sched, batch, rows)
-        query_lens = np.array(sched.num_scheduled, dtype=np.int64)
-        if query_lens.min() < 1:
-            i = int(query_lens.argmin())
+        nums = sched.num_scheduled
+        if min(nums) < 1:
+            i = nums.index(min(nums))
             raise ValueError(
-                f"request {sched.req_ids[i]} is scheduled {query_lens[i]} tokens; every scheduled request needs at "
+                f"request {sched.req_ids[i]} is scheduled {nums[i]} tokens; every scheduled request needs at "
                 "least one (a KV-cache manager's get_computed_prefix must leave the last prompt token uncomputed)"
             )
+        if num_reqs <= self.small_batch:
+            return self._small_step(sched, batch, rows)
+        query_lens = np.array(nums, dtype=np.int64)
         ctx = batch.num_computed[rows]
         reach = ctx + query_lens
         blocks = self._check_tables(sched, batch, rows, reach)
@@ -184,6 +188,38 @@ class StepInputs:
         buf.decodes = None
         sampled_rows, logits_indices = self._fill(out, lay, batch, rows, ctx, query_lens)
         return self._finish(buf, lay, host, int(query_lens.max()), int(reach.max()), sched.num_decodes), sampled_rows, logits_indices
+
+    def _lists(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray) -> tuple[list[int], list[int], int]:
+        """``rows``, their computed counts as lists and the step's block-table width, every table checked
+        to cover the step (``ValueError`` naming the first that does not)."""
+        rl = rows.tolist()
+        ctx = batch.num_computed[rows].tolist()
+        blocks = batch.num_blocks[rows].tolist()
+        shift = self.block_size.bit_length() - 1
+        for i, (c, n, b) in enumerate(zip(ctx, sched.num_scheduled, blocks)):
+            if b << shift < c + n:
+                raise _short_table(sched.req_ids[i], b, c + n, self.block_size)
+        return rl, ctx, max(max(blocks), 1)
+
+    def _small_step(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray,
+                    ) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
+        """A step of at most :attr:`small_batch` requests, some of more than one token: its per-request
+        values as Python lists, its per-token ones vectorised (:meth:`_fill_tokens`)."""
+        rl, ctx, width = self._lists(sched, batch, rows)
+        nums = sched.num_scheduled
+        starts = list(itertools.accumulate(nums, initial=0))
+        lay = StepLayout.of(starts[-1], len(rl), width)
+        buf, out, host = self._begin(lay, batch)
+        buf.decodes = None
+        seq_lens = [c + n for c, n in zip(ctx, nums)]
+        out.query_start_loc[:] = starts
+        out.seq_lens[:] = seq_lens
+        out.context_lens[:] = ctx
+        self._fill_tokens(out, lay, batch, rows, [c - s for c, s in zip(ctx, starts)], nums)
+        num_tokens = batch.num_tokens.item
+        sampled = [i for i, (r, n) in enumerate(zip(rl, seq_lens)) if n >= num_tokens(r)]
+        inputs = self._finish(buf, lay, host, max(nums), max(seq_lens), sched.num_decodes)
+        return inputs, np.array(sampled, dtype=np.int64), np.array([starts[i + 1] - 1 for i in sampled], dtype=np.int64)
 
     def _check_tables(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray, reach: np.ndarray) -> np.ndarray:
         """The block counts of ``rows``; ``ValueError`` naming the first whose table holds fewer than ``reach`` tokens."""
@@ -256,14 +292,9 @@ class StepInputs:
                        ) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
         """A step of at most :attr:`small_batch` decodes, its per-request values read and written as Python
         lists: a few element reads per request cost less than the two dozen numpy calls of :meth:`_decodes`."""
-        rl = rows.tolist()
-        ctx = batch.num_computed[rows].tolist()
-        blocks = batch.num_blocks[rows].tolist()
+        rl, ctx, width = self._lists(sched, batch, rows)
         shift = self.block_size.bit_length() - 1
-        for i, (c, b) in enumerate(zip(ctx, blocks)):
-            if b << shift <= c:
-                raise _short_table(sched.req_ids[i], b, c + 1, self.block_size)
-        lay = StepLayout.of(len(rl), len(rl), max(max(blocks), 1))
+        lay = StepLayout.of(len(rl), len(rl), width)
         buf, out, host = self._begin(lay, batch)
         self._decode_tables(buf, out, lay, batch, sched.req_ids, rows, rl)
         tok, table, mask = batch.token_ids.item, batch.block_table.item, self.block_size - 1
@@ -298,22 +329,28 @@ class StepInputs:
     def _fill(
         self, out: StepTensors, lay: StepLayout, batch: InputBatch, rows: np.ndarray, ctx: np.ndarray, query_lens: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices).
-
-        Request ``i``'s tokens run from ``ctx[i]``: token ``j`` sits at position
-        ``j - query_starts[i] + ctx[i]`` of row ``rows[i]``, and its slot is its block (from the row's
-        table) times ``block_size`` plus the position within the block.  Token ids and blocks are read
-        from the flattened arrays (one index per element: a gather with a row and a column index array
-        costs twice as much).
-        """
-        num_tokens = lay.num_tokens
-        query_starts, seq_lens, pos = out.query_start_loc, out.seq_lens, out.positions
+        """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices)."""
+        query_starts, seq_lens = out.query_start_loc, out.seq_lens
         out.context_lens[:] = ctx
         query_starts[0] = 0
         np.cumsum(query_lens, out=query_starts[1:])
         np.add(ctx, query_lens, out=seq_lens)
+        self._fill_tokens(out, lay, batch, rows, ctx - query_starts[:-1], query_lens)
+        # rows whose scheduled tokens reach their last token are sampled from that token's logits
+        sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        return sampled_rows, query_starts[1:][sampled_rows].astype(np.int64) - 1
+
+    def _fill_tokens(self, out: StepTensors, lay: StepLayout, batch: InputBatch, rows: np.ndarray,
+                     offsets: np.ndarray | list[int], query_lens: np.ndarray | tuple[int, ...]) -> None:
+        """The per-token fields and the block tables.  Request ``i``'s ``query_lens[i]`` tokens run from
+        its computed count: token ``j`` of the step sits at position ``j + offsets[i]`` (its computed count
+        less its query start) of row ``rows[i]``, and its slot is its block (from the row's table) times
+        ``block_size`` plus the position within the block.  Token ids and blocks are read from the
+        flattened arrays (one index per element: a gather with a row and a column index array costs
+        twice as much)."""
+        pos = out.positions
         token_row = np.repeat(rows, query_lens)
-        np.add(self._arange[:num_tokens], np.repeat(ctx - query_starts[:-1], query_lens), out=pos)
+        np.add(self._arange[: lay.num_tokens], np.repeat(offsets, query_lens), out=pos)
         tokens, table = batch.token_ids, batch.block_table
         np.take(tokens.reshape(-1), token_row * tokens.shape[1] + pos, out=out.input_ids)
         out.block_tables[:] = table[rows, : lay.table_width]
@@ -321,9 +358,6 @@ class StepInputs:
         blocks = table.reshape(-1).take(token_row * table.shape[1] + (pos >> shift))
         np.add(np.left_shift(blocks, shift, dtype=np.int64), pos & (self.block_size - 1), out=out.slot_mapping)
         out.lora_slots[:] = np.repeat(batch.lora_slot[rows], query_lens)
-        # rows whose scheduled tokens reach their last token are sampled from that token's logits
-        sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
-        return sampled_rows, query_starts[1:][sampled_rows].astype(np.int64) - 1
 
 
 def _short_table(seq_id: int, num_blocks: int, num_tokens: int, block_size: int) -> ValueError:
