@@ -3,7 +3,8 @@
 Storage and loading are ``gguf``'s (packed blocks, one buffer per shard).  ``apply`` on a CPU batch of
 at most :data:`~corerun_quant_cpu.capabilities.KERNEL_MAX_TOKENS` rows in float32, bfloat16 or
 float16 writes each Q8_0 / Q4_0 / Q4_1 shard's columns of the output with the kernel
-(:func:`corerun_quant_cpu.kernels.gguf_gemv`), in float32; a larger batch (prefill) has those shards
+(:func:`corerun_quant_cpu.kernels.gguf_gemv`), in float32 (a merged layer whose shards share one such
+type in one call, its shards' rows moved into one buffer at load); a larger batch (prefill) has those shards
 decoded by :func:`~corerun_quant_cpu.kernels.gguf_dequantize` and multiplied by torch; any other
 shard is decoded in torch.  float64 and other devices take ``gguf``'s path unchanged.
 
@@ -15,6 +16,8 @@ float rows the loader decoded.
 """
 
 from __future__ import annotations
+
+from typing import Hashable
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +51,28 @@ class GGUFCpuMethod(GGUFMethod):
         layer.weight.weight_loader(layer.weight, loaded)
         return layer
 
+    def load_weight(self, layer: nn.Module, loaded: object, shard_id: Hashable) -> None:
+        """``gguf``'s load; once every shard of a merged layer (q/k/v, gate/up) is in and all are one type
+        the kernel reads, their rows are moved into one buffer (each shard's buffer a view of it), so
+        that :meth:`apply` makes one kernel call for the layer, quantizing the activations once."""
+        super().load_weight(layer, loaded, shard_id)
+        layer.gguf_cpu_merged = None
+        types = set(layer.gguf_types.values())
+        if len(layer.gguf_shards) < 2 or len(layer.gguf_types) < len(layer.gguf_shards) or len(types) != 1 or not types <= KERNEL_TYPES:
+            return
+        shards = self.shards(layer)
+        merged = torch.cat([s.data for s in shards])
+        at = 0
+        for i, shard in enumerate(shards):
+            setattr(layer, f"gguf_blocks_{i}", merged[at : at + shard.data.shape[0]])
+            at += shard.data.shape[0]
+        layer.gguf_cpu_merged = GGUFTensor("merged", types.pop(), merged, layer.gguf_in_features)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KERNEL_DTYPES:
             return super().apply(layer, x)
-        shards = self.shards(layer)
+        merged = getattr(layer, "gguf_cpu_merged", None)
+        shards = [merged] if merged is not None else self.shards(layer)
         if not any(s.type_name in KERNEL_TYPES for s in shards):
             return super().apply(layer, x)
         small = x.shape[0] <= KERNEL_MAX_TOKENS

@@ -68,3 +68,34 @@ def test_merged_layer_uses_the_kernel_for_decode_and_its_decoder_for_prefill(mon
         got = layer(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), x.double() @ w.T, rtol=1e-2, atol=1e-2)
+
+
+def test_shards_of_one_type_go_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corerun.sdk.models import MergedLinear
+    from corerun.sdk.quantization import GGUFTensor
+
+    from corerun_quant_cpu.method import GGUFCpuMethod
+
+    rng = np.random.default_rng(23)
+    cols, sizes = 96, {"q": 16, "k": 8, "v": 8}
+    layer = MergedLinear(cols, sizes, quant=GGUFCpuMethod())
+    refs = {}
+    for shard in ("v", "q", "k"):  # out of order: merged once the last is in
+        w = (rng.standard_normal((sizes[shard], cols)) * 0.05).astype(np.float32)
+        packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+        refs[shard] = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).astype(np.float64))
+        layer.weight.weight_loader(layer.weight, GGUFTensor(f"blk.0.attn_{shard}.weight", "Q8_0", torch.from_numpy(packed), cols), shard)
+    merged = layer.gguf_cpu_merged
+    assert merged is not None and merged.data.shape[0] == 32
+    assert all(getattr(layer, f"gguf_blocks_{i}").untyped_storage().data_ptr() == merged.data.untyped_storage().data_ptr() for i in range(3))
+    calls: list[int] = []
+    real = kernels.gguf_gemv
+    monkeypatch.setattr(kernels, "gguf_gemv", lambda out, *a: (calls.append(out.shape[1]), real(out, *a))[1])
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(24))
+    with torch.no_grad():
+        got = layer(x)
+    assert calls == [32]
+    w = torch.cat([refs["q"], refs["k"], refs["v"]])
+    step = x.double().reshape(2, -1, 32).abs().amax(-1, keepdim=True).expand(2, -1, 32).reshape(2, -1) / 254
+    bound = 16 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T) + step @ w.abs().T
+    assert ((got.double() - x.double() @ w.T).abs() <= bound).all()

@@ -6,7 +6,7 @@
 //     x       float32 [T, cols], contiguous
 //     out     float32 [T, rows], last dimension contiguous (a column slice of a wider output is fine)
 //     type    0 = Q8_0 (34-byte blocks), 1 = Q4_0 (18), 2 = Q4_1 (20); 32 values per block
-//     isa     0 = scalar, 1 = AVX2 + FMA + F16C, 2 = AVX-512 (F, BW, VL, DQ) + VNNI with int8
+//     isa     0 = scalar, 1 = AVX2 + FMA + F16C, 2 = AVX-512 (F, BW, VL, DQ, VBMI) + VNNI with int8
 //             activations (refused where the CPU lacks them)
 //   gguf_dequantize(out, blocks, type, isa)
 //     out     float32 [rows, cols] contiguous: the decoded weight (for calls too large for gguf_gemv)
@@ -312,11 +312,11 @@ AVX2_FN void rows_q8act_avx2(const uint8_t* blocks, const XQuant& xq, float* out
 // values 0-15 of each block, high: 16-31), so qx is stored per group as the 16 first values of each
 // block, then the 16 last; Q8_0's four blocks are two 64-byte vectors, qx in natural order.  The
 // per-block scales are spread over the int32 lanes that hold that block's partial sums (4 lanes a
-// block for Q4, 8 for Q8_0), so a group costs one gather of the four scale words, one f16 -> f32
-// conversion and a permute, and no horizontal sum until the row ends.  The last nb % 4 blocks
+// block for Q4, 8 for Q8_0): a group's scales and Q4 codes come out of one or two 64-byte loads by
+// byte and word permutes (AVX512_VBMI's vpermt2b), with no horizontal sum until the row ends.  The last nb % 4 blocks
 // go one at a time in 256-bit vectors.
 
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 
 struct XQ {  // one call's quantized activations, per token
     std::vector<int8_t> q;    // [T, cols]: codes, in the kernel's order (see above)
@@ -372,11 +372,29 @@ AVX512_FN inline float hsum8_512(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// the f16 words at the start of four blocks bb bytes apart, as floats [w0, w0', w1, w1', ...]: the
-// scale d and, for Q4_1, the minimum m (Q8_0 and Q4_0: the next word is codes, unused)
-AVX512_FN inline __m512 block_words(const uint8_t* blk, __m128i offsets) {
-    const __m128i words = _mm_i32gather_epi32(reinterpret_cast<const int*>(blk), offsets, 1);
-    return _mm512_castps256_ps512(_mm256_cvtph_ps(words));
+// Byte and word permutes that take a group of four blocks apart from one or two 64-byte loads
+// (vpermt2b, vpermw: no gathers, no inserts): nib[p] is the byte holding the codes of the p-th
+// 16-byte lane (block p / 16); words[l] the f16 word each float lane's scale comes from (Q4: lanes
+// 0-15 d, 16-31 m; Q8_0: 8 lanes a block).
+struct Idx512 {
+    alignas(64) uint8_t nib[64];
+    alignas(64) uint16_t words[32];
+};
+
+template <int64_t TYPE>
+const Idx512& idx512() {
+    static const Idx512 r = [] {
+        constexpr int64_t bb = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20, qo = TYPE == Q4_1 ? 4 : 2;
+        Idx512 v{};
+        for (int k = 0; k < 4; ++k)
+            for (int i = 0; i < 16; ++i) v.nib[k * 16 + i] = static_cast<uint8_t>(k * bb + qo + i);
+        for (int l = 0; l < 32; ++l) {
+            const int64_t block = TYPE == Q8_0 ? l / 8 : (l % 16) / 4, extra = TYPE == Q4_1 && l >= 16 ? 1 : 0;
+            v.words[l] = static_cast<uint16_t>(block * bb / 2 + extra);
+        }
+        return v;
+    }();
+    return r;
 }
 
 template <int64_t TYPE, int NT>
@@ -385,19 +403,18 @@ AVX512_FN void row_tile_avx512(const uint8_t* row, const XQ& xq, float* out, int
     constexpr int64_t bb = TYPE == Q8_0 ? 34 : TYPE == Q4_0 ? 18 : 20;
     constexpr int64_t V = TYPE == Q8_0 ? 2 : 1;
     const int64_t nb = cols / QK, groups = nb / 4;
-    const __m128i offsets = _mm_setr_epi32(0, bb, 2 * bb, 3 * bb);
+    const Idx512& idx = idx512<TYPE>();
+    const __m512i nib_idx = _mm512_load_si512(idx.nib), word_idx = _mm512_load_si512(idx.words);
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    const __m512i lane_d4 = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-    const __m512i lane_m4 = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-    const __m512i lane_d8a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-    const __m512i lane_d8b = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+    const __mmask64 past64 = TYPE == Q8_0 ? 0 : (1ull << ((4 * bb - 64) & 63)) - 1;  // Q4: the group's bytes after the first 64
     __m512 acc[NT];
     for (int n = 0; n < NT; ++n) acc[n] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* blk = row + g * 4 * bb;
-        const __m512 words = block_words(blk, offsets);
+        const __m512i head = _mm512_loadu_si512(blk);
         if (TYPE == Q8_0) {
-            const __m512 da = _mm512_permutexvar_ps(lane_d8a, words), db = _mm512_permutexvar_ps(lane_d8b, words);
+            const __m512i w16 = _mm512_permutex2var_epi16(head, word_idx, _mm512_loadu_si512(blk + 64));  // inside the group's 136 bytes
+            const __m512 da = _mm512_cvtph_ps(_mm512_castsi512_si256(w16)), db = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w16, 1));
             const __m512i wa = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
                                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bb + 2)), 1);
             const __m512i wb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * bb + 2))),
@@ -415,14 +432,12 @@ AVX512_FN void row_tile_avx512(const uint8_t* row, const XQ& xq, float* out, int
                 acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(db, _mm512_loadu_ps(de + 16)), _mm512_cvtepi32_ps(pb), acc[n]);
             }
         } else {
-            constexpr int64_t qo = TYPE == Q4_1 ? 4 : 2;
-            __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qo)));
-            raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + bb + qo)), 1);
-            raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * bb + qo)), 2);
-            raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 3 * bb + qo)), 3);
+            // masked: never reads past the group (the row's last group may end its buffer)
+            const __m512i raw = _mm512_permutex2var_epi8(head, nib_idx, _mm512_maskz_loadu_epi8(past64, blk + 64));
             const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-            const __m512 d = _mm512_permutexvar_ps(lane_d4, words);
-            const __m512 c = TYPE == Q4_1 ? _mm512_permutexvar_ps(lane_m4, words) : d;  // times sxe: m sx, or -8 d sx
+            const __m512i w16 = _mm512_permutexvar_epi16(word_idx, head);
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(w16));
+            const __m512 c = TYPE == Q4_1 ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w16, 1)) : d;  // times sxe: m sx, or -8 d sx
             for (int n = 0; n < NT; ++n) {
                 const int8_t* xg = xq.q.data() + (t0 + n) * cols + g * 128;
                 __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
@@ -489,7 +504,8 @@ bool cpu_has_avx2() {
 bool cpu_has_avx512() {
     __builtin_cpu_init();
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vbmi");
 }
 
 // ---- the op ---------------------------------------------------------------------------------------
