@@ -17,6 +17,7 @@ from collections import deque
 from typing import Iterable
 
 from corerun.core.batch import _NOTHING_IN_FLIGHT, InFlight, ScheduledBatch, StepResult, Told, make_batch
+from corerun.core.in_flight import InFlightSteps
 from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.errors import StepError
 from corerun.lora.slots import LoRASlots
@@ -25,6 +26,7 @@ from corerun.protocols.kv_cache import KVCacheManager
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
 
 logger = logging.getLogger("corerun.engine")
+FINISHED = SequenceStatus.FINISHED
 
 
 class SchedulingError(StepError):
@@ -40,7 +42,7 @@ class SchedulingError(StepError):
         super().__init__(f"{type(cause).__name__}: {cause}")
 
 
-class Scheduler:
+class Scheduler(InFlightSteps):
     def __init__(
         self,
         kv_cache: KVCacheManager,
@@ -71,7 +73,7 @@ class Scheduler:
         self.told = Told()  # what the runner was told of each request (protocol version 3)
         self._finished: list[int] = []  # seq_ids finished since the last batch
         self._seqs: dict[int, Sequence] = {}  # seq_id -> every sequence queued, running or scheduled, until it finishes
-        # asynchronous scheduling: seq_id -> what the step still running does for it (see :meth:`set_in_flight`)
+        # asynchronous scheduling: seq_id -> what the step still running does for it (corerun.core.in_flight)
         self.in_flight: dict[int, InFlight] = {}
         self._moved: set[int] = set()  # preempted while in flight: their K/V of that step are gone
         self._guessed: dict[int, int] = {}  # scheduled from placeholder counts: seq_id -> draft slots held (see settle)
@@ -112,13 +114,24 @@ class Scheduler:
             raise SchedulingError(self._current, exc) from exc
 
     def _schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
         scheduled: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (seq, tokens scheduled, computed count)
         preempted: list[Sequence] = []
         drafts: dict[int, list[int]] = {}
-        resumed: list[int] = []
+        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, drafts, preempted)
+        resumed = self._admit(budget, scheduled) if self.waiting and budget > 0 and not preempted else []
+        self._guessed = {sid: k for sid, k in self._guessed.items() if sid in scheduled}
+        finished: frozenset[int] = frozenset()
+        if scheduled:  # (an empty batch reaches no runner: the finished ids wait for the next one)
+            finished, self._finished = frozenset(self._finished), []
+        new_reqs, new_tokens, changes = self.told.describe(scheduled, frozenset(resumed), self.in_flight)
+        self._seqs.update((r.seq_id, scheduled[r.seq_id][0]) for r in new_reqs)  # (the draft model's scheduler puts its own)
+        return make_batch(scheduled, tuple(new_reqs), new_tokens, changes,
+                          {sid: tuple(d) for sid, d in drafts.items() if sid in scheduled}, finished,
+                          frozenset(s.seq_id for s in preempted))
 
-        # 1. running sequences, oldest first; preempt the youngest when blocks run out
+    def _schedule_running(self, budget: int, scheduled: dict, drafts: dict, preempted: list[Sequence]) -> int:
+        """Running sequences, oldest first: a decode one token (and its drafts), a chunked prefill the rest of
+        its prompt within ``budget``; the youngest is preempted when blocks run out.  Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < self.max_batch_seqs:
             seq = self.running[i]
@@ -127,43 +140,59 @@ class Scheduler:
                 i += 1
                 continue
             computed = seq.num_computed_tokens + ahead.computed
-            left = seq.num_tokens + ahead.appended - computed
+            left = len(seq.token_ids) + ahead.appended - computed
             n = min(left, budget)
             if not self.chunked_prefill and n < left:
                 break  # whole prefills only: wait for a step with room
-            guess = left == 1 and ahead.appended > 0 and self.num_spec_tokens > 0  # a decode after the step in flight
-            if guess:  # its drafts come after the step in flight: slots for as many as it may get
-                d = [-1] * max(min(self.num_spec_tokens, budget - 1, seq.tokens_left(self.max_model_len) - ahead.appended - 1), 0)
-                self._guessed[seq.seq_id] = 0
-            else:  # drafts only where their slots are free: never a preemption
-                d = seq.draft_token_ids[: budget - 1] if seq.draft_token_ids else seq.draft_token_ids
-            if n == 1 and d and budget > 1 and self._allocate(seq, computed + 1 + len(d)):
-                if guess:
-                    self._guessed[seq.seq_id] = len(d)
-                else:
-                    drafts[seq.seq_id] = d
-                scheduled[seq.seq_id] = (seq, 1 + len(d), computed)
-                budget -= 1 + len(d)
-                i += 1
-                continue
-            while not self._allocate(seq, computed + n):
-                victim = self._victim()
-                if victim is None:  # every younger request is in flight: wait for one to come back
-                    break
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                scheduled[seq.seq_id] = (seq, n, computed)
-                budget -= n
-                i += 1
-                continue
-            break  # seq itself was preempted: nothing younger is left running
+            if n == 1 and (seq.draft_token_ids or (ahead.appended > 0 and self.num_spec_tokens > 0)):
+                k = self._schedule_drafts(seq, computed, left, budget, ahead.appended, scheduled, drafts)
+                if k:
+                    budget -= k
+                    i += 1
+                    continue
+            if not self._allocate(seq, computed + n) and not self._make_room(seq, computed + n, preempted):
+                break  # seq itself was preempted, or every younger request is in flight
+            scheduled[seq.seq_id] = (seq, n, computed)
+            budget -= n
+            i += 1
+        return budget
 
-        # 2. waiting sequences in arrival order (preempted ones were put at the front)
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
-               and len(scheduled) < self.max_batch_seqs):
+    def _schedule_drafts(self, seq: Sequence, computed: int, left: int, budget: int, appended: int,
+                         scheduled: dict, drafts: dict) -> int:
+        """A decode with drafts (or, after a step in flight, slots for as many as it may get): scheduled only
+        where their slots are free, never by a preemption.  Returns the tokens scheduled (0: none)."""
+        guess = left == 1 and appended > 0 and self.num_spec_tokens > 0  # a decode after the step in flight
+        if guess:
+            d = [-1] * max(min(self.num_spec_tokens, budget - 1, seq.tokens_left(self.max_model_len) - appended - 1), 0)
+            self._guessed[seq.seq_id] = 0
+        else:
+            d = seq.draft_token_ids[: budget - 1]
+        if not d or budget <= 1 or not self._allocate(seq, computed + 1 + len(d)):
+            return 0
+        if guess:
+            self._guessed[seq.seq_id] = len(d)
+        else:
+            drafts[seq.seq_id] = d
+        scheduled[seq.seq_id] = (seq, 1 + len(d), computed)
+        return 1 + len(d)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
+        """Preempt the youngest running sequences until ``seq`` gets its slots; False when it cannot (it was
+        preempted itself, or every younger request is in flight: wait for one to come back)."""
+        while (victim := self._victim()) is not None:
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+            if self._allocate(seq, num_tokens):
+                return True
+        return False
+
+    def _admit(self, budget: int, scheduled: dict) -> list[int]:
+        """Waiting sequences in arrival order (preempted ones were put at the front) while the budget, the
+        sequence cap and the free blocks allow; returns the seq_ids of those resumed after a preemption."""
+        resumed: list[int] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(scheduled) < self.max_batch_seqs:
             seq = self._current = self.waiting[0]
             if self.lora_slots is not None and not self._lora_ready(seq):
                 break  # its adapter waits for a slot, and everything behind it waits too: no adapter starves
@@ -187,54 +216,7 @@ class Scheduler:
             budget -= n
             if seq.num_preemptions:
                 resumed.append(seq.seq_id)
-
-        self._guessed = {sid: k for sid, k in self._guessed.items() if sid in scheduled}
-        finished: frozenset[int] = frozenset()
-        if scheduled:  # (an empty batch reaches no runner: the finished ids wait for the next one)
-            finished, self._finished = frozenset(self._finished), []
-        new_reqs, new_tokens, changes = self.told.describe(scheduled, frozenset(resumed), self.in_flight)
-        self._seqs.update((r.seq_id, scheduled[r.seq_id][0]) for r in new_reqs)  # (the draft model's scheduler puts its own)
-        return make_batch(scheduled, tuple(new_reqs), new_tokens, changes,
-                          {sid: tuple(d) for sid, d in drafts.items() if sid in scheduled}, finished,
-                          frozenset(s.seq_id for s in preempted))
-
-    def settle(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """Asynchronous scheduling with speculation: ``batch``'s decodes of requests in the step before it were
-        scheduled from placeholder counts (every draft accepted); now that its result and the next drafts are
-        in, those rows are told as they are (counts, drafts up to the slots held), the blocks past them freed."""
-        guessed, self._guessed = self._guessed, {}
-        if not guessed:
-            return batch
-        rows = {sid: (None, n, c) for sid, n, c in zip(batch.req_ids, batch.num_scheduled, batch.num_computed)}
-        drafts, new_tokens, changes = dict(batch.drafts), dict(batch.new_tokens), dict(batch.block_changes)
-        for sid, room in guessed.items():
-            seq = self._seqs.get(sid)
-            if seq is None or seq.is_finished or sid not in rows:  # (a finished one's row is dropped by the caller)
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, rows[sid][1])
-            d = tuple(seq.draft_token_ids[:room]) if n == 1 else ()
-            self.trim(seq, seq.num_computed_tokens + n + len(d))
-            self.told.settle(seq, changes, new_tokens)
-            rows[sid] = (None, n + len(d), seq.num_computed_tokens)
-            drafts.pop(sid, None)
-            if d:
-                drafts[sid] = d
-        return make_batch(rows, batch.new_reqs, new_tokens, changes, drafts, batch.finished_ids, batch.preempted_ids)
-
-    def set_in_flight(self, batch: ScheduledBatch) -> None:
-        """Asynchronous scheduling: ``batch`` runs while the next is scheduled; its sequences count its tokens as
-        computed and, reaching their last, 1 + drafts placeholder tokens (one that ends the request: nothing left)."""
-        flight = {}
-        for s, n in zip(self.seqs_of(batch), batch.num_scheduled):
-            if s is not None:
-                appends = s.num_computed_tokens + n >= s.num_tokens
-                flight[s.seq_id] = InFlight(n, appends * (1 + len(batch.drafts.get(s.seq_id, ()))),
-                                            appends and s.tokens_left(self.max_model_len) <= 1)
-        self.in_flight = flight
-
-    def clear_in_flight(self) -> None:
-        """The step in flight failed: nothing it was to do happened."""
-        self.in_flight, self._moved, self._guessed = {}, set(), {}
+        return resumed
 
     def rewind(self, seq: Sequence, num_tokens: int) -> None:
         """``seq``'s tokens past ``num_tokens`` were replaced (a draft model's copy): computed and told again."""
@@ -336,7 +318,7 @@ class Scheduler:
         emitted = {batch.req_ids[r]: result.emitted(j) for j, r in enumerate(result.rows)} if batch.drafts else {}
         failed: dict[int, str] = {}
         for seq, n in zip(seqs, batch.num_scheduled):
-            if seq is None or seq.seq_id in moved or seq.is_finished:
+            if seq is None or seq.seq_id in moved or seq.status is FINISHED:
                 continue
             kv_tokens = seq.token_ids
             d = batch.drafts.get(seq.seq_id)
@@ -351,14 +333,12 @@ class Scheduler:
                 self.kv.cache_blocks(seq.seq_id, kv_tokens, seq.num_computed_tokens)
             except Exception as exc:
                 failed[seq.seq_id] = f"caching the blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}"
-            forks = self._forks.get(seq.seq_id)
-            if forks and seq.seq_id not in failed and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                del self._forks[seq.seq_id]
-                self.waiting.extendleft(reversed(forks))
+            if seq.seq_id in self._forks and seq.seq_id not in failed and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.waiting.extendleft(reversed(self._forks.pop(seq.seq_id)))  # n > 1: the other samples
         touched: list[Sequence] = []
         for j, row in enumerate(result.rows):
             seq = seqs[row]
-            if seq is None or seq.seq_id in failed or seq.is_finished:
+            if seq is None or seq.seq_id in failed or seq.status is FINISHED:
                 continue
             touched.append(seq)
             why = result.ended.get(row)
@@ -380,30 +360,40 @@ class Scheduler:
                 continue
             self.told.sampled(seq.seq_id, before, len(seq.token_ids))  # (the runner recorded them)
             if seq.seq_id in batch.drafts and seq.seq_id not in self._guessed:  # (guessed: trimmed when settled)
-                try:
-                    self.trim(seq, seq.num_tokens)
-                except Exception as exc:
-                    failed[seq.seq_id] = f"trimming the blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}"
-        for row, vector in result.pooled.items():  # embedding requests end when their prompt is computed
+                self._trim_drafts(seq, failed)
+        if result.pooled:
+            self._pooled(seqs, result.pooled, failed, touched)
+        return touched, failed
+
+    def _trim_drafts(self, seq: Sequence, failed: dict[int, str]) -> None:
+        """The blocks of ``seq``'s rejected drafts go back (``failed`` notes a KV-cache manager raising)."""
+        try:
+            self.trim(seq, len(seq.token_ids))
+        except Exception as exc:
+            failed[seq.seq_id] = f"trimming the blocks of request {seq.request_id!r}: {type(exc).__name__}: {exc}"
+
+    def _pooled(self, seqs: list[Sequence | None], pooled: dict, failed: dict[int, str], touched: list[Sequence]) -> None:
+        """Embedding requests end when their prompt is computed, with their pooled vector."""
+        for row, vector in pooled.items():
             seq = seqs[row]
-            if seq is None or seq.seq_id in failed or seq.is_finished:
+            if seq is None or seq.seq_id in failed or seq.status is FINISHED:
                 continue
             seq.pooled = vector
             touched.append(seq)
             self.finish(seq, "stop")
-        return touched, failed
 
     def _append(self, seq: Sequence, token: int) -> str | None:
         """Append one sampled token; the reason it ends the request (a stop token, the length), if any."""
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        p = seq.params
-        if token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens - 1:
+        p, num_tokens = seq.params, len(seq.token_ids)
+        num_output = num_tokens - len(seq.prompt_token_ids)
+        if token in p.stop_token_ids and num_output > p.min_tokens - 1:
             seq.stop_reason = token
             return "stop"
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens >= max(p.min_tokens, 1):
+        if not p.ignore_eos and token in self.eos_token_ids and num_output >= max(p.min_tokens, 1):
             return "stop"
-        if seq.tokens_left(self.max_model_len) <= 0:
+        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:  # (Sequence.tokens_left: none left)
             return "length"
         return None
 

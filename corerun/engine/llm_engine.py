@@ -13,11 +13,11 @@ from typing import Any
 from corerun.config import Config
 from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.core.scheduler import Scheduler, SchedulingError
-from corerun.core.sequence import Sequence
+from corerun.core.sequence import Sequence, SequenceStatus
 from corerun.engine import parallel_sampling
 from corerun.engine.batch_queue import BatchQueue, check_async_scheduling, collect, step_async, step_stages
 from corerun.engine.input_processor import InputProcessor, Limits, Prompt, load_tokenizer, sampler_check
-from corerun.engine.output_processor import OutputProcessor
+from corerun.engine.output_processor import NO_LOGPROBS, OutputProcessor
 from corerun.engine.parallel_sampling import SequenceGroup
 from corerun.engine.speculation import make_spec_decoder
 from corerun.lora.request import LoRARequest
@@ -30,6 +30,7 @@ from corerun.sampling_params import SamplingParams
 from corerun.spec_decode import SpecStats
 
 logger = logging.getLogger("corerun.engine")
+FINISHED = SequenceStatus.FINISHED
 
 __all__ = ["LLMEngine", "Prompt"]
 
@@ -203,30 +204,38 @@ class LLMEngine:
         return self.update(batch, result)
 
     def update(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
-        """Apply a step's result (the scheduler), then its outputs: logprobs, stop strings, the next drafts."""
+        """Apply a step's result (the scheduler), then its outputs: logprobs and stop strings (only where a
+        request of the step asks for them), the next drafts."""
         rows = self.scheduler.seqs_of(batch)
         seqs = [s for s in rows if s is not None]  # (None: finished since the batch was scheduled)
-        try:  # everything that can fail on malformed sampler output first, before any sequence changes
-            lps = self.outputs.logprobs(rows, result)
-        except Exception as exc:
-            why = f"sampler '{self.runner.sampler_name}' returned malformed logprobs: {type(exc).__name__}: {exc}"
-            return self._fail([s for s in seqs if not s.is_finished], why)
+        lps = NO_LOGPROBS
+        if result.logprobs is not None or result.prompt_logprobs:
+            try:  # everything that can fail on malformed sampler output first, before any sequence changes
+                lps = self.outputs.logprobs(rows, result)
+            except Exception as exc:
+                why = f"sampler '{self.runner.sampler_name}' returned malformed logprobs: {type(exc).__name__}: {exc}"
+                return self._fail([s for s in seqs if not s.is_finished], why)
         if self.spec is not None:
             self.spec.record(batch, result)
-        before = {s.seq_id: s.num_output_tokens for s in seqs}
+        before = {s.seq_id: len(s.token_ids) for s in seqs if s.params.stop} if self.tokenizer is not None else {}
         touched, failed = self.scheduler.update_from_output(batch, result)
-        self.outputs.add_logprobs(seqs, lps, failed)
-        new = {s.seq_id: s.num_output_tokens - before[s.seq_id] for s in touched}
-        for seq, stop, keep in self.outputs.stop_strings(touched, new):
-            seq.stop_reason = stop  # type: ignore[assignment]  # the string, as vLLM reports it
-            self._end(seq, "stop", keep=keep)
+        if lps is not NO_LOGPROBS:
+            self.outputs.add_logprobs(seqs, lps, failed)
+        if before:  # requests with stop strings: the output tokens each got this step
+            new = {s.seq_id: len(s.token_ids) - before[s.seq_id] for s in touched if s.seq_id in before}
+            for seq, stop, keep in self.outputs.stop_strings(touched, new):
+                seq.stop_reason = stop  # type: ignore[assignment]  # the string, as vLLM reports it
+                self._end(seq, "stop", keep=keep)
         for seq in (s for s in seqs if s.seq_id in failed):
             touched += self._fail([seq], f"KV-cache manager '{self.runner.kv_manager_name}' failed {failed[seq.seq_id]}")
         for seq in (s for s in seqs if s.seq_id in lps.non_finite and s.seq_id not in failed and s.finish_reason != "error"):
             self._fail([seq], lps.non_finite[seq.seq_id])  # (a chunk that sampled nothing: not touched yet)
             touched += [] if seq in touched else [seq]
-        self._released(s.seq_id for s in seqs if s.is_finished)
-        self._released(batch.preempted_ids, ended=False)
+        ended = [s.seq_id for s in seqs if s.status is FINISHED]
+        if ended:
+            self._released(ended)
+        if batch.preempted_ids:
+            self._released(batch.preempted_ids, ended=False)
         if self.spec is not None:
             self.scheduler.update_draft_token_ids(self.spec.propose(self.scheduler.running))
         return touched

@@ -47,6 +47,9 @@ class StepLogprobs:
     non_finite: dict[int, str]  # seq_id -> the error it ends with: prompt logprobs not finite, never served
 
 
+NO_LOGPROBS = StepLogprobs({}, {}, {})  # a step in which no request asked for logprobs (never changed)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

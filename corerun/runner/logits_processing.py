@@ -70,6 +70,9 @@ class LogitsProcessors:
         self.tokenizer: Any = None  # set by the engine once it has loaded its tokenizer
         self.eos_token_ids: frozenset[int] = frozenset()
         self._built: dict[str, Any] = {}  # registration name -> processor
+        # some request that reached the runner wants a processor (set by ModelRunner.prepare_step from the
+        # new requests of each step); until then the runner skips apply / accept
+        self.in_use = False
         self._states: dict[int, list[Any]] = {}  # seq_id -> processors holding its state
         self._lock = threading.Lock()  # admission may run on another thread than the steps
 

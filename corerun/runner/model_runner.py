@@ -193,7 +193,9 @@ class ModelRunner:
         :meth:`sample_tokens`) reads only what it returns and the rows it names, and may run on another
         thread while the next step is scheduled.
         """
-        ib = self.input_batch
+        ib, procs = self.input_batch, self.logits_processors
+        if sched.new_reqs and not procs.in_use:  # (from the first request that wants one on, every step applies them)
+            procs.in_use = any(procs.wanted(r.params) for r in sched.new_reqs)
         # (embedding requests leaving: the pooler drops their partial sums)
         leaving = bool(ib.pooling_ids) and not ib.pooling_ids.isdisjoint(sched.finished_ids | sched.preempted_ids)
         try:
@@ -205,9 +207,7 @@ class ModelRunner:
             ) from exc
         pool_plan = self.pooler.plan(sched, ib, np.cumsum((0, *sched.num_scheduled)).tolist()) if ib.pooling_ids or leaving else None
         if pool_plan is not None and pool_plan.rows:  # embedding requests are pooled, not sampled
-            pooled = {p.row for p in pool_plan.rows}
-            keep = np.fromiter((i not in pooled for i in rows.tolist()), dtype=bool, count=len(rows))
-            rows, logits_indices = rows[keep], logits_indices[keep]
+            rows, logits_indices = _not_pooled(pool_plan, rows, logits_indices)
         batch_rows = [ib.index[sched.req_ids[i]] for i in rows.tolist()]
         seqs = [ib.view(r) for r in batch_rows]
         has_drafts = bool(sched.drafts)
@@ -236,7 +236,8 @@ class ModelRunner:
                 f"model forward failed (attention backend '{self.attention_name}', graph runner '{self.graph_name}'): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return ExecuteModelState(step, hidden, self._prompt_logprobs(step.prompt_plan, hidden, step.inputs.batch))
+        prompt_lp = self._prompt_logprobs(step.prompt_plan, hidden, step.inputs.batch) if step.prompt_plan else {}
+        return ExecuteModelState(step, hidden, prompt_lp)
 
     def sample_tokens(self, state: ExecuteModelState) -> StepResult:
         """Logits of the sampled rows, the logits processors, the sampler and the step's one host sync."""
@@ -297,8 +298,9 @@ class ModelRunner:
         the sampled tokens. ``owners[i]`` is the sequence of logits row ``i``. Returns the sampler's
         output, the sampled ids and the rows that end (row -> reason): a processor ended them, or their
         logits were not finite (then no processor takes their token)."""
+        procs = self.logits_processors
         try:
-            masked = self.logits_processors.apply(logits, owners)
+            masked = procs.apply(logits, owners) if procs.in_use else None
         except Exception as exc:
             raise StepError(f"logits processor failed: {type(exc).__name__}: {exc}") from exc
         if self._finished_for_sampler:
@@ -313,7 +315,7 @@ class ModelRunner:
         if masked:
             masked.failed.update(non_finite)
         try:
-            ended = self.logits_processors.accept(masked, sampled) if masked else {}
+            ended = procs.accept(masked, sampled) if masked else {}
         except Exception as exc:
             raise StepError(f"logits processor failed taking the sampled tokens: {type(exc).__name__}: {exc}") from exc
         return out, sampled, {**ended, **non_finite}
@@ -406,6 +408,13 @@ class ModelRunner:
                 ) from exc
             result[i] = (first + 1, lp)
         return result
+
+
+def _not_pooled(plan: PoolPlan, rows: np.ndarray, logits_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` and their ``logits_indices`` without the embedding requests ``plan`` pools."""
+    pooled = {p.row for p in plan.rows}
+    keep = np.fromiter((i not in pooled for i in rows.tolist()), dtype=bool, count=len(rows))
+    return rows[keep], logits_indices[keep]
 
 
 def _each_last(rows: np.ndarray, batch: AttentionBatch) -> bool:

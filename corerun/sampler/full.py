@@ -74,7 +74,7 @@ class FullSampler:
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits`` float ``[B, V]`` (any float dtype; not modified) -> int64 ``[B]`` tokens and, if asked, logprobs."""
-        check_logits(logits, metadata.batch_size, self.vocab_size)
+        check_logits(logits, len(metadata.params), self.vocab_size)
         params = metadata.params
         if all(map(_argmax_alone, params)):  # vLLM v1's all-greedy shortcut: no stage below can move the argmax
             values, tokens = logits.max(dim=-1)
