@@ -255,3 +255,14 @@ def test_cuda_pinned_staging_matches_the_host_fill() -> None:
     for k, inputs in enumerate(outs):
         assert inputs.input_ids.device.type == "cuda" and inputs.input_ids.tolist() == list(range(5 + k))
         assert inputs.batch.slot_mapping.tolist() == [(k if p < BS else k + 10) * BS + p % BS for p in range(5 + k)]
+
+
+def test_rows_of_a_steady_batch_are_kept_until_a_request_moves() -> None:
+    ib = InputBatch(BS, rows=4)
+    ib.apply(ScheduledBatch((1, 2), (5, 3), 0, new_reqs=(_one(1, 5, (8, 9)), _one(2, 3, (4,)))))
+    first = ib.rows_of((1, 2))
+    assert first.tolist() == [ib.index[1], ib.index[2]] and ib.rows_of((1, 2)) is first and not first.flags.writeable
+    # request 1 leaves, another request takes its row, and 1 comes back into a third one
+    ib.apply(ScheduledBatch((3,), (2,), 0, new_reqs=(_one(3, 2, (5,)),), preempted_ids=frozenset({1})))
+    ib.apply(ScheduledBatch((1,), (5,), 0, new_reqs=(_one(1, 5, (6, 7)),)))
+    assert ib.rows_of((1, 2)).tolist() == [ib.index[1], ib.index[2]] != first.tolist()

@@ -83,6 +83,8 @@ class InputBatch:
         self.pooling_ids: set[int] = set()  # embedding requests (params.pooling)
         self.prompt_logprob_ids: set[int] = set()  # requests asking for prompt logprobs
         self.table_writes: list[int] = []  # rows whose block-table row (or request) changed, for the step builder
+        self._moves = 0  # requests added or removed so far: while it stays, a request keeps its row
+        self._last_rows: tuple[tuple[int, ...], int, np.ndarray] = ((), -1, np.zeros(0, dtype=np.int64))  # rows_of's last answer
 
     def __len__(self) -> int:
         return len(self.index)
@@ -106,6 +108,7 @@ class InputBatch:
             self.remove(r.seq_id)
             row = self._take()
             self.index[r.seq_id], self.seq_ids[row], self.params[row] = row, r.seq_id, r.params
+            self._moves += 1
             if r.params.pooling is not None:
                 self.pooling_ids.add(r.seq_id)
             if r.params.prompt_logprobs is not None:
@@ -151,6 +154,7 @@ class InputBatch:
             self.table_writes.append(row)
             self.num_blocks[row] = self.num_tokens[row] = 0
             self._free.append(row)
+            self._moves += 1
 
     def record(self, row: int, tokens: list[int]) -> None:
         """The tokens the runner sampled for ``row`` after its last one (accepted drafts included)."""
@@ -164,12 +168,19 @@ class InputBatch:
 
     # ---------------------------------------------------------------- reads
     def rows_of(self, seq_ids: tuple[int, ...]) -> np.ndarray:
-        """The rows of ``seq_ids``, int64; ``ValueError`` naming one without a row."""
+        """The rows of ``seq_ids``, int64, read-only; ``ValueError`` naming one without a row.  The same
+        requests as the last call, none added or removed since (a steady batch of decodes): the same array."""
+        last_ids, moves, rows = self._last_rows
+        if moves == self._moves and seq_ids == last_ids:
+            return rows
         try:
-            return np.fromiter(map(self.index.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
+            rows = np.fromiter(map(self.index.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
         except KeyError as exc:
             raise ValueError(f"request {exc.args[0]} is scheduled but the runner holds no row for it (it was never "
                              "sent in new_reqs, or it finished)") from None
+        rows.flags.writeable = False
+        self._last_rows = (seq_ids, self._moves, rows)
+        return rows
 
     def view(self, row: int) -> RowView:
         p, n = int(self.num_prompt[row]), int(self.num_tokens[row])
@@ -207,7 +218,9 @@ class InputBatch:
         end = start + len(tokens)
         if end > self.token_ids.shape[1]:
             self._grow(len(self.seq_ids), max(end, 2 * self.token_ids.shape[1]), self.block_table.shape[1])
-        if tokens:
+        if len(tokens) > 64:  # (a long run converts faster through fromiter than in the slice assignment)
+            self.token_ids[row, start:end] = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+        elif tokens:
             self.token_ids[row, start:end] = tokens
 
     def _write_blocks(self, row: int, start: int, ids: tuple[int, ...]) -> None:

@@ -132,6 +132,7 @@ class StepInputs:
         self._buffers = [_Staging(nbytes, self.pin_memory, f) for f in fences]
         self._next = 0  # the buffer the next build fills
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
+        self._in_block = np.arange(block_size, dtype=np.int64)  # each slot's offset in its block
 
     @property
     def capacity(self) -> int:
@@ -203,23 +204,47 @@ class StepInputs:
 
     def _small_step(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray,
                     ) -> tuple[ModelInputs, np.ndarray, np.ndarray]:
-        """A step of at most :attr:`small_batch` requests, some of more than one token: its per-request
-        values as Python lists, its per-token ones vectorised (:meth:`_fill_tokens`)."""
+        """A step of at most :attr:`small_batch` requests, some of more than one token: the per-request
+        values and the decodes' tokens as Python lists, each longer run of tokens (a prompt chunk, a
+        decode with drafts) copied as slices of its row."""
         rl, ctx, width = self._lists(sched, batch, rows)
-        nums = sched.num_scheduled
+        nums, d = sched.num_scheduled, sched.num_decodes
         starts = list(itertools.accumulate(nums, initial=0))
+        seq_lens = [c + n for c, n in zip(ctx, nums)]
         lay = StepLayout.of(starts[-1], len(rl), width)
         buf, out, host = self._begin(lay, batch)
         buf.decodes = None
-        seq_lens = [c + n for c, n in zip(ctx, nums)]
+        if max(seq_lens) > self._arange.size:
+            self._arange = np.arange(2 * max(seq_lens), dtype=np.int64)
         out.query_start_loc[:] = starts
         out.seq_lens[:] = seq_lens
         out.context_lens[:] = ctx
-        self._fill_tokens(out, lay, batch, rows, [c - s for c, s in zip(ctx, starts)], nums)
+        out.block_tables[:] = batch.block_table[rows, : lay.table_width]
+        tokens, table, lora = batch.token_ids, batch.block_table, batch.lora_slot.item
+        if d:
+            self._decode_tokens(out, batch, rl[:d], ctx[:d])
+            out.lora_slots[:d] = [lora(r) for r in rl[:d]]
+        shift = self.block_size.bit_length() - 1
+        for r, c, n, s in zip(rl[d:], ctx[d:], nums[d:], starts[d:]):
+            e, b = s + n, c >> shift  # its tokens go to [s, e) of the step; the first lies in block b of its table
+            out.input_ids[s:e] = tokens[r, c : c + n]
+            out.positions[s:e] = self._arange[c : c + n]
+            slots = (np.left_shift(table[r, b : ((c + n - 1) >> shift) + 1, None], shift, dtype=np.int64) + self._in_block).reshape(-1)
+            out.slot_mapping[s:e] = slots[c - (b << shift) : c - (b << shift) + n]
+            out.lora_slots[s:e] = lora(r)
         num_tokens = batch.num_tokens.item
         sampled = [i for i, (r, n) in enumerate(zip(rl, seq_lens)) if n >= num_tokens(r)]
-        inputs = self._finish(buf, lay, host, max(nums), max(seq_lens), sched.num_decodes)
+        inputs = self._finish(buf, lay, host, max(nums), max(seq_lens), d)
         return inputs, np.array(sampled, dtype=np.int64), np.array([starts[i + 1] - 1 for i in sampled], dtype=np.int64)
+
+    def _decode_tokens(self, out: StepTensors, batch: InputBatch, rows: list[int], ctx: list[int]) -> None:
+        """The step's first ``len(rows)`` tokens, one per request at its computed count: token ids, positions
+        and slots written from Python lists."""
+        tok, table, mask, shift = batch.token_ids.item, batch.block_table.item, self.block_size - 1, self.block_size.bit_length() - 1
+        d = len(rows)
+        out.input_ids[:d] = [tok(r, c) for r, c in zip(rows, ctx)]
+        out.positions[:d] = ctx
+        out.slot_mapping[:d] = [table(r, c >> shift) << shift | c & mask for r, c in zip(rows, ctx)]
 
     def _check_tables(self, sched: ScheduledBatch, batch: InputBatch, rows: np.ndarray, reach: np.ndarray) -> np.ndarray:
         """The block counts of ``rows``; ``ValueError`` naming the first whose table holds fewer than ``reach`` tokens."""
@@ -293,14 +318,11 @@ class StepInputs:
         """A step of at most :attr:`small_batch` decodes, its per-request values read and written as Python
         lists: a few element reads per request cost less than the two dozen numpy calls of :meth:`_decodes`."""
         rl, ctx, width = self._lists(sched, batch, rows)
-        shift = self.block_size.bit_length() - 1
         lay = StepLayout.of(len(rl), len(rl), width)
         buf, out, host = self._begin(lay, batch)
         self._decode_tables(buf, out, lay, batch, sched.req_ids, rows, rl)
-        tok, table, mask = batch.token_ids.item, batch.block_table.item, self.block_size - 1
-        out.input_ids[:] = [tok(r, c) for r, c in zip(rl, ctx)]
-        out.positions[:] = out.context_lens[:] = ctx
-        out.slot_mapping[:] = [table(r, c >> shift) << shift | c & mask for r, c in zip(rl, ctx)]
+        self._decode_tokens(out, batch, rl, ctx)
+        out.context_lens[:] = ctx
         seq_lens = [c + 1 for c in ctx]
         out.seq_lens[:] = seq_lens
         num_tokens = batch.num_tokens.item
@@ -329,28 +351,21 @@ class StepInputs:
     def _fill(
         self, out: StepTensors, lay: StepLayout, batch: InputBatch, rows: np.ndarray, ctx: np.ndarray, query_lens: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices)."""
-        query_starts, seq_lens = out.query_start_loc, out.seq_lens
+        """Write every element of the step's fields into the buffer; return (sampled_rows, logits_indices).
+
+        Request ``i``'s tokens run from ``ctx[i]``: token ``j`` sits at position
+        ``j - query_starts[i] + ctx[i]`` of row ``rows[i]``, and its slot is its block (from the row's
+        table) times ``block_size`` plus the position within the block.  Token ids and blocks are read
+        from the flattened arrays (one index per element: a gather with a row and a column index array
+        costs twice as much).
+        """
+        query_starts, seq_lens, pos = out.query_start_loc, out.seq_lens, out.positions
         out.context_lens[:] = ctx
         query_starts[0] = 0
         np.cumsum(query_lens, out=query_starts[1:])
         np.add(ctx, query_lens, out=seq_lens)
-        self._fill_tokens(out, lay, batch, rows, ctx - query_starts[:-1], query_lens)
-        # rows whose scheduled tokens reach their last token are sampled from that token's logits
-        sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
-        return sampled_rows, query_starts[1:][sampled_rows].astype(np.int64) - 1
-
-    def _fill_tokens(self, out: StepTensors, lay: StepLayout, batch: InputBatch, rows: np.ndarray,
-                     offsets: np.ndarray | list[int], query_lens: np.ndarray | tuple[int, ...]) -> None:
-        """The per-token fields and the block tables.  Request ``i``'s ``query_lens[i]`` tokens run from
-        its computed count: token ``j`` of the step sits at position ``j + offsets[i]`` (its computed count
-        less its query start) of row ``rows[i]``, and its slot is its block (from the row's table) times
-        ``block_size`` plus the position within the block.  Token ids and blocks are read from the
-        flattened arrays (one index per element: a gather with a row and a column index array costs
-        twice as much)."""
-        pos = out.positions
         token_row = np.repeat(rows, query_lens)
-        np.add(self._arange[: lay.num_tokens], np.repeat(offsets, query_lens), out=pos)
+        np.add(self._arange[: lay.num_tokens], np.repeat(ctx - query_starts[:-1], query_lens), out=pos)
         tokens, table = batch.token_ids, batch.block_table
         np.take(tokens.reshape(-1), token_row * tokens.shape[1] + pos, out=out.input_ids)
         out.block_tables[:] = table[rows, : lay.table_width]
@@ -358,6 +373,9 @@ class StepInputs:
         blocks = table.reshape(-1).take(token_row * table.shape[1] + (pos >> shift))
         np.add(np.left_shift(blocks, shift, dtype=np.int64), pos & (self.block_size - 1), out=out.slot_mapping)
         out.lora_slots[:] = np.repeat(batch.lora_slot[rows], query_lens)
+        # rows whose scheduled tokens reach their last token are sampled from that token's logits
+        sampled_rows = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        return sampled_rows, query_starts[1:][sampled_rows].astype(np.int64) - 1
 
 
 def _short_table(seq_id: int, num_blocks: int, num_tokens: int, block_size: int) -> ValueError:
