@@ -52,7 +52,8 @@ def write_quantized(float_dir: Path, fmt: str, out: Path) -> dict[str, torch.Ten
     return dequantized
 
 
-def reference_logits(float_dir: Path, dequantized: dict[str, torch.Tensor], activations_int8: bool) -> torch.Tensor:
+def reference_model(float_dir: Path, dequantized: dict[str, torch.Tensor], activations_int8: bool) -> torch.nn.Module:
+    """transformers' model of ``float_dir`` with the ``dequantized`` weights (and W8A8's activations)."""
     hf = hf_model(float_dir)
     with torch.no_grad():
         params = dict(hf.named_parameters())
@@ -67,8 +68,12 @@ def reference_logits(float_dir: Path, dequantized: dict[str, torch.Tensor], acti
         for name, module in hf.named_modules():
             if name.split(".")[-1] in PROJECTIONS:
                 module.register_forward_pre_hook(fake_quantize)
+    return hf
+
+
+def reference_logits(float_dir: Path, dequantized: dict[str, torch.Tensor], activations_int8: bool) -> torch.Tensor:
     with torch.no_grad():
-        return hf(torch.tensor([IDS])).logits[0].float()
+        return reference_model(float_dir, dequantized, activations_int8)(torch.tensor([IDS])).logits[0].float()
 
 
 @pytest.mark.timeout(120)
@@ -152,3 +157,29 @@ def test_actorder_weight_needs_no_g_idx() -> None:
         out = list(group_weights(((f"m.q_proj.{k}", t) for k, t in ref.tensors.items()), READERS["compressed-tensors"](config)))
         assert [name for name, _ in out] == ["m.q_proj.weight"]
         assert torch.allclose(out[0][1].dequantize().double(), ref.weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("product", ["default", "onednn"])
+def test_an_engine_runs_a_w8a8_folder_greedy_as_transformers(float_dir: Path, tmp_path: Path, product: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W8A8 through the engine: greedy tokens equal transformers' on the dequantized weights with the
+    activations fake-quantized per token.  ``onednn``: every weight packed for oneDNN's int8 GEMM (the
+    tiny model's are below the size that takes it by default), merged q/k/v and gate/up included."""
+    from corerun import SamplingParams
+    from corerun.quantization import int8_matmul
+    from corerun.testing import make_llm
+
+    if product == "onednn":
+        if "onednn" not in int8_matmul.cpu_int8_paths():
+            pytest.skip("oneDNN's int8 GEMM is not exact here (no VNNI or AMX), so W8A8 does not use it")
+        monkeypatch.setattr(int8_matmul, "SMALL_PRODUCT", 0)
+    folder = tmp_path / "w8a8"
+    dequantized = write_quantized(float_dir, "ct-w8a8-int8", folder)
+    with torch.no_grad():
+        want = reference_model(float_dir, dequantized, True).generate(torch.tensor([IDS]), max_new_tokens=6, do_sample=False)[0, len(IDS):].tolist()
+    with make_llm(folder, quantization="auto") as llm:
+        assert llm.engine.runner.quantization_name == "compressed-tensors"
+        qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        assert (qkv.int8.packed is not None) == (product == "onednn")
+        out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == want

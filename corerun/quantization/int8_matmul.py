@@ -5,18 +5,34 @@ the checkpoint's one ``input_scale`` (``static``), rounded to nearest and clampe
 Then ``acc = x_q @ w_q.T`` and ``y = acc * s_x * s_w`` in float32.  Where ``acc`` is computed:
 
 - CUDA: ``torch._int_mm`` (cuBLASLt int8 x int8 -> int32; it wants more than 16 rows: fewer are padded);
-- CPU: the codes multiplied as float32 when every partial sum is an integer below 2**24 (input
-  features <= 1032, as ``127 * 128 * 1032 < 2**24``: activation codes within 127, weight codes
-  within 128), else as float64: exact either way, the same ``acc`` as int32.  ``torch._int_mm`` runs on CPU too but measured 20x slower than the float32
-  product here (docs/quantization.md), so it is not used there.
+- CPU with integer dot products (VNNI or AMX), checked exact once per process (:func:`cpu_int8_paths`):
+  oneDNN's int8 GEMM (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86 int8 inference
+  runs) on the weight packed once at load (:func:`prepack`), with unit scales so that it returns
+  ``acc`` itself in float32; a weight of fewer than ``SMALL_PRODUCT`` codes goes through
+  ``torch._int_mm`` instead (oneDNN spends about 25 us per call, and milliseconds in its int8 x int8
+  kernel for fewer than 256 outputs and a few rows);
+- CPU otherwise: the codes multiplied as float32 when every partial sum is an integer below 2**24
+  (input features <= 1032, as ``127 * 128 * 1032 < 2**24``: activation codes within 127, weight codes
+  within 128), else as float64: exact either way, the same ``acc`` as int32.
+
+Every path gives the same ``acc``, hence bit-identical outputs (tests/test_quantization_int8_matmul.py).
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 _INT_MM = hasattr(torch, "_int_mm")
 EXACT_FLOAT32 = 2**24 // (127 * 128)  # input features whose products (activations to 127, weights to -128) sum exactly in float32
+SMALL_PRODUCT = 1 << 18  # weight codes (out * in) below which torch._int_mm is the faster CPU product
+INTEGER_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # /proc/cpuinfo flags of exact int8 dot products
+
+_lock = threading.Lock()
+_cpu_paths: list[str] | None = None
 
 
 def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,15 +45,121 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> t
     return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``[T, in]`` float, ``weight`` int8 ``[out, in]``, ``weight_scale`` ``[out, 1]`` or ``[1, 1]``
-    -> ``[T, out]`` in ``x.dtype``."""
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+@dataclass(frozen=True)
+class PackedInt8:
+    """A weight in oneDNN's int8 GEMM layout, with the unit scales and zero points the call takes."""
+
+    weight: torch.Tensor  # opaque, from torch.ops.onednn.qlinear_prepack
+    ones: torch.Tensor  # float32 [out]
+    zeros: torch.Tensor  # int64 [out]
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "PackedInt8":
+        out = weight.shape[0]
+        packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+        return cls(packed, torch.ones(out), torch.zeros(out, dtype=torch.int64))
+
+    def acc(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes`` int8 ``[T, in]`` -> ``codes @ weight.T`` as float32 (the int32 sums, converted)."""
+        return torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, 0, self.weight, self.ones, self.zeros, None, 1.0, 0, torch.float32, "none", [], "",
+        )
+
+
+def _probe() -> list[str]:
+    """The integer CPU products exact here (``"onednn"``, ``"int_mm"``): each is run on codes whose pairs
+    overflow int16 (a u8 x s8 multiply-add without VNNI saturates there) and sums past 2**24, against int64."""
+    if not _cpu_flags() & set(INTEGER_DOT_FLAGS):
+        return []
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-128, 128, (64, 1100), generator=g, dtype=torch.int8)
+    w[0], w[1] = 127, -128
+    x = torch.randint(-127, 128, (3, 1100), generator=g, dtype=torch.int8)
+    x[0], x[1] = 127, -127
+    want = (x.long() @ w.long().t()).float()
+    found = []
+    try:
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"):
+            if torch.equal(PackedInt8.of(w).acc(x), want):
+                found.append("onednn")
+    except RuntimeError:
+        pass
+    try:
+        if _INT_MM and torch.equal(torch._int_mm(x, w.t()).float(), want):
+            found.append("int_mm")
+    except RuntimeError:
+        pass
+    return found
+
+
+def cpu_int8_paths() -> list[str]:
+    """The integer products W8A8 uses on this CPU (empty: the exact float path), probed once per process."""
+    global _cpu_paths
+    with _lock:
+        if _cpu_paths is None:
+            _cpu_paths = _probe()
+        return _cpu_paths
+
+
+def prepack(weight: torch.Tensor) -> PackedInt8 | None:
+    """``weight`` int8 ``[out, in]`` packed for oneDNN's int8 GEMM, or ``None`` where that is not used
+    (not on CPU, no exact oneDNN product here, or a weight small enough for ``torch._int_mm``)."""
+    if weight.device.type != "cpu" or weight.numel() < SMALL_PRODUCT or "onednn" not in cpu_int8_paths():
+        return None
+    return PackedInt8.of(weight)
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+    packed: PackedInt8 | None = None,
+) -> torch.Tensor:
+    """``x`` ``[T, in]`` float, ``weight`` int8 ``[out, in]``, ``weight_scale`` ``[out, 1]`` or ``[1, 1]``,
+    ``packed`` :func:`prepack`'s form of ``weight`` (or ``None``) -> ``[T, out]`` in ``x.dtype``."""
     codes, x_scale = quantize_activations(x, input_scale)
     rows = codes.shape[0]
     if codes.is_cuda and _INT_MM:
         padded = torch.nn.functional.pad(codes, (0, 0, 0, max(0, 17 - rows)))
         acc = torch._int_mm(padded, weight.t())[:rows].float()
+    elif packed is not None:
+        acc = packed.acc(codes)
+    elif codes.device.type == "cpu" and "int_mm" in cpu_int8_paths():
+        acc = torch._int_mm(codes, weight.t()).float()
     else:
         exact = torch.float32 if codes.shape[1] <= EXACT_FLOAT32 else torch.float64
         acc = (codes.to(exact) @ weight.to(exact).t()).float()
     return (acc * x_scale * weight_scale.float().reshape(1, -1)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A layer's W8A8 shards as one product: the codes stacked ``[out, in]``, ``weight_scale`` float32
+    ``[out, 1]``, the static ``input_scale`` (``None``: per token) and :func:`prepack`'s form."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None
+    packed: PackedInt8 | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight, self.weight_scale, self.input_scale, self.packed)
+
+
+def merge(shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> Int8Weight | None:
+    """Shards ``(weight, weight_scale, input_scale)`` that quantize their activations alike (per token,
+    or one equal static scale) as one :class:`Int8Weight`, the activations then quantized once per call;
+    ``None`` when they differ."""
+    statics = [s for _, _, s in shards if s is not None]
+    if statics and (len(statics) < len(shards) or any(not torch.equal(s.reshape(()), statics[0].reshape(())) for s in statics)):
+        return None
+    weight = torch.cat([w for w, _, _ in shards]) if len(shards) > 1 else shards[0][0]
+    scale = torch.cat([s.float().reshape(-1, 1).expand(w.shape[0], 1) for w, s, _ in shards])
+    return Int8Weight(weight, scale, statics[0] if statics else None, prepack(weight))

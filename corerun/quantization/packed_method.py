@@ -8,7 +8,9 @@ ranks) and the method keeps one per shard, as stored.  ``apply`` per scheme:
 - 4-bit GPTQ / AWQ / pack-quantized, int8 weights without int8 activations (W8A16), FP8 on CPU:
   the shards are decoded into ``x.dtype`` on every call and multiplied (``F.linear``);
 - W8A8 (int8 activations, dynamic or static): :func:`corerun.quantization.int8_matmul.int8_linear`,
-  int8 x int8 -> int32 through ``torch._int_mm``;
+  int8 x int8 -> int32 (``torch._int_mm`` on CUDA; oneDNN's int8 GEMM on a CPU with VNNI or AMX).  A
+  layer whose shards are all W8A8 alike (merged q/k/v, gate/up) is merged once loaded
+  (:func:`~corerun.quantization.int8_matmul.merge`): one activation quantization and one product per call;
 - FP8 on CUDA (compute capability 8.9 or more): :func:`corerun.quantization.fp8_cuda.fp8_linear`,
   ``torch._scaled_mm`` with the activations quantized to e4m3 per token.
 """
@@ -24,7 +26,7 @@ from torch import nn
 from corerun.quantization import capabilities as caps
 from corerun.quantization.base import QuantizationMethod
 from corerun.quantization.fp8_cuda import fp8_linear, use_scaled_mm
-from corerun.quantization.int8_matmul import int8_linear
+from corerun.quantization.int8_matmul import int8_linear, merge
 from corerun.quantization.quantized_tensor import QuantizedTensor, as_quantized
 from corerun.quantization.readers import READERS, group_weights
 
@@ -42,9 +44,14 @@ class PackedMethod(QuantizationMethod):
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         layer.quantized_shards = list(shard_sizes)
         layer.quantized = {}
+        layer.int8 = None  # the W8A8 shards as one Int8Weight, once every shard is loaded
 
     def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
-        layer.quantized[shard_id] = as_quantized(f"shard {shard_id!r}", loaded).to(layer.weight.device)
+        w = as_quantized(f"shard {shard_id!r}", loaded).to(layer.weight.device)
+        layer.quantized[shard_id] = w
+        shards = [layer.quantized.get(s) for s in layer.quantized_shards]
+        if all(s is not None and s.scheme.activations is not None for s in shards):
+            layer.int8 = merge([(s.parts["weight"], s.parts["weight_scale"], _static_scale(s)) for s in shards])
 
     def shards(self, layer: nn.Module) -> list[QuantizedTensor]:
         return [layer.quantized[s] for s in layer.quantized_shards]
@@ -55,6 +62,8 @@ class PackedMethod(QuantizationMethod):
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.int8 is not None:
+            return layer.int8(x)
         shards = self.shards(layer)
         if all(w.scheme.activations is None and not use_scaled_mm(w, x) for w in shards):
             return F.linear(x, self.dequantized(layer, x.dtype))
@@ -62,10 +71,14 @@ class PackedMethod(QuantizationMethod):
 
     def _product(self, w: QuantizedTensor, x: torch.Tensor) -> torch.Tensor:
         if w.scheme.activations is not None:
-            return int8_linear(x, w.parts["weight"], w.parts["weight_scale"], w.parts.get("input_scale") if w.scheme.activations == "int8-static" else None)
+            return int8_linear(x, w.parts["weight"], w.parts["weight_scale"], _static_scale(w))
         if use_scaled_mm(w, x):
             return fp8_linear(x, w.parts["weight"], w.parts["weight_scale"])
         return F.linear(x, w.dequantize(x.dtype))
+
+
+def _static_scale(w: QuantizedTensor) -> torch.Tensor | None:
+    return w.parts.get("input_scale") if w.scheme.activations == "int8-static" else None
 
 
 class GPTQMethod(PackedMethod):
