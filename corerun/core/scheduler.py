@@ -27,6 +27,7 @@ __all__ = ["ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
 
 logger = logging.getLogger("corerun.engine")
 FINISHED = SequenceStatus.FINISHED
+_EMPTY: frozenset[int] = frozenset()
 
 
 class SchedulingError(StepError):
@@ -119,15 +120,17 @@ class Scheduler(InFlightSteps):
         drafts: dict[int, list[int]] = {}
         budget = self._schedule_running(self.max_num_batched_tokens, scheduled, drafts, preempted)
         resumed = self._admit(budget, scheduled) if self.waiting and budget > 0 and not preempted else []
-        self._guessed = {sid: k for sid, k in self._guessed.items() if sid in scheduled}
-        finished: frozenset[int] = frozenset()
-        if scheduled:  # (an empty batch reaches no runner: the finished ids wait for the next one)
+        if self._guessed:
+            self._guessed = {sid: k for sid, k in self._guessed.items() if sid in scheduled}
+        finished: frozenset[int] = _EMPTY
+        if scheduled and self._finished:  # (an empty batch reaches no runner: the finished ids wait for the next one)
             finished, self._finished = frozenset(self._finished), []
-        new_reqs, new_tokens, changes = self.told.describe(scheduled, frozenset(resumed), self.in_flight)
-        self._seqs.update((r.seq_id, scheduled[r.seq_id][0]) for r in new_reqs)  # (the draft model's scheduler puts its own)
+        new_reqs, new_tokens, changes = self.told.describe(scheduled, frozenset(resumed) if resumed else _EMPTY, self.in_flight)
+        if new_reqs:
+            self._seqs.update((r.seq_id, scheduled[r.seq_id][0]) for r in new_reqs)  # (the draft model's scheduler puts its own)
         return make_batch(scheduled, tuple(new_reqs), new_tokens, changes,
-                          {sid: tuple(d) for sid, d in drafts.items() if sid in scheduled}, finished,
-                          frozenset(s.seq_id for s in preempted))
+                          {sid: tuple(d) for sid, d in drafts.items() if sid in scheduled} if drafts else {}, finished,
+                          frozenset(s.seq_id for s in preempted) if preempted else _EMPTY)
 
     def _schedule_running(self, budget: int, scheduled: dict, drafts: dict, preempted: list[Sequence]) -> int:
         """Running sequences, oldest first: a decode one token (and its drafts), a chunked prefill the rest of
