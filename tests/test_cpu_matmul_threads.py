@@ -116,6 +116,33 @@ def test_step_threads():
     assert {step_threads(n, 3, auto=False) for n in (1, big, 4 * big)} == {3}  # an integer setting: every step
 
 
+def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
+    from corerun import LLM, SamplingParams
+    from corerun.platform import host
+
+    model = str(make_tiny_model(tmp_path))
+    seen: list[tuple[int, int]] = []
+    saved = torch.get_num_threads()
+    try:
+        for setting in ("auto", 2):
+            llm = LLM(model=model, device="cpu", dtype="float32", attention="torch", threads=setting,
+                      kv_cache={"num_blocks": 8}, scheduler={"max_model_len": 64})
+            forward = llm.engine.runner._forward
+
+            def spy(inputs, forward=forward):
+                seen.append((int(inputs.input_ids.numel()), torch.get_num_threads()))
+                return forward(inputs)
+
+            llm.engine.runner._forward = spy
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        pool = resolve_threads("auto")
+        assert seen[:3] == [(3, 1), (1, 1), (1, 1)]  # auto: small steps on one thread
+        assert seen[3:] == [(3, 2), (1, 2), (1, 2)]  # 2: as set
+        assert host.step_threads(AUTO_PARALLEL_TOKENS, pool, auto=True) == pool
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_import_asks_openmp_to_sleep_when_idle():
     import os
     import subprocess

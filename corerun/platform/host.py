@@ -93,7 +93,7 @@ def native_bfloat16() -> bool:
 AUTO_PARALLEL_TOKENS = 512  # threads: auto runs steps of fewer tokens on one thread (docs/benchmarks.md)
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
 
-_auto_threads = 0  # threads: auto's pool size once applied (0: an integer setting, every step as set)
+_step_setting = (0, False)  # (threads, auto) as last applied; (0, False): not applied, steps left alone
 
 
 def prepare_openmp() -> bool:
@@ -147,9 +147,9 @@ def apply_threads(setting: int | str, world_size: int = 1) -> int:
     """
     import torch
 
-    global _auto_threads
+    global _step_setting
     n = resolve_threads(setting, world_size)
-    _auto_threads = n if setting == "auto" else 0
+    _step_setting = (n, setting == "auto")
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -161,17 +161,19 @@ def step_threads(num_tokens: int, threads: int, auto: bool) -> int:
 
 
 def size_step(num_tokens: int) -> int:
-    """Under ``threads: auto``, set the calling thread's torch pool for a step of ``num_tokens`` tokens
-    (:func:`step_threads`); returns the threads in force.  Under an integer setting it changes nothing.
+    """Set the calling thread's torch pool for a step of ``num_tokens`` tokens (:func:`step_threads` of the
+    setting :func:`apply_threads` applied last); returns the threads in force.
 
-    torch's thread count belongs to the thread that sets it (OpenMP), so the thread that runs the
-    forward calls this, right before it.
+    torch's thread count belongs to the thread that sets it (OpenMP keeps it per thread), so the thread
+    that runs the forward (the engine's loop, the asynchronous step thread) calls this, right before it:
+    an integer setting then holds there too, not only on the thread that built the engine.
     """
     import torch
 
-    if not _auto_threads:
+    threads, auto = _step_setting
+    if not threads:
         return torch.get_num_threads()
-    n = step_threads(num_tokens, _auto_threads, True)
+    n = step_threads(num_tokens, threads, auto)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

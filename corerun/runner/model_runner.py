@@ -24,6 +24,7 @@ import torch
 from corerun.config import Config
 from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.errors import ConfigError, StepError
+from corerun.platform.host import size_step
 from corerun.protocols.forward_context import AttentionContext, wants_layer
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
@@ -227,6 +228,7 @@ class ModelRunner:
 
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
         """The forward (launched on the device; on CPU it runs here) and the prompt logprobs it owes."""
+        size_step(step.sched.num_tokens)  # threads: auto puts a small step on one thread (corerun.platform.host)
         try:
             if self.lora is not None:  # the new requests' adapters in their slots, the tokens' slots in place
                 self.lora.begin_step(step.sched.new_reqs, step.inputs.lora_slots)
