@@ -52,27 +52,34 @@ class GGUFCpuMethod(GGUFMethod):
         return layer
 
     def load_weight(self, layer: nn.Module, loaded: object, shard_id: Hashable) -> None:
-        """``gguf``'s load; once every shard of a merged layer (q/k/v, gate/up) is in and all are one type
-        the kernel reads, their rows are moved into one buffer (each shard's buffer a view of it), so
-        that :meth:`apply` makes one kernel call for the layer, quantizing the activations once."""
+        """``gguf``'s load; once every shard is in and all are one type the kernel reads, the layer's
+        blocks as one tensor (``gguf_cpu_whole``): a merged layer's rows (q/k/v, gate/up) moved into
+        one buffer, each shard's buffer a view of it, so that :meth:`apply` makes one kernel call for
+        the layer, quantizing the activations once."""
         super().load_weight(layer, loaded, shard_id)
-        layer.gguf_cpu_merged = None
+        layer.gguf_cpu_whole = None
         types = set(layer.gguf_types.values())
-        if len(layer.gguf_shards) < 2 or len(layer.gguf_types) < len(layer.gguf_shards) or len(types) != 1 or not types <= KERNEL_TYPES:
+        if len(layer.gguf_types) < len(layer.gguf_shards) or len(types) != 1 or not types <= KERNEL_TYPES:
             return
         shards = self.shards(layer)
-        merged = torch.cat([s.data for s in shards])
-        at = 0
-        for i, shard in enumerate(shards):
-            setattr(layer, f"gguf_blocks_{i}", merged[at : at + shard.data.shape[0]])
-            at += shard.data.shape[0]
-        layer.gguf_cpu_merged = GGUFTensor("merged", types.pop(), merged, layer.gguf_in_features)
+        if len(shards) > 1:
+            merged = torch.cat([s.data for s in shards])
+            at = 0
+            for i, shard in enumerate(shards):
+                setattr(layer, f"gguf_blocks_{i}", merged[at : at + shard.data.shape[0]])
+                at += shard.data.shape[0]
+            shards = [GGUFTensor("merged", types.pop(), merged, layer.gguf_in_features)]
+        layer.gguf_cpu_whole = shards[0]
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        whole = layer.__dict__.get("gguf_cpu_whole")
+        if whole is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_TOKENS and x.device.type == "cpu":
+            out = torch.empty(x.shape[0], whole.data.shape[0], dtype=torch.float32)  # the decode step's path, kept short
+            kernels.gguf_gemv(out, whole.data, x.contiguous(), whole.type_name, self.isa)
+            return out
         if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KERNEL_DTYPES:
             return super().apply(layer, x)
-        merged = getattr(layer, "gguf_cpu_merged", None)
-        shards = [merged] if merged is not None else self.shards(layer)
+        shards = [whole] if whole is not None else self.shards(layer)
         if not any(s.type_name in KERNEL_TYPES for s in shards):
             return super().apply(layer, x)
         small = x.shape[0] <= KERNEL_MAX_TOKENS

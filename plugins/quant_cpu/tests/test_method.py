@@ -85,7 +85,7 @@ def test_shards_of_one_type_go_in_one_call(monkeypatch: pytest.MonkeyPatch) -> N
         packed = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
         refs[shard] = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).astype(np.float64))
         layer.weight.weight_loader(layer.weight, GGUFTensor(f"blk.0.attn_{shard}.weight", "Q8_0", torch.from_numpy(packed), cols), shard)
-    merged = layer.gguf_cpu_merged
+    merged = layer.gguf_cpu_whole
     assert merged is not None and merged.data.shape[0] == 32
     assert all(getattr(layer, f"gguf_blocks_{i}").untyped_storage().data_ptr() == merged.data.untyped_storage().data_ptr() for i in range(3))
     calls: list[int] = []
