@@ -68,7 +68,7 @@ class _Staging:
     views of each layout it has held (numpy arrays to fill, CPU tensors to hand out), and what its last
     step of decodes holds: the layout, the requests, and the rows whose tables changed since."""
 
-    __slots__ = ("host", "host_np", "fence", "pending", "_views", "decodes", "stale")
+    __slots__ = ("host", "host_np", "fence", "pending", "_views", "decodes", "stale", "row_at")
 
     def __init__(self, nbytes: int, pin: bool, fence: CopyFence | None) -> None:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -77,6 +77,7 @@ class _Staging:
         self._views: dict[StepLayout, tuple[StepTensors, StepTensors]] = {}
         self.decodes: tuple[StepLayout, tuple[int, ...]] | None = None
         self.stale: set[int] = set()
+        self.row_at: tuple[np.ndarray, dict[int, int]] | None = None  # the decodes' rows, and each one's index in them
 
     def wait(self) -> None:
         """Block until the copy out of this buffer has finished (it was queued steps ago)."""
@@ -290,23 +291,20 @@ class StepInputs:
         )
 
     def _decode_tables(self, buf: _Staging, out: StepTensors, lay: StepLayout, batch: InputBatch, req_ids: tuple[int, ...],
-                       rows: np.ndarray, row_list: list[int] | None = None) -> None:
+                       rows: np.ndarray) -> None:
         """A step of decodes' query starts, block tables and adapter slots.  When this buffer's last step was
         decodes of the same requests in the same layout, it holds them already but for the rows whose
-        tables changed since (looked up one by one in ``row_list``, ``rows`` as a list, when given)."""
+        tables changed since, found through a map from row to index made once for the same ``rows``
+        (``InputBatch.rows_of`` gives the same array while no request moved)."""
         if buf.decodes is not None and buf.decodes[0] is lay and buf.decodes[1] == req_ids:
-            if buf.stale and row_list is not None:
-                stale, width = buf.stale, lay.table_width
-                for i, r in enumerate(row_list):
-                    if r in stale:
-                        out.block_tables[i] = batch.block_table[r, :width]
-                        out.lora_slots[i] = batch.lora_slot[r]
-            elif buf.stale:
-                changed = np.zeros(len(batch.seq_ids), dtype=bool)
-                changed[list(buf.stale)] = True
-                at = np.flatnonzero(changed[rows])
-                out.block_tables[at] = batch.block_table[rows[at], : lay.table_width]
-                out.lora_slots[at] = batch.lora_slot[rows[at]]
+            if buf.stale:
+                if buf.row_at is None or buf.row_at[0] is not rows:
+                    buf.row_at = (rows, {r: i for i, r in enumerate(rows.tolist())})
+                row_at = buf.row_at[1]
+                at = [row_at[r] for r in buf.stale if r in row_at]
+                if at:
+                    out.block_tables[at] = batch.block_table[rows[at], : lay.table_width]
+                    out.lora_slots[at] = batch.lora_slot[rows[at]]
         else:
             out.query_start_loc[:] = self._arange[: lay.num_reqs + 1]
             np.take(batch.block_table[:, : lay.table_width], rows, axis=0, out=out.block_tables)
@@ -320,7 +318,7 @@ class StepInputs:
         rl, ctx, width = self._lists(sched, batch, rows)
         lay = StepLayout.of(len(rl), len(rl), width)
         buf, out, host = self._begin(lay, batch)
-        self._decode_tables(buf, out, lay, batch, sched.req_ids, rows, rl)
+        self._decode_tables(buf, out, lay, batch, sched.req_ids, rows)
         self._decode_tokens(out, batch, rl, ctx)
         out.context_lens[:] = ctx
         seq_lens = [c + 1 for c in ctx]
