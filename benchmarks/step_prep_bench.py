@@ -23,8 +23,9 @@ Scenarios:
 
 Every step, both input builders run on the same ``ScheduledBatch``, in alternating order: corerun's
 ``prepare_inputs`` (the message applied to ``corerun.runner.input_batch.InputBatch``, then
-``corerun.runner.step_inputs``: one vectorised numpy fill of a staging buffer from the persistent
-batch's arrays, the buffers taken in turn and their own views handed out on CPU) and
+``corerun.runner.step_inputs``: a staging buffer filled from the persistent batch's arrays, from
+Python lists and row slices for up to ``StepInputs.small_batch`` requests and by vectorised numpy
+for more, the buffers taken in turn and their own views handed out on CPU) and
 :func:`baseline_prepare`, written here the straightforward way (reading the scheduler's live ``Sequence`` objects and the KV-cache manager's block tables, Python
 lists filled token by token, as nano-vllm's ``prepare_decode`` / ``prepare_prefill``, then
 ``torch.tensor``).  Their outputs are compared for equality at every step, untimed (the persistent
@@ -226,7 +227,8 @@ def bench_prefill(model_dir: Path, num_seqs: int, args: argparse.Namespace) -> d
     rows = []
     for step in range(args.warmup + args.steps):
         # each step a first prefill of fresh random prompts (no prefix-cache hits); the previous step's
-        # requests ended with their one token, so this step's message also drops their rows
+        # requests ended with their one token, so this step's message also drops their rows, and their
+        # cached blocks are evicted for this step's prompts
         add_prompts(engine, [args.context_len] * num_seqs, rng, max_tokens=1)
         sched, sampled, t_sched, t_core, t_base = timed_step(engine, step)
         if sched.num_tokens != num_seqs * args.context_len or len(sched.new_reqs) != num_seqs:
