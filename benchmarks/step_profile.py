@@ -1,0 +1,146 @@
+"""Where one step's time goes: a decode step and a prefill step of the default model, part by part.
+
+Runs the default model (float32 unless ``--dtype``) on ``--threads`` threads (1 by default) under
+``torch.profiler`` and splits each step's wall time into:
+
+- **linears**: the top-level matrix products (``aten::linear`` / ``addmm`` / ``mm`` / ``matmul``,
+  oneDNN's prepacked ``mkldnn::_linear_pointwise``) and the LM head (``ModelRunner._compute_logits``);
+- **attention**: the attention backend's ``forward`` per layer (the KV write and the kernel; the
+  ``cpu`` backend's C++ kernel is one ctypes call, invisible to the profiler, so the call is timed as a range);
+- **norms / elementwise / other ops**: every other top-level torch operator (RMSNorm's pieces, RoPE,
+  SiLU and the gate product, residual adds, the embedding, copies), with the largest named;
+- **sampling**: ``ModelRunner._sample`` (the sampler and its bookkeeping);
+- **host**: what is left: Python between the operators, torch's dispatch, the step's input
+  preparation and the scheduler's share inside ``ModelRunner.execute``.
+
+Each figure is the median over ``--repeat`` steps of the same kind (a decode at a context of
+``--context`` tokens for one request; a prefill of ``--prefill`` prompt tokens); the profiler adds its
+own cost to every operator (the un-profiled step time is printed beside it).
+
+    .venv/bin/python benchmarks/step_profile.py [--threads 1] [--attention cpu] [--context 128] [--prefill 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise", "aten::bmm"}
+RANGES = {"corerun.attention": "attention", "corerun.sampling": "sampling", "corerun.lm_head": "linears"}
+PARTS = ("linears", "attention", "norms / elementwise / other ops", "sampling", "host")
+
+
+def _wrap(obj: Any, name: str, label: str) -> None:
+    import torch
+
+    inner = getattr(obj, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(label):
+            return inner(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+
+def split(step: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """One step's event: ms per part, and ms per operator name among the other ops."""
+    parts: dict[str, float] = defaultdict(float)
+    others: dict[str, float] = defaultdict(float)
+
+    def walk(ev: Any) -> None:
+        if ev.name in RANGES:
+            parts[RANGES[ev.name]] += ev.cpu_time_total / 1e3
+        elif ev.name in LINEAR_OPS:
+            parts["linears"] += ev.cpu_time_total / 1e3
+        elif "::" in ev.name:
+            parts[PARTS[2]] += ev.cpu_time_total / 1e3
+            others[ev.name] += ev.cpu_time_total / 1e3
+        else:  # another range: look inside
+            for child in ev.cpu_children:
+                walk(child)
+
+    for child in step.cpu_children:
+        walk(child)
+    parts["host"] = step.cpu_time_total / 1e3 - sum(parts.values())
+    return dict(parts), dict(others)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--attention", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--context", type=int, default=128, help="the decoding request's prompt length")
+    ap.add_argument("--prefill", type=int, default=512, help="the prefill step's prompt length")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+
+    import torch
+
+    from corerun import LLM, SamplingParams
+
+    llm = LLM(device="cpu", dtype=args.dtype, attention=args.attention, threads=args.threads)
+    runner = llm.engine.runner
+    _wrap(runner.attention, "forward", "corerun.attention")
+    _wrap(runner, "_sample", "corerun.sampling")
+    _wrap(runner, "_compute_logits", "corerun.lm_head")
+    inner_execute = runner.execute
+    walls: dict[str, list[float]] = defaultdict(list)
+
+    def execute(sched: Any, eos: Any) -> Any:
+        kind = "decode" if all(n == 1 for n in sched.num_scheduled) else f"prefill{sum(sched.num_scheduled)}"
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"corerun.step.{kind}"):
+            out = inner_execute(sched, eos)
+        walls[kind].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    runner.execute = execute
+    rng = random.Random(0)
+    greedy = SamplingParams(temperature=0, max_tokens=args.repeat + 1, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    engine = llm.engine
+
+    def serve(length: int, params: SamplingParams) -> None:  # on this thread (the profiler records its own thread)
+        engine.add_request([rng.randrange(100, 10000) for _ in range(length)], params)  # fresh ids: no prefix hits
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    def workload() -> None:
+        serve(args.context, greedy)
+        for _ in range(args.repeat):
+            serve(args.prefill, one)
+
+    workload()  # warm-up, and the un-profiled step times
+    plain = {k: statistics.median(v) for k, v in walls.items()}
+    load = os.getloadavg()[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        workload()
+    steps: dict[str, list[tuple[dict[str, float], dict[str, float], float]]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.name.startswith("corerun.step."):
+            kind = ev.name.rsplit(".", 1)[1]
+            steps[kind].append((*split(ev), ev.cpu_time_total / 1e3))
+    print(f"default model, {args.dtype}, attention {args.attention}, {torch.get_num_threads()} thread(s), "
+          f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    for kind, label in (("decode", f"one decode step (1 request, context {args.context})"),
+                        (f"prefill{args.prefill}", f"one prefill step ({args.prefill} tokens)")):
+        runs = steps[kind]
+        total = statistics.median(r[2] for r in runs)
+        print(f"\n{label}: {total:.2f} ms profiled, {plain[kind]:.2f} ms without the profiler (median of {len(runs)})")
+        for part in PARTS:
+            ms = statistics.median(r[0].get(part, 0.0) for r in runs)
+            print(f"  {part:32s} {ms:8.2f} ms  {100 * ms / total:5.1f} %")
+        names = {n for r in runs for n in r[1]}
+        top = sorted(((statistics.median(r[1].get(n, 0.0) for r in runs), n) for n in names), reverse=True)[:8]
+        print("  the other ops, largest: " + ", ".join(f"{n} {ms:.2f}" for ms, n in top))
+
+
+if __name__ == "__main__":
+    main()
