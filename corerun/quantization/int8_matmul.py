@@ -39,10 +39,10 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> t
     """``x`` ``[T, in]`` -> int8 codes ``[T, in]`` and float32 scales ``[T, 1]`` (or ``[1, 1]`` static)."""
     xf = x.float()
     if input_scale is None:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        scale = xf.abs().amax(dim=1, keepdim=True).div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)
     else:
         scale = input_scale.float().reshape(1, 1).to(x.device)
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+    return torch.div(xf, scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 def _cpu_flags() -> set[str]:
@@ -136,7 +136,7 @@ def int8_linear(
     else:
         exact = torch.float32 if codes.shape[1] <= EXACT_FLOAT32 else torch.float64
         acc = (codes.to(exact) @ weight.to(exact).t()).float()
-    return (acc * x_scale * weight_scale.float().reshape(1, -1)).to(x.dtype)
+    return acc.mul_(x_scale).mul_(weight_scale.float().reshape(1, -1)).to(x.dtype)
 
 
 @dataclass(frozen=True)
