@@ -22,8 +22,6 @@ from corerun.plugin.capabilities import LoRAKernelCapabilities, device_reasons  
 if TYPE_CHECKING:
     import torch
 
-    from corerun.lora.tokens import LoRATokens
-
 
 @dataclass(frozen=True)
 class LoRANeed:
@@ -35,6 +33,23 @@ class LoRANeed:
     max_rank: int = 16
     max_slots: int = 4
     graphs: bool = False
+
+
+class LoRATokensView(Protocol):
+    """What a kernel reads of the step's LoRA bookkeeping (``S`` slots, ``n`` tokens); corerun's
+    implementation is :class:`corerun.lora.tokens.LoRATokens`, built once per step."""
+
+    slots: "torch.Tensor"  # int32 [max_tokens] on the device: each token's slot, -1 = base (also past n)
+    order: "torch.Tensor"  # int64 [max_tokens] on the device: order[:n], the tokens sorted by slot, stable, base first
+    counts: "torch.Tensor"  # int64 [S] on the device: each slot's tokens
+    starts: "torch.Tensor"  # int64 [S] on the device: where each slot's tokens start in order
+    num_tokens: int  # n (host: not for graph-safe kernels)
+
+    @property
+    def num_base(self) -> int: ...  # tokens of slot -1 (host)
+
+    @property
+    def host_counts(self) -> tuple[int, ...]: ...  # counts as S host ints
 
 
 @runtime_checkable
@@ -51,7 +66,7 @@ class LoRAKernel(Protocol):
         a: Sequence["torch.Tensor"],
         b: Sequence["torch.Tensor"],
         scalings: "torch.Tensor",
-        tokens: "LoRATokens",
+        tokens: LoRATokensView,
         output_slices: Sequence[int],
     ) -> None:
         """In place: for each slice ``i`` (columns ``offset_i .. offset_i + output_slices[i]`` of ``y``,
@@ -68,7 +83,7 @@ class LoRAKernel(Protocol):
           (``S`` device slots, ``R`` = ``max_lora_rank``; adapters of smaller rank zero-padded; a slice
           an adapter does not target is zero);
         - ``scalings``: ``[S]`` float32, ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA);
-        - ``tokens``: the step's :class:`corerun.lora.tokens.LoRATokens`, built once per step and the same
+        - ``tokens``: the step's :class:`LoRATokensView` (corerun's ``LoRATokens``), built once per step and the same
           for every layer: ``tokens.slots[:T]`` int32 on ``y``'s device (``-1`` = base model; ``T`` may
           exceed the step's ``tokens.num_tokens`` by a CUDA graph's padding, whose slots are ``-1``),
           ``tokens.order`` int64 (``order[:num_tokens]``: the tokens sorted by slot, stable, the base
