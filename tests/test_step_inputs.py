@@ -266,3 +266,27 @@ def test_rows_of_a_steady_batch_are_kept_until_a_request_moves() -> None:
     ib.apply(ScheduledBatch((3,), (2,), 0, new_reqs=(_one(3, 2, (5,)),), preempted_ids=frozenset({1})))
     ib.apply(ScheduledBatch((1,), (5,), 0, new_reqs=(_one(1, 5, (6, 7)),)))
     assert ib.rows_of((1, 2)).tolist() == [ib.index[1], ib.index[2]] != first.tolist()
+
+
+@pytest.mark.parametrize("small_batch", [0, 16], ids=["vectorised", "lists"])
+def test_decodes_whose_tables_all_grow_on_the_same_step_match_the_reference(small_batch: int) -> None:
+    """Eleven requests of one prompt length cross into a new block together: most rows of a steady
+    decode batch are rewritten at once (more than a few: one gather)."""
+    rng = random.Random(11)
+    kv = PagedKVCacheManager(80, BS, prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=12, max_num_batched_tokens=64, max_model_len=200)
+    ib, si = InputBatch(BS), StepInputs(BS, "cpu", max_num_tokens=64, max_num_reqs=12, max_blocks_per_seq=16)
+    si.small_batch = small_batch
+    for i in range(12):  # (the first, longer, holds the widest table: the others grow without widening the step's)
+        length = 4 * BS + 1 if i == 0 else 2 * BS - 1
+        sched.add(Sequence(i, str(i), [rng.randrange(1000) for _ in range(length)], SamplingParams(max_tokens=12)))
+    for step in range(12):
+        batch = sched.schedule()
+        ref = _reference(sched.seqs_of(batch), batch, kv)
+        out = si.build(batch, ib, ib.apply(batch))
+        _check(out, ref)
+        sampled = out[1].tolist()
+        tokens = [rng.randrange(1000) for _ in sampled]
+        for r, t in zip(sampled, tokens):
+            ib.record(ib.index[batch.req_ids[r]], [t])
+        sched.update_from_output(batch, StepResult(tokens, sampled, None, {}))

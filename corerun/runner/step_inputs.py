@@ -302,9 +302,13 @@ class StepInputs:
                     buf.row_at = (rows, {r: i for i, r in enumerate(rows.tolist())})
                 row_at = buf.row_at[1]
                 at = [row_at[r] for r in buf.stale if r in row_at]
-                if at:
+                if len(at) > 8:
                     out.block_tables[at] = batch.block_table[rows[at], : lay.table_width]
                     out.lora_slots[at] = batch.lora_slot[rows[at]]
+                else:  # (a few rows: copied one by one, for less than one gather's index arrays cost)
+                    for i in at:
+                        out.block_tables[i] = batch.block_table[rows[i], : lay.table_width]
+                        out.lora_slots[i] = batch.lora_slot[rows[i]]
         else:
             out.query_start_loc[:] = self._arange[: lay.num_reqs + 1]
             np.take(batch.block_table[:, : lay.table_width], rows, axis=0, out=out.block_tables)
