@@ -132,17 +132,21 @@ def test_steady_decodes_keep_what_did_not_change_and_rewrite_the_tables_that_did
         if step == 12:  # request 1 leaves and comes back: its row, table and slots change under the same ids
             victim = next(s for s in sched.running if s.seq_id == 1)
             sched._preempt(victim)
-        batch = sched.schedule()
-        seqs = sched.seqs_of(batch)
-        ref = _reference(seqs, batch, kv)
-        rows = ib.apply(batch)
-        out = si.build(batch, ib, rows)
-        _check(out, ref)
-        sampled = out[1].tolist()
-        tokens = [rng.randrange(1000) for _ in sampled]
-        for r, t in zip(sampled, tokens):
-            ib.record(ib.index[batch.req_ids[r]], [t])
-        sched.update_from_output(batch, StepResult(tokens, sampled, None, {}))
+        _decode_step(sched, kv, ib, si, rng)
+
+
+def _decode_step(sched: Scheduler, kv: PagedKVCacheManager, ib: InputBatch, si: StepInputs, rng: random.Random) -> None:
+    """One step scheduled, applied, built and checked against the reference; then "run": a random token
+    sampled per sampled row, recorded as the runner records it."""
+    batch = sched.schedule()
+    ref = _reference(sched.seqs_of(batch), batch, kv)
+    out = si.build(batch, ib, ib.apply(batch))
+    _check(out, ref)
+    sampled = out[1].tolist()
+    tokens = [rng.randrange(1000) for _ in sampled]
+    for r, t in zip(sampled, tokens):
+        ib.record(ib.index[batch.req_ids[r]], [t])
+    sched.update_from_output(batch, StepResult(tokens, sampled, None, {}))
 
 
 def _one(seq_id: int, prompt: int, blocks: tuple[int, ...], computed: int = 0) -> NewRequest:
@@ -280,13 +284,5 @@ def test_decodes_whose_tables_all_grow_on_the_same_step_match_the_reference(smal
     for i in range(12):  # (the first, longer, holds the widest table: the others grow without widening the step's)
         length = 4 * BS + 1 if i == 0 else 2 * BS - 1
         sched.add(Sequence(i, str(i), [rng.randrange(1000) for _ in range(length)], SamplingParams(max_tokens=12)))
-    for step in range(12):
-        batch = sched.schedule()
-        ref = _reference(sched.seqs_of(batch), batch, kv)
-        out = si.build(batch, ib, ib.apply(batch))
-        _check(out, ref)
-        sampled = out[1].tolist()
-        tokens = [rng.randrange(1000) for _ in sampled]
-        for r, t in zip(sampled, tokens):
-            ib.record(ib.index[batch.req_ids[r]], [t])
-        sched.update_from_output(batch, StepResult(tokens, sampled, None, {}))
+    for _ in range(12):
+        _decode_step(sched, kv, ib, si, rng)
