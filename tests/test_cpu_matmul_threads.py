@@ -13,7 +13,7 @@ import torch
 from corerun.config import load_config
 from corerun.errors import ConfigError
 from corerun.models.layers import Linear, LMHead, PackedWeight
-from corerun.platform.host import AUTO_PARALLEL_TOKENS, physical_cores, resolve_threads, step_threads
+from corerun.platform.host import AUTO_PARALLEL_TOKENS, physical_cores, resolve_threads, step_pools, step_threads
 from tests.helpers.tiny_models import make_tiny_model
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -114,6 +114,7 @@ def test_step_threads():
     big = AUTO_PARALLEL_TOKENS
     assert [step_threads(n, 4, auto=True) for n in (1, 32, big - 1, big, 4 * big)] == [1, 1, 1, 4, 4]
     assert {step_threads(n, 3, auto=False) for n in (1, big, 4 * big)} == {3}  # an integer setting: every step
+    assert step_pools(4, auto=True) == (1, 4) and step_pools(3, auto=False) == (3, 3)  # (below, from) 512 tokens
 
 
 def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):

@@ -8,8 +8,9 @@ its share), and then sizes each step (:func:`step_threads`): a step of fewer tha
 bigger one on all of them.  A small step's operators take tens of microseconds each, so the barrier
 that ends every parallel operator costs more than the second thread gains, and on a loaded machine
 it waits for a descheduled thread (docs/benchmarks.md has the measurements).  An integer ``threads``
-is used for every step.  The engine applies the setting once at start (:func:`apply_threads`) and
-sizes each step before its forward; the benchmark reports it.
+is used for every step.  The engine applies the setting once at start (:func:`apply_threads`); the
+runner keeps the two counts (:func:`step_pools`) and sets the pool of the thread that runs the forward
+before each step whose count differs from it; the benchmark reports it.
 
 :func:`prepare_openmp` (called when ``corerun`` is imported) asks the OpenMP runtime torch loads to
 let idle threads sleep at once (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning for milliseconds
@@ -93,9 +94,6 @@ def native_bfloat16() -> bool:
 AUTO_PARALLEL_TOKENS = 512  # threads: auto runs steps of fewer tokens on one thread (docs/benchmarks.md)
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
 
-_step_setting = (0, False)  # (threads, auto) as last applied; (0, False): not applied, steps left alone
-
-
 def prepare_openmp() -> bool:
     """Set ``OMP_WAIT_POLICY=PASSIVE`` for the OpenMP runtime torch is about to load; ``True`` if it was set.
 
@@ -143,13 +141,11 @@ def resolve_threads(setting: int | str, world_size: int = 1) -> int:
 def apply_threads(setting: int | str, world_size: int = 1) -> int:
     """Size torch's intra-op pool for ``threads: setting``; returns the thread count now in force.
 
-    With ``auto`` the steps are then sized one by one (:func:`size_step`).
+    With ``auto`` the steps are then sized one by one (:func:`step_pools`).
     """
     import torch
 
-    global _step_setting
     n = resolve_threads(setting, world_size)
-    _step_setting = (n, setting == "auto")
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -160,23 +156,10 @@ def step_threads(num_tokens: int, threads: int, auto: bool) -> int:
     return threads if not auto or num_tokens >= AUTO_PARALLEL_TOKENS else 1
 
 
-def size_step(num_tokens: int) -> int:
-    """Set the calling thread's torch pool for a step of ``num_tokens`` tokens (:func:`step_threads` of the
-    setting :func:`apply_threads` applied last); returns the threads in force.
-
-    torch's thread count belongs to the thread that sets it (OpenMP keeps it per thread), so the thread
-    that runs the forward (the engine's loop, the asynchronous step thread) calls this, right before it:
-    an integer setting then holds there too, not only on the thread that built the engine.
-    """
-    import torch
-
-    threads, auto = _step_setting
-    if not threads:
-        return torch.get_num_threads()
-    n = step_threads(num_tokens, threads, auto)
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    return n
+def step_pools(threads: int, auto: bool) -> tuple[int, int]:
+    """:func:`step_threads` of a step below :data:`AUTO_PARALLEL_TOKENS` tokens and of one at or above it,
+    computed once: the runner picks one per step by its token count and sets torch's pool when it differs."""
+    return step_threads(1, threads, auto), step_threads(AUTO_PARALLEL_TOKENS, threads, auto)
 
 
 def cache_dir() -> Path:

@@ -30,7 +30,7 @@ from corerun.protocols.sampler import SamplingMetadata
 from corerun.runner import profile
 from corerun.runner.profile import StepMemory
 from corerun.sampling_params import SamplingParams
-from corerun.platform.host import apply_threads
+from corerun.platform.host import apply_threads, step_pools
 
 logger = logging.getLogger("corerun.runner")
 
@@ -65,6 +65,7 @@ def load(runner: Any, tp: Any) -> None:
     placement = getattr(runner, "placement", None)  # a rank of a placement (corerun.executor.stage)
     ranks = placement.world_size if placement is not None else tp.world_size if tp is not None else 1
     runner.threads = apply_threads(config.threads, ranks)  # torch's intra-op pool, shared by this host's ranks
+    runner.step_pools = step_pools(runner.threads, config.threads == "auto")  # a step's threads, below / from 512 tokens
     # unseeded requests draw from torch's default generators: seeded here, a run repeats itself
     torch.manual_seed(config.seed)
     runner.model_dir = model_dir_for(config)

@@ -24,7 +24,7 @@ import torch
 from corerun.config import Config
 from corerun.core.batch import ScheduledBatch, StepResult
 from corerun.errors import ConfigError, StepError
-from corerun.platform.host import size_step
+from corerun.platform.host import AUTO_PARALLEL_TOKENS
 from corerun.protocols.forward_context import AttentionContext, wants_layer
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
@@ -228,7 +228,9 @@ class ModelRunner:
 
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
         """The forward (launched on the device; on CPU it runs here) and the prompt logprobs it owes."""
-        size_step(step.sched.num_tokens)  # threads: auto puts a small step on one thread (corerun.platform.host)
+        threads = self.step_pools[step.sched.num_tokens >= AUTO_PARALLEL_TOKENS]  # threads: auto runs a small step on one
+        if torch.get_num_threads() != threads:  # (OpenMP keeps the count per thread: the one running the forward sets it)
+            torch.set_num_threads(threads)
         try:
             if self.lora is not None:  # the new requests' adapters in their slots, the tokens' slots in place
                 self.lora.begin_step(step.sched.new_reqs, step.inputs.lora_slots)
