@@ -70,9 +70,11 @@ def test_one_traced_decode_step_has_the_promised_shape(trace_module, capsys):
     for path in ("corerun/sampler/penalties.py", "corerun/sampler/processors.py", "corerun/sampler/histories.py"):
         assert path not in files, f"{path} on the path of an all-greedy decode"
     # nor work nobody asked for: the eager runner's hop, logits processors, logprobs and stop strings,
-    # Sequence's properties, the scheduler's admission, preemption and draft code
+    # Sequence's properties, the scheduler's admission, preemption and draft code; nor what is decided once:
+    # the step's thread count (host.step_pools at load), a request's greedy flag, the sampler helpers' module
     for path in ("corerun/graph/eager.py", "corerun/runner/construction.py", "corerun/runner/logits_processing.py",
-                 "corerun/engine/output_processor.py", "corerun/core/sequence.py"):
+                 "corerun/engine/output_processor.py", "corerun/core/sequence.py", "corerun/platform/host.py",
+                 "corerun/sampling_params.py", "corerun/sampler/common.py"):
         assert path not in files, f"{path} on the path of a plain decode: {files[path]['names']}"
     assert not {"Scheduler._admit", "Scheduler._make_room", "Scheduler._schedule_drafts"} & set(
         files["corerun/core/scheduler.py"]["names"])

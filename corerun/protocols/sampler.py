@@ -10,6 +10,28 @@ import torch
 from corerun.plugin.capabilities import SamplerCapabilities
 from corerun.sampling_params import SamplingParams
 
+# The token a sampler returns for a row whose logits are not finite (a NaN or +inf anywhere, or -inf for
+# every token): the runner ends that request with an error naming the cause; the other rows go on.
+NON_FINITE = -1
+
+
+def mark_non_finite(tokens: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (int64 ``[B]``) with :data:`NON_FINITE` where ``values`` (float ``[B]``) is not finite.
+    ``values`` is a reduction the sampler made anyway: each row's greedy maximum (``max`` propagates
+    NaN) or its race's winning ``p / q`` (a row of softmax over non-finite logits is all NaN).  Two
+    elementwise passes over ``[B]``, no host sync."""
+    return torch.where(values.isfinite(), tokens, NON_FINITE)
+
+
+def check_logits(logits: torch.Tensor, batch_size: int, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless ``logits`` is a floating ``[batch_size, vocab_size]`` tensor."""
+    if logits.dim() != 2 or tuple(logits.shape) != (batch_size, vocab_size) or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a float tensor [batch_size={batch_size}, vocab_size={vocab_size}], "
+            f"got {logits.dtype} {list(logits.shape)}"
+        )
+
+
 @dataclass
 class SamplingMetadata:
     """One step's sampling inputs; row ``i`` belongs to ``params[i]``.  Built once per step by the runner.

@@ -1,5 +1,6 @@
 """Sampler building blocks: per-request seeded generators, the exponential-race draw, host lists to
-device without a sync, and the logits check.
+device without a sync; and, from the Sampler protocol (:mod:`corerun.protocols.sampler`), the logits
+check and the non-finite marker.
 
 Seeds.  A seeded request draws its noise from a generator seeded by ``(seed, output position)`` only
 (:func:`row_seed`), so it gets the same tokens alone or in any batch, at any row; two samplers built on
@@ -18,23 +19,13 @@ from typing import Any, Sequence
 
 import torch
 
+# the output contract's marker of a non-finite row and the logits check live with the Sampler protocol
+from corerun.protocols.sampler import NON_FINITE, check_logits, mark_non_finite
+
 _MASK64 = (1 << 64) - 1
 # Exp(1) draws of exactly 0 would turn p / q into inf (or 0/0 = nan for a masked token); clamping to the
 # smallest normal float keeps every p / q finite and leaves masked tokens (p = 0) at 0.
 _TINY = torch.finfo(torch.float32).tiny
-
-
-# The token a sampler returns for a row whose logits are not finite (a NaN or +inf anywhere, or -inf for
-# every token): the runner ends that request with an error naming the cause; the other rows go on.
-NON_FINITE = -1
-
-
-def mark_non_finite(tokens: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``tokens`` (int64 ``[B]``) with :data:`NON_FINITE` where ``values`` (float ``[B]``) is not finite.
-    ``values`` is a reduction the sampler made anyway: each row's greedy maximum (``max`` propagates
-    NaN) or its race's winning ``p / q`` (a row of softmax over non-finite logits is all NaN).  Two
-    elementwise passes over ``[B]``, no host sync."""
-    return torch.where(values.isfinite(), tokens, NON_FINITE)
 
 
 def _splitmix64(x: int) -> int:
@@ -104,15 +95,6 @@ def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def check_logits(logits: torch.Tensor, batch_size: int, vocab_size: int) -> None:
-    """Raise ``ValueError`` unless ``logits`` is a floating ``[batch_size, vocab_size]`` tensor."""
-    if logits.dim() != 2 or tuple(logits.shape) != (batch_size, vocab_size) or not logits.is_floating_point():
-        raise ValueError(
-            f"logits must be a float tensor [batch_size={batch_size}, vocab_size={vocab_size}], "
-            f"got {logits.dtype} {list(logits.shape)}"
-        )
 
 
 __all__ = [

@@ -30,10 +30,11 @@ import torch
 from corerun.plugin.capabilities import SamplerCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
-from corerun.sampling_params import SamplingParams
+from corerun.protocols.sampler import check_logits, mark_non_finite
+from corerun.sampling_params import SAMPLING_EPS, SamplingParams
 
 from corerun.sampler.logprobs import gather_logprobs
-from corerun.sampler.common import GeneratorCache, check_logits, exponential_race, mark_non_finite, to_device
+from corerun.sampler.common import GeneratorCache, exponential_race, to_device
 from corerun.sampler.penalties import apply_penalties
 from corerun.sampler.options import CAPABILITIES, FullSamplerOptions
 from corerun.sampler.processors import apply_logit_bias, apply_min_tokens
@@ -42,8 +43,9 @@ from corerun.sampler.truncation import apply_truncation
 
 def _argmax_alone(p: SamplingParams) -> bool:
     """Whether row ``p`` is the argmax of its raw logits: greedy, and neither logprobs, logit bias,
-    ``min_tokens`` nor a penalty (the stages that change the logits before the greedy choice)."""
-    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.min_tokens
+    ``min_tokens`` nor a penalty (the stages that change the logits before the greedy choice).  Greedy is
+    read from the temperature, as ``SamplingParams.greedy`` does, without a property call per row and step."""
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and not p.logit_bias and not p.min_tokens
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
 
 
