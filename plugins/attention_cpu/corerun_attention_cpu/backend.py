@@ -136,13 +136,17 @@ class CpuAttentionBackend(DenseKVCache):
         return t
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._write(key, value, *self._cache_parts(kv_cache), _int_tensor(slot_mapping, torch.int64, "slot_mapping"))
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slots: torch.Tensor) -> None:
+        """:meth:`write_kv` into the checked cache halves; ``slots`` int64, contiguous, on the CPU (as
+        :meth:`plan` makes them)."""
         s = self.spec
-        k_cache, v_cache = self._cache_parts(kv_cache)
         key = self._rows(key, s.num_kv_heads, "key")
         value = self._rows(value, s.num_kv_heads, "value")
         if self._kv_code:  # quantized rows, copied as bytes
             key, value = kv_quant.quantize(key, s, 0), kv_quant.quantize(value, s, 1)
-        slots = _int_tensor(slot_mapping, torch.int64, "slot_mapping")
         n = slots.shape[0]
         if key.shape[0] != n or value.shape[0] != n:
             raise ValueError(
@@ -181,8 +185,8 @@ class CpuAttentionBackend(DenseKVCache):
         -> ``[num_tokens, num_heads, head_size]`` (into ``out`` when given).
         """
         s = self.spec
-        self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = self._cache_parts(kv_cache)
+        self._write(key, value, k_cache, v_cache, metadata.slot_mapping)  # (the slots as plan converted them)
         q = self._rows(query, s.num_heads, "query")
         if out is None:
             out = torch.empty(q.shape, dtype=s.dtype)
