@@ -197,8 +197,7 @@ class ModelRunner:
         ib, procs = self.input_batch, self.logits_processors
         if sched.new_reqs and not procs.in_use:  # (from the first request that wants one on, every step applies them)
             procs.in_use = any(procs.wanted(r.params) for r in sched.new_reqs)
-        # (embedding requests leaving: the pooler drops their partial sums)
-        leaving = bool(ib.pooling_ids) and not ib.pooling_ids.isdisjoint(sched.finished_ids | sched.preempted_ids)
+        pooling = bool(ib.pooling_ids)  # (read before the batch applies: embedding requests leaving in it are told to the pooler)
         try:
             inputs, rows, logits_indices = self.prepare_inputs(sched)
         except Exception as exc:
@@ -206,9 +205,9 @@ class ModelRunner:
                 f"preparing the step's inputs failed (block tables from KV-cache manager '{self.kv_manager_name}'): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        pool_plan = self.pooler.plan(sched, ib, np.cumsum((0, *sched.num_scheduled)).tolist()) if ib.pooling_ids or leaving else None
-        if pool_plan is not None and pool_plan.rows:  # embedding requests are pooled, not sampled
-            rows, logits_indices = _not_pooled(pool_plan, rows, logits_indices)
+        pool_plan = None
+        if pooling or ib.pooling_ids:  # embedding requests are pooled, not sampled
+            pool_plan, rows, logits_indices = self._pool_plan(sched, rows, logits_indices)
         batch_rows = [ib.index[sched.req_ids[i]] for i in rows.tolist()]
         seqs = [ib.view(r) for r in batch_rows]
         has_drafts = bool(sched.drafts)
@@ -248,10 +247,7 @@ class ModelRunner:
         step, hidden, prompt_lp = state.step, state.hidden, state.prompt_logprobs
         rows, logits_indices, seqs = step.rows, step.logits_indices, step.seqs
         self._finished_for_sampler.update(step.sched.finished_ids)  # (told at the next call that samples)
-        try:
-            pooled = self.pooler.pool(step.pool_plan, hidden) if step.pool_plan is not None else {}
-        except Exception as exc:
-            raise StepError(f"pooling the embedding requests' hidden states failed: {type(exc).__name__}: {exc}") from exc
+        pooled = self._pool(step.pool_plan, hidden) if step.pool_plan is not None else {}
         if len(rows) == 0:
             return StepResult([], [], None, prompt_lp, pooled=pooled)
         if step.has_drafts:
@@ -266,6 +262,23 @@ class ModelRunner:
         for j, r in enumerate(step.batch_rows):
             record(r, result.emitted(j))
         return result
+
+    def _pool_plan(self, sched: ScheduledBatch, rows: np.ndarray, logits_indices: np.ndarray) -> tuple[PoolPlan | None, np.ndarray, np.ndarray]:
+        """A step with embedding requests (or some leaving: the pooler drops their partial sums): the
+        pooler's plan (None: nothing to pool), and the sampled rows and their logits indices without the rows it pools."""
+        plan = self.pooler.plan(sched, self.input_batch, np.cumsum((0, *sched.num_scheduled)).tolist())
+        if plan is not None and plan.rows:
+            pooled = {p.row for p in plan.rows}
+            keep = np.fromiter((i not in pooled for i in rows.tolist()), dtype=bool, count=len(rows))
+            rows, logits_indices = rows[keep], logits_indices[keep]
+        return plan, rows, logits_indices
+
+    def _pool(self, plan: PoolPlan, hidden: torch.Tensor) -> dict[int, list[float]]:
+        """The embedding requests' pooled vectors (row -> vector) from the step's hidden states."""
+        try:
+            return self.pooler.pool(plan, hidden)
+        except Exception as exc:
+            raise StepError(f"pooling the embedding requests' hidden states failed: {type(exc).__name__}: {exc}") from exc
 
     def _execute_drafts(self, step: PreparedStep, hidden: torch.Tensor, prompt_lp: dict[int, tuple[int, LogprobsTensors]]) -> StepResult:
         """Sample a step whose decodes carry drafts: one logits row per verified position (corerun.spec_decode).
@@ -412,13 +425,6 @@ class ModelRunner:
                 ) from exc
             result[i] = (first + 1, lp)
         return result
-
-
-def _not_pooled(plan: PoolPlan, rows: np.ndarray, logits_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` and their ``logits_indices`` without the embedding requests ``plan`` pools."""
-    pooled = {p.row for p in plan.rows}
-    keep = np.fromiter((i not in pooled for i in rows.tolist()), dtype=bool, count=len(rows))
-    return rows[keep], logits_indices[keep]
 
 
 def _each_last(rows: np.ndarray, batch: AttentionBatch) -> bool:
