@@ -325,11 +325,8 @@ class Scheduler(InFlightSteps):
                 continue
             kv_tokens = seq.token_ids
             d = batch.drafts.get(seq.seq_id)
-            if d:  # K/V of rejected drafts stay in their slots, overwritten when those positions are computed
-                accepted = len(emitted.get(seq.seq_id, ())) - 1
-                n -= len(d) - max(accepted, 0)
-                if accepted > 0:
-                    kv_tokens = seq.token_ids + emitted[seq.seq_id][:accepted]
+            if d:
+                n, kv_tokens = _verified(seq, n, d, emitted.get(seq.seq_id, []))
             seq.num_computed_tokens += n
             try:
                 self._current = seq
@@ -435,6 +432,15 @@ class Scheduler(InFlightSteps):
         except Exception as exc:
             logger.error("KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
                          self.kv_name, seq.request_id, type(exc).__name__, exc)
+
+
+def _verified(seq: Sequence, n: int, drafts: tuple[int, ...], emitted: list[int]) -> tuple[int, list[int]]:
+    """A decode with ``drafts`` that emitted ``emitted``: the tokens it computed (``n`` less the rejected
+    drafts) and the tokens whose K/V the cache now holds.  K/V of rejected drafts stay in their slots,
+    overwritten when those positions are computed."""
+    accepted = len(emitted) - 1
+    n -= len(drafts) - max(accepted, 0)
+    return n, (seq.token_ids + emitted[:accepted] if accepted > 0 else seq.token_ids)
 
 
 def _pools_every_token(seq: Sequence) -> bool:
