@@ -11,10 +11,11 @@ and takes ``data_ptr()``s, so it is independent of the torch version; ctypes rel
 during each call.
 
 One OpenMP runtime in the process: where torch ships its own ``libgomp`` (``torch/lib``, as its
-wheels do) the library is linked against that file (``-l:libgomp.so.1`` with an rpath to it), so its
-parallel regions run on the thread pool torch's operators use, with the symbols that runtime has,
-whatever the system's compiler brings.  The soname is the same (``libgomp.so.1``), so the dynamic
-loader would share torch's copy anyway once torch is loaded; the link makes it so in any order.
+wheels do, under that name or a renamed one) the library is linked against that file (``-l:`` with an
+rpath to it), so its parallel regions run on the thread pool torch's operators use, with the symbols
+that runtime has, whatever the system's compiler brings.  Where torch's copy keeps the soname ``libgomp.so.1`` the
+dynamic loader would share it anyway once torch is loaded; the link makes it so in any order, and
+with a renamed copy, where the system's would otherwise be a second runtime.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def openmp_flags() -> tuple[str, ...]:
     import torch
 
     lib = Path(torch.__file__).parent / "lib"
-    if (lib / "libgomp.so.1").is_file():
-        return (OPENMP_FLAG, f"-L{lib}", "-l:libgomp.so.1", f"-Wl,-rpath,{lib}")
+    found = sorted(lib.glob("libgomp*.so*"))  # libgomp.so.1, or a wheel's renamed copy (libgomp-<hash>.so.1)
+    if found:
+        return (OPENMP_FLAG, f"-L{lib}", f"-l:{found[0].name}", f"-Wl,-rpath,{lib}")
     return (OPENMP_FLAG,)
 
 
