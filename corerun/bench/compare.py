@@ -124,6 +124,20 @@ def find_gguf(dtype: str, given: Path | None) -> Path | None:
     return None
 
 
+def compare_model_dir(model: str | None) -> tuple[Path, Path | None]:
+    """The model folder every engine reads its config from, and the GGUF file when corerun's ``model``
+    is one (its folder is the one corerun converts it to; llama.cpp runs the file itself)."""
+    if model and str(model).endswith(".gguf"):
+        from corerun.models.gguf_convert import gguf_model_dir
+
+        return gguf_model_dir(Path(model)), Path(model)
+    if model:
+        return Path(model), None
+    from corerun.models.default import default_model_dir
+
+    return default_model_dir(), None
+
+
 def llamacpp_gguf(model: str | None, dtype: str, given: Path | None) -> Path | None:
     """The GGUF file llama.cpp runs: ``given`` (``--gguf``); else corerun's ``model`` itself when it is a
     ``.gguf`` file (the very file corerun reads, quantized or not); else, for the default model, the

@@ -391,7 +391,8 @@ def _run_compare(
     import os
     from pathlib import Path
 
-    from corerun.bench.compare import BASELINE, PeerError, build_compare_report, build_request, compare, find_python, llamacpp_gguf
+    from corerun.bench.compare import (BASELINE, PeerError, build_compare_report, build_request, compare, compare_model_dir,
+                                       find_python, llamacpp_gguf)
     from corerun.bench.report import base_report
     from corerun.runner.model_runner import resolve_device, resolve_dtype
     from corerun.models.config import ModelConfig
@@ -400,17 +401,7 @@ def _run_compare(
     cfg = build_config(config_path, sets, **cfg_args)
     if resolve_device(cfg.device).type != "cpu":
         raise click.BadParameter("the peers run on CPU (vLLM's CPU build, llama.cpp): use --device cpu", param_hint="--compare")
-    model_gguf = Path(cfg.model) if cfg.model and str(cfg.model).endswith(".gguf") else None
-    if model_gguf is not None:  # a GGUF file: its config from the folder corerun makes for it; llama.cpp runs the file itself
-        from corerun.models.gguf_convert import gguf_model_dir
-
-        model_dir = gguf_model_dir(model_gguf)
-    elif cfg.model:
-        model_dir = Path(cfg.model)
-    else:
-        from corerun.models.default import default_model_dir
-
-        model_dir = default_model_dir()
+    model_dir, model_gguf = compare_model_dir(cfg.model)
     mc = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     max_len = mc.max_model_len if cfg.scheduler.max_model_len == "auto" else cfg.scheduler.max_model_len
     workload = _workload_for(cfg, num_seqs, ranges, seed, mc.vocab_size, max_len, "cpu")
