@@ -226,11 +226,8 @@ class LLMEngine:
             for seq, stop, keep in self.outputs.stop_strings(touched, new):
                 seq.stop_reason = stop  # type: ignore[assignment]  # the string, as vLLM reports it
                 self._end(seq, "stop", keep=keep)
-        for seq in (s for s in seqs if s.seq_id in failed):
-            touched += self._fail([seq], f"KV-cache manager '{self.runner.kv_manager_name}' failed {failed[seq.seq_id]}")
-        for seq in (s for s in seqs if s.seq_id in lps.non_finite and s.seq_id not in failed and s.finish_reason != "error"):
-            self._fail([seq], lps.non_finite[seq.seq_id])  # (a chunk that sampled nothing: not touched yet)
-            touched += [] if seq in touched else [seq]
+        if failed or lps.non_finite:
+            self._fail_rows(seqs, failed, lps.non_finite, touched)
         ended = [s.seq_id for s in seqs if s.status is FINISHED]
         if ended:
             self._released(ended)
@@ -266,6 +263,15 @@ class LLMEngine:
             seq.error = message
             self._end(seq, "error")
         return seqs
+
+    def _fail_rows(self, seqs: list[Sequence], failed: dict[int, str], non_finite: dict[int, str], touched: list[Sequence]) -> None:
+        """End the step's requests the KV-cache manager failed on, then those whose prompt logprobs were
+        not finite (``touched`` gains them)."""
+        for seq in (s for s in seqs if s.seq_id in failed):
+            touched += self._fail([seq], f"KV-cache manager '{self.runner.kv_manager_name}' failed {failed[seq.seq_id]}")
+        for seq in (s for s in seqs if s.seq_id in non_finite and s.seq_id not in failed and s.finish_reason != "error"):
+            self._fail([seq], non_finite[seq.seq_id])  # (a chunk that sampled nothing: not touched yet)
+            touched += [] if seq in touched else [seq]
 
     def _end(self, seq: Sequence, reason: str, keep: int | None = None) -> None:
         """End ``seq`` (the scheduler frees its blocks) and forget its drafts."""
