@@ -253,19 +253,23 @@ class Told:
                 continue
             told[sid] = num_tokens
             if start is None:
-                change = pending.pop(sid, None)
-                if change is not None and change.start != 0:
-                    raise RuntimeError(f"sequence {sid} is new to the runner but its block-table change starts at {change.start}")
-                new_reqs.append(NewRequest(
-                    sid, tuple(seq.prompt_token_ids), tuple(seq.token_ids[seq.num_prompt_tokens:]), seq.params,
-                    tuple(change.ids) if change is not None else (), seq.num_computed_tokens,
-                    len(seq.prompt_logprobs or ()), sid in resumed, seq.lora, self.lora_slot_of.get(sid, -1),
-                ))
+                new_reqs.append(self._new_request(sid, seq, sid in resumed))
             else:
                 ahead = in_flight.get(sid, _NOTHING_IN_FLIGHT)
                 new_tokens[sid] = NewTokens(start, tuple(seq.token_ids[start:]), num_tokens + ahead.appended)
         changes = {sid: pending.pop(sid) for sid in [sid for sid in pending if sid in scheduled]}  # (a few a step)
         return new_reqs, new_tokens, changes
+
+    def _new_request(self, sid: int, seq: Sequence, resumed: bool) -> NewRequest:
+        """``seq`` in full, for a runner that holds nothing of it (its table's change, pending, goes with it)."""
+        change = self.pending.pop(sid, None)
+        if change is not None and change.start != 0:
+            raise RuntimeError(f"sequence {sid} is new to the runner but its block-table change starts at {change.start}")
+        return NewRequest(
+            sid, tuple(seq.prompt_token_ids), tuple(seq.token_ids[seq.num_prompt_tokens:]), seq.params,
+            tuple(change.ids) if change is not None else (), seq.num_computed_tokens,
+            len(seq.prompt_logprobs or ()), resumed, seq.lora, self.lora_slot_of.get(sid, -1),
+        )
 
     def sampled(self, seq_id: int, before: int, after: int) -> None:
         """The runner sampled ``seq_id``'s tokens from ``before`` to ``after`` and holds them: when it was
