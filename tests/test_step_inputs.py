@@ -64,6 +64,7 @@ def _check(out, ref: dict) -> None:
     for name, t in have.items():
         assert t.tolist() == ref[name], name
     assert rows.tolist() == ref["sampled"] and logits.tolist() == ref["logits"]
+    assert inputs.lora_slots.tolist() == [-1] * len(ref["input_ids"])  # (no adapters: every token's slot written, -1)
     assert b.max_seq_len == max(ref["seq_lens"]) and b.num_tokens == len(ref["input_ids"])
 
 
@@ -286,3 +287,17 @@ def test_decodes_whose_tables_all_grow_on_the_same_step_match_the_reference(smal
         sched.add(Sequence(i, str(i), [rng.randrange(1000) for _ in range(length)], SamplingParams(max_tokens=12)))
     for _ in range(12):
         _decode_step(sched, kv, ib, si, rng)
+
+
+@pytest.mark.parametrize("small_batch", [0, 16], ids=["vectorised", "lists"])
+def test_each_token_carries_its_request_s_adapter_slot(small_batch: int) -> None:
+    si = StepInputs(BS, "cpu", max_num_tokens=16, max_num_reqs=4, max_blocks_per_seq=4)
+    si.small_batch = small_batch
+    ib = InputBatch(BS)
+    reqs = [NewRequest(k, tuple(range(3 + k)), (), SamplingParams(), (k, k + 5), 0, lora_slot=slot) for k, slot in enumerate((2, -1, 0))]
+    prefill = ScheduledBatch((0, 1, 2), (3, 4, 5), 0, new_reqs=tuple(reqs))
+    out = si.build(prefill, ib, ib.apply(prefill))[0]
+    assert out.lora_slots.tolist() == [2] * 3 + [-1] * 4 + [0] * 5
+    decode = ScheduledBatch((2, 0), (1, 1), 2, num_computed=(4, 2))  # (their last prompt token again)
+    out = si.build(decode, ib, ib.apply(decode))[0]
+    assert out.lora_slots.tolist() == [0, 2] and out.input_ids.tolist() == [4, 2]
