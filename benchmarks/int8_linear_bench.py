@@ -40,7 +40,7 @@ def main() -> None:
     codes = {s: torch.randint(-127, 128, s, generator=g, dtype=torch.int8) for s in SHAPES}
     scales = {s: torch.rand(s[0], 1, generator=g) * 0.01 for s in SHAPES}
     dense = {s: codes[s].float() * scales[s] for s in SHAPES}
-    onednn = {s: PackedInt8.of(codes[s]) for s in SHAPES} if "onednn" in paths else {}
+    onednn = {s: PackedInt8.of(codes[s], scales[s]) for s in SHAPES} if "onednn" in paths else {}
     packs = {s: PackedWeight() for s in SHAPES}
     for tokens in (int(t) for t in args.tokens.split(",")):
         xs = {s: torch.randn(tokens, s[1], generator=g) for s in SHAPES}

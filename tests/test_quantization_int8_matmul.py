@@ -18,7 +18,7 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in) of the 
 def run(path: str, monkeypatch: pytest.MonkeyPatch, x, weight, w_scale, input_scale=None) -> torch.Tensor:
     """``int8_linear`` through ``path`` alone."""
     monkeypatch.setattr(int8_matmul, "_cpu_paths", [] if path == "float" else [path])
-    packed = PackedInt8.of(weight) if path == "onednn" else None
+    packed = PackedInt8.of(weight, w_scale) if path == "onednn" else None
     return int8_linear(x, weight, w_scale, input_scale, packed)
 
 
@@ -39,7 +39,7 @@ def test_int8_linear_is_exact_integer_accumulation(path: str, cols: int, monkeyp
     x[:, 0] = 127.0  # each row's scale is exactly 1: its codes are x itself
     w_scale = torch.rand(6, 1, generator=g) + 0.5
     acc = x.double() @ weight.double().T  # float64: exact below 2**53
-    want = acc.float() * w_scale.reshape(1, -1)  # int32 accumulation, then float32 scaling
+    want = acc.float() * w_scale.reshape(1, -1)  # int32 accumulation, then float32 scaling (x's scale is 1)
     assert torch.equal(run(path, monkeypatch, x, weight, w_scale), want)
 
 
@@ -93,6 +93,6 @@ def test_merged_shards_equal_the_shards_one_by_one() -> None:
 
 def test_prepack_leaves_small_weights_to_int_mm() -> None:
     small = torch.ones(64, 64, dtype=torch.int8)
-    assert int8_matmul.prepack(small) is None
+    assert int8_matmul.prepack(small, torch.ones(1)) is None
     large = torch.ones(576, 576, dtype=torch.int8)
-    assert (int8_matmul.prepack(large) is not None) == ("onednn" in int8_matmul.cpu_int8_paths())
+    assert (int8_matmul.prepack(large, torch.ones(1)) is not None) == ("onednn" in int8_matmul.cpu_int8_paths())

@@ -2,13 +2,13 @@
 
 The activations are quantized per token (``dynamic``: ``s_x = max|x_t| / 127`` for each row) or with
 the checkpoint's one ``input_scale`` (``static``), rounded to nearest and clamped to [-127, 127].
-Then ``acc = x_q @ w_q.T`` and ``y = acc * s_x * s_w`` in float32.  Where ``acc`` is computed:
+Then ``acc = x_q @ w_q.T`` and ``y = acc * s_w * s_x`` in float32.  Where ``acc`` is computed:
 
 - CUDA: ``torch._int_mm`` (cuBLASLt int8 x int8 -> int32; it wants more than 16 rows: fewer are padded);
 - CPU with integer dot products (VNNI or AMX), checked exact once per process (:func:`cpu_int8_paths`):
   oneDNN's int8 GEMM (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86 int8 inference
-  runs) on the weight packed once at load (:func:`prepack`), with unit scales so that it returns
-  ``acc`` itself in float32; a weight of fewer than ``SMALL_PRODUCT`` codes goes through
+  runs) on the weight packed once at load (:func:`prepack`), given the weight scales and a unit
+  activation scale, so that it returns ``acc * s_w`` (rounded once, as torch's product); a weight of fewer than ``SMALL_PRODUCT`` codes goes through
   ``torch._int_mm`` instead (oneDNN spends about 25 us per call, and milliseconds in its int8 x int8
   kernel for fewer than 256 outputs and a few rows);
 - CPU otherwise: the codes multiplied as float32 when every partial sum is an integer below 2**24
@@ -56,22 +56,25 @@ def _cpu_flags() -> set[str]:
 
 @dataclass(frozen=True)
 class PackedInt8:
-    """A weight in oneDNN's int8 GEMM layout, with the unit scales and zero points the call takes."""
+    """A weight in oneDNN's int8 GEMM layout, with its scales and the zero points the call takes."""
 
     weight: torch.Tensor  # opaque, from torch.ops.onednn.qlinear_prepack
-    ones: torch.Tensor  # float32 [out]
+    scale: torch.Tensor  # float32 [out]
     zeros: torch.Tensor  # int64 [out]
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> "PackedInt8":
+    def of(cls, weight: torch.Tensor, weight_scale: torch.Tensor) -> "PackedInt8":
+        """``weight`` int8 ``[out, in]``, ``weight_scale`` ``[out, 1]`` or one value."""
         out = weight.shape[0]
         packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
-        return cls(packed, torch.ones(out), torch.zeros(out, dtype=torch.int64))
+        scale = weight_scale.float().reshape(-1).expand(out).contiguous()
+        return cls(packed, scale, torch.zeros(out, dtype=torch.int64))
 
-    def acc(self, codes: torch.Tensor) -> torch.Tensor:
-        """``codes`` int8 ``[T, in]`` -> ``codes @ weight.T`` as float32 (the int32 sums, converted)."""
+    def scaled(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codes`` int8 ``[T, in]`` -> ``(codes @ weight.T) * weight_scale`` in float32: the int32 sums
+        converted and multiplied once, as ``acc.float() * weight_scale`` rounds."""
         return torch.ops.onednn.qlinear_pointwise(
-            codes, 1.0, 0, self.weight, self.ones, self.zeros, None, 1.0, 0, torch.float32, "none", [], "",
+            codes, 1.0, 0, self.weight, self.scale, self.zeros, None, 1.0, 0, torch.float32, "none", [], "",
         )
 
 
@@ -89,7 +92,7 @@ def _probe() -> list[str]:
     found = []
     try:
         if torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"):
-            if torch.equal(PackedInt8.of(w).acc(x), want):
+            if torch.equal(PackedInt8.of(w, torch.ones(1)).scaled(x), want):
                 found.append("onednn")
     except RuntimeError:
         pass
@@ -110,12 +113,12 @@ def cpu_int8_paths() -> list[str]:
         return _cpu_paths
 
 
-def prepack(weight: torch.Tensor) -> PackedInt8 | None:
-    """``weight`` int8 ``[out, in]`` packed for oneDNN's int8 GEMM, or ``None`` where that is not used
+def prepack(weight: torch.Tensor, weight_scale: torch.Tensor) -> PackedInt8 | None:
+    """``weight`` int8 ``[out, in]`` and its scales packed for oneDNN's int8 GEMM, or ``None`` where that is not used
     (not on CPU, no exact oneDNN product here, or a weight small enough for ``torch._int_mm``)."""
     if weight.device.type != "cpu" or weight.numel() < SMALL_PRODUCT or "onednn" not in cpu_int8_paths():
         return None
-    return PackedInt8.of(weight)
+    return PackedInt8.of(weight, weight_scale)
 
 
 def int8_linear(
@@ -123,20 +126,20 @@ def int8_linear(
     packed: PackedInt8 | None = None,
 ) -> torch.Tensor:
     """``x`` ``[T, in]`` float, ``weight`` int8 ``[out, in]``, ``weight_scale`` ``[out, 1]`` or ``[1, 1]``,
-    ``packed`` :func:`prepack`'s form of ``weight`` (or ``None``) -> ``[T, out]`` in ``x.dtype``."""
+    ``packed`` :func:`prepack`'s form of ``weight`` and ``weight_scale`` (or ``None``) -> ``[T, out]`` in ``x.dtype``."""
     codes, x_scale = quantize_activations(x, input_scale)
     rows = codes.shape[0]
     if codes.is_cuda and _INT_MM:
         padded = torch.nn.functional.pad(codes, (0, 0, 0, max(0, 17 - rows)))
         acc = torch._int_mm(padded, weight.t())[:rows].float()
     elif packed is not None:
-        acc = packed.acc(codes)
+        return packed.scaled(codes).mul_(x_scale).to(x.dtype)
     elif codes.device.type == "cpu" and "int_mm" in cpu_int8_paths():
         acc = torch._int_mm(codes, weight.t()).float()
     else:
         exact = torch.float32 if codes.shape[1] <= EXACT_FLOAT32 else torch.float64
         acc = (codes.to(exact) @ weight.to(exact).t()).float()
-    return acc.mul_(x_scale).mul_(weight_scale.float().reshape(1, -1)).to(x.dtype)
+    return acc.mul_(weight_scale.float().reshape(1, -1)).mul_(x_scale).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -162,4 +165,4 @@ def merge(shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) 
         return None
     weight = torch.cat([w for w, _, _ in shards]) if len(shards) > 1 else shards[0][0]
     scale = torch.cat([s.float().reshape(-1, 1).expand(w.shape[0], 1) for w, s, _ in shards])
-    return Int8Weight(weight, scale, statics[0] if statics else None, prepack(weight))
+    return Int8Weight(weight, scale, statics[0] if statics else None, prepack(weight, scale))
