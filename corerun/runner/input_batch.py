@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from corerun.core.batch import ScheduledBatch
+from corerun.core.batch import NewRequest, ScheduledBatch
 from corerun.sampling_params import SamplingParams
 
 
@@ -105,21 +105,7 @@ class InputBatch:
         for sid in batch.preempted_ids:
             self.remove(sid)
         for r in batch.new_reqs:
-            self.remove(r.seq_id)
-            row = self._take()
-            self.index[r.seq_id], self.seq_ids[row], self.params[row] = row, r.seq_id, r.params
-            self._moves += 1
-            if r.params.pooling is not None:
-                self.pooling_ids.add(r.seq_id)
-            if r.params.prompt_logprobs is not None:
-                self.prompt_logprob_ids.add(r.seq_id)
-            p, tokens = len(r.prompt_token_ids), r.prompt_token_ids + r.output_token_ids
-            self._write_tokens(row, 0, tokens)
-            self.num_tokens[row], self.num_prompt[row], self.num_computed[row] = len(tokens), p, r.num_computed_tokens
-            self.num_blocks[row] = 0
-            self._write_blocks(row, 0, r.block_ids)
-            self.prompt_logprobs_from[row] = max(r.num_prompt_logprobs - 1, 0)
-            self.lora_slot[row] = r.lora_slot
+            self._add(r)
         for sid, t in batch.new_tokens.items():
             row = self._held(sid, "new_tokens")
             self._write_tokens(row, t.start, t.ids)
@@ -136,6 +122,24 @@ class InputBatch:
             raise ValueError("the batch schedules requests the runner already holds but gives no computed counts; "
                              "num_computed holds one per request of req_ids (empty only when every request is new)")
         return rows
+
+    def _add(self, r: NewRequest) -> None:
+        """A new or resumed request in a row of its own (replacing what the batch held of it, if anything)."""
+        self.remove(r.seq_id)
+        row = self._take()
+        self.index[r.seq_id], self.seq_ids[row], self.params[row] = row, r.seq_id, r.params
+        self._moves += 1
+        if r.params.pooling is not None:
+            self.pooling_ids.add(r.seq_id)
+        if r.params.prompt_logprobs is not None:
+            self.prompt_logprob_ids.add(r.seq_id)
+        p, tokens = len(r.prompt_token_ids), r.prompt_token_ids + r.output_token_ids
+        self._write_tokens(row, 0, tokens)
+        self.num_tokens[row], self.num_prompt[row], self.num_computed[row] = len(tokens), p, r.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._write_blocks(row, 0, r.block_ids)
+        self.prompt_logprobs_from[row] = max(r.num_prompt_logprobs - 1, 0)
+        self.lora_slot[row] = r.lora_slot
 
     def _held(self, seq_id: int, field: str) -> int:
         row = self.index.get(seq_id)
