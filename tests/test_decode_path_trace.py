@@ -76,6 +76,11 @@ def test_one_traced_decode_step_has_the_promised_shape(trace_module, capsys):
                  "corerun/engine/output_processor.py", "corerun/core/sequence.py", "corerun/platform/host.py",
                  "corerun/sampling_params.py", "corerun/sampler/common.py"):
         assert path not in files, f"{path} on the path of a plain decode: {files[path]['names']}"
-    assert not {"Scheduler._admit", "Scheduler._make_room", "Scheduler._schedule_drafts"} & set(
+    assert not {"Scheduler._admit", "Scheduler._make_room", "Scheduler._schedule_drafts", "_verified"} & set(
         files["corerun/core/scheduler.py"]["names"])
+    # nor the code for requests new to the runner, embedding requests or failed rows
+    for path, names in (("corerun/core/batch.py", {"Told._new_request"}), ("corerun/runner/input_batch.py", {"InputBatch._add"}),
+                        ("corerun/runner/model_runner.py", {"ModelRunner._pool_plan", "ModelRunner._pool"}),
+                        ("corerun/engine/llm_engine.py", {"LLMEngine._fail_rows"})):
+        assert not names & set(files[path]["names"]), (path, files[path]["names"])
     assert totals["moves"] >= totals["files"] - 1
