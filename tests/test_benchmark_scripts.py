@@ -188,3 +188,16 @@ def test_linear_bench_smoke():
             assert name in row, f"{name!r} missing from {row!r}"
         ratios = table_ratios(row.split("; load")[0], 4, row.split(":")[0])
         assert ratios[0] == 1.0  # float32 plain against itself
+
+
+@pytest.mark.timeout(120)
+def test_int8_linear_bench_smoke():
+    out = run_script("int8_linear_bench.py", "--threads", "1", "--tokens", "1", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("T=")]
+    assert [r.split(":")[0] for r in rows] == ["T=1"], out
+    ways = ["float32", "float32 prepacked", "w8a8 float codes"]
+    ways += [{"int_mm": "w8a8 _int_mm", "onednn": "w8a8 oneDNN"}[p] for p in ("int_mm", "onednn") if p in out.splitlines()[0]]
+    for name in ways:
+        assert f"{name} " in rows[0], f"{name!r} missing from {rows[0]!r}"
+    ratios = table_ratios(rows[0].split("; load")[0], len(ways), "T=1")
+    assert ratios[1] == 1.0  # float32 prepacked against itself
