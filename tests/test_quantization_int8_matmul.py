@@ -44,7 +44,7 @@ def test_int8_linear_is_exact_integer_accumulation(path: str, cols: int, monkeyp
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("rows", [1, 32, 256])
+@pytest.mark.parametrize("rows", [1, 32, 256, 600])  # 600: blocks of ROW_BLOCK rows
 @pytest.mark.parametrize(("out", "cols"), SHAPES)
 def test_every_cpu_product_gives_the_float64_sums_at_the_default_models_shapes(
     path: str, rows: int, out: int, cols: int, monkeypatch: pytest.MonkeyPatch,

@@ -28,6 +28,7 @@ import torch
 
 _INT_MM = hasattr(torch, "_int_mm")
 EXACT_FLOAT32 = 2**24 // (127 * 128)  # input features whose products (activations to 127, weights to -128) sum exactly in float32
+ROW_BLOCK = 256  # rows multiplied at a time on CPU (int8_linear)
 SMALL_PRODUCT = 1 << 18  # weight codes (out * in) below which torch._int_mm is the faster CPU product
 INTEGER_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # /proc/cpuinfo flags of exact int8 dot products
 
@@ -126,9 +127,18 @@ def int8_linear(
     packed: PackedInt8 | None = None,
 ) -> torch.Tensor:
     """``x`` ``[T, in]`` float, ``weight`` int8 ``[out, in]``, ``weight_scale`` ``[out, 1]`` or ``[1, 1]``,
-    ``packed`` :func:`prepack`'s form of ``weight`` and ``weight_scale`` (or ``None``) -> ``[T, out]`` in ``x.dtype``."""
+    ``packed`` :func:`prepack`'s form of ``weight`` and ``weight_scale`` (or ``None``) -> ``[T, out]`` in ``x.dtype``.
+
+    On CPU, more than ``ROW_BLOCK`` rows go ``ROW_BLOCK`` at a time (each row's result is its own): a
+    prefill's float temporaries are tens of MB, and each fresh one costs its page faults (a 34 MB
+    buffer about 25 ms here) where a block's are reused."""
+    rows = x.shape[0]
+    if rows > ROW_BLOCK and x.device.type == "cpu":
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+        for start in range(0, rows, ROW_BLOCK):
+            out[start : start + ROW_BLOCK] = int8_linear(x[start : start + ROW_BLOCK], weight, weight_scale, input_scale, packed)
+        return out
     codes, x_scale = quantize_activations(x, input_scale)
-    rows = codes.shape[0]
     if codes.is_cuda and _INT_MM:
         padded = torch.nn.functional.pad(codes, (0, 0, 0, max(0, 17 - rows)))
         acc = torch._int_mm(padded, weight.t())[:rows].float()
