@@ -15,6 +15,10 @@
   defaults (CPU, float32, torch attention, 64 KV blocks of 4 tokens), any of them overridable by keyword.
 - :func:`corerun.testing.assert_idle`: the engine holds no request (running, waiting or unreleased), no
   step in flight and no used KV block; the failure lists what is left.
+- :func:`corerun.testing.tiny_models.load_corerun_model`: corerun's model from a folder or a ``.gguf`` file, a
+  quantization method applied, with no engine (a method's layers tested against float64).
+- :func:`corerun.testing.openmp_runtimes`: the OpenMP runtime files mapped into this process (a
+  kernel library's tests check that it brought no second one).
 - :func:`corerun.testing.max_rel_err` / :func:`corerun.testing.assert_rel_err`: ``max |got - ref| /
   max |ref|`` in float64, and the assertion naming the error, the bound and the worst entry.
 
@@ -23,6 +27,7 @@ For conformance, use :mod:`corerun.conformance` itself.
 
 from __future__ import annotations
 
+from corerun.platform.host import openmp_runtimes
 from corerun.protocols.step_layout import requests_step
 from corerun.testing.engines import TEST_DEFAULTS, assert_idle, leftovers, make_llm
 from corerun.testing.graphs import EmulatedGraphCapturer, emulated_cuda_graph_runner
@@ -31,5 +36,6 @@ from corerun.testing.reference import default_model_dir, hf_greedy
 
 __all__ = [
     "TEST_DEFAULTS", "EmulatedGraphCapturer", "assert_idle", "assert_rel_err", "default_model_dir",
-    "emulated_cuda_graph_runner", "hf_greedy", "leftovers", "make_llm", "max_rel_err", "requests_step",
+    "emulated_cuda_graph_runner", "hf_greedy", "leftovers", "make_llm", "max_rel_err", "openmp_runtimes",
+    "requests_step",
 ]

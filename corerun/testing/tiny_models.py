@@ -120,6 +120,20 @@ def hf_logits(model: torch.nn.Module | str | Path, token_ids: Sequence[int]) -> 
         return model(torch.tensor([list(token_ids)])).logits[0].float()
 
 
+def load_corerun_model(model: str | Path, *, dtype: torch.dtype = torch.float32, quant: Any = None) -> tuple[torch.nn.Module, Any]:
+    """corerun's model and its ``ModelConfig``, with no engine, from a folder or a ``.gguf`` file (read
+    natively, as the engine does), ``quant`` (a quantization method object, e.g. a plugin's) applied
+    at load, on CPU: for a method's tests of its layers' outputs against a float64 reference."""
+    from corerun.models.loader import load_model
+
+    path = Path(model)
+    if path.suffix == ".gguf":
+        from corerun.models.gguf_convert import gguf_model_dir
+
+        path = gguf_model_dir(path)
+    return load_model(path, dtype=dtype, quant=quant)
+
+
 def corerun_logits(
     model: torch.nn.Module,
     token_ids: Sequence[int],

@@ -195,7 +195,7 @@ def test_an_unwritable_build_folder_is_a_reason(monkeypatch, fresh_build):
 @needs_compiler
 def test_one_openmp_runtime_after_the_kernels_load():
     """The kernels share torch's OpenMP runtime (torch/lib's libgomp where torch ships one): one in the process."""
-    from corerun.platform.host import openmp_runtimes
+    from corerun.testing import openmp_runtimes
 
     lib, why = kernels.load()
     assert lib is not None, why

@@ -150,7 +150,7 @@ def test_one_openmp_runtime_after_the_kernels_load():
     """The operators' at::parallel_for runs on torch's own OpenMP runtime: one in the process."""
     from pathlib import Path
 
-    from corerun.platform.host import openmp_runtimes
+    from corerun.testing import openmp_runtimes
 
     reasons = kernels.load()
     if reasons:

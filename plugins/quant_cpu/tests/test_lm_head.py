@@ -15,15 +15,14 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_default_model_logits_through_the_kernel() -> None:
-    from corerun.models.gguf_convert import gguf_model_dir
-    from corerun.models.loader import load_model
     from corerun.sdk.quantization import find_default_gguf
+    from corerun.testing.tiny_models import load_corerun_model
 
     from corerun_quant_cpu.method import GGUFCpuMethod
 
     path = find_default_gguf()
     method = GGUFCpuMethod()
-    model, config = load_model(gguf_model_dir(path), dtype=torch.float32, quant=method)
+    model, config = load_corerun_model(path, quant=method)
     head = model.lm_head.quantized
     assert head is not None and head.gguf_types == {None: "Q8_0"}, "the tied Q8_0 head should go through the kernel"
     (t,) = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight"]
