@@ -17,7 +17,7 @@ Each figure is the median over ``--repeat`` steps of the same kind (a decode at 
 ``--context`` tokens for one request; a prefill of ``--prefill`` prompt tokens); the profiler adds its
 own cost to every operator (the un-profiled step time is printed beside it).
 
-    .venv/bin/python benchmarks/step_profile.py [--threads 1] [--attention cpu] [--context 128] [--prefill 512]
+    .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--context 128] [--prefill 512]
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def split(step: Any) -> tuple[dict[str, float], dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a Hugging Face model folder [the default model]")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--attention", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -84,7 +85,7 @@ def main() -> None:
 
     from corerun import LLM, SamplingParams
 
-    llm = LLM(device="cpu", dtype=args.dtype, attention=args.attention, threads=args.threads)
+    llm = LLM(model=args.model, device="cpu", dtype=args.dtype, attention=args.attention, threads=args.threads)
     runner = llm.engine.runner
     _wrap(runner.attention, "forward", "corerun.attention")
     _wrap(runner, "_sample", "corerun.sampling")
@@ -106,9 +107,10 @@ def main() -> None:
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     engine = llm.engine
+    vocab = min(runner.vocab_size, 10000)
 
     def serve(length: int, params: SamplingParams) -> None:  # on this thread (the profiler records its own thread)
-        engine.add_request([rng.randrange(100, 10000) for _ in range(length)], params)  # fresh ids: no prefix hits
+        engine.add_request([rng.randrange(vocab) for _ in range(length)], params)  # fresh ids: no prefix-cache hits
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -127,7 +129,7 @@ def main() -> None:
         if ev.name.startswith("corerun.step."):
             kind = ev.name.rsplit(".", 1)[1]
             steps[kind].append((*split(ev), ev.cpu_time_total / 1e3))
-    print(f"default model, {args.dtype}, attention {args.attention}, {torch.get_num_threads()} thread(s), "
+    print(f"{args.model or 'default model'}, {args.dtype}, attention {args.attention}, {torch.get_num_threads()} thread(s), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
     for kind, label in (("decode", f"one decode step (1 request, context {args.context})"),
                         (f"prefill{args.prefill}", f"one prefill step ({args.prefill} tokens)")):

@@ -125,6 +125,17 @@ def test_async_step_profile_smoke(tiny_llama):
 
 # ------------------------------------------------------------------------------ serve_bench
 @pytest.mark.timeout(120)
+def test_step_profile_smoke(tiny_llama):
+    out = run_script("step_profile.py", "--model", str(tiny_llama), "--attention", "torch", "--context", "8",
+                     "--prefill", "16", "--repeat", "2")
+    parts = ("linears", "attention", "norms / elementwise / other ops", "sampling", "host")
+    for step in ("one decode step (1 request, context 8)", "one prefill step (16 tokens)"):
+        block = out.split(step, 1)[1].split("\n\n", 1)[0]
+        shares = {p: float(re.search(re.escape(p) + r"\s+(-?[\d.]+) ms\s+(-?[\d.]+) %", block).group(2)) for p in parts}
+        assert shares["linears"] > 0 and shares["attention"] > 0, block
+        assert sum(shares.values()) == pytest.approx(100, abs=0.5), block  # the parts split the whole step
+
+
 def test_serve_bench_self_smoke(tiny_llama):
     out = run_script("serve_bench.py", "--self", "--model", str(tiny_llama), "--set", "attention=torch",
                      "--num-prompts", "2", "--input-len", "4:8", "--output-len", "2:4", "--rounds", "1")
