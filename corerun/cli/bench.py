@@ -411,7 +411,8 @@ def _run_compare(
                   max_model_len=min(max_len, workload.input_len.hi + workload.output_len.hi + 16), vocab_size=mc.vocab_size)
     gguf = llamacpp_gguf(cfg.model, dtype, Path(gguf_path) if gguf_path else None)
     options = {
-        "corerun": {"config_path": config_path, "sets": list(sets), "overrides": {k: v for k, v in cfg_args.items() if v is not None and k not in ("dtype", "threads")}},
+        "corerun": {"config_path": config_path, "sets": list(sets), "overrides": {k: v for k, v in cfg_args.items() if v is not None and k not in ("dtype", "threads")},
+                    "threads_setting": cfg.threads},  # auto stays auto in corerun's worker (it sizes each step)
         "hf": hf_args,
         "llama.cpp": {},
         "vllm": {},

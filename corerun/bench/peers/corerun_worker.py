@@ -1,7 +1,8 @@
 """Benchmark worker: corerun itself (``LLM.generate``), in a fresh process of corerun's interpreter.
 
 ``options``: ``config_path``, ``sets`` and ``overrides`` exactly as ``corerun bench`` got them; the
-request's ``dtype`` and ``threads`` are applied on top.
+request's ``dtype`` and ``threads`` are applied on top (``threads_setting``, where given, instead of
+``threads``: ``auto`` stays ``auto``, while ``threads`` is the count the peers and OpenMP get).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     from corerun.models.hub import with_local_model
 
     opts = req["options"]
-    overrides = dict(opts.get("overrides") or {}, dtype=req["dtype"], threads=req["threads"])
+    # threads: the setting itself where the request names it ("auto" sizes each step); the count otherwise
+    overrides = dict(opts.get("overrides") or {}, dtype=req["dtype"], threads=opts.get("threads_setting", req["threads"]))
     cfg = with_local_model(load_config(opts.get("config_path"), overrides=overrides, sets=list(opts.get("sets") or ())))
     lens = [len(p) for p in req["prompts"]]
     workload = Workload(req["prompts"], req["output_lens"], 0, LengthRange(min(lens), max(lens)),
