@@ -107,7 +107,7 @@ def test_prefix_stats_count_a_waiting_request_once():
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     first = _seq(1, 16, max_tokens=3)  # 4 blocks, then a 5th for its outputs
     shared = first.prompt_token_ids[:8]  # its first two full blocks
-    second = Sequence(seq_id=2, request_id="2", prompt_token_ids=shared + list(range(900, 912)), params=SamplingParams(max_tokens=1))
+    second = Sequence(seq_id=2, request_id="2", prompt_token_ids=[*shared, *range(900, 912)], params=SamplingParams(max_tokens=1))
     sched.add(first)
     sched.add(second)
     waited = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import random
 from types import MappingProxyType
 
 import pytest
@@ -35,3 +36,29 @@ def test_a_batch_without_changes_holds_empty_read_only_mappings() -> None:
     for name in ("new_tokens", "block_changes", "drafts"):
         mapping = getattr(batch, name)
         assert len(mapping) == 0 and not hasattr(mapping, "__setitem__"), name
+
+
+def test_a_new_request_carries_the_prompt_it_arrived_with_not_a_copy() -> None:
+    """The prompt is made a tuple once, when the request arrives: the message carries that tuple, a later
+    change to the caller's list reaches neither, and the forks of an ``n > 1`` request share it."""
+    from corerun.core.scheduler import Scheduler
+    from corerun.core.sequence import Sequence
+    from corerun.engine.parallel_sampling import fork
+    from corerun.kv_cache.paged import PagedKVCacheManager
+
+    rng = random.Random(3)
+    given = [rng.randrange(32000) for _ in range(37)]
+    expected = tuple(int(t) for t in given)  # the values as they were when the request arrived
+    head = Sequence(seq_id=1, request_id="r", prompt_token_ids=given, params=SamplingParams(n=2, max_tokens=3))
+    given[0] = given[0] + 1  # the caller's list changes after the request arrived
+    group = fork(head, iter(range(2, 10)).__next__)
+    sched = Scheduler(PagedKVCacheManager(num_blocks=16, block_size=8), max_num_seqs=4, max_num_batched_tokens=256)
+    for seq in group.seqs:
+        sched.add(seq)
+    batch = sched.schedule()
+    assert [r.seq_id for r in batch.new_reqs] == [1, 2]
+    for r, seq in zip(batch.new_reqs, group.seqs):
+        assert type(r.prompt_token_ids) is tuple and r.prompt_token_ids == expected and r.output_token_ids == ()
+        assert r.prompt_token_ids is seq.prompt_token_ids is head.prompt_token_ids
+    assert pickle.loads(pickle.dumps(batch)).new_reqs == batch.new_reqs
+    assert head.token_ids == list(expected) and head.num_prompt_tokens == 37

@@ -207,7 +207,12 @@ class Told:
 
     def grew(self, seq_id: int, ids: list[int]) -> None:
         """``allocate_slots`` appended ``ids`` to ``seq_id``'s table."""
-        self.note(seq_id, BlockIds(self.table_len.get(seq_id, 0), tuple(ids)))
+        start = self.table_len.get(seq_id, 0)
+        if seq_id in self.pending:
+            self.note(seq_id, BlockIds(start, tuple(ids)))
+        else:  # (no change pending: a new request's first table, or a decode's next block)
+            self.pending[seq_id] = BlockIds(start, tuple(ids))
+            self.table_len[seq_id] = start + len(ids)
 
     def trimmed(self, seq_id: int, kept: int) -> None:
         """``seq_id``'s table was cut to its first ``kept`` blocks."""
@@ -265,9 +270,10 @@ class Told:
         change = self.pending.pop(sid, None)
         if change is not None and change.start != 0:
             raise RuntimeError(f"sequence {sid} is new to the runner but its block-table change starts at {change.start}")
+        tokens, prompt = seq.token_ids, seq.prompt_token_ids  # (the prompt: the tuple the request arrived with, not a copy)
         return NewRequest(
-            sid, tuple(seq.prompt_token_ids), tuple(seq.token_ids[seq.num_prompt_tokens:]), seq.params,
-            tuple(change.ids) if change is not None else (), seq.num_computed_tokens,
+            sid, prompt, tuple(tokens[len(prompt):]) if len(tokens) > len(prompt) else (), seq.params,
+            change.ids if change is not None else (), seq.num_computed_tokens,
             len(seq.prompt_logprobs or ()), resumed, seq.lora, self.lora_slot_of.get(sid, -1),
         )
 

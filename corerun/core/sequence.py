@@ -49,7 +49,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     seq_id: int
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # immutable: the scheduler's message to the runner carries this tuple itself
     params: SamplingParams
     prompt: str | None = None
     arrival_time: float = 0.0
@@ -73,6 +73,8 @@ class Sequence:
     lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
+        if type(self.prompt_token_ids) is not tuple:  # (a list given: copied once, here, on arrival)
+            self.prompt_token_ids = tuple(self.prompt_token_ids)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:

@@ -135,7 +135,7 @@ class InputProcessor:
                 f"max_num_batched_tokens, or turn chunked_prefill on"
             )
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, tuple[int, ...]]:
         """``(text or None, token ids)``; every id checked against the model's vocabulary, however it was produced."""
         text = None
         if isinstance(prompt, dict):  # vLLM's {"prompt": text} / {"prompt_token_ids": ids}
@@ -178,7 +178,7 @@ class InputProcessor:
                     )
                 raise RequestError(f"prompt token {i} is {t}, outside the vocabulary: token ids must be in [0, {vocab})")
             ids[i] = t
-        return text, ids
+        return text, tuple(ids)  # the request's prompt for good (Sequence.prompt_token_ids)
 
     def _encode(self, text: str) -> list[int]:
         if not text:

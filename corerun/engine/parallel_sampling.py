@@ -42,7 +42,7 @@ class SequenceGroup:
         return self.head.prompt
 
     @property
-    def prompt_token_ids(self) -> list[int]:
+    def prompt_token_ids(self) -> tuple[int, ...]:
         return self.head.prompt_token_ids
 
     @property
