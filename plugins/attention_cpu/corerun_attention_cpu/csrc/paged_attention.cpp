@@ -213,7 +213,7 @@ struct Item {
 // s[0..15] = q . k_j for 16 keys (rows at kstride), head size HD a multiple of 16: sixteen AVX-512
 // accumulators, then one transposing tree reduction (45 instructions) instead of sixteen horizontal sums.
 template <int HD>
-inline void scores16(const float* q, const float* krows, int64_t kstride, float* s) {
+inline __m512 scores16(const float* q, const float* krows, int64_t kstride) {
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
     for (int d = 0; d < HD; d += 16) {
@@ -231,8 +231,62 @@ inline void scores16(const float* q, const float* krows, int64_t kstride, float*
                                      _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
     const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(1, 0, 1, 0)),
                                      _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    _mm512_storeu_ps(s, _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                      _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1))));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp_nonpos on sixteen lanes, the same steps (rounding to nearest, the same polynomial, 0 below -87)
+inline __m512 exp_nonpos16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);  // x >= -87 or NaN
+    const __m512 xc = _mm512_max_ps(lo, x);                         // NaN stays NaN
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-6f)));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(bits));
+}
+
+// row_block for one full block of 16 keys without a soft cap, all in registers: the scores, their
+// maximum and sum by vector reductions, the probabilities broadcast into two interleaved sets of
+// accumulators (two dependency chains per 16 values of the head).
+template <int HD>
+inline void row_block16(const float* qr, const float* krows, const float* vrows, int64_t kstride, float& mrow,
+                        float& lrow, float* ar) {
+    const __m512 sv = scores16<HD>(qr, krows, kstride);
+    const float bmax = _mm512_reduce_max_ps(sv);
+    const float mold = mrow;
+    const float mnew = bmax > mold ? bmax : mold;
+    const __m512 p = exp_nonpos16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
+    __m512 a0[HD / 16], a1[HD / 16];
+    const __m512 alpha = _mm512_set1_ps(mnew != mold ? exp_nonpos(mold - mnew) : 1.0f);
+    for (int c = 0; c < HD / 16; ++c) {
+        a0[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), alpha);
+        a1[c] = _mm512_setzero_ps();
+    }
+    lrow = lrow * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(p);
+    mrow = mnew;
+    alignas(64) float ps[16];
+    _mm512_store_ps(ps, p);
+    for (int j = 0; j < 16; j += 2) {
+        const __m512 p0 = _mm512_set1_ps(ps[j]), p1 = _mm512_set1_ps(ps[j + 1]);
+        const float* v0 = vrows + j * kstride;
+        const float* v1 = v0 + kstride;
+        for (int c = 0; c < HD / 16; ++c) {
+            a0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
+            a1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), a1[c]);
+        }
+    }
+    for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_add_ps(a0[c], a1[c]));
 }
 #endif
 
@@ -243,8 +297,13 @@ inline void row_block(const float* qr, const float* krows, const float* vrows, i
     const int64_t D = HD > 0 ? HD : D_;
     int64_t j = 0;
 #if defined(__AVX512F__)
-    if constexpr (HD > 0 && HD % 16 == 0)
-        for (; j + 16 <= n; j += 16) scores16<HD>(qr, krows + j * kstride, kstride, s + j);
+    if constexpr (HD > 0 && HD % 16 == 0) {
+        if (n == 16 && cap == 0.0f) {
+            row_block16<HD>(qr, krows, vrows, kstride, mrow, lrow, ar);
+            return;
+        }
+        for (; j + 16 <= n; j += 16) _mm512_storeu_ps(s + j, scores16<HD>(qr, krows + j * kstride, kstride));
+    }
 #endif
     for (; j + 4 <= n; j += 4) {
         const float* k0 = krows + j * kstride;
