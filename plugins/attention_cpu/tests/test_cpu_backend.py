@@ -21,7 +21,9 @@ CASES = {
     "gqa7-hd40-bs128": (dict(num_heads=14, num_kv_heads=2, head_size=40, block_size=128), [(130, 1), (255, 1), (120, 33)]),
     "mqa-hd256-bs32": (dict(num_heads=8, num_kv_heads=1, head_size=256, block_size=32), [(63, 1), (64, 1), (31, 40)]),
     "decodes-only": (dict(head_size=80), [(c, 1) for c in (1, 15, 16, 17, 400, 33, 0)]),
-    # 32 decodes (one item per request), full blocks of 16 keys through the all-register path, head size 128
+    # 32 decodes (one item per request): full blocks of 16 keys through the all-register path (in bfloat16
+    # with AVX512_BF16, the keys read as stored), head sizes 64 and 128
+    "decodes-32": (dict(), [(31 + 15 * i, 1) for i in range(32)]),
     "decodes-32-hd128": (dict(num_heads=8, num_kv_heads=2, head_size=128), [(31 + 15 * i, 1) for i in range(32)]),
 }
 

@@ -212,14 +212,7 @@ struct Item {
 #if defined(__AVX512F__)
 // s[0..15] = q . k_j for 16 keys (rows at kstride), head size HD a multiple of 16: sixteen AVX-512
 // accumulators, then one transposing tree reduction (45 instructions) instead of sixteen horizontal sums.
-template <int HD>
-inline __m512 scores16(const float* q, const float* krows, int64_t kstride) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-    for (int d = 0; d < HD; d += 16) {
-        const __m512 qv = _mm512_loadu_ps(q + d);
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krows + j * kstride + d), acc[j]);
-    }
+inline __m512 sum16(const __m512* acc) {  // lane j of the result: the sum of acc[j]'s sixteen lanes
     __m512 u[8];
     for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1
         u[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
@@ -234,6 +227,33 @@ inline __m512 scores16(const float* q, const float* krows, int64_t kstride) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+
+template <int HD>
+inline __m512 scores16(const float* q, const float* krows, int64_t kstride) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krows + j * kstride + d), acc[j]);
+    }
+    return sum16(acc);
+}
+
+#if defined(__AVX512BF16__)
+// scores16 for bfloat16 query and key rows read as stored (HD a multiple of 32): vdpbf16ps multiplies
+// pairs exactly and adds in float32, so no key is converted; the softmax scale is applied to the sums.
+template <int HD>
+inline __m512 scores16_bf16(const uint16_t* q, const uint16_t* krows, int64_t kstride) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+        for (int j = 0; j < 16; ++j)
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(krows + j * kstride + d));
+    }
+    return sum16(acc);
+}
+#endif
 
 // exp_nonpos on sixteen lanes, the same steps (rounding to nearest, the same polynomial, 0 below -87)
 inline __m512 exp_nonpos16(__m512 x) {
@@ -256,13 +276,11 @@ inline __m512 exp_nonpos16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(bits));
 }
 
-// row_block for one full block of 16 keys without a soft cap, all in registers: the scores, their
+// row_block for one full block of 16 keys without a soft cap, all in registers: given the scores, their
 // maximum and sum by vector reductions, the probabilities broadcast into two interleaved sets of
 // accumulators (two dependency chains per 16 values of the head).
 template <int HD>
-inline void row_block16(const float* qr, const float* krows, const float* vrows, int64_t kstride, float& mrow,
-                        float& lrow, float* ar) {
-    const __m512 sv = scores16<HD>(qr, krows, kstride);
+inline void row_block16(__m512 sv, const float* vrows, int64_t kstride, float& mrow, float& lrow, float* ar) {
     const float bmax = _mm512_reduce_max_ps(sv);
     const float mold = mrow;
     const float mnew = bmax > mold ? bmax : mold;
@@ -299,7 +317,7 @@ inline void row_block(const float* qr, const float* krows, const float* vrows, i
 #if defined(__AVX512F__)
     if constexpr (HD > 0 && HD % 16 == 0) {
         if (n == 16 && cap == 0.0f) {
-            row_block16<HD>(qr, krows, vrows, kstride, mrow, lrow, ar);
+            row_block16<HD>(scores16<HD>(qr, krows, kstride), vrows, kstride, mrow, lrow, ar);
             return;
         }
         for (; j + 16 <= n; j += 16) _mm512_storeu_ps(s + j, scores16<HD>(qr, krows + j * kstride, kstride));
@@ -436,6 +454,11 @@ void attend_item(const Args& a, const Item& it, float* buf) {
             const float* krows;
             const float* vrows;
             int64_t kstride;
+            bool bf16_direct = false;  // a decode's full block in bfloat16: K read as stored, only V converted
+#if defined(__AVX512BF16__)
+            if constexpr (DT == BF16 && HD > 0 && HD % 32 == 0)
+                bf16_direct = !quant && it.count == 1 && nkeys == 16 && a.window == 0 && a.soft_cap == 0.0f;
+#endif
             if (quant) {
                 for (int64_t j = 0; j < nkeys; ++j) {
                     dequant_row(a.kv_type, kq + off + j * a.kv_st, D, a.k_scale, kf + j * D);
@@ -455,15 +478,29 @@ void attend_item(const Args& a, const Item& it, float* buf) {
                     float* kd = kf + j * D;
                     float* vd = vf + j * D;
 #pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) {
-                        kd[d] = E::load(ks[d]);
-                        vd[d] = E::load(vs[d]);
-                    }
+                    for (int64_t d = 0; d < D; ++d) vd[d] = E::load(vs[d]);
+                    if (bf16_direct) continue;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) kd[d] = E::load(ks[d]);
                 }
                 krows = kf;
                 vrows = vf;
                 kstride = D;
             }
+#if defined(__AVX512BF16__)
+            if constexpr (DT == BF16 && HD > 0 && HD % 32 == 0) {
+                if (bf16_direct) {
+                    const __m512 scale = _mm512_set1_ps(a.scale);
+                    for (int64_t g = 0; g < G; ++g) {
+                        const int64_t m = hh * G + g;
+                        const T* qrow = qbase + (q0 + it.first) * a.q_st + ((h0 + hh) * G + g) * a.q_sh;
+                        row_block16<HD>(_mm512_mul_ps(scores16_bf16<HD>(qrow, kc + off, a.kv_st), scale), vf, D,
+                                        mrow[m], lrow[m], acc + m * D);
+                    }
+                    continue;
+                }
+            }
+#endif
             for (int64_t ti = 0; ti < it.count; ++ti) {
                 const int64_t hz = ctx + it.first + ti + 1;  // this token's keys: positions < hz
                 const int64_t n = hz - start < nkeys ? hz - start : nkeys;
