@@ -116,9 +116,10 @@ stop_part() {  # SIGTERM to the running part (its `timeout` passes it on; the pa
 finish() {  # on every exit: stop the running part, note how the run ended, pack $OUT, print the summary last
     local rc=$?
     # a second signal must not cut the summary short: `timeout` signals the script and then its whole
-    # process group, and a user may press Ctrl-C twice; the stop below is bounded (SIGKILL after 5 s)
+    # process group, and a user may press Ctrl-C twice. Ignored, not trapped: a trap run while bash
+    # parses a command substitution below can break the parse. The stop is bounded (SIGKILL after 5 s)
     trap - EXIT
-    trap : TERM INT HUP
+    trap '' TERM INT HUP
     local cuts="${cut:+; cut by their limit:${cut%,}}${skipped:+; not started, the budget spent:${skipped%,}}"
     if [ -n "$signal" ]; then
         rc=$((128 + $(kill -l "$signal")))
