@@ -12,6 +12,14 @@ attention of every request's query tokens over its own blocks (the kernel in
 ``csrc/paged_attention.cpp``), on ``torch.get_num_threads()`` threads.  Nothing is gathered or
 copied per step beyond the new tokens' K/V.
 
+In bfloat16, a prompt of at least ``SDPA_MIN_TOKENS`` tokens with nothing cached before it (its
+whole sequence is this step's query) is attended by torch's ``scaled_dot_product_attention`` on the
+step's own K/V instead: its CPU flash kernel multiplies tiles through oneDNN's AMX / AVX512_BF16
+products, where the paged kernel takes one query row at a time (about 3x faster at 512 tokens, see
+docs/benchmarks.md).  ``plan`` sends the step's trailing run of such prompts there (a batch lists
+decodes first); without a soft cap, a sliding window or a quantized cache.  Its probabilities are
+rounded to bfloat16 before the product with V, as flash attention's are.
+
 The kernel checks the batch before it reads anything (query ranges, lengths against the block
 table's width, every block id it will read against the cache's size, every slot against the
 cache) and the backend turns a refusal into a ``ValueError`` naming the request, the field and the
@@ -40,6 +48,7 @@ logger = logging.getLogger("corerun_attention_cpu")
 IMPLEMENTATION = "attention backend 'cpu'"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DType in the source
 KV_TYPE_CODES = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}  # enum KVType in the source
+SDPA_MIN_TOKENS = 64  # a fresh bfloat16 prompt this long goes to torch's SDPA (module docstring)
 
 
 @dataclass
@@ -52,6 +61,9 @@ class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     num_reqs: int
     num_tokens: int
+    kernel_reqs: int = -1  # the first kernel_reqs requests go to the kernel (-1: all of them) ...
+    kernel_tokens: int = -1  # ... with their kernel_tokens query tokens
+    fresh_prompts: tuple[tuple[int, int], ...] = ()  # ... and these query ranges [start, end) to SDPA
 
 
 def _int_tensor(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
@@ -100,7 +112,7 @@ class CpuAttentionBackend(DenseKVCache):
 
     # ---------------------------------------------------------------- per step
     def plan(self, batch: AttentionBatch) -> CpuAttentionMetadata:
-        return CpuAttentionMetadata(
+        md = CpuAttentionMetadata(
             query_start_loc=_int_tensor(batch.query_start_loc, torch.int32, "query_start_loc"),
             seq_lens=_int_tensor(batch.seq_lens, torch.int32, "seq_lens"),
             block_tables=_int_tensor(batch.block_tables, torch.int32, "block_tables"),
@@ -108,6 +120,21 @@ class CpuAttentionBackend(DenseKVCache):
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
         )
+        if self.spec.dtype == torch.bfloat16 and not self.soft_cap and not self._kv_code:
+            self._plan_fresh_prompts(md)
+        return md
+
+    def _plan_fresh_prompts(self, md: CpuAttentionMetadata) -> None:
+        """Hand the step's trailing run of fresh prompts (module docstring) to SDPA."""
+        qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+        if len(qsl) != md.num_reqs + 1 or len(lens) != md.num_reqs:
+            return  # the kernel explains the mismatch
+        r = md.num_reqs
+        while r > 0 and lens[r - 1] == qsl[r] - qsl[r - 1] >= SDPA_MIN_TOKENS and qsl[r - 1] >= 0:
+            r -= 1
+        if r < md.num_reqs and qsl[-1] <= md.num_tokens:
+            md.kernel_reqs, md.kernel_tokens = r, qsl[r]
+            md.fresh_prompts = tuple((qsl[i], qsl[i + 1]) for i in range(r, md.num_reqs))
 
     def _cache_parts(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -194,21 +221,45 @@ class CpuAttentionBackend(DenseKVCache):
         if tuple(target.shape) != tuple(q.shape):
             raise ValueError(f"cpu attention: out must have the query's shape {list(q.shape)}, got {list(target.shape)}")
         md = metadata
+        window = self._windows[layer] if self._windows else 0
+        fresh = md.fresh_prompts if not window else ()
+        if fresh:
+            self._attend_fresh(q, self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value"),
+                               target, fresh)
+        if not fresh or md.kernel_reqs > 0:
+            self._attend_paged(q, k_cache, v_cache, target, md, window, *((md.kernel_reqs, md.kernel_tokens) if fresh else
+                                                                         (md.num_reqs, q.shape[0])))
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, target: torch.Tensor,
+                      ranges: tuple[tuple[int, int], ...]) -> None:
+        """Causal attention of each prompt ``[start, end)`` over its own K/V through torch's SDPA."""
+        for start, end in ranges:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).unsqueeze(0), k[start:end].transpose(0, 1).unsqueeze(0),
+                v[start:end].transpose(0, 1).unsqueeze(0), is_causal=True, scale=self.scale,
+                enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
+            )
+            target[start:end].copy_(o[0].transpose(0, 1))
+
+    def _attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, target: torch.Tensor,
+                      md: CpuAttentionMetadata, window: int, num_reqs: int, num_tokens: int) -> None:
+        """The C++ kernel over the paged cache for the step's first ``num_reqs`` requests."""
+        s = self.spec
         bt = md.block_tables
         rc = self.lib.corerun_cpu_attention(
             self._dtype_code, q.data_ptr(), q.stride(0), q.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             target.data_ptr(), target.stride(0), target.stride(1),
             md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
-            md.num_reqs, q.shape[0], k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
-            self.scale, self._windows[layer] if self._windows else 0, self.soft_cap, self._kv_code, *s.kv_scales,
+            num_reqs, num_tokens, k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
+            self.scale, window, self.soft_cap, self._kv_code, *s.kv_scales,
             torch.get_num_threads(), self._err_ptr,
         )
         if rc:
             raise ValueError(self._explain(rc, md, k_cache.shape[0]))
-        if target is not out:
-            out.copy_(target)
-        return out
 
     def _explain(self, rc: int, md: CpuAttentionMetadata, num_blocks: int) -> str:
         _, a, b, c = list(self._err)

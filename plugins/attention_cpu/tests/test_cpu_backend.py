@@ -25,6 +25,9 @@ CASES = {
     # with AVX512_BF16, the keys read as stored), head sizes 64 and 128
     "decodes-32": (dict(), [(31 + 15 * i, 1) for i in range(32)]),
     "decodes-32-hd128": (dict(num_heads=8, num_kv_heads=2, head_size=128), [(31 + 15 * i, 1) for i in range(32)]),
+    # a trailing run of prompts with nothing cached (in bfloat16 through torch's SDPA, the rest through the kernel)
+    "fresh-prompts-last": (dict(), [(300, 1), (16, 150), (0, 70), (0, 300), (0, 64)]),
+    "fresh-prompts-only-mha-hd128": (dict(num_heads=4, num_kv_heads=4, head_size=128), [(0, 200), (0, 65)]),
 }
 
 
@@ -47,6 +50,24 @@ def test_matches_float64_reference(case, dtype):
     rms, mx = relative_errors(out, reference(backend, spec, step))
     tol_rms, tol_max = TOLERANCE[dtype]
     assert rms <= tol_rms and mx <= tol_max, (rms, mx)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "requests, kernel_reqs, fresh",
+    [
+        ([(300, 1), (16, 150), (0, 70), (0, 300), (0, 64)], 2, ((151, 221), (221, 521), (521, 585))),
+        ([(0, 70), (5, 3), (0, 63)], -1, ()),  # the last prompt is too short, the one before it has a context
+        ([(0, 200), (0, 65)], 0, ((0, 200), (200, 265))),
+    ],
+)
+def test_bf16_plan_sends_the_trailing_fresh_prompts_to_sdpa(requests, kernel_reqs, fresh):
+    backend = CpuAttentionBackend(make_spec(dtype=torch.bfloat16))
+    md = backend.plan(make_step(backend, backend.spec, requests).batch)
+    assert (md.kernel_reqs, md.fresh_prompts) == (kernel_reqs, fresh)
+    if fresh:
+        assert md.kernel_tokens == fresh[0][0]
+    assert CpuAttentionBackend(make_spec(dtype=torch.float32)).plan(make_step(backend, backend.spec, requests).batch).fresh_prompts == ()
 
 
 @needs_compiler
