@@ -16,8 +16,8 @@ In bfloat16, a prompt of at least ``SDPA_MIN_TOKENS`` tokens with nothing cached
 whole sequence is this step's query) is attended by torch's ``scaled_dot_product_attention`` on the
 step's own K/V instead: its CPU flash kernel multiplies tiles through oneDNN's AMX / AVX512_BF16
 products, where the paged kernel takes one query row at a time (about 3x faster at 512 tokens, see
-docs/benchmarks.md).  ``plan`` sends the step's trailing run of such prompts there (a batch lists
-decodes first); without a soft cap, a sliding window or a quantized cache.  Its probabilities are
+docs/benchmarks.md).  ``plan`` sends such prompts there and the runs of other requests between
+them to the kernel, one call per run; without a soft cap, a sliding window or a quantized cache.  Its probabilities are
 rounded to bfloat16 before the product with V, as flash attention's are.
 
 The kernel checks the batch before it reads anything (query ranges, lengths against the block
@@ -61,9 +61,8 @@ class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     num_reqs: int
     num_tokens: int
-    kernel_reqs: int = -1  # the first kernel_reqs requests go to the kernel (-1: all of them) ...
-    kernel_tokens: int = -1  # ... with their kernel_tokens query tokens
-    fresh_prompts: tuple[tuple[int, int], ...] = ()  # ... and these query ranges [start, end) to SDPA
+    fresh_prompts: tuple[tuple[int, int], ...] = ()  # query ranges [start, end) that go to SDPA ...
+    kernel_runs: tuple[tuple[int, int], ...] = ()  # ... and the requests [first, last) that go to the kernel
 
 
 def _int_tensor(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
@@ -125,16 +124,21 @@ class CpuAttentionBackend(DenseKVCache):
         return md
 
     def _plan_fresh_prompts(self, md: CpuAttentionMetadata) -> None:
-        """Hand the step's trailing run of fresh prompts (module docstring) to SDPA."""
+        """Hand the step's fresh prompts (module docstring) to SDPA, the runs of requests between them to the kernel."""
         qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
-        if len(qsl) != md.num_reqs + 1 or len(lens) != md.num_reqs:
+        if len(qsl) != md.num_reqs + 1 or len(lens) != md.num_reqs or qsl[0] < 0 or qsl[-1] > md.num_tokens:
             return  # the kernel explains the mismatch
-        r = md.num_reqs
-        while r > 0 and lens[r - 1] == qsl[r] - qsl[r - 1] >= SDPA_MIN_TOKENS and qsl[r - 1] >= 0:
-            r -= 1
-        if r < md.num_reqs and qsl[-1] <= md.num_tokens:
-            md.kernel_reqs, md.kernel_tokens = r, qsl[r]
-            md.fresh_prompts = tuple((qsl[i], qsl[i + 1]) for i in range(r, md.num_reqs))
+        fresh = [lens[i] == qsl[i + 1] - qsl[i] >= SDPA_MIN_TOKENS for i in range(md.num_reqs)]
+        if not any(fresh):
+            return
+        runs, first = [], 0
+        for i, f in enumerate(fresh + [True]):
+            if f:
+                if first < i:
+                    runs.append((first, i))
+                first = i + 1
+        md.fresh_prompts = tuple((qsl[i], qsl[i + 1]) for i, f in enumerate(fresh) if f)
+        md.kernel_runs = tuple(runs)
 
     def _cache_parts(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -226,9 +230,8 @@ class CpuAttentionBackend(DenseKVCache):
         if fresh:
             self._attend_fresh(q, self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value"),
                                target, fresh)
-        if not fresh or md.kernel_reqs > 0:
-            self._attend_paged(q, k_cache, v_cache, target, md, window, *((md.kernel_reqs, md.kernel_tokens) if fresh else
-                                                                         (md.num_reqs, q.shape[0])))
+        for first, last in md.kernel_runs if fresh else ((0, md.num_reqs),):
+            self._attend_paged(q, k_cache, v_cache, target, md, window, first, last)
         if target is not out:
             out.copy_(target)
         return out
@@ -245,20 +248,25 @@ class CpuAttentionBackend(DenseKVCache):
             target[start:end].copy_(o[0].transpose(0, 1))
 
     def _attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, target: torch.Tensor,
-                      md: CpuAttentionMetadata, window: int, num_reqs: int, num_tokens: int) -> None:
-        """The C++ kernel over the paged cache for the step's first ``num_reqs`` requests."""
+                      md: CpuAttentionMetadata, window: int, first: int, last: int) -> None:
+        """The C++ kernel over the paged cache for the step's requests ``first .. last - 1`` (their
+        ``query_start_loc`` entries index the whole step's query)."""
         s = self.spec
         bt = md.block_tables
+        i32 = md.seq_lens.element_size()
         rc = self.lib.corerun_cpu_attention(
             self._dtype_code, q.data_ptr(), q.stride(0), q.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             target.data_ptr(), target.stride(0), target.stride(1),
-            md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1],
-            num_reqs, num_tokens, k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
+            md.query_start_loc.data_ptr() + first * i32, md.seq_lens.data_ptr() + first * i32,
+            bt.data_ptr() + first * bt.stride(0) * i32, bt.stride(0), bt.shape[1],
+            last - first, q.shape[0], k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
             self.scale, window, self.soft_cap, self._kv_code, *s.kv_scales,
             torch.get_num_threads(), self._err_ptr,
         )
         if rc:
+            if rc <= 4:
+                self._err[1] += first  # the request's index in the whole step
             raise ValueError(self._explain(rc, md, k_cache.shape[0]))
 
     def _explain(self, rc: int, md: CpuAttentionMetadata, num_blocks: int) -> str:

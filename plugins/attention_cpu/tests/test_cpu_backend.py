@@ -25,8 +25,8 @@ CASES = {
     # with AVX512_BF16, the keys read as stored), head sizes 64 and 128
     "decodes-32": (dict(), [(31 + 15 * i, 1) for i in range(32)]),
     "decodes-32-hd128": (dict(num_heads=8, num_kv_heads=2, head_size=128), [(31 + 15 * i, 1) for i in range(32)]),
-    # a trailing run of prompts with nothing cached (in bfloat16 through torch's SDPA, the rest through the kernel)
-    "fresh-prompts-last": (dict(), [(300, 1), (16, 150), (0, 70), (0, 300), (0, 64)]),
+    # prompts with nothing cached (in bfloat16 through torch's SDPA, the requests between them through the kernel)
+    "fresh-prompts-mixed": (dict(), [(300, 1), (0, 70), (16, 150), (0, 300), (0, 20), (0, 64)]),
     "fresh-prompts-only-mha-hd128": (dict(num_heads=4, num_kv_heads=4, head_size=128), [(0, 200), (0, 65)]),
 }
 
@@ -54,20 +54,29 @@ def test_matches_float64_reference(case, dtype):
 
 @needs_compiler
 @pytest.mark.parametrize(
-    "requests, kernel_reqs, fresh",
+    "requests, fresh, kernel_runs",
     [
-        ([(300, 1), (16, 150), (0, 70), (0, 300), (0, 64)], 2, ((151, 221), (221, 521), (521, 585))),
-        ([(0, 70), (5, 3), (0, 63)], -1, ()),  # the last prompt is too short, the one before it has a context
-        ([(0, 200), (0, 65)], 0, ((0, 200), (200, 265))),
+        ([(300, 1), (0, 70), (16, 150), (0, 300), (0, 20), (0, 64)], ((1, 71), (221, 521), (541, 605)), ((0, 1), (2, 3), (4, 5))),
+        ([(5, 3), (0, 63)], (), ()),  # a context, a prompt too short
+        ([(0, 200), (0, 65)], ((0, 200), (200, 265)), ()),
     ],
 )
-def test_bf16_plan_sends_the_trailing_fresh_prompts_to_sdpa(requests, kernel_reqs, fresh):
+def test_bf16_plan_sends_the_fresh_prompts_to_sdpa(requests, fresh, kernel_runs):
     backend = CpuAttentionBackend(make_spec(dtype=torch.bfloat16))
-    md = backend.plan(make_step(backend, backend.spec, requests).batch)
-    assert (md.kernel_reqs, md.fresh_prompts) == (kernel_reqs, fresh)
-    if fresh:
-        assert md.kernel_tokens == fresh[0][0]
-    assert CpuAttentionBackend(make_spec(dtype=torch.float32)).plan(make_step(backend, backend.spec, requests).batch).fresh_prompts == ()
+    batch = make_step(backend, backend.spec, requests).batch
+    md = backend.plan(batch)
+    assert (md.fresh_prompts, md.kernel_runs) == (fresh, kernel_runs)
+    assert CpuAttentionBackend(make_spec(dtype=torch.float32)).plan(batch).fresh_prompts == ()
+
+
+@needs_compiler
+def test_bf16_refusal_between_fresh_prompts_names_the_request():
+    spec = make_spec(dtype=torch.bfloat16)
+    backend = CpuAttentionBackend(spec)
+    step = make_step(backend, spec, [(0, 70), (20, 3), (0, 80)])
+    step.batch.block_tables[1, 0] = 10**6
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 1000000 is not a block of this cache"):
+        backend.forward(step.query, step.key, step.value, step.cache, backend.plan(step.batch))
 
 
 @needs_compiler
