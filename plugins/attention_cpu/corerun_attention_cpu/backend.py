@@ -14,11 +14,12 @@ copied per step beyond the new tokens' K/V.
 
 In bfloat16, a prompt of at least ``SDPA_MIN_TOKENS`` tokens with nothing cached before it (its
 whole sequence is this step's query) is attended by torch's ``scaled_dot_product_attention`` on the
-step's own K/V instead: its CPU flash kernel multiplies tiles through oneDNN's AMX / AVX512_BF16
-products, where the paged kernel takes one query row at a time (about 3x faster at 512 tokens, see
-docs/benchmarks.md).  ``plan`` sends such prompts there and the runs of other requests between
-them to the kernel, one call per run; without a soft cap, a sliding window or a quantized cache.  Its probabilities are
-rounded to bfloat16 before the product with V, as flash attention's are.
+step's own K/V instead: its CPU flash kernel multiplies tiles through oneDNN's bfloat16 brgemm
+micro-kernels, where the paged kernel takes one query row at a time (a 512-token prompt's attention
+about 2.5x faster, see docs/benchmarks.md).  ``plan`` sends such prompts there and the runs of other
+requests between them to the kernel, one call per run; without a soft cap, a sliding window or a
+quantized cache.  Its probabilities are rounded to bfloat16 before the product with V, as flash
+attention's are.
 
 The kernel checks the batch before it reads anything (query ranges, lengths against the block
 table's width, every block id it will read against the cache's size, every slot against the
