@@ -71,6 +71,24 @@ def part_files(part: str) -> set[str]:
     return {f"{part}.log", JSON[part]}
 
 
+def start_until_hang(tmp: Path, command: list[str], hang: str, within: float) -> subprocess.Popen:
+    """Start the rehearsal ``command`` with ``hang`` made to hang (a check of bench-attention), and
+    return once that part's results say it is running ``hang``; fail if it does not within ``within`` s."""
+    proc = subprocess.Popen(command, env=script_env(tmp, CORERUN_GPU_DRY_HANG=hang),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    running = tmp / "scratch" / "gpu-results" / "bench_attention.json"
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if load(running)["running"] == hang:
+                return proc
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"the rehearsal never reached {hang!r}: {proc.communicate()}")
+
+
 def test_dry_run_rehearses_every_part_in_plan_order(tmp_path: Path) -> None:
     proc = run_script(tmp_path, "--dry-run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -257,21 +275,7 @@ def test_timeout_killing_the_script_still_brings_back_every_result(tmp_path: Pat
     """``timeout`` ends the whole script while a part hangs: the script stops that part (which marks
     its results killed), packs the archive and prints the summary before it exits."""
     hang = "prefill 2048 tokens"  # in bench-attention, the part before the last
-    env = script_env(tmp_path, CORERUN_GPU_DRY_HANG=hang)
-    proc = subprocess.Popen(["timeout", "300", "bash", str(RUN_SH), "--dry-run"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    running = tmp_path / "scratch" / "gpu-results" / "bench_attention.json"
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if load(running)["running"] == hang:
-                break
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail(f"the rehearsal never reached {hang!r}: {proc.communicate()}")
+    proc = start_until_hang(tmp_path, ["timeout", "300", "bash", str(RUN_SH), "--dry-run"], hang, within=150)
     proc.send_signal(signal.SIGALRM)  # timeout's own limit expiring: SIGTERM to the script and its group
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 124, stdout + stderr  # timeout's status when it killed the command
@@ -297,21 +301,7 @@ def test_signals_repeated_while_the_script_winds_down_do_not_cut_the_summary(tmp
     Ctrl-C twice. Here SIGTERM and SIGINT keep coming every 10 ms until the script exits: the first one
     names the stop and every later one is ignored until the summary is printed."""
     hang = "prefill 2048 tokens"
-    proc = subprocess.Popen(["bash", str(RUN_SH), "--dry-run", "--only", "bench-attention"],
-                            env=script_env(tmp_path, CORERUN_GPU_DRY_HANG=hang),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    running = tmp_path / "scratch" / "gpu-results" / "bench_attention.json"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if load(running)["running"] == hang:
-                break
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail(f"the rehearsal never reached {hang!r}: {proc.communicate()}")
+    proc = start_until_hang(tmp_path, ["bash", str(RUN_SH), "--dry-run", "--only", "bench-attention"], hang, within=60)
     sent = 0
     while proc.poll() is None and sent < 3000:
         proc.send_signal(signal.SIGINT if sent % 2 else signal.SIGTERM)
