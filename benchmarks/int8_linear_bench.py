@@ -12,12 +12,11 @@ best of ``--repeats``; the ratios in the same run are the result.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.nn.functional as F
-from linear_bench import LAYERS, best_ms  # benchmarks/ is the script's folder: on sys.path
+from linear_bench import LAYERS, best_ms, parse_args  # benchmarks/ is the script's folder: on sys.path
 
 from corerun.models.layers import PackedWeight
 from corerun.quantization import int8_matmul
@@ -27,12 +26,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tokens", default="1,32,256")
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(__doc__)
     paths = int8_matmul.cpu_int8_paths()
     print(f"torch {torch.__version__}, {args.threads} thread(s), exact integer products here: {paths or 'none'}; "
           f"load {os.getloadavg()[0]:.2f}; ms per step ({LAYERS} layers' linears)")

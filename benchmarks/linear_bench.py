@@ -34,13 +34,19 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str) -> argparse.Namespace:
+    """``--threads`` (set on torch here), ``--tokens`` and ``--repeats``, described by ``doc``'s first line."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", default="1,32,256")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = parse_args(__doc__)
     print(f"torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()[0]:.2f}; ms per step "
           f"({LAYERS} layers' linears + LM head on the last token of each of min(T, 32) sequences)")
     g = torch.Generator().manual_seed(0)
