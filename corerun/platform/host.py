@@ -123,8 +123,10 @@ def openmp_runtimes(maps: str | None = None) -> list[str]:
             return []
     found = set()
     for line in maps.splitlines():
-        path = line.split(maxsplit=5)[5].strip() if len(line.split(maxsplit=5)) == 6 else ""
-        if os.path.basename(path).startswith(OPENMP_RUNTIMES) and ".so" in os.path.basename(path):
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (absent for anonymous maps)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        name = os.path.basename(path)
+        if name.startswith(OPENMP_RUNTIMES) and ".so" in name:
             found.add(path)
     return sorted(found)
 
