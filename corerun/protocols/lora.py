@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence, runtime_checkable
 
-from corerun.plugin.capabilities import LoRAKernelCapabilities, device_reasons  # noqa: F401 (re-exported: defined beside the other capabilities, importable without torch)
+from corerun.plugin.capabilities import LoRAKernelCapabilities  # noqa: F401 (re-exported: defined beside the other capabilities, importable without torch)
 
 if TYPE_CHECKING:
     import torch
