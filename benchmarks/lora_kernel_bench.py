@@ -54,7 +54,6 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.2f} at start; ms per add_lora call, best of {args.repeats}")
     kernels = {"torch": TorchLoRAKernel(), "grouped": GroupedLoRAKernel()}
     before = _before(args.before) if args.before else None
-    names = [*kernels, *(["before"] if before else [])]
     g = torch.Generator().manual_seed(0)
     extra = f" {'before':>9} {'before/grouped':>14}" if before else ""
     print(f"{'dtype':9} {'layer':8} {'tokens':>6} {'step':>7} {'torch':>9} {'grouped':>9} {'torch/grouped':>14}{extra}")
