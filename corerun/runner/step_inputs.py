@@ -123,6 +123,7 @@ class StepInputs:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {block_size}")
         self.block_size = block_size
+        self._shift = block_size.bit_length() - 1  # log2(block_size): a position's block is position >> _shift
         self.device = torch.device(device)
         self.pin_memory = self.device.type == "cuda"
         if fences is None:
@@ -197,7 +198,7 @@ class StepInputs:
         rl = rows.tolist()
         ctx = batch.num_computed[rows].tolist()
         blocks = batch.num_blocks[rows].tolist()
-        shift = self.block_size.bit_length() - 1
+        shift = self._shift
         for i, (c, n, b) in enumerate(zip(ctx, sched.num_scheduled, blocks)):
             if b << shift < c + n:
                 raise _short_table(sched.req_ids[i], b, c + n, self.block_size)
@@ -225,7 +226,7 @@ class StepInputs:
         if d:
             self._decode_tokens(out, batch, rl[:d], ctx[:d])
             out.lora_slots[:d] = [lora(r) for r in rl[:d]]
-        shift = self.block_size.bit_length() - 1
+        shift = self._shift
         for r, c, n, s in zip(rl[d:], ctx[d:], nums[d:], starts[d:]):
             e, b = s + n, c >> shift  # its tokens go to [s, e) of the step; the first lies in block b of its table
             out.input_ids[s:e] = tokens[r, c : c + n]
@@ -241,7 +242,7 @@ class StepInputs:
     def _decode_tokens(self, out: StepTensors, batch: InputBatch, rows: list[int], ctx: list[int]) -> None:
         """The step's first ``len(rows)`` tokens, one per request at its computed count: token ids, positions
         and slots written from Python lists."""
-        tok, table, mask, shift = batch.token_ids.item, batch.block_table.item, self.block_size - 1, self.block_size.bit_length() - 1
+        tok, table, mask, shift = batch.token_ids.item, batch.block_table.item, self.block_size - 1, self._shift
         d = len(rows)
         out.input_ids[:d] = [tok(r, c) for r, c in zip(rows, ctx)]
         out.positions[:d] = ctx
@@ -344,7 +345,7 @@ class StepInputs:
         out.positions[:] = ctx
         out.seq_lens[:] = reach
         out.input_ids[:] = batch.token_ids[rows, ctx]
-        shift = self.block_size.bit_length() - 1
+        shift = self._shift
         block_ids = batch.block_table[rows, ctx >> shift]
         np.add(np.left_shift(block_ids, shift, dtype=np.int64), ctx & (self.block_size - 1), out=out.slot_mapping)
         sampled_rows = np.flatnonzero(reach >= batch.num_tokens[rows])  # (a one-token prompt chunk is not)
@@ -371,7 +372,7 @@ class StepInputs:
         tokens, table = batch.token_ids, batch.block_table
         np.take(tokens.reshape(-1), token_row * tokens.shape[1] + pos, out=out.input_ids)
         out.block_tables[:] = table[rows, : lay.table_width]
-        shift = self.block_size.bit_length() - 1
+        shift = self._shift
         blocks = table.reshape(-1).take(token_row * table.shape[1] + (pos >> shift))
         np.add(np.left_shift(blocks, shift, dtype=np.int64), pos & (self.block_size - 1), out=out.slot_mapping)
         out.lora_slots[:] = np.repeat(batch.lora_slot[rows], query_lens)
