@@ -123,7 +123,7 @@ def test_async_step_profile_smoke(tiny_llama):
             assert gap == "-"
 
 
-# ------------------------------------------------------------------------------ serve_bench
+# ------------------------------------------------------------------------------ step_profile
 @pytest.mark.timeout(120)
 def test_step_profile_smoke(tiny_llama):
     out = run_script("step_profile.py", "--model", str(tiny_llama), "--attention", "torch", "--context", "8",
@@ -136,6 +136,8 @@ def test_step_profile_smoke(tiny_llama):
         assert sum(shares.values()) == pytest.approx(100, abs=0.5), block  # the parts split the whole step
 
 
+# ------------------------------------------------------------------------------ serve_bench
+@pytest.mark.timeout(120)
 def test_serve_bench_self_smoke(tiny_llama):
     out = run_script("serve_bench.py", "--self", "--model", str(tiny_llama), "--set", "attention=torch",
                      "--num-prompts", "2", "--input-len", "4:8", "--output-len", "2:4", "--rounds", "1")
