@@ -61,7 +61,7 @@ class LoRATokens:
         n, capacity = step_slots.shape[0], self.slots.shape[0]
         if n > capacity:
             raise ValueError(f"a step of {n} tokens, beyond the {capacity} the LoRA slots were sized for")
-        self._host: list[int] | None = None
+        self._host = None
         if step_slots.device.type == "cpu":
             if n and not (-1 <= int(step_slots.min()) and int(step_slots.max()) < self.num_slots):
                 raise ValueError(f"token slots must lie in -1 .. {self.num_slots - 1} (the LoRA slots), got "
