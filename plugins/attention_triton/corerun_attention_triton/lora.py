@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 import triton
 
-from corerun.protocols.lora import LoRAKernelCapabilities
+from corerun.protocols.lora import LoRAKernelCapabilities, LoRATokensView
 from corerun_attention_triton.capabilities import LORA_CAPABILITIES
 from corerun_attention_triton.kernels import INTERPRET
 from corerun_attention_triton.kernels.lora_expand import lora_expand
@@ -34,7 +34,7 @@ class TritonLoRAKernel:
 
     def add_lora(
         self, y: torch.Tensor, x: torch.Tensor, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
-        scalings: torch.Tensor, tokens: Any, output_slices: Sequence[int],
+        scalings: torch.Tensor, tokens: LoRATokensView, output_slices: Sequence[int],
     ) -> None:
         num_tokens = x.shape[0]
         if num_tokens == 0:
