@@ -167,15 +167,16 @@ class CpuAttentionBackend(DenseKVCache):
         return t
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self._write(key, value, *self._cache_parts(kv_cache), _int_tensor(slot_mapping, torch.int64, "slot_mapping"))
+        k_cache, v_cache = self._cache_parts(kv_cache)
+        s = self.spec
+        self._write(self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value"), k_cache, v_cache,
+                    _int_tensor(slot_mapping, torch.int64, "slot_mapping"))
 
     def _write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor) -> None:
-        """:meth:`write_kv` into the checked cache halves; ``slots`` int64, contiguous, on the CPU (as
-        :meth:`plan` makes them)."""
+        """:meth:`write_kv` of ``key``/``value`` as :meth:`_rows` makes them into the checked cache halves;
+        ``slots`` int64, contiguous, on the CPU (as :meth:`plan` makes them)."""
         s = self.spec
-        key = self._rows(key, s.num_kv_heads, "key")
-        value = self._rows(value, s.num_kv_heads, "value")
         if self._kv_code:  # quantized rows, copied as bytes
             key, value = kv_quant.quantize(key, s, 0), kv_quant.quantize(value, s, 1)
         n = slots.shape[0]
@@ -217,6 +218,7 @@ class CpuAttentionBackend(DenseKVCache):
         """
         s = self.spec
         k_cache, v_cache = self._cache_parts(kv_cache)
+        key, value = self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value")
         self._write(key, value, k_cache, v_cache, metadata.slot_mapping)  # (the slots as plan converted them)
         q = self._rows(query, s.num_heads, "query")
         if out is None:
@@ -228,8 +230,7 @@ class CpuAttentionBackend(DenseKVCache):
         window = s.sliding_window(layer) or 0
         fresh = md.fresh_prompts if not window else ()
         if fresh:
-            self._attend_fresh(q, self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value"),
-                               target, fresh)
+            self._attend_fresh(q, key, value, target, fresh)
         for first, last in md.kernel_runs if fresh else ((0, md.num_reqs),):
             self._attend_paged(q, k_cache, v_cache, target, md, window, first, last)
         if target is not out:
