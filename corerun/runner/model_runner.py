@@ -28,12 +28,12 @@ from corerun.platform.host import AUTO_PARALLEL_TOKENS
 from corerun.protocols.forward_context import AttentionContext, wants_layer
 from corerun.protocols.attention import AttentionBatch
 from corerun.protocols.graph import ModelInputs
-from corerun.protocols.sampler import LogprobsTensors, SamplerOutput, SamplingMetadata
+from corerun.protocols.sampler import NON_FINITE, LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.plugin.registry import Registry, get_registry
 from corerun.runner.input_batch import InputBatch
 from corerun.runner.pooling import Pooler, PoolPlan
 from corerun.runner.step_inputs import StepInputs
-from corerun.sampler.common import NON_FINITE, to_device
+from corerun.sampler.common import to_device
 
 logger = logging.getLogger("corerun.runner")
 NON_FINITE_ERROR = ("the logits of this request were not finite (NaN, +inf, or -inf for every token): the model, "
