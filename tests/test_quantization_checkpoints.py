@@ -181,5 +181,7 @@ def test_an_engine_runs_a_w8a8_folder_greedy_as_transformers(float_dir: Path, tm
         assert llm.engine.runner.quantization_name == "compressed-tensors"
         qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
         assert (qkv.int8.packed is not None) == (product == "onednn")
+        merged = qkv.int8.weight.untyped_storage().data_ptr()  # q, k and v's codes: views of the merged ones, one copy
+        assert [s.parts["weight"].untyped_storage().data_ptr() for s in qkv.quantized.values()] == [merged] * 3
         out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == want

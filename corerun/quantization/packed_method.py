@@ -52,6 +52,9 @@ class PackedMethod(QuantizationMethod):
         shards = [layer.quantized.get(s) for s in layer.quantized_shards]
         if all(s is not None and s.scheme.activations is not None for s in shards):
             layer.int8 = merge([(s.parts["weight"], s.parts["weight_scale"], _static_scale(s)) for s in shards])
+            if layer.int8 is not None and len(shards) > 1:  # each shard's codes a view of the merged ones, not a second copy
+                for s, part in zip(shards, layer.int8.weight.split([s.parts["weight"].shape[0] for s in shards])):
+                    s.parts["weight"] = part
 
     def shards(self, layer: nn.Module) -> list[QuantizedTensor]:
         return [layer.quantized[s] for s in layer.quantized_shards]
