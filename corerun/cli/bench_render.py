@@ -11,9 +11,15 @@ import click
 def render_on_off(doc: dict[str, Any]) -> None:
     """One line for each off/on comparison ``doc`` holds."""
     if "async_scheduling" in doc:
-        _async(doc)
+        _line(doc, "async_scheduling", "async scheduling", ("sync", "async"), "synchronous")
     if "speculative" in doc:
-        _spec(doc)
+        s = doc["speculative"]
+        _line(
+            doc, "speculative",
+            f"speculative decoding ({s['method']}, K={s['num_tokens']}, lookup {s['prompt_lookup_min']}:"
+            f"{s['prompt_lookup_max']}) on a {doc['workload']['kind']} workload", ("off", "on"), "off",
+            f"; drafts proposed {s['proposed']}, accepted {s['accepted']} ({s['acceptance_rate']:.0%}), mean accepted "
+            f"length {s['mean_accepted_length']:.2f}", sampled_note=" (seeded)")
     if "lora" in doc:
         s = doc["lora"]
         _line(doc, "lora", f"{s['num_adapters']} LoRA adapters of rank {s['rank']} ({s['max_loras']} slots)",
@@ -36,16 +42,3 @@ def _line(
         + (same if greedy else "" if sampled_note is None else same + sampled_note)
     )
 
-
-def _async(doc: dict[str, Any]) -> None:
-    _line(doc, "async_scheduling", "async scheduling", ("sync", "async"), "synchronous")
-
-
-def _spec(doc: dict[str, Any]) -> None:
-    s = doc["speculative"]
-    _line(
-        doc, "speculative",
-        f"speculative decoding ({s['method']}, K={s['num_tokens']}, lookup {s['prompt_lookup_min']}:"
-        f"{s['prompt_lookup_max']}) on a {doc['workload']['kind']} workload", ("off", "on"), "off",
-        f"; drafts proposed {s['proposed']}, accepted {s['accepted']} ({s['acceptance_rate']:.0%}), mean accepted "
-        f"length {s['mean_accepted_length']:.2f}", sampled_note=" (seeded)")
