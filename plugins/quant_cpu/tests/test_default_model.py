@@ -15,11 +15,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
 @pytest.mark.timeout(600)
 def test_q4_1_file_through_the_kernel_matches_the_converted_folder() -> None:
     from corerun.sdk.quantization import find_default_gguf
-    from corerun_quant_cpu import kernels
 
-    reasons = kernels.load()
-    if reasons:
-        pytest.skip("; ".join(reasons))
     params = SamplingParams(temperature=0.0, max_tokens=8)
     packed = LLM(model=str(find_default_gguf()), quantization="gguf_cpu", dtype="float32", threads=1)
     try:
