@@ -458,3 +458,16 @@ def test_graph_runner_auto_goes_through_the_registry(monkeypatch: pytest.MonkeyP
     assert chosen.name == "eager" and dict((r.name, w) for r, w in chosen.passed_over)["cuda"] == "device cpu not in {cuda}"
     chosen = reg.select("graph", "auto", Need("cuda", attention=unsafe))
     assert chosen.name == "eager" and "cuda_graph_decode=False" in dict((r.name, w) for r, w in chosen.passed_over)["cuda"]
+
+
+def test_an_engine_on_the_eager_runner_counts_its_steps(tmp_path):
+    """The engine calls the model itself when the graph runner is a passthrough (``eager``); the runner's
+    ``stats.eager_steps`` still counts every forward step: one prefill, then a decode per further token."""
+    from corerun.sampling_params import SamplingParams
+    from corerun.testing import make_llm
+    from corerun.testing.tiny_models import make_tiny_model
+
+    llm = make_llm(make_tiny_model(tmp_path))
+    assert llm.engine.runner.graph_passthrough
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.runner.graph.stats.eager_steps == 4

@@ -113,6 +113,7 @@ class ModelRunner:
         would only plan and call the model, so the runner does that itself."""
         if not self.graph_passthrough:
             return self.graph.run(inputs)
+        self.graph.stats.eager_steps += 1  # the runner's own count, kept as if it had run the step
         with torch.no_grad():
             return self._model_fn(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch))
 
