@@ -87,6 +87,7 @@ class CpuAttentionBackend(DenseKVCache):
         self.lib = lib
         self.scale = float(spec.softmax_scale)
         self.soft_cap = float(spec.logits_soft_cap or 0.0)  # 0: none
+        self._windows = tuple(w or 0 for w in spec.sliding_windows)  # per layer, 0: full; (): every layer full
         self._dtype_code = DTYPE_CODES[spec.dtype]
         self._kv_code = KV_TYPE_CODES[spec.kv_cache_dtype]
         self._storage = kv_quant.storage_dtype(spec)
@@ -227,7 +228,7 @@ class CpuAttentionBackend(DenseKVCache):
         if tuple(target.shape) != tuple(q.shape):
             raise ValueError(f"cpu attention: out must have the query's shape {list(q.shape)}, got {list(target.shape)}")
         md = metadata
-        window = s.sliding_window(layer) or 0
+        window = self._windows[layer] if self._windows else 0
         fresh = md.fresh_prompts if not window else ()
         if fresh:
             self._attend_fresh(q, key, value, target, fresh)
