@@ -86,6 +86,8 @@ def main() -> None:
                     "dense": lambda: F.linear(x, dense),
                     "q8act": lambda: torch.ops.corerun_quant_cpu.gguf_gemv_q8(out, packed, x, kernels.TYPES[type_name]),
                 }
+                if "avx2" not in kernels.runnable_isas():  # both AVX2 code, refused on a CPU without it: not timed
+                    del paths["avx2"], paths["q8act"]
                 samples: dict[str, list[float]] = {p: [] for p in paths}
                 for fn in paths.values():
                     fn()
@@ -93,8 +95,6 @@ def main() -> None:
                     for p, fn in paths.items():
                         samples[p].append(_time(fn, inner))
                 ms = {p: statistics.median(v) for p, v in samples.items()}
-                if "avx2" not in kernels.runnable_isas():
-                    del paths["avx2"], paths["q8act"]
                 nbytes = {p: packed.numel() for p in ("kernel", "avx2", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4, "q8act": packed.numel()}
                 cells = [f"{ms[p]:7.4f}ms {nbytes[p] / ms[p] / 1e6:5.1f}GB/s" for p in paths]
                 ratios = [f"{ms[p] / ms['kernel']:.2f}x" if p in ms else "-" for p in ("avx2", "decode", "cdecode", "dense", "q8act")]
