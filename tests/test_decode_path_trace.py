@@ -84,3 +84,19 @@ def test_one_traced_decode_step_has_the_promised_shape(trace_module, capsys):
                         ("corerun/engine/llm_engine.py", {"LLMEngine._fail_rows"})):
         assert not names & set(files[path]["names"]), (path, files[path]["names"])
     assert totals["moves"] >= totals["files"] - 1
+
+
+@pytest.mark.timeout(120)
+def test_the_cpu_backend_reads_its_layer_windows_once(trace_module, capsys):
+    """The cpu attention backend (the documented walk's) keeps each layer's window from construction, so
+    a decode's per-layer forward never calls back into the spec (``protocols/attention.py``)."""
+    pytest.importorskip("corerun_attention_cpu")
+    from corerun_attention_cpu import kernels
+
+    lib, why = kernels.load()
+    if lib is None:
+        pytest.skip("; ".join(why))
+    trace_module.main(["--json", "--attention", "cpu", "--warmup", "1"])
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert "plugins/attention_cpu/corerun_attention_cpu/backend.py" in files
+    assert "corerun/protocols/attention.py" not in files, files.get("corerun/protocols/attention.py")

@@ -87,7 +87,9 @@ class CpuAttentionBackend(DenseKVCache):
         self.lib = lib
         self.scale = float(spec.softmax_scale)
         self.soft_cap = float(spec.logits_soft_cap or 0.0)  # 0: none
-        self._windows = tuple(w or 0 for w in spec.sliding_windows)  # per layer, 0: full; (): every layer full
+        # per layer, 0: full; (): every layer full. Read once here, not from spec.sliding_window(layer) in each
+        # layer's forward: that call put the protocol module back on every decode step's path
+        self._windows = tuple(w or 0 for w in spec.sliding_windows)
         self._dtype_code = DTYPE_CODES[spec.dtype]
         self._kv_code = KV_TYPE_CODES[spec.kv_cache_dtype]
         self._storage = kv_quant.storage_dtype(spec)
