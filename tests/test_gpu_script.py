@@ -352,7 +352,7 @@ def test_conformance_groups_enumerate_their_cuda_cases() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from benchmarks.gpu.conformance_part import GROUPS, Tests, cases, test_ids, tests_unavailable
+    from benchmarks.gpu.conformance_part import GROUPS, Tests, cases, node_ids, tests_unavailable
 
     for group, suites in GROUPS.items():
         for suite in suites:
@@ -369,8 +369,8 @@ def test_conformance_groups_enumerate_their_cuda_cases() -> None:
     # the experts kernel, after lora:triton: its three top-k cases, refused where they would be interpreted
     labels = [s.label for s in GROUPS["triton"]]
     moe = GROUPS["triton"][labels.index("lora:triton") + 1]
-    assert isinstance(moe, Tests) and [i.rpartition("[")[2] for i in test_ids(moe)] == ["1]", "2]", "4]"]
-    assert all(i.startswith("tests/test_models_moe_triton.py::") for i in test_ids(moe))
+    assert isinstance(moe, Tests) and [i.rpartition("[")[2] for i in node_ids(moe)] == ["1]", "2]", "4]"]
+    assert all(i.startswith("tests/test_models_moe_triton.py::") for i in node_ids(moe))
     refused = tests_unavailable("cuda")
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         assert refused == []

@@ -140,7 +140,7 @@ class _Collected:
         self.ids = [item.nodeid for item in session.items]
 
 
-def test_ids(tests: Tests) -> list[str]:
+def node_ids(tests: Tests) -> list[str]:
     """The test ids ``tests`` selects, in the order they run; a collection error raises RuntimeError."""
     collected = _Collected()
     _pytest([*tests_args(tests), "--collect-only"], [collected])
@@ -225,7 +225,7 @@ def run_suite(report: PartReport, suite: Suite | Tests, device: str) -> bool:
     with report.check(f"{suite.label}: enumerate the cases", catch=True) as step:
         if isinstance(suite, Tests):
             entry["unavailable_reasons"] = tests_unavailable(device)
-            entry["planned"] = len(test_ids(suite))
+            entry["planned"] = len(node_ids(suite))
             entry["pytest"] = "pytest " + shlex.join(tests_args(suite))
         else:
             _, target, selected = cases(suite, device)
