@@ -33,14 +33,14 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 # ``kv_cache.dtype`` values other than ``auto`` (K/V stored in the model's dtype) -> the element type the
-# cache stores.  fp8: one float scale per tensor (``AttentionSpec.kv_scales``); int8: a float32 scale per
+# cache stores.  fp8: one float scale per tensor (``AttentionSpec.kv_scales``); int8: a float16 scale per
 # token and KV head, stored after the head's values (docs/kv-cache.md, "Quantized KV cache").
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
 }
-INT8_SCALE_BYTES = 4  # the float32 scale that follows each token-head's int8 values
+INT8_SCALE_BYTES = 2  # the float16 scale that follows each token-head's int8 values
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -95,7 +95,7 @@ class AttentionSpec:
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block's K and V in one layer in :meth:`kv_cache_shape`'s layout at ``dtype``, or at
-        ``kv_cache_dtype`` (int8: plus each token-head's float32 scale); the usual ``kv_cache_bytes_per_block``
+        ``kv_cache_dtype`` (int8: plus each token-head's float16 scale); the usual ``kv_cache_bytes_per_block``
         of a backend whose layout has no padding."""
         if self.kv_cache_dtype == "auto":
             return math.prod(self.kv_cache_shape(1)) * self.dtype.itemsize

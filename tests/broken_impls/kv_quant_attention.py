@@ -50,8 +50,8 @@ class RoundsTowardZero(TorchAttentionBackend):
     def _truncate(self, x: torch.Tensor, which: int) -> torch.Tensor:
         s = self.spec
         if s.kv_cache_dtype == "int8":
-            scale = x.float().abs().amax(-1, keepdim=True) / 127.0
-            return torch.cat([torch.trunc(x.float() / scale).to(torch.int8), scale.view(torch.int8)], dim=-1)
+            scale = kv_quant.int8_scale(x.float())
+            return torch.cat([torch.trunc(x.float() / scale.float()).to(torch.int8), scale.view(torch.int8)], dim=-1)
         y = x.float() / s.kv_scales[which]
         q = kv_quant.quantize(x, s, which)
         bits = q.view(torch.uint8)

@@ -6,7 +6,8 @@ a backend rather than repeating it.
 - fp8 (``x / scale`` rounded to ``m`` mantissa bits, ties to even; subnormal below ``2**min_exp``; saturating):
   an element's error is at most half a step, the step being ``2**-m`` of the value's power of two
   (``2**min_exp`` for subnormals), so at most ``2**-(m+1)`` of the value (e4m3: ``m = 3``, a relative step of ``2**-3``).
-- int8 (``round(x / s)`` with ``s = amax(|row|) / 127`` per token and head): at most ``s / 2`` per element.
+- int8 (``round(x / s)`` with ``s = amax(|row|) / 127`` per token and head, rounded up to a float16, stored in
+  two bytes): at most ``s / 2`` per element.
 
 Attention over perturbed keys and values (:func:`attention_bound`): a key error moves query row ``r``'s scores
 by at most ``delta_r = softmax_scale * max_j sum_i |q_ri| * eps_k[j, i]``, so every probability changes by a
@@ -34,16 +35,26 @@ def fake_quant(x: torch.Tensor, kv_dtype: str, scale: float = 1.0) -> torch.Tens
     ``scale``: fp8's per-tensor scale (int8 takes each row's own)."""
     xf = x.to(torch.float32)
     if kv_dtype == "int8":
-        s = xf.abs().amax(-1, keepdim=True) / 127.0
-        return torch.round(xf / s).clamp(-127, 127).to(torch.float64) * s.to(torch.float64)
+        s = int8_scale(xf)
+        return torch.round(xf.to(torch.float64) / s).clamp(-127, 127) * s
     return _round_fp8(xf / scale, *FP8_FORMATS[kv_dtype]) * scale
+
+
+def int8_scale(x: torch.Tensor) -> torch.Tensor:
+    """int8's scale of each row of ``x`` (float32), float64 ``[..., 1]``: ``amax / 127`` (in float32) rounded up onto
+    float16's grid (10 mantissa bits, subnormal below ``2**-14``, at most 65504); 1 for an all-zero row."""
+    s = (x.to(torch.float32).abs().amax(-1, keepdim=True) / 127.0).to(torch.float64).clamp(max=65504.0)
+    _, e = torch.frexp(s)
+    step = torch.exp2((e - 1).clamp(min=-14).to(torch.float64) - 10)
+    s = torch.ceil(s / step) * step
+    return torch.where(s > 0, s, torch.ones_like(s))
 
 
 def element_bound(x: torch.Tensor, kv_dtype: str, scale: float = 1.0) -> torch.Tensor:
     """The largest error :func:`fake_quant` may make on each element of ``x`` (float64, ``x``'s shape)."""
     x64 = x.to(torch.float64)
     if kv_dtype == "int8":
-        return (x64.abs().amax(-1, keepdim=True) / 254.0).expand_as(x64)
+        return (int8_scale(x) / 2).expand_as(x64)
     m, min_exp, _ = FP8_FORMATS[kv_dtype]
     _, e = torch.frexp(x64 / scale)  # half the step of the value's binade 2**(e-1) (subnormals: of the lowest)
     return scale * torch.exp2((e - 1).clamp(min=min_exp).to(torch.float64) - m - 1)

@@ -2,8 +2,8 @@
 
 KV cache, one tensor per layer: the usual dense ``[2, num_blocks, block_size, num_kv_heads,
 head_size]`` (K at 0, V at 1) in the model's dtype, zeroed at allocation (``DenseKVCache``); with a
-quantized ``spec.kv_cache_dtype`` the same in fp8, or int8 rows of ``head_size + 4`` bytes (the values,
-then their float32 scale), quantized in torch on write (``corerun.protocols.kv_quant``) and
+quantized ``spec.kv_cache_dtype`` the same in fp8, or int8 rows of ``head_size + 2`` bytes (the values,
+then their float16 scale), quantized in torch on write (``corerun.protocols.kv_quant``) and
 dequantized by the kernel as it reads each block.
 
 ``plan`` makes the step's lengths, block tables and slot mapping contiguous int32 / int64 tensors,
@@ -104,7 +104,7 @@ class CpuAttentionBackend(DenseKVCache):
 
     # ------------------------------------------------------------------- cache
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """Zeroed ``[2, num_blocks, block_size, num_kv_heads, row]`` at the stored dtype (row: head_size, int8 + 4)."""
+        """Zeroed ``[2, num_blocks, block_size, num_kv_heads, row]`` at the stored dtype (row: head_size, int8 + 2)."""
         s = self.spec
         return torch.zeros((2, num_blocks, s.block_size, s.num_kv_heads, self._row), dtype=self._storage)
 

@@ -8,7 +8,7 @@
 //   query/out  [num_tokens, num_heads, head_size]
 //   k/v cache  [num_blocks, block_size, num_kv_heads, head_size] in the query's dtype, or quantized (kv_type):
 //              fp8 e4m3 / e5m2 bytes of value / k_scale (v_scale), or int8 rows of head_size values followed
-//              by their float32 scale (head_size + 4 bytes; value = q * scale); strides then count bytes
+//              by their float16 scale (head_size + 2 bytes; value = q * scale); strides then count bytes
 //   query_start_loc int32 [num_reqs + 1], seq_lens int32 [num_reqs], block_tables int32 [num_reqs, width]
 //
 // Work item = (request, KV head, tile of up to TILE_ROWS / group query tokens): the query heads that
@@ -118,8 +118,9 @@ inline const float* e4m3_table() {
 // One stored K or V row of a quantized cache -> D floats (e5m2 is the top byte of an IEEE half)
 inline void dequant_row(int kv_type, const uint8_t* src, int64_t D, float scale, float* dst) {
     if (kv_type == KV_INT8) {
-        float s;
-        std::memcpy(&s, src + D, 4);
+        uint16_t half;
+        std::memcpy(&half, src + D, 2);
+        const float s = f16_to_f32(half);
         const int8_t* q = reinterpret_cast<const int8_t*>(src);
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(q[d]) * s;
