@@ -14,10 +14,10 @@ Runs the default model (float32 unless ``--dtype``) on ``--threads`` threads (1 
   preparation and the scheduler's share inside ``ModelRunner.execute``.
 
 Each figure is the median over ``--repeat`` steps of the same kind (a decode at a context of
-``--context`` tokens for one request; a prefill of ``--prefill`` prompt tokens); the profiler adds its
+``--context`` tokens for ``--batch`` requests, one by default; a prefill of ``--prefill`` prompt tokens); the profiler adds its
 own cost to every operator (the un-profiled step time is printed beside it).
 
-    .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--context 128] [--prefill 512]
+    .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--context 128] [--batch 1] [--prefill 512]
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--attention", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--context", type=int, default=128, help="the decoding request's prompt length")
+    ap.add_argument("--context", type=int, default=128, help="the decoding requests' prompt length")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together in the decode step")
     ap.add_argument("--prefill", type=int, default=512, help="the prefill step's prompt length")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
@@ -109,13 +110,14 @@ def main() -> None:
     engine = llm.engine
     vocab = min(runner.vocab_size, 10000)
 
-    def serve(length: int, params: SamplingParams) -> None:  # on this thread (the profiler records its own thread)
-        engine.add_request([rng.randrange(vocab) for _ in range(length)], params)  # fresh ids: no prefix-cache hits
+    def serve(length: int, params: SamplingParams, count: int = 1) -> None:  # on this thread (the profiler records its own)
+        for _ in range(count):
+            engine.add_request([rng.randrange(vocab) for _ in range(length)], params)  # fresh ids: no prefix-cache hits
         while engine.has_unfinished_requests():
             engine.step()
 
     def workload() -> None:
-        serve(args.context, greedy)
+        serve(args.context, greedy, args.batch)
         for _ in range(args.repeat):
             serve(args.prefill, one)
 
@@ -131,7 +133,7 @@ def main() -> None:
             steps[kind].append((*split(ev), ev.cpu_time_total / 1e3))
     print(f"{args.model or 'default model'}, {args.dtype}, attention {args.attention}, {torch.get_num_threads()} thread(s), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
-    for kind, label in (("decode", f"one decode step (1 request, context {args.context})"),
+    for kind, label in (("decode", f"one decode step ({args.batch} request(s), context {args.context})"),
                         (f"prefill{args.prefill}", f"one prefill step ({args.prefill} tokens)")):
         runs = steps[kind]
         total = statistics.median(r[2] for r in runs)
