@@ -9,6 +9,10 @@ kernel reads, and a few token counts, the time of ``y = x @ W.T`` by:
 - ``decode``: the built-in ``gguf`` method's path, the blocks dequantized to float32 in torch, then ``F.linear``;
 - ``cdecode``: the blocks dequantized by the kernel library (``gguf_dequantize``), then ``F.linear`` (gguf_cpu's prefill path);
 - ``dense``: ``F.linear`` on a float32 weight already in memory (what a float model streams);
+- ``repacked``: Q8_0 only, on AVX-512 + VNNI: the weights repacked once (``kernels.repack_q8_0``: codes
+  of a row in a row of their own, in the order the integer dot products sum them; scales apart), then
+  ``kernels.gguf_gemv_q8_0_repacked``, gguf_cpu's Q8_0 path there; ``kernel`` is then the product
+  straight from the 34-byte blocks, kept for this comparison;
 - ``q8act``: llama.cpp's way, for comparison only (``gguf_gemv_q8``, not used by ``gguf_cpu``): the
   activations quantized to int8 per 32-block once per call, integer dot products per block.
 
@@ -64,8 +68,8 @@ def main() -> None:
     isa = kernels.best_isa()
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"threads {args.threads}, kernel isa {isa}, median of {args.repeats} interleaved rounds")
-    print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "avx2", "scalar", "decode", "cdecode", "dense", "q8act"))
-          + " | avx2/kernel decode/kernel cdecode/kernel dense/kernel q8act/kernel")
+    print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "avx2", "scalar", "decode", "cdecode", "dense", "q8act", "repacked"))
+          + " | avx2/kernel decode/kernel cdecode/kernel dense/kernel q8act/kernel repacked/kernel")
     rng = np.random.default_rng(0)
     for type_name in args.types.split(","):
         for cols, rows in shapes:
@@ -73,6 +77,7 @@ def main() -> None:
             packed = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]))
             tensor = GGUFTensor("w", type_name, packed, cols)
             dense = tensor.dequantize(torch.float32)
+            repacked = kernels.repack_q8_0(packed) if type_name == "Q8_0" and isa == "avx512" else None
             for tokens in (int(t) for t in args.tokens.split(",")):
                 x = torch.randn(tokens, cols)
                 out = torch.empty(tokens, rows)
@@ -85,7 +90,10 @@ def main() -> None:
                     "cdecode": lambda: F.linear(x, _cdecoded(packed, rows, cols, type_name, isa)),
                     "dense": lambda: F.linear(x, dense),
                     "q8act": lambda: torch.ops.corerun_quant_cpu.gguf_gemv_q8(out, packed, x, kernels.TYPES[type_name]),
+                    "repacked": lambda: kernels.gguf_gemv_q8_0_repacked(out, *repacked, x),
                 }
+                if repacked is None:
+                    del paths["repacked"]
                 if "avx2" not in kernels.runnable_isas():  # both AVX2 code, refused on a CPU without it: not timed
                     del paths["avx2"], paths["q8act"]
                 samples: dict[str, list[float]] = {p: [] for p in paths}
@@ -95,9 +103,9 @@ def main() -> None:
                     for p, fn in paths.items():
                         samples[p].append(_time(fn, inner))
                 ms = {p: statistics.median(v) for p, v in samples.items()}
-                nbytes = {p: packed.numel() for p in ("kernel", "avx2", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4, "q8act": packed.numel()}
+                nbytes = {p: packed.numel() for p in ("kernel", "avx2", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4, "q8act": packed.numel(), "repacked": packed.numel()}
                 cells = [f"{ms[p]:7.4f}ms {nbytes[p] / ms[p] / 1e6:5.1f}GB/s" for p in paths]
-                ratios = [f"{ms[p] / ms['kernel']:.2f}x" if p in ms else "-" for p in ("avx2", "decode", "cdecode", "dense", "q8act")]
+                ratios = [f"{ms[p] / ms['kernel']:.2f}x" if p in ms else "-" for p in ("avx2", "decode", "cdecode", "dense", "q8act", "repacked")]
                 print(f"{type_name:5} {cols:>4}x{rows:<5} {tokens:>3} | " + " | ".join(cells) + " | " + " ".join(ratios))
 
 

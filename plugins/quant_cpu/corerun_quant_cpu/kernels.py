@@ -132,6 +132,23 @@ def gguf_dequantize(out: torch.Tensor, blocks: torch.Tensor, type_name: str, isa
     torch.ops.corerun_quant_cpu.gguf_dequantize(out, blocks, TYPES[type_name], ISAS[isa])
 
 
+def repack_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows (uint8 ``[rows, nb * 34]``, contiguous) as :func:`gguf_gemv_q8_0_repacked` reads them:
+    ``codes`` uint8 ``[rows, nb * 32]`` (each code + 128, in the order the AVX-512 product sums them: see
+    ``csrc/gguf_gemv.cpp``) and ``scales`` float32 ``[rows, nb]``."""
+    rows, nb = blocks.shape[0], blocks.shape[1] // 34
+    codes = torch.empty(rows, nb * 32, dtype=torch.uint8)
+    scales = torch.empty(rows, nb, dtype=torch.float32)
+    torch.ops.corerun_quant_cpu.gguf_q8_0_repack(codes, scales, blocks)
+    return codes, scales
+
+
+def gguf_gemv_q8_0_repacked(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
+    """:func:`gguf_gemv` of Q8_0 rows repacked by :func:`repack_q8_0` (AVX-512 + VNNI only): ``x`` float32
+    ``[T, cols]`` contiguous, ``out`` float32 ``[T, rows]`` with a contiguous last dimension."""
+    torch.ops.corerun_quant_cpu.gguf_gemv_q8_0r(out, codes, scales, x)
+
+
 def reset() -> None:
     """Forget the load result, so the next :func:`load` looks again (tests)."""
     global _loaded

@@ -13,10 +13,17 @@ for a tied head): :meth:`lm_head` gives the model a layer of this method holding
 logits go through the kernel instead of a float32 ``[vocab, hidden]`` product (the default model's
 ``token_embd`` is Q8_0: 30 MB read per token instead of 113 MB).  The embedding lookup keeps the
 float rows the loader decoded.
+
+Q8_0 on a CPU with AVX-512 + VNNI: at load the layer's blocks are also repacked
+(:func:`~corerun_quant_cpu.kernels.repack_q8_0`: codes in the order the integer dot products sum them,
+scales apart) and small batches multiply those (``gguf_cpu_q8_0``); the blocks stay for prefill's decoder
+and ``gguf``'s own paths, so such a layer holds its weight twice.  ``$CORERUN_QUANT_CPU_Q8_0_REPACK=0``
+skips the repack (the product then reads the blocks, as on other CPUs).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Hashable
 
 import torch
@@ -30,6 +37,7 @@ from corerun_quant_cpu import kernels
 from corerun_quant_cpu.capabilities import GGUF_CPU, KERNEL_MAX_TOKENS, KERNEL_TYPES
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REPACK_ENV = "CORERUN_QUANT_CPU_Q8_0_REPACK"
 
 
 class GGUFCpuMethod(GGUFMethod):
@@ -42,6 +50,7 @@ class GGUFCpuMethod(GGUFMethod):
         if reasons:
             raise RuntimeError("quantization method gguf_cpu cannot run here: " + "; ".join(reasons))
         self.isa = kernels.chosen_isa()
+        self.repack_q8_0 = self.isa == "avx512" and os.environ.get(REPACK_ENV, "1").strip() != "0"
 
     def lm_head(self, loaded: object) -> nn.Module | None:
         """A layer of this method holding the head's blocks, when they are a type the kernel reads."""
@@ -57,7 +66,7 @@ class GGUFCpuMethod(GGUFMethod):
         one buffer, each shard's buffer a view of it, so that :meth:`apply` makes one kernel call for
         the layer, quantizing the activations once."""
         super().load_weight(layer, loaded, shard_id)
-        layer.gguf_cpu_whole = None
+        layer.gguf_cpu_whole = layer.gguf_cpu_q8_0 = None
         types = set(layer.gguf_types.values())
         if len(layer.gguf_types) < len(layer.gguf_shards) or len(types) != 1 or not types <= KERNEL_TYPES:
             return
@@ -70,12 +79,21 @@ class GGUFCpuMethod(GGUFMethod):
                 at += shard.data.shape[0]
             shards = [GGUFTensor("merged", types.pop(), merged, layer.gguf_in_features)]
         layer.gguf_cpu_whole = shards[0]
+        if self.repack_q8_0 and shards[0].type_name == "Q8_0":
+            layer.gguf_cpu_q8_0 = kernels.repack_q8_0(shards[0].data)
+
+    def _gemv(self, layer: nn.Module, out: torch.Tensor, shard: GGUFTensor, x32: torch.Tensor) -> None:
+        repacked = layer.__dict__.get("gguf_cpu_q8_0")
+        if repacked is not None and self.isa == "avx512" and shard is layer.__dict__.get("gguf_cpu_whole"):
+            kernels.gguf_gemv_q8_0_repacked(out, *repacked, x32)
+        else:
+            kernels.gguf_gemv(out, shard.data, x32, shard.type_name, self.isa)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         whole = layer.__dict__.get("gguf_cpu_whole")
         if whole is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_TOKENS and x.device.type == "cpu":
             out = torch.empty(x.shape[0], whole.data.shape[0], dtype=torch.float32)  # the decode step's path, kept short
-            kernels.gguf_gemv(out, whole.data, x.contiguous(), whole.type_name, self.isa)
+            self._gemv(layer, out, whole, x.contiguous())
             return out
         if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _KERNEL_DTYPES:
             return super().apply(layer, x)
@@ -90,7 +108,7 @@ class GGUFCpuMethod(GGUFMethod):
             rows = shard.data.shape[0]
             cols = out[:, at : at + rows]
             if shard.type_name in KERNEL_TYPES and small:
-                kernels.gguf_gemv(cols, shard.data, x32, shard.type_name, self.isa)
+                self._gemv(layer, cols, shard, x32)
             elif shard.type_name in KERNEL_TYPES:  # prefill: decoded by the kernel, multiplied by torch
                 w = torch.empty(rows, shard.cols, dtype=torch.float32)
                 kernels.gguf_dequantize(w, shard.data, shard.type_name, self.isa)

@@ -91,6 +91,36 @@ def test_every_path_on_the_model_shapes(type_name: str) -> None:
             assert ratio <= 1, f"{type_name} {cols} {isa}: {ratio:.3g}x the bound"
 
 
+@pytest.mark.parametrize("rows,nb", [(37, 31), (8, 18), (6, 48)])
+def test_q8_0_repacked_matches_float64(rows: int, nb: int) -> None:
+    # 31 blocks: spans of 16, 8, 4, 2 and 1; 37 rows: 9 groups of four and 1 left; a -128 code (never
+    # written by the quantizer, valid in a file); one token's block all zeros (dx = 0)
+    packed, _ = _weights("Q8_0", rows, nb * 32, seed=19)
+    packed[rows - 1, 34 + 2 + 5] = 0x80
+    packed[0, 2 + 31] = 0x80
+    w = torch.from_numpy(gguf.quants.dequantize(packed.numpy(), gguf.GGMLQuantizationType.Q8_0).astype(np.float64))
+    codes, scales = kernels.repack_q8_0(packed)
+    blocks = packed.reshape(rows, nb, 34)
+    assert torch.equal(scales.double(), torch.from_numpy(blocks[:, :, :2].numpy().copy().view(np.float16)).double().reshape(rows, nb))
+    # every code once, offset by 128: per group of four rows (interleaved), and per row for the last rows % 4
+    stored = (blocks[:, :, 2:].reshape(rows, -1).view(torch.int8).int() + 128).sort(-1).values
+    full = rows // 4 * 4
+    assert torch.equal(codes[:full].reshape(-1, 4 * nb * 32).int().sort(-1).values, stored[:full].reshape(-1, 4 * nb * 32).sort(-1).values)
+    assert torch.equal(codes[full:].int().sort(-1).values, stored[full:])
+    if kernels.best_isa() != "avx512":
+        pytest.skip("the repacked product needs AVX-512 + VNNI")
+    gen = torch.Generator().manual_seed(20)
+    for tokens in (1, 3, 4, 7, 16):
+        x = torch.randn(tokens, nb * 32, generator=gen)
+        x[-1, 32:64] = 0.0
+        wide = torch.full((tokens, rows + 9), float("nan"))
+        out = wide[:, 4 : 4 + rows]
+        kernels.gguf_gemv_q8_0_repacked(out, codes, scales, x)
+        excess = ((out.double() - x.double() @ w.T).abs() / _act_bound(x, w)).max().item()
+        assert excess <= 1, f"{rows}x{nb * 32}, {tokens} tokens: {excess:.3g}x the bound"
+        assert wide[:, :4].isnan().all() and wide[:, 4 + rows :].isnan().all(), "wrote outside its columns"
+
+
 def test_bad_arguments_are_refused_with_what_would_be_right() -> None:
     packed, _ = _weights("Q8_0", 4, 64, seed=15)
     x = torch.randn(1, 64)
@@ -102,6 +132,12 @@ def test_bad_arguments_are_refused_with_what_would_be_right() -> None:
         kernels.gguf_gemv(torch.empty(1, 4), packed, x.double(), "Q8_0", "scalar")
     with pytest.raises(RuntimeError, match="out must be contiguous float32"):
         kernels.gguf_dequantize(torch.empty(5, 64), packed, "Q8_0", "scalar")
+    codes, scales = kernels.repack_q8_0(packed)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
+        torch.ops.corerun_quant_cpu.gguf_q8_0_repack(codes, scales.double(), packed)
+    if kernels.best_isa() == "avx512":
+        with pytest.raises(RuntimeError, match=r"codes must be contiguous uint8 \[rows, 32\]"):
+            kernels.gguf_gemv_q8_0_repacked(torch.empty(1, 4), codes, scales, torch.randn(1, 32))
 
 
 def test_isa_override(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,10 @@
 //     not used by the method: llama.cpp's way, x quantized per 32-block to int8 (scale max|x_b| / 127)
 //     once per call, integer dot products per block, scales applied at the end.  Adds half an
 //     activation step per block to the error bound.
+//   gguf_q8_0_repack(codes, scales, blocks)   Q8_0 blocks [rows, nb * 34] -> codes uint8 [rows, nb * 32]
+//     and scales float32 [rows, nb], the layout gguf_gemv_q8_0r reads (see its section); once, at load
+//   gguf_gemv_q8_0r(out, codes, scales, x)   AVX-512 + VNNI only: gguf_gemv of repacked Q8_0 rows,
+//     int8 activations as in gguf_gemv's AVX-512 path (the method's Q8_0 product there)
 //   gguf_isa() -> the best isa this CPU runs.
 //
 // Method (scalar, AVX2): dequantize in registers, never in memory.  For a block b of row j with scale d (and
@@ -496,6 +500,225 @@ void rows_avx512(const uint8_t* blocks, const XQ& xq, float* out, int64_t type, 
     else rows_avx512_typed<Q4_1>(blocks, xq, out, T, cols, out_stride, begin, end);
 }
 
+// ---- AVX-512 + VNNI on Q8_0 repacked at load --------------------------------------------------------
+//
+// gguf_q8_0_repack turns a Q8_0 row (34-byte blocks: f16 d, 32 int8 codes) into its codes, offset to
+// unsigned (w + 128, exact for every int8) and moved so that one int32 lane of vpdpbusd sums one block
+// only, in a row of their own ([rows, cols] uint8, 64-byte loads, no permutes), and its scales as
+// float32 ([rows, nb]).  A row's blocks go in spans of G = 16, 8, 4, 2, 1 blocks (16 while 16 are left,
+// then the binary digits of the rest: 18 blocks = 16 + 2); a span of G >= 2 is G / 2 vectors of 64
+// bytes, whose lane l (4 bytes) holds block l % G, so the span's int32 dot products build up lane by
+// lane with no shuffle and are scaled once: its scales come out of one broadcast load (G = 16: a load,
+// 8: vbroadcastf32x8, 4: f32x4, 2: sd).  In the vector k of a span, lane l, byte i is the block's code
+//   4 (l / G + 16 / G * k) + i;   G = 1 is one block in a 256-bit vector, codes in order.
+// Rows go in fours, their vectors interleaved in the order the product reads them (span by span,
+// vector k of rows 4q, 4q + 1, 4q + 2, 4q + 3, then k + 1): one sequential stream per call; the
+// last rows % 4 rows follow one after the other.
+// x is quantized as for the other AVX-512 path (dx = max|x_b| / 127) and its codes put in that same
+// order; vpdpbusd of (w + 128) with qx adds 128 sum(qx) over the lane's bytes, so each lane starts
+// from minus that sum (once per call and token).  Integer sums stay below 2^24: exact in float32.
+
+#ifndef Q8R_PREFETCH
+#define Q8R_PREFETCH 1024
+#endif
+struct Span {
+    int64_t b0, g;  // first block, blocks
+};
+
+std::vector<Span> q8r_spans(int64_t nb) {
+    std::vector<Span> s;
+    int64_t b = 0;
+    for (; nb - b >= 16; b += 16) s.push_back({b, 16});
+    for (int64_t g = 8; g >= 1; g /= 2)
+        if ((nb - b) & g) {
+            s.push_back({b, g});
+            b += g;
+        }
+    return s;
+}
+
+// where the 4 codes u (0-7) of block m of a span of g blocks go, as a byte offset in the span
+inline int64_t q8r_unit(int64_t g, int64_t m, int64_t u) { return u / (16 / g) * 64 + (u % (16 / g) * g + m) * 4; }
+
+struct XR {  // one call's activations for the repacked product, per token
+    std::vector<int8_t> q;      // [T, cols] codes, in the weights' order
+    std::vector<int32_t> corr;  // [T, spans * 16]: -128 times the sum of the codes each lane multiplies
+    std::vector<float> dxl;     // [T, spans * 16]: dx of the block each lane sums
+};
+
+AVX512_FN void quantize_x_q8r(const float* x, int64_t T, int64_t cols, const std::vector<Span>& spans, XR& r) {
+    const int64_t ns = static_cast<int64_t>(spans.size()) * 16;
+    r.q.resize(static_cast<size_t>(T * cols));
+    r.corr.assign(static_cast<size_t>(T * ns), 0);
+    r.dxl.resize(static_cast<size_t>(T * ns));
+    alignas(64) int8_t codes[32];
+    float dx[16];
+    for (int64_t t = 0; t < T; ++t) {
+        int8_t* qt = r.q.data() + t * cols;
+        for (size_t s = 0; s < spans.size(); ++s) {
+            const int64_t b0 = spans[s].b0, g = spans[s].g;
+            int32_t* corr = r.corr.data() + t * ns + static_cast<int64_t>(s) * 16;
+            for (int64_t m = 0; m < g; ++m) {
+                const float* xb = x + t * cols + (b0 + m) * QK;
+                const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+                const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+                const float inv = amax > 0.f ? 127.f / amax : 0.f;
+                dx[m] = amax / 127.f;
+                _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)))));
+                _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)))));
+                for (int64_t u = 0; u < 8; ++u) {
+                    const int64_t at = q8r_unit(g, m, u);
+                    std::memcpy(qt + b0 * QK + at, codes + 4 * u, 4);
+                    corr[(at % 64) / 4] -= 128 * (codes[4 * u] + codes[4 * u + 1] + codes[4 * u + 2] + codes[4 * u + 3]);
+                }
+            }
+            float* dl = r.dxl.data() + t * ns + static_cast<int64_t>(s) * 16;
+            for (int64_t l = 0; l < 16; ++l) dl[l] = dx[l % g];
+        }
+    }
+}
+
+struct Q8R {
+    const uint8_t* codes;  // see chunk()
+    const float* scales;
+    const XR& xr;
+    const std::vector<Span>& spans;
+    float* out;
+    int64_t cols, nb, ns, out_stride;
+};
+
+template <int G>
+AVX512_FN __attribute__((always_inline)) inline __m512 q8r_scales(const float* s) {
+    if constexpr (G == 16) return _mm512_loadu_ps(s);
+    if constexpr (G == 8) return _mm512_broadcast_f32x8(_mm256_loadu_ps(s));
+    if constexpr (G == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(s));
+    double two;
+    std::memcpy(&two, s, 8);
+    return _mm512_castpd_ps(_mm512_set1_pd(two));
+}
+
+// the codes of row r0 + r of a group of rg rows at gbase (rows 4q...: 4; the last rows % 4: 1 each),
+// vector k of the span that starts at byte off of a row; cb: the span's vector bytes (64; G = 1: 32)
+inline const uint8_t* chunk(const uint8_t* gbase, int64_t rg, int64_t r, int64_t off, int64_t k, int64_t cb) {
+    return gbase + rg * off + (k * rg + r) * cb;
+}
+
+// one span of R rows (j... = group row r0...) times N tokens (t0...), added to acc
+template <int G, int R, int N>
+AVX512_FN __attribute__((always_inline)) inline void q8r_span(const Q8R& p, int64_t s, int64_t b0, const uint8_t* gbase, int64_t rg, int64_t r0,
+                                                              int64_t j, int64_t t0, __m512 (&acc)[R][N]) {
+    const int64_t off = b0 * QK;
+    const int8_t* xq = p.xr.q.data() + t0 * p.cols + off;
+    const int32_t* corr = p.xr.corr.data() + t0 * p.ns + s * 16;
+    const float* dxl = p.xr.dxl.data() + t0 * p.ns + s * 16;
+    if constexpr (G == 1) {
+        __m256i d[R][N], xv[N];
+        for (int n = 0; n < N; ++n) {
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + n * p.ns));
+            for (int r = 0; r < R; ++r) d[r][n] = c;
+            xv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + n * p.cols));
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk(gbase, rg, r0 + r, off, 0, 32)));
+            for (int n = 0; n < N; ++n) d[r][n] = _mm256_dpbusd_epi32(d[r][n], w, xv[n]);
+        }
+        for (int r = 0; r < R; ++r) {
+            const float dw = p.scales[(j + r) * p.nb + b0];
+            for (int n = 0; n < N; ++n)
+                acc[r][n] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(d[r][n])), _mm512_set1_ps(dw * dxl[n * p.ns]), acc[r][n]);
+        }
+    } else {
+        __m512i d[R][N];
+        for (int n = 0; n < N; ++n) {
+            const __m512i c = _mm512_loadu_si512(corr + n * p.ns);
+            for (int r = 0; r < R; ++r) d[r][n] = c;
+        }
+        for (int k = 0; k < G / 2; ++k) {
+            __m512i xv[N];
+            for (int n = 0; n < N; ++n) xv[n] = _mm512_loadu_si512(xq + n * p.cols + 64 * k);
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* wp = chunk(gbase, rg, r0 + r, off, k, 64);
+                if (N == 1) _mm_prefetch(reinterpret_cast<const char*>(wp + Q8R_PREFETCH), _MM_HINT_T0);
+                const __m512i w = _mm512_loadu_si512(wp);
+                for (int n = 0; n < N; ++n) d[r][n] = _mm512_dpbusd_epi32(d[r][n], w, xv[n]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 dw = q8r_scales<G>(p.scales + (j + r) * p.nb + b0);
+            for (int n = 0; n < N; ++n)
+                acc[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][n]), _mm512_mul_ps(dw, _mm512_loadu_ps(dxl + n * p.ns)), acc[r][n]);
+        }
+    }
+}
+
+AVX512_FN inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {  // the lane sums of a, b, c, d
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// R rows (j...) times N tokens (t0...): every span, then y
+template <int R, int N>
+AVX512_FN void q8r_tile(const Q8R& p, const uint8_t* gbase, int64_t rg, int64_t r0, int64_t j, int64_t t0) {
+    __m512 acc[R][N];
+    for (int r = 0; r < R; ++r)
+        for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
+    for (size_t s = 0; s < p.spans.size(); ++s) {
+        const int64_t si = static_cast<int64_t>(s), b0 = p.spans[s].b0;
+        switch (p.spans[s].g) {
+            case 16: q8r_span<16, R, N>(p, si, b0, gbase, rg, r0, j, t0, acc); break;
+            case 8: q8r_span<8, R, N>(p, si, b0, gbase, rg, r0, j, t0, acc); break;
+            case 4: q8r_span<4, R, N>(p, si, b0, gbase, rg, r0, j, t0, acc); break;
+            case 2: q8r_span<2, R, N>(p, si, b0, gbase, rg, r0, j, t0, acc); break;
+            default: q8r_span<1, R, N>(p, si, b0, gbase, rg, r0, j, t0, acc); break;
+        }
+    }
+    alignas(16) float y[4];
+    if constexpr (R == 4 && N == 1) {
+        _mm_storeu_ps(p.out + t0 * p.out_stride + j, reduce4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
+    } else if constexpr (R == 2 && N % 2 == 0) {
+        for (int n = 0; n < N; n += 2) {
+            _mm_store_ps(y, reduce4(acc[0][n], acc[1][n], acc[0][n + 1], acc[1][n + 1]));
+            float* o = p.out + (t0 + n) * p.out_stride + j;
+            o[0] = y[0];
+            o[1] = y[1];
+            o[p.out_stride] = y[2];
+            o[p.out_stride + 1] = y[3];
+        }
+    } else {
+        for (int r = 0; r < R; ++r)
+            for (int n = 0; n < N; ++n) p.out[(t0 + n) * p.out_stride + j + r] = _mm512_reduce_add_ps(acc[r][n]);
+    }
+}
+
+// groups [begin, end) of four rows (read from memory once, from L1 for the other tokens): tokens in
+// tiles of 4 on 2 rows at a time, the rest one token on 4 rows; group rows / 4 is the last rows % 4,
+// one at a time
+AVX512_FN void q8r_groups(const Q8R& p, int64_t T, int64_t rows, int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+        const int64_t j0 = 4 * q;
+        if (j0 + 4 <= rows) {
+            const uint8_t* gbase = p.codes + j0 * p.cols;
+            int64_t t = 0;
+            for (; t + 4 <= T; t += 4) {
+                q8r_tile<2, 4>(p, gbase, 4, 0, j0, t);
+                q8r_tile<2, 4>(p, gbase, 4, 2, j0 + 2, t);
+            }
+            for (; t < T; ++t) q8r_tile<4, 1>(p, gbase, 4, 0, j0, t);
+            continue;
+        }
+        for (int64_t j = j0; j < rows; ++j) {
+            const uint8_t* gbase = p.codes + j * p.cols;
+            int64_t t = 0;
+            for (; t + 4 <= T; t += 4) q8r_tile<1, 4>(p, gbase, 1, 0, j, t);
+            for (; t < T; ++t) q8r_tile<1, 1>(p, gbase, 1, 0, j, t);
+        }
+    }
+}
+
 bool cpu_has_avx2() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -593,12 +816,67 @@ void gguf_gemv_q8(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x,
     });
 }
 
+
+void gguf_q8_0_repack(at::Tensor codes, at::Tensor scales, const at::Tensor& blocks) {
+    TORCH_CHECK(blocks.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(), "gguf_q8_0_repack: CPU tensors only");
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(1) % 34 == 0,
+                "gguf_q8_0_repack: blocks must be contiguous uint8 [rows, a multiple of 34 bytes], got ", blocks.scalar_type(), " ", blocks.sizes());
+    const int64_t rows = blocks.size(0), nb = blocks.size(1) / 34, cols = nb * QK;
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(0) == rows && codes.size(1) == cols,
+                "gguf_q8_0_repack: codes must be contiguous uint8 [", rows, ", ", cols, "], got ", codes.scalar_type(), " ", codes.sizes());
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == nb,
+                "gguf_q8_0_repack: scales must be contiguous float32 [", rows, ", ", nb, "], got ", scales.scalar_type(), " ", scales.sizes());
+    const std::vector<Span> spans = q8r_spans(nb);
+    const uint8_t* bp = blocks.data_ptr<uint8_t>();
+    uint8_t* cp = codes.data_ptr<uint8_t>();
+    float* sp = scales.data_ptr<float>();
+    const int64_t rows4 = rows / 4 * 4;
+    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j)
+            for (const Span& s : spans)
+                for (int64_t m = 0; m < s.g; ++m) {
+                    const uint8_t* blk = bp + j * nb * 34 + (s.b0 + m) * 34;
+                    sp[j * nb + s.b0 + m] = half_to_float(load_u16(blk));
+                    const int64_t rg = j < rows4 ? 4 : 1, cb = s.g == 1 ? 32 : 64;
+                    const uint8_t* gbase = cp + (j < rows4 ? j / 4 * 4 : j) * cols;
+                    for (int64_t u = 0; u < 8; ++u) {
+                        const int64_t at = q8r_unit(s.g, m, u);
+                        uint8_t* o = const_cast<uint8_t*>(chunk(gbase, rg, j < rows4 ? j % 4 : 0, s.b0 * QK, at / 64, cb)) + at % 64;
+                        for (int i = 0; i < 4; ++i) o[i] = blk[2 + 4 * u + i] ^ 0x80;  // w + 128
+                    }
+                }
+    });
+}
+
+void gguf_gemv_q8_0r(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& x) {
+    TORCH_CHECK(cpu_has_avx512(), "gguf_gemv_q8_0r: needs AVX-512 (F, BW, VL, DQ, VBMI) with VNNI, which this CPU lacks");
+    TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() && x.device().is_cpu() && out.device().is_cpu(), "gguf_gemv_q8_0r: CPU tensors only");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % QK == 0,
+                "gguf_gemv_q8_0r: x must be contiguous float32 [T, a multiple of 32], got ", x.scalar_type(), " ", x.sizes());
+    const int64_t T = x.size(0), cols = x.size(1), nb = cols / QK, rows = codes.size(0);
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == cols,
+                "gguf_gemv_q8_0r: codes must be contiguous uint8 [rows, ", cols, "] (gguf_q8_0_repack's), got ", codes.scalar_type(), " ", codes.sizes());
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == rows && scales.size(1) == nb,
+                "gguf_gemv_q8_0r: scales must be contiguous float32 [", rows, ", ", nb, "], got ", scales.scalar_type(), " ", scales.sizes());
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == rows && out.stride(1) == 1,
+                "gguf_gemv_q8_0r: out must be float32 [", T, ", ", rows, "] with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
+    if (T == 0 || rows == 0) return;
+    const std::vector<Span> spans = q8r_spans(nb);
+    XR xr;
+    quantize_x_q8r(x.data_ptr<float>(), T, cols, spans, xr);
+    const Q8R p{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), xr, spans, out.data_ptr<float>(),
+                cols, nb, static_cast<int64_t>(spans.size()) * 16, out.stride(0)};
+    const int64_t grain = std::max<int64_t>(1, (16 * 1024) / cols);  // groups of 4 rows: about 64 KiB of codes per task
+    at::parallel_for(0, (rows + 3) / 4, grain, [&](int64_t begin, int64_t end) { q8r_groups(p, T, rows, begin, end); });
+}
 }  // namespace
 
 TORCH_LIBRARY(corerun_quant_cpu, m) {
     m.def("gguf_gemv(Tensor(a!) out, Tensor blocks, Tensor x, int type, int isa) -> ()");
     m.def("gguf_dequantize(Tensor(a!) out, Tensor blocks, int type, int isa) -> ()");
     m.def("gguf_gemv_q8(Tensor(a!) out, Tensor blocks, Tensor x, int type) -> ()");
+    m.def("gguf_q8_0_repack(Tensor(a!) codes, Tensor(b!) scales, Tensor blocks) -> ()");
+    m.def("gguf_gemv_q8_0r(Tensor(a!) out, Tensor codes, Tensor scales, Tensor x) -> ()");
     m.def("gguf_isa() -> int", gguf_isa);  // no tensor arguments: a catch-all kernel
 }
 
@@ -606,4 +884,6 @@ TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) {
     m.impl("gguf_gemv", gguf_gemv);
     m.impl("gguf_dequantize", gguf_dequantize);
     m.impl("gguf_gemv_q8", gguf_gemv_q8);
+    m.impl("gguf_q8_0_repack", gguf_q8_0_repack);
+    m.impl("gguf_gemv_q8_0r", gguf_gemv_q8_0r);
 }
