@@ -1,9 +1,9 @@
-"""Building, loading and calling the C++ kernels (``csrc/paged_attention.cpp``) through ctypes.
+"""Building, loading and calling the C++ kernels (``csrc/paged_attention.cpp``, ``csrc/fused_ops.cpp``) through ctypes.
 
-The source is compiled once per machine with the C++ compiler found here (``$CXX``, else ``c++``,
+The sources are compiled once per machine with the C++ compiler found here (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) at ``-O3 -march=native`` with OpenMP, into corerun's cache folder
 (``$CORERUN_CACHE_DIR/attention_cpu/<key>/``, see ``corerun.sdk.cache_dir``); the key hashes the
-source, the compiler's version, the flags and the CPU's feature flags, so an edit, another compiler
+sources, the compiler's version, the flags and the CPU's feature flags, so an edit, another compiler
 or another CPU builds anew and a cache folder shared between machines is never wrong.  The build
 goes to a temporary file renamed into place, so concurrent first uses are safe.  A compiler without
 OpenMP gets a single-threaded build.  No torch headers are involved: the library has a plain C ABI
@@ -34,6 +34,7 @@ from pathlib import Path
 logger = logging.getLogger("corerun_attention_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("fused_ops.cpp"))  # one library
 LIB_NAME = "libcorerun_attention_cpu.so"
 ABI_VERSION = 3
 BASE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
@@ -93,7 +94,7 @@ def openmp_flags() -> tuple[str, ...]:
 
 def _build_key(compiler: str, version: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), version.encode(), " ".join(flags).encode(), _cpu_flags().encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), compiler.encode(), version.encode(), " ".join(flags).encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -109,7 +110,7 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
         return f"cannot write to the build folder {target.parent} ({exc}); set CORERUN_CACHE_DIR to a writable folder"
     try:
         proc = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+            [compiler, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
         )
         if proc.returncode != 0:
             tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
@@ -167,6 +168,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         _i64, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _i64, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _vp,
     ]
     lib.corerun_cpu_openmp.restype = ctypes.c_int
+    for fn, args in (  # csrc/fused_ops.cpp
+        (lib.corerun_cpu_rms_norm, [ctypes.c_int, _vp, _i64, _i64, _i64, _i64, _i64, _vp, ctypes.c_float, _vp, ctypes.c_int]),
+        (lib.corerun_cpu_silu_and_mul, [ctypes.c_int, _vp, _i64, _i64, _i64, _vp, ctypes.c_int]),
+        (lib.corerun_cpu_rotary, [ctypes.c_int, _vp, _i64, _i64, _i64, _i64, _i64, _vp, _vp, _vp, ctypes.c_int]),
+    ):
+        fn.restype, fn.argtypes = ctypes.c_int, args
 
 
 def load() -> tuple[ctypes.CDLL | None, list[str]]:

@@ -1,0 +1,183 @@
+"""The ``cpu`` fused ops (csrc/fused_ops.cpp) against float64 closed forms, on random inputs read through
+strided views of a fused qkv / gate_up output: float32 within 1e-5, bfloat16 within 8e-3 relative error
+(Frobenius, and the largest error against the largest value); inputs unchanged; every output element
+written (the output is allocated poisoned with NaN) into a new contiguous tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corerun_attention_cpu.fused_ops import CpuFusedOps
+from cpu_attn_cases import needs_compiler
+
+pytestmark = needs_compiler
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+TOKENS = pytest.mark.parametrize("tokens", [1, 7, 300])
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuFusedOps:
+    return CpuFusedOps()
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` hands out NaN-filled tensors, so an element the kernel leaves unwritten fails the check."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    err = out.double() - ref
+    frob = (err.norm() / ref.norm()).item()
+    worst = (err.abs().max() / ref.abs().max()).item()
+    tol = TOLERANCE[dtype]
+    assert frob <= tol and worst <= tol, f"relative error {frob:.3g} (largest {worst:.3g}), tolerance {tol:g}"
+
+
+def _check_new(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *inputs: torch.Tensor) -> None:
+    assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
+    assert all(out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in inputs)
+
+
+def _random(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return xd / (xd.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w.double()
+
+
+@DTYPES
+@TOKENS
+@pytest.mark.parametrize("hidden", [576, 100])
+def test_rms_norm_of_rows_of_a_wider_tensor(ops, dtype, tokens, hidden):
+    gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
+    wide = _random(gen, tokens, 3 * hidden, dtype=dtype, scale=3.0)
+    x = wide[:, hidden : 2 * hidden]  # rows strided by 3H
+    w = _random(gen, hidden, dtype=dtype)
+    before = wide.clone(), w.clone()
+    out = ops.rms_norm(x, w, 1e-5)
+    _close(out, _rms_ref(x, w, 1e-5), dtype)
+    _check_new(out, (tokens, hidden), dtype, wide, w)
+    assert torch.equal(wide, before[0]) and torch.equal(w, before[1])
+    _close(ops.rms_norm(x.contiguous(), w, 1e-5), _rms_ref(x, w, 1e-5), dtype)
+
+
+@DTYPES
+@TOKENS
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rms_norm_per_head_of_a_fused_qkv(ops, dtype, tokens, head_dim):
+    """A q/k norm: [T, H, D] heads of a [T, (9 + 3 + 3) * D] qkv output, two strided leading dimensions."""
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    qkv = _random(gen, tokens, 15 * head_dim, dtype=dtype, scale=0.01)  # eps 1e-5 is 10% of mean(x**2)
+    k = qkv[:, 9 * head_dim : 12 * head_dim].view(tokens, 3, head_dim)
+    w = _random(gen, head_dim, dtype=dtype)
+    before = qkv.clone()
+    out = ops.rms_norm(k, w, 1e-5)
+    _close(out, _rms_ref(k, w, 1e-5), dtype)
+    _check_new(out, (tokens, 3, head_dim), dtype, qkv)
+    assert torch.equal(qkv, before)
+    heads_first = _random(gen, 3, tokens, head_dim, dtype=dtype).transpose(0, 1)  # heads strided past the tokens
+    _close(ops.rms_norm(heads_first, w, 1e-6), _rms_ref(heads_first, w, 1e-6), dtype)
+
+
+def test_rms_norm_merges_leading_dimensions_and_refuses_three_strided_ones(ops):
+    gen = torch.Generator().manual_seed(5)
+    x = _random(gen, 2, 3, 4, 32, dtype=torch.float32)
+    w = _random(gen, 32, dtype=torch.float32)
+    _close(ops.rms_norm(x, w, 1e-5), _rms_ref(x, w, 1e-5), torch.float32)  # contiguous: one row dimension
+    _close(ops.rms_norm(x[:, 1:], w, 1e-5), _rms_ref(x[:, 1:], w, 1e-5), torch.float32)  # two strided ones
+    with pytest.raises(ValueError, match="at most two strided leading dimensions"):
+        ops.rms_norm(x[:, 1:, 1:], w, 1e-5)
+
+
+@DTYPES
+@TOKENS
+@pytest.mark.parametrize("inter", [1536, 100])
+def test_silu_and_mul_of_a_strided_gate_up(ops, dtype, tokens, inter):
+    gen = torch.Generator().manual_seed(tokens * 7 + inter)
+    padded = _random(gen, tokens, 2 * inter + 48, dtype=dtype, scale=4.0)  # reaches far into both tails of silu
+    x = padded[:, : 2 * inter]
+    before = padded.clone()
+    out = ops.silu_and_mul(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    _close(out, gate / (1 + torch.exp(-gate)) * up, dtype)
+    _check_new(out, (tokens, inter), dtype, padded)
+    assert torch.equal(padded, before)
+
+
+def _angles(gen: torch.Generator, tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos = [c | c], sin = [-s | s] float32 [T, 1, D] for random positions and frequencies."""
+    theta = torch.rand(tokens, 1, dim // 2, generator=gen, dtype=torch.float64) * 200
+    c, s = theta.cos(), theta.sin()
+    return torch.cat([c, c], -1).float(), torch.cat([-s, s], -1).float()
+
+
+def _rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x.double()[..., :half], x.double()[..., half:]
+    c, s = cos.double()[..., :half], sin.double()[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+@DTYPES
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_of_q_and_k_views_of_a_fused_qkv(ops, dtype, tokens, head_dim):
+    gen = torch.Generator().manual_seed(tokens * 3 + head_dim)
+    qkv = _random(gen, tokens, 15 * head_dim, dtype=dtype)
+    q = qkv[:, : 9 * head_dim].view(tokens, 9, head_dim)
+    k = qkv[:, 9 * head_dim : 12 * head_dim].view(tokens, 3, head_dim)
+    cos, sin = _angles(gen, tokens, head_dim)
+    before = qkv.clone(), cos.clone(), sin.clone()
+    for x, heads in ((q, 9), (k, 3)):
+        out = ops.rotary(x, cos, sin)
+        _close(out, _rotary_ref(x, cos, sin), dtype)
+        _check_new(out, (tokens, heads, head_dim), dtype, qkv, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip((qkv, cos, sin), before))
+    heads_first = _random(gen, 4, tokens, head_dim, dtype=dtype).transpose(0, 1)
+    _close(ops.rotary(heads_first, cos, sin), _rotary_ref(heads_first, cos, sin), dtype)
+
+
+def test_bfloat16_results_are_rounded_to_nearest_even_and_nan_stays_nan(ops):
+    """Rounded once from float32: nearly every element equals the float64 result rounded to bfloat16
+    (truncation would miss about half); a NaN input gives NaN where it is used."""
+    gen = torch.Generator().manual_seed(9)
+    x = _random(gen, 64, 9, 128, dtype=torch.bfloat16)
+    cos, sin = _angles(gen, 64, 128)
+    out = ops.rotary(x, cos, sin)
+    assert (out == _rotary_ref(x, cos, sin).to(torch.bfloat16)).float().mean() > 0.99
+    x[3, 2, 5] = float("nan")
+    out = ops.rotary(x, cos, sin)
+    assert out[3, 2, 5].isnan() and out[3, 2, 69].isnan() and out.isnan().sum() == 2
+
+
+def test_parallel_rows_match_one_thread(ops):
+    gen = torch.Generator().manual_seed(4)
+    x = _random(gen, 512, 2 * 1536, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.silu_and_mul(x)
+        torch.set_num_threads(2)
+        assert torch.equal(ops.silu_and_mul(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_what_the_kernels_do_not_take_is_refused(ops):
+    x16 = torch.randn(4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16.*float16.*fused_ops: torch"):
+        ops.silu_and_mul(x16)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        ops.rms_norm(x[:, ::2], torch.randn(32), 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm(x, torch.randn(64, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match=r"cos and sin as contiguous float32 \[T, 1, D\]"):
+        ops.rotary(x.view(4, 1, 64), torch.randn(4, 64), torch.randn(4, 1, 64))
