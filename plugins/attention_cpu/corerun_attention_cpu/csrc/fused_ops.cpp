@@ -3,7 +3,8 @@
 // Each op reads its input once (a row is read again only from L1), computes in float32 and rounds the
 // result once to the input's dtype; the output is a new contiguous tensor.  Rows may be strided, the
 // last dimension is contiguous.  OpenMP over rows from PARALLEL_MIN_ELEMS values on: below that the
-// fork costs more than it saves (a decode step's single row stays on the calling thread).
+// fork costs more than it saves (a decode step's single row stays on the calling thread).  The loops are
+// left to the compiler's vectorisation, except SiLU-and-mul's, written in AVX-512 where the CPU has it.
 //
 // C ABI (called through ctypes; fused_ops.py checks shapes and strides, strides count elements):
 //   corerun_cpu_rms_norm      x rows at i * s0 + j * s1 (i < n0, j < n1), hidden values each; weight [hidden];
@@ -16,10 +17,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-constexpr int64_t PARALLEL_MIN_ELEMS = 32768;  // about 10 us of work on one core
+constexpr int64_t PARALLEL_MIN_ELEMS = 32768;  // torch's at::internal::GRAIN_SIZE, the same trade-off
 
 struct Float32 {
     using T = float;
@@ -44,26 +48,59 @@ struct BFloat16 {  // bfloat16 is the top half of a float32
     }
 };
 
+constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693145751953125f, LN2_LO = 1.428606765330187e-6f;
+constexpr float EXP_TAYLOR[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};  // r^7 .. r^0
+
 // e^x for x <= 0, branch-free so that the loops calling it vectorise: x = n ln2 + r with |r| <= ln2 / 2,
 // e^r from its Taylor series to r^7 (relative error below 1e-8 before rounding), 2^n put in the exponent
 // bits; 0 below -87 (where e^x leaves the normal floats).
 inline float exp_nonpositive(float x) {
     const float xc = x > -87.0f ? x : -87.0f;
-    const float n = std::nearbyint(xc * 1.44269504088896341f);
-    const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-6f;  // ln2 split in two
-    float e = 1.0f;
-    e = 1.0f + r * e * (1.0f / 7.0f);
-    e = 1.0f + r * e * (1.0f / 6.0f);
-    e = 1.0f + r * e * (1.0f / 5.0f);
-    e = 1.0f + r * e * (1.0f / 4.0f);
-    e = 1.0f + r * e * (1.0f / 3.0f);
-    e = 1.0f + r * e * 0.5f;
-    e = 1.0f + r * e;
+    const float n = std::nearbyint(xc * LOG2E);
+    const float r = (xc - n * LN2_HI) - n * LN2_LO;
+    float e = EXP_TAYLOR[0];
+    for (int k = 1; k < 8; ++k) e = e * r + EXP_TAYLOR[k];
     const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
     float two_n;
     std::memcpy(&two_n, &exponent, 4);
     return x > -87.0f ? e * two_n : 0.0f;
 }
+
+#if defined(__AVX512F__)
+// SiLU-and-mul 16 lanes at a time (1.7x the compiler's vectorisation of the loop below in bfloat16): the
+// same e^x as exp_nonpositive with 2^n applied by scalef, 1 / (1 + e) from the 14-bit reciprocal and one
+// Newton step (relative error about 1e-8), bfloat16 widened and rounded in registers as BFloat16 does.
+inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc));
+    __m512 e = _mm512_set1_ps(EXP_TAYLOR[0]);
+    for (int k = 1; k < 8; ++k) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(EXP_TAYLOR[k]));
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), e, n);
+}
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(_mm512_mul_ps(g, u), _mm512_mul_ps(num, inv));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+#endif
 
 template <typename Row>
 void for_rows(int64_t rows, int64_t elems, int threads, const Row& row) {
@@ -109,8 +146,13 @@ void silu_and_mul(const void* xv, int64_t tokens, int64_t x_st, int64_t inter, v
         const T* gate = x + t * x_st;
         const T* up = gate + inter;
         T* dst = out + t * inter;
+        int64_t start = 0;
+#if defined(__AVX512F__)
+        for (; start + 16 <= inter; start += 16)
+            store16(dst + start, silu_mul16(load16(gate + start), load16(up + start)));
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) {
+        for (int64_t i = start; i < inter; ++i) {
             const float g = E::load(gate[i]);
             const float e = exp_nonpositive(-std::fabs(g));  // sigmoid(g) = 1 / (1 + e^-g) = e^g / (1 + e^g)
             const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);

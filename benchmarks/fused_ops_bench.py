@@ -1,0 +1,90 @@
+"""The elementwise layers of the default model (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and
+3 KV heads of 64) as today's torch code (``RMSNorm.forward``, ``SiluAndMul.forward``, ``Rope.apply``)
+against the ``cpu`` fused ops of corerun-attention-cpu, on one thread, interleaved call for call.
+
+RMSNorm takes the hidden states [T, 576]; SiLU-and-mul a gate_up output [T, 2 * 1536]; RoPE the q and
+the k heads viewed in a fused qkv output [T, (9 + 3 + 3) * 64].  Each line prints the median time of a
+call in ms over ``--samples`` samples (each a loop of calls lasting at least ``--sample-ms``) for torch
+and for the kernel, and their ratio torch / kernel (above 1: the kernel is faster).
+
+    .venv/bin/python benchmarks/fused_ops_bench.py
+    .venv/bin/python benchmarks/fused_ops_bench.py --tokens 1 512 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from corerun.models.layers import RMSNorm, SiluAndMul
+from corerun.models.rotary import Rope
+from corerun_attention_cpu.fused_ops import CpuFusedOps
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, EPS = 576, 1536, 9, 3, 64, 1e-5
+
+
+def cases(ops: CpuFusedOps, tokens: int, dtype: torch.dtype, gen: torch.Generator) -> dict[str, tuple[Callable, Callable]]:
+    """op name -> (torch call, kernel call) on the same inputs."""
+    hidden = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    norm = RMSNorm(HIDDEN, EPS).to(dtype)
+    norm.weight.data.copy_(torch.randn(HIDDEN, generator=gen))
+    gate_up = torch.randn(tokens, 2 * INTER, generator=gen).to(dtype)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
+    theta = torch.rand(tokens, 1, HEAD_DIM // 2, generator=gen) * 100
+    rope = Rope(torch.cat([theta.cos()] * 2, -1), torch.cat([-theta.sin(), theta.sin()], -1))
+    silu = SiluAndMul()
+    return {
+        "rms_norm": (lambda: norm(hidden), lambda: ops.rms_norm(hidden, norm.weight, EPS)),
+        "silu_and_mul": (lambda: silu(gate_up), lambda: ops.silu_and_mul(gate_up)),
+        "rotary q": (lambda: rope.apply(q), lambda: ops.rotary(q, rope.cos, rope.sin)),
+        "rotary k": (lambda: rope.apply(k), lambda: ops.rotary(k, rope.cos, rope.sin)),
+    }
+
+
+def sample(fn: Callable, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def measure(ref: Callable, fused: Callable, samples: int, sample_ms: float) -> tuple[float, float]:
+    """Median ms per call of each, the samples taken alternately."""
+    for fn in (ref, fused):
+        fn()
+    calls = max(1, int(sample_ms / max(sample(ref, 3), sample(fused, 3), 1e-4)))
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(samples):
+        times[0].append(sample(ref, calls))
+        times[1].append(sample(fused, calls))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 4096])
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--samples", type=int, default=7)
+    parser.add_argument("--sample-ms", type=float, default=5.0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ops, gen = CpuFusedOps(), torch.Generator().manual_seed(0)
+    print(f"threads {torch.get_num_threads()}, {args.samples} samples of >= {args.sample_ms} ms, median ms per call")
+    print(f"| dtype | T | op | torch (ms) | cpu fused (ms) | torch / fused |\n| --- | ---: | --- | ---: | ---: | ---: |")
+    for name in args.dtype:
+        dtype = getattr(torch, name)
+        for tokens in args.tokens:
+            for op, (ref, fused) in cases(ops, tokens, dtype, gen).items():
+                t_ref, t_fused = measure(ref, fused, args.samples, args.sample_ms)
+                print(f"| {name} | {tokens} | {op} | {t_ref:.4f} | {t_fused:.4f} | {t_ref / t_fused:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
