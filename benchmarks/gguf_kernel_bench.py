@@ -17,7 +17,9 @@ kernel reads, and a few token counts, the time of ``y = x @ W.T`` by:
   activations quantized to int8 per 32-block once per call, integer dot products per block.
 
 Interleaved rounds, median of ``--repeats``; "GB/s" is the weight's stored bytes (packed for the
-GGUF paths, 4 bytes a value for dense) over the time.  One thread unless ``--threads``.
+GGUF paths, 4 bytes a value for dense) over the time.  One thread unless ``--threads``.  ``--copies N``
+makes N copies of each weight and multiplies by each in turn, so that a product finds its weight in
+the L3 cache or memory (as in a model's step) rather than in L2 from the call before.
 
     .venv/bin/python benchmarks/gguf_kernel_bench.py --threads 1
 """
@@ -38,11 +40,11 @@ from corerun_quant_cpu import kernels
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (192, 576), (576, 960), (576, 3072)]  # (in, out)
 
 
-def _time(fn, inner: int) -> float:
-    t = time.perf_counter()
+def _time(fn, inner: int, clock=time.perf_counter) -> float:
+    t = clock()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - t) / inner * 1e3
+    return (clock() - t) / inner * 1e3
 
 
 def _cdecoded(packed: torch.Tensor, rows: int, cols: int, type_name: str, isa: str) -> torch.Tensor:
@@ -58,6 +60,10 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--shapes", default="all", help="'all' or in x out pairs like 576x576,1536x576")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (time.thread_time), which leaves out the time other processes hold the core")
+    ap.add_argument("--paths", default="all", help="'all' or some of kernel,avx2,scalar,decode,cdecode,dense,q8act,repacked (kernel always runs)")
+    ap.add_argument("--copies", type=int, default=1, help="copies of each weight, multiplied in turn (weights out of L2)")
     args = ap.parse_args()
     import gguf
 
@@ -66,45 +72,51 @@ def main() -> None:
     if reasons:
         raise SystemExit("; ".join(reasons))
     isa = kernels.best_isa()
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     shapes = SHAPES if args.shapes == "all" else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(f"threads {args.threads}, kernel isa {isa}, median of {args.repeats} interleaved rounds")
+    print(f"threads {args.threads}, kernel isa {isa}, median of {args.repeats} interleaved rounds, {args.clock} clock, {args.copies} copies of each weight")
     print(f"{'type':5} {'in x out':>10} {'T':>3} | " + " | ".join(f"{p:>16}" for p in ("kernel", "avx2", "scalar", "decode", "cdecode", "dense", "q8act", "repacked"))
           + " | avx2/kernel decode/kernel cdecode/kernel dense/kernel q8act/kernel repacked/kernel")
     rng = np.random.default_rng(0)
     for type_name in args.types.split(","):
         for cols, rows in shapes:
-            w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-            packed = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]))
-            tensor = GGUFTensor("w", type_name, packed, cols)
-            dense = tensor.dequantize(torch.float32)
-            repacked = kernels.repack_q8_0(packed) if type_name == "Q8_0" and isa == "avx512" else None
+            copies = []
+            for _ in range(args.copies):
+                w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+                packed = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]))
+                tensor = GGUFTensor("w", type_name, packed, cols)
+                repacked = kernels.repack_q8_0(packed) if type_name == "Q8_0" and isa == "avx512" else None
+                copies.append((packed, tensor, tensor.dequantize(torch.float32), repacked))
             for tokens in (int(t) for t in args.tokens.split(",")):
                 x = torch.randn(tokens, cols)
                 out = torch.empty(tokens, rows)
-                inner = max(1, int(2e6 // (rows * cols)))  # about 2M weights a sample
-                paths = {
-                    "kernel": lambda: kernels.gguf_gemv(out, packed, x, type_name, isa),
-                    "avx2": lambda: kernels.gguf_gemv(out, packed, x, type_name, "avx2"),
-                    "scalar": lambda: kernels.gguf_gemv(out, packed, x, type_name, "scalar"),
-                    "decode": lambda: F.linear(x, tensor.dequantize(torch.float32)),
-                    "cdecode": lambda: F.linear(x, _cdecoded(packed, rows, cols, type_name, isa)),
-                    "dense": lambda: F.linear(x, dense),
-                    "q8act": lambda: torch.ops.corerun_quant_cpu.gguf_gemv_q8(out, packed, x, kernels.TYPES[type_name]),
-                    "repacked": lambda: kernels.gguf_gemv_q8_0_repacked(out, *repacked, x),
+                inner = max(1, int(2e6 // (rows * cols * args.copies)))  # about 2M weights a sample
+                one = {  # one product, with copy (packed, tensor, dense, repacked)
+                    "kernel": lambda c: kernels.gguf_gemv(out, c[0], x, type_name, isa),
+                    "avx2": lambda c: kernels.gguf_gemv(out, c[0], x, type_name, "avx2"),
+                    "scalar": lambda c: kernels.gguf_gemv(out, c[0], x, type_name, "scalar"),
+                    "decode": lambda c: F.linear(x, c[1].dequantize(torch.float32)),
+                    "cdecode": lambda c: F.linear(x, _cdecoded(c[0], rows, cols, type_name, isa)),
+                    "dense": lambda c: F.linear(x, c[2]),
+                    "q8act": lambda c: torch.ops.corerun_quant_cpu.gguf_gemv_q8(out, c[0], x, kernels.TYPES[type_name]),
+                    "repacked": lambda c: kernels.gguf_gemv_q8_0_repacked(out, *c[3], x),
                 }
+                paths = {p: (lambda f=f: [f(c) for c in copies]) for p, f in one.items()}
                 if repacked is None:
                     del paths["repacked"]
+                if args.paths != "all":  # the others are not timed, and leave the caches alone
+                    paths = {p: fn for p, fn in paths.items() if p == "kernel" or p in args.paths.split(",")}
                 if "avx2" not in kernels.runnable_isas():  # both AVX2 code, refused on a CPU without it: not timed
-                    del paths["avx2"], paths["q8act"]
+                    paths.pop("avx2", None), paths.pop("q8act", None)
                 samples: dict[str, list[float]] = {p: [] for p in paths}
                 for fn in paths.values():
                     fn()
                 for _ in range(args.repeats):
                     for p, fn in paths.items():
-                        samples[p].append(_time(fn, inner))
+                        samples[p].append(_time(fn, inner, clock) / args.copies)
                 ms = {p: statistics.median(v) for p, v in samples.items()}
                 nbytes = {p: packed.numel() for p in ("kernel", "avx2", "scalar", "decode", "cdecode")} | {"dense": rows * cols * 4, "q8act": packed.numel(), "repacked": packed.numel()}
-                cells = [f"{ms[p]:7.4f}ms {nbytes[p] / ms[p] / 1e6:5.1f}GB/s" for p in paths]
+                cells = [f"{ms[p]:7.4f}ms {nbytes[p] / ms[p] / 1e6:5.1f}GB/s" if p in ms else f"{'-':>16}" for p in nbytes]
                 ratios = [f"{ms[p] / ms['kernel']:.2f}x" if p in ms else "-" for p in ("avx2", "decode", "cdecode", "dense", "q8act", "repacked")]
                 print(f"{type_name:5} {cols:>4}x{rows:<5} {tokens:>3} | " + " | ".join(cells) + " | " + " ".join(ratios))
 
