@@ -229,6 +229,9 @@ class Config(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention: Choice = Choice(name="auto")
+    # RMSNorm, SiLU-and-mul and RoPE (a `fused_ops` plugin, docs/fused_ops.md): auto picks the best that fits
+    # the model's device and dtype; torch: the layers' own torch code
+    fused_ops: Choice = Choice(name="auto")
     sampler: Choice = Choice(name="full")
     kv_cache: KVCacheConfig = KVCacheConfig()
     # how the linear layers' weights are stored (docs/quantization.md): auto picks from the checkpoint;
@@ -375,7 +378,7 @@ def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, A
     for k, v in override.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
             out[k] = deep_merge(dict(out[k]), v)
-        elif isinstance(v, Mapping) and isinstance(out.get(k), str) and "name" not in v and k in {"attention", "sampler", "manager", "runner"}:
+        elif isinstance(v, Mapping) and isinstance(out.get(k), str) and "name" not in v and k in {"attention", "fused_ops", "sampler", "manager", "runner"}:
             out[k] = {"name": out[k], **v}
         else:
             out[k] = v

@@ -553,7 +553,7 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
         ("model", "Phi3ForCausalLM"), ("model", "Qwen2ForCausalLM"), ("model", "Qwen2MoeForCausalLM"), ("model", "Qwen3ForCausalLM"),
         ("model", "Qwen3MoeForCausalLM"), ("quantization", "awq"), ("quantization", "compressed-tensors"),
         ("quantization", "fp8"), ("quantization", "gguf"), ("quantization", "gptq"), ("quantization", "none"),
-        ("lora", "grouped"), ("lora", "torch"),
+        ("lora", "grouped"), ("lora", "torch"), ("fused_ops", "torch"),
         ("executor", "inproc"), ("executor", "launched"), ("executor", "local"), ("executor", "ray"),
     ]
     assert doc["not_loaded"] == []  # CORERUN_PLUGINS is unset: nothing was left out on purpose

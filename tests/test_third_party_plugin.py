@@ -108,8 +108,8 @@ def _twin(letter: str, extra: str = "") -> PluginPackage:
 TWIN_A = _twin("a")
 TWIN_B = _twin("b", 'register("solo", "corerun_twin_b.sampler:Solo")')
 BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("graph", "compile"), ("sampler", "full")}
-# the model layer's built-ins: families, quantization methods, tool-call and reasoning parsers; the executors
-# and LoRA kernels
+# the model layer's built-ins: families, quantization methods, tool-call and reasoning parsers; the executors,
+# LoRA kernels and fused ops
 MODEL_LAYER_BUILTINS = {
     *(("model", arch) for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                                    "MixtralForCausalLM", "Phi3ForCausalLM",
@@ -118,7 +118,7 @@ MODEL_LAYER_BUILTINS = {
     ("tool_parser", "hermes"), ("tool_parser", "llama3_json"),
     ("tool_parser", "mistral"), ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
     ("executor", "inproc"), ("executor", "local"), ("executor", "launched"), ("executor", "ray"),
-    ("lora", "torch"), ("lora", "grouped"),
+    ("lora", "torch"), ("lora", "grouped"), ("fused_ops", "torch"),
 }
 HAS_CUDA = torch.cuda.is_available()
 

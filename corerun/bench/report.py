@@ -89,8 +89,8 @@ def render(doc: dict[str, Any], console: Any = None) -> None:
     console.print(table)
     b = core["backends"]
     console.print(
-        f"corerun backends: attention={b['attention']} kv_cache={b['kv_cache']} graph={b['graph']} "
-        f"sampler={b['sampler']} on {b['device']}/{b['dtype']}; model {core['model']}"
+        f"corerun backends: attention={b['attention']} fused_ops={b.get('fused_ops', '-')} kv_cache={b['kv_cache']} "
+        f"graph={b['graph']} sampler={b['sampler']} on {b['device']}/{b['dtype']}; model {core['model']}"
     )
     m = doc["machine"]
     console.print(f"threads: {m['torch_threads']} (physical cores {m['physical_cores']}); load average "

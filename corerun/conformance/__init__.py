@@ -28,6 +28,7 @@ _LAZY = {
     "QuantizationSuite": "corerun.conformance.quantization_suite",
     "LoRAKernelSuite": "corerun.conformance.lora_suite",
     "ExecutorSuite": "corerun.conformance.executor_suite",
+    "FusedOpsSuite": "corerun.conformance.fused_ops_suite",
     "ConformanceSuite": "corerun.conformance.suite",
     "Case": "corerun.conformance.suite",
     "Target": "corerun.conformance.target",
@@ -38,6 +39,7 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from corerun.conformance.attention_suite import AttentionBackendSuite
     from corerun.conformance.executor_suite import ExecutorSuite
+    from corerun.conformance.fused_ops_suite import FusedOpsSuite
     from corerun.conformance.graph_suite import GraphRunnerSuite
     from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
     from corerun.conformance.runner import CheckResult, run

@@ -35,6 +35,7 @@ SUITES = {
     "quantization": "corerun.conformance.quantization_suite:QuantizationSuite",
     "lora": "corerun.conformance.lora_suite:LoRAKernelSuite",
     "executor": "corerun.conformance.executor_suite:ExecutorSuite",
+    "fused_ops": "corerun.conformance.fused_ops_suite:FusedOpsSuite",
 }
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 FAILING = ("failed", "error", "xpassed")

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 
 KINDS = ("attention", "kv_cache", "graph", "sampler", "logits_processor", "tool_parser", "reasoning_parser", "model",
-         "quantization", "executor", "lora")
+         "quantization", "executor", "lora", "fused_ops")
 KIND_ALIASES = {"kv-cache": "kv_cache", "kvcache": "kv_cache", "kv": "kv_cache", "graph_runner": "graph", "graph-runner": "graph",
                 "logits-processor": "logits_processor", "processor": "logits_processor",
                 "tool-parser": "tool_parser", "reasoning-parser": "reasoning_parser", "models": "model",
                 "quant": "quantization", "quantization_method": "quantization", "executors": "executor",
-                "lora_kernel": "lora", "lora-kernel": "lora"}
+                "lora_kernel": "lora", "lora-kernel": "lora", "fused-ops": "fused_ops"}
 
 # A suite class with ``implementation = FROM_OPTION`` checks the implementations --corerun-impl names.
 FROM_OPTION = "--corerun-impl"

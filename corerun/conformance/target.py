@@ -15,6 +15,7 @@ from corerun.plugin.capabilities import (
     QuantizationCapabilities,
     SamplerCapabilities,
 )
+from corerun.protocols.fused_ops import FusedOpsCapabilities
 from corerun.protocols.lora import LoRAKernelCapabilities
 from corerun.tool_parsers.protocol import ReasoningParserCapabilities, ToolParserCapabilities
 
@@ -43,8 +44,10 @@ def default_capabilities(kind: str) -> Any:
         return LoRAKernelCapabilities()
     if kind == "executor":
         return ExecutorCapabilities()
+    if kind == "fused_ops":
+        return FusedOpsCapabilities()
     raise ValueError(f"unknown implementation kind {kind!r}; kinds are attention, kv_cache, graph, sampler, "
-                     "logits_processor, tool_parser, reasoning_parser, model, quantization, lora, executor")
+                     "logits_processor, tool_parser, reasoning_parser, model, quantization, lora, executor, fused_ops")
 
 
 @dataclass

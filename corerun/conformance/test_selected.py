@@ -9,6 +9,7 @@ from typing import Any
 
 from corerun.conformance.attention_suite import AttentionBackendSuite
 from corerun.conformance.executor_suite import ExecutorSuite
+from corerun.conformance.fused_ops_suite import FusedOpsSuite
 from corerun.conformance.graph_suite import GraphRunnerSuite
 from corerun.conformance.kv_cache_suite import KVCacheManagerSuite
 from corerun.conformance.logits_processor_suite import LogitsProcessorSuite
@@ -68,4 +69,8 @@ class TestExecutor(ExecutorSuite):
 
 
 class TestLoRAKernel(LoRAKernelSuite):
+    implementation = FROM_OPTION
+
+
+class TestFusedOps(FusedOpsSuite):
     implementation = FROM_OPTION

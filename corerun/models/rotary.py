@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -91,11 +91,13 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor(rope)
         cache = cache.to(torch.float32)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.ops: Any = None  # the engine's fused_ops (corerun.protocols.fused_ops), set by the runner
 
     def angles(self, positions: torch.Tensor) -> Rope:
-        """The step's rotation for ``positions`` int64 ``[T]``, made once and applied by every layer."""
+        """The step's rotation for ``positions`` int64 ``[T]``, made once and applied by every layer
+        (through ``ops.rotary`` when the runner set ``ops``, the engine's ``fused_ops``)."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return Rope(torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
+        return Rope(torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1), self.ops)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` int64 ``[T]``; ``q`` ``[T, Hq, D]``, ``k`` ``[T, Hkv, D]`` -> rotated, same shapes and dtype."""
@@ -117,9 +119,12 @@ class Rope(NamedTuple):
 
     cos: torch.Tensor
     sin: torch.Tensor
+    ops: Any = None  # a fused_ops implementation: ``apply`` is then its ``rotary``
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H, D]`` -> rotated, same shape and dtype (computed in float32)."""
+        if self.ops is not None:
+            return self.ops.rotary(x, self.cos, self.sin)
         half = x.shape[-1] // 2
         if x.shape[0] < SPLIT_MIN_TOKENS:
             xf = x.float()

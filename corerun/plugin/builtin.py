@@ -5,7 +5,7 @@ from __future__ import annotations
 from corerun.attention.capabilities import CAPABILITIES as TORCH_ATTENTION
 from corerun.lora.capabilities import GROUPED_KERNEL as GROUPED_LORA, TORCH_KERNEL as TORCH_LORA
 from corerun.plugin.capabilities import (
-    ExecutorCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities,
+    ExecutorCapabilities, FusedOpsCapabilities, GraphRunnerCapabilities, KVCacheCapabilities, ModelCapabilities,
 )
 from corerun.plugin.hookspecs import Register, hookimpl
 from corerun.quantization import capabilities as quantization_caps
@@ -165,3 +165,9 @@ def corerun_lora_kernels(register: Register) -> None:
     # faster than the reference on CPU (benchmarks/RESULTS.md); on CUDA its host read would stall every layer
     register("grouped", "corerun.lora.grouped:GroupedLoRAKernel", capabilities=GROUPED_LORA, priority={"cpu": 5, "cuda": -5},
              description="tokens sorted by slot, two products per adapter present (host sync: not graph safe)")
+
+
+@hookimpl
+def corerun_fused_ops(register: Register) -> None:
+    register("torch", "corerun.models.fused_ops:TorchFusedOps", capabilities=FusedOpsCapabilities(),
+             description="the layers' own torch code (RMSNorm, SiLU-and-mul, RoPE), run inline: the reference")

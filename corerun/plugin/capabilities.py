@@ -393,3 +393,27 @@ class LoRAKernelCapabilities:
             "devices": sorted(self.devices), "dtypes": sorted(self.dtypes), "max_rank": self.max_rank,
             "max_slots": self.max_slots, "graph_safe": self.graph_safe, "grouped": self.grouped,
         }
+
+
+@dataclass(frozen=True)
+class FusedOpsCapabilities:
+    """What a ``fused_ops`` implementation (RMSNorm, SiLU-and-mul, RoPE; ``corerun.protocols.fused_ops``) runs.
+
+    - ``devices``: device types; ``dtypes``: the model dtypes its ops take and return.
+
+    ``fits(need)`` lists every reason it cannot serve a :class:`~corerun.protocols.fused_ops.FusedOpsNeed`
+    (a bare :class:`Need` is checked for its device only).
+    """
+
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    dtypes: frozenset[str] = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+    def fits(self, need: Any) -> list[str]:
+        reasons = device_reasons(self.devices, need.device)
+        dtype = getattr(need, "dtype", None)
+        if dtype is not None and _dtype_str(dtype) not in self.dtypes:
+            reasons.append(f"dtype {_dtype_str(dtype)} not in {_fmt(self.dtypes)}")
+        return reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": sorted(self.devices), "dtypes": sorted(self.dtypes)}

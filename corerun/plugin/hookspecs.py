@@ -124,6 +124,15 @@ def corerun_lora_kernels(register: Register) -> None:
     """
 
 
+@hookspec
+def corerun_fused_ops(register: Register) -> None:
+    """Register fused elementwise ops: ``register(name, factory, capabilities=FusedOpsCapabilities(...), ...)``.
+
+    The factory is called as ``factory(**options)`` (``fused_ops``' options) and returns a
+    ``corerun.protocols.fused_ops.FusedOps``: RMSNorm, SiLU-and-mul and RoPE, one call each.
+    """
+
+
 HOOKS: dict[str, str] = {
     "attention": "corerun_attention_backends",
     "kv_cache": "corerun_kv_cache_managers",
@@ -135,6 +144,7 @@ HOOKS: dict[str, str] = {
     "model": "corerun_models",
     "quantization": "corerun_quantization_methods",
     "lora": "corerun_lora_kernels",
+    "fused_ops": "corerun_fused_ops",
     "executor": "corerun_executors",
 }
 

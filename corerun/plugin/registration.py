@@ -34,6 +34,7 @@ KIND_TITLES = {
     "attention": "attention backend", "kv_cache": "KV-cache manager", "graph": "graph runner", "sampler": "sampler",
     "logits_processor": "logits processor", "tool_parser": "tool-call parser", "reasoning_parser": "reasoning parser",
     "model": "model family", "quantization": "quantization method", "lora": "LoRA kernel", "executor": "executor",
+    "fused_ops": "fused-ops implementation",
 }
 
 BUILTIN_MODULE = "corerun.plugin.builtin"

@@ -286,6 +286,7 @@ class Registry:
         wanted = [
             ("attention", config.attention.name), ("sampler", config.sampler.name),
             ("kv_cache", config.kv_cache.manager.name), ("graph", config.graph.runner.name),
+            ("fused_ops", config.fused_ops.name),
         ]
         for kind, name in wanted:
             if name != "auto":

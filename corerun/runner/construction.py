@@ -3,7 +3,7 @@
 Each stage reads the configuration and what the stages before it set on the runner:
 
 - load:     the model's weights and config on the device, the runner's dtype and lengths
-- select:   attention backend, graph runner, sampler and logits processors from the registry
+- select:   attention backend, graph runner, sampler, logits processors and fused ops from the registry
 - profile:  on CUDA, the peaks of the worst steps on a one-block scratch cache (returned, see
             :func:`profile_step_memory`), kept out of the KV budget
 - size:     the KV cache's block count (given, or from the memory left); every rank of a placement agrees
@@ -40,6 +40,7 @@ def build(runner: Any, tp: Any) -> None:
     runner.registry.check_names(runner.config)  # a wrong or duplicated name fails now, not after the model loads
     load(runner, tp)
     limits, need = select(runner, tp)
+    select_fused_ops(runner)
     select_lora(runner, tp, limits)  # (before sizing: the KV cache gets what the slots leave)
     per_block = runner.attention.kv_cache_bytes_per_block() * len(stage_layers(runner))
     runner.step_memory = profile_step_memory(runner, limits) if _sized_from_memory(runner) and profiles_step_memory(runner.device) else None
@@ -48,10 +49,10 @@ def build(runner: Any, tp: Any) -> None:
     capture(runner, limits)
     mc = runner.model_config
     logger.info(
-        "model %s (%s) on %s/%s: attention=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
+        "model %s (%s) on %s/%s: attention=%s fused_ops=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
         runner.model_dir, ",".join(mc.architectures), runner.device, str(runner.dtype).removeprefix("torch."),
-        runner.attention_name, runner.kv_manager_name, runner.num_blocks, runner.block_size, runner.graph_name,
-        runner.sampler_name,
+        runner.attention_name, runner.fused_ops_name, runner.kv_manager_name, runner.num_blocks, runner.block_size,
+        runner.graph_name, runner.sampler_name,
     )
 
 
@@ -129,6 +130,20 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
         registry, runner.vocab_size, runner.device, runner.sampler_name, runner.sampler.capabilities
     )
     return limits, need
+
+
+def select_fused_ops(runner: Any) -> None:
+    """The model's RMSNorm, SiLU-and-mul and RoPE (``fused_ops``, selected like every plugin kind for the
+    model's device and dtype), handed to its layers; the built-in ``torch`` one is their own code (``inline``),
+    so they keep running it with nothing handed over."""
+    from corerun.models.fused_ops import use_fused_ops
+    from corerun.protocols.fused_ops import FusedOpsNeed
+
+    choice = runner.config.fused_ops
+    need = FusedOpsNeed(runner.device, str(runner.dtype).removeprefix("torch."))
+    runner.fused_ops_name = runner.registry.select("fused_ops", choice.name, need, "fused_ops").name
+    ops = runner.registry.create("fused_ops", runner.fused_ops_name, options=choice.options)
+    use_fused_ops(runner.model, None if getattr(ops, "inline", False) else ops)
 
 
 def select_lora(runner: Any, tp: Any, limits: GraphLimits) -> None:

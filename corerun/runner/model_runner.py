@@ -138,6 +138,7 @@ class ModelRunner:
     def describe(self) -> dict[str, str]:
         return {
             "attention": self.attention_name,
+            "fused_ops": self.fused_ops_name,
             "kv_cache": self.kv_manager_name,
             "graph": self.graph_name,
             "sampler": self.sampler_name,

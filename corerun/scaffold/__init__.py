@@ -23,6 +23,7 @@ KINDS = {  # kind: (title, conformance suite, YAML that selects NAME)
     "quantization": ("quantization method", "QuantizationSuite", "quantization: {name}"),
     "lora": ("LoRA kernel", "LoRAKernelSuite", "lora: {{kernel: {name}}}"),
     "executor": ("executor", "ExecutorSuite", "distributed: {{executor: {name}}}"),
+    "fused_ops": ("fused ops", "FusedOpsSuite", "fused_ops: {name}"),
 }
 SERVE_OPTION = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")

@@ -35,6 +35,7 @@ from corerun.plugin.capabilities import (
     PROCESSOR_PARAMS,
     AttentionCapabilities,
     ExecutorCapabilities,
+    FusedOpsCapabilities,
     GraphRunnerCapabilities,
     KVCacheCapabilities,
     LogitsProcessorCapabilities,
@@ -51,7 +52,7 @@ from corerun.quantization.capabilities import GGUF as GGUF_CAPABILITIES
 from corerun.sdk.checks import require_params, require_spec
 
 __all__ = [
-    "ENGINE_PARAMS", "GGUF_CAPABILITIES", "PROCESSOR_PARAMS", "AttentionCapabilities", "ExecutorCapabilities", "GraphRunnerCapabilities",
+    "ENGINE_PARAMS", "GGUF_CAPABILITIES", "PROCESSOR_PARAMS", "AttentionCapabilities", "ExecutorCapabilities", "FusedOpsCapabilities", "GraphRunnerCapabilities",
     "KVCacheCapabilities", "LoRAKernelCapabilities", "LoRARequest", "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
     "Registration", "Registry", "SamplerCapabilities", "cache_dir", "get_registry", "hookimpl", "require_params",
     "require_spec", "resolve",

@@ -1,0 +1,58 @@
+"""The built-in ``torch`` fused ops: the model layers' own torch code, the reference the others are checked against.
+
+``RMSNorm``, ``SiluAndMul`` and ``Rope`` run this same code inline when their ``ops`` is ``None``; the
+runner leaves it ``None`` when this implementation is chosen (``inline``), so choosing it adds no call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corerun.models.layers import RMSNorm, SiluAndMul
+from corerun.models.rotary import Rope, RotaryEmbedding
+from corerun.protocols.fused_ops import FusedOpsCapabilities
+
+
+class TorchFusedOps:
+    """:class:`corerun.protocols.fused_ops.FusedOps` in plain torch, on any device and dtype."""
+
+    name: ClassVar[str] = "torch"
+    capabilities: FusedOpsCapabilities = FusedOpsCapabilities()
+    inline: ClassVar[bool] = True  # the layers run this code themselves: the runner hands them nothing
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise TypeError(f"fused_ops 'torch' takes no options, got {sorted(options)}")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """torch's fused ``rms_norm`` (``RMSNorm.forward``): reduces in float32, rounds once after the weight."""
+        if weight.dtype == x.dtype:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``SiluAndMul.forward``: ``silu(gate)`` in a new tensor, multiplied by ``up`` in place."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``Rope.apply``: four full-width passes below 64 tokens, the halves written out from there."""
+        return Rope(cos, sin).apply(x)
+
+
+FUSED_LAYERS = (RMSNorm, SiluAndMul, RotaryEmbedding)
+
+
+def use_fused_ops(model: nn.Module, ops: Any) -> int:
+    """Hand ``ops`` (a fused_ops implementation, or ``None``: the layers' own torch code) to every
+    ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` of ``model``; returns how many layers took it.
+    Subclasses with a ``forward`` of their own (Gemma's ``1 + weight`` norm) keep their own code."""
+    layers = [m for m in model.modules() if isinstance(m, FUSED_LAYERS)]
+    for layer in layers:
+        layer.ops = ops
+    return len(layers)
