@@ -8,7 +8,8 @@ Runs the default model (float32 unless ``--dtype``) on ``--threads`` threads (1 
 - **attention**: the attention backend's ``forward`` per layer (the KV write and the kernel; the
   ``cpu`` backend's C++ kernel is one ctypes call, invisible to the profiler, so the call is timed as a range);
 - **norms / elementwise / other ops**: every other top-level torch operator (RMSNorm's pieces, RoPE,
-  SiLU and the gate product, residual adds, the embedding, copies), with the largest named;
+  SiLU and the gate product, residual adds, the embedding, copies), with the largest named, and the
+  calls of a ``fused_ops`` plugin (timed as ranges: a C++ kernel may be invisible to the profiler);
 - **sampling**: ``ModelRunner._sample`` (the sampler and its bookkeeping);
 - **host**: what is left: Python between the operators, torch's dispatch, the step's input
   preparation and the scheduler's share inside ``ModelRunner.execute``.
@@ -17,7 +18,7 @@ Each figure is the median over ``--repeat`` steps of the same kind (a decode at 
 ``--context`` tokens for ``--batch`` requests, one by default; a prefill of ``--prefill`` prompt tokens); the profiler adds its
 own cost to every operator (the un-profiled step time is printed beside it).
 
-    .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--context 128] [--batch 1] [--prefill 512]
+    .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--fused-ops auto] [--context 128] [--batch 1] [--prefill 512]
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from collections import defaultdict
 from typing import Any
 
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise", "aten::bmm"}
-RANGES = {"corerun.attention": "attention", "corerun.sampling": "sampling", "corerun.lm_head": "linears"}
 PARTS = ("linears", "attention", "norms / elementwise / other ops", "sampling", "host")
+RANGES = {"corerun.attention": "attention", "corerun.sampling": "sampling", "corerun.lm_head": "linears",
+          "corerun.fused_ops": PARTS[2]}
 
 
 def _wrap(obj: Any, name: str, label: str) -> None:
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a Hugging Face model folder [the default model]")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--attention", default="cpu")
+    ap.add_argument("--fused-ops", default="auto", help="fused_ops: auto, torch or an installed plugin's name")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--context", type=int, default=128, help="the decoding requests' prompt length")
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together in the decode step")
@@ -86,9 +89,12 @@ def main() -> None:
 
     from corerun import LLM, SamplingParams
 
-    llm = LLM(model=args.model, device="cpu", dtype=args.dtype, attention=args.attention, threads=args.threads)
+    llm = LLM(model=args.model, device="cpu", dtype=args.dtype, attention=args.attention, fused_ops=args.fused_ops,
+              threads=args.threads)
     runner = llm.engine.runner
     _wrap(runner.attention, "forward", "corerun.attention")
+    for op in ("rms_norm", "silu_and_mul", "rotary") if runner.fused_ops is not None else ():
+        _wrap(runner.fused_ops, op, "corerun.fused_ops")
     _wrap(runner, "_sample", "corerun.sampling")
     _wrap(runner, "_compute_logits", "corerun.lm_head")
     inner_execute = runner.execute
@@ -131,7 +137,8 @@ def main() -> None:
         if ev.name.startswith("corerun.step."):
             kind = ev.name.rsplit(".", 1)[1]
             steps[kind].append((*split(ev), ev.cpu_time_total / 1e3))
-    print(f"{args.model or 'default model'}, {args.dtype}, attention {args.attention}, {torch.get_num_threads()} thread(s), "
+    print(f"{args.model or 'default model'}, {args.dtype}, attention {args.attention}, fused_ops {runner.fused_ops_name}, "
+          f"{torch.get_num_threads()} thread(s), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
     for kind, label in (("decode", f"one decode step ({args.batch} request(s), context {args.context})"),
                         (f"prefill{args.prefill}", f"one prefill step ({args.prefill} tokens)")):

@@ -60,8 +60,8 @@ class Recording(TorchFusedOps):
 
 
 def with_plugin(**registrations) -> Registry:
-    """The installed plugins plus a first-party one registering ``name -> (factory, register kwargs)``."""
-    registry = Registry.from_environment()
+    """The built-ins (no installed plugin) plus a first-party one registering ``name -> (factory, register kwargs)``."""
+    registry = Registry.from_environment(allow=[])
 
     def corerun_fused_ops(register):
         for name, (factory, kwargs) in registrations.items():

@@ -73,7 +73,7 @@ def auto_choices(registry: Registry) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for device in AUTO_DEVICES:
         attention = None
-        for kind in ("attention", "graph", "sampler", "kv_cache", "lora"):
+        for kind in ("attention", "graph", "sampler", "kv_cache", "lora", "fused_ops"):
             eligible, passed = registry.auto_ranking(kind, Need(device, attention=attention))
             best = eligible[0] if eligible else None
             if kind == "attention":

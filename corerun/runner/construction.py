@@ -143,7 +143,8 @@ def select_fused_ops(runner: Any) -> None:
     need = FusedOpsNeed(runner.device, str(runner.dtype).removeprefix("torch."))
     runner.fused_ops_name = runner.registry.select("fused_ops", choice.name, need, "fused_ops").name
     ops = runner.registry.create("fused_ops", runner.fused_ops_name, options=choice.options)
-    use_fused_ops(runner.model, None if getattr(ops, "inline", False) else ops)
+    runner.fused_ops = None if getattr(ops, "inline", False) else ops  # what the layers call (None: their own code)
+    use_fused_ops(runner.model, runner.fused_ops)
 
 
 def select_lora(runner: Any, tp: Any, limits: GraphLimits) -> None:
