@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from corerun.bench.compare import (
-    BASELINE, GGUF_DIR, PeerError, build_compare_report, build_request, compare, find_python, llamacpp_gguf, parse_compare,
+    BASELINE, GGUF_DIR, PeerError, build_compare_report, build_request, compare, compare_model_dir, find_python, llamacpp_gguf,
+    parse_compare,
     parse_env, parse_peer_pythons, render_compare, result_from_json,
 )
 from corerun.bench.report import base_report
@@ -205,6 +206,19 @@ def test_llamacpp_runs_the_gguf_file_corerun_runs(tmp_path, monkeypatch):
     made.parent.mkdir(parents=True)
     made.write_bytes(b"")
     assert llamacpp_gguf(None, "float32", None) == made
+
+
+def test_compare_reads_the_folder_corerun_loads(tmp_path, monkeypatch):
+    """A Hub id is its local snapshot for the peers too (as corerun resolves it), a folder is itself, and
+    no model is the default model's float folder."""
+    from corerun.models import default, hub
+
+    snapshot, folder = tmp_path / "snapshot", tmp_path / "folder"
+    monkeypatch.setattr(hub, "resolve_model", lambda m: str(snapshot) if m == "org/tiny" else m)
+    monkeypatch.setattr(default, "default_model_dir", lambda: tmp_path / "default")
+    assert compare_model_dir("org/tiny") == (snapshot, None)
+    assert compare_model_dir(str(folder)) == (folder, None)
+    assert compare_model_dir(None) == (tmp_path / "default", None)
 
 
 def test_baseline_runs_with_its_environment(fake, monkeypatch):

@@ -125,17 +125,14 @@ def find_gguf(dtype: str, given: Path | None) -> Path | None:
 
 
 def compare_model_dir(model: str | None) -> tuple[Path, Path | None]:
-    """The model folder every engine reads its config from, and the GGUF file when corerun's ``model``
-    is one (its folder is the one corerun converts it to; llama.cpp runs the file itself)."""
-    if model and str(model).endswith(".gguf"):
-        from corerun.models.gguf_convert import gguf_model_dir
+    """The model folder every engine reads its config from (corerun's own, ``model_dir_for``: a Hub id's
+    snapshot, the folder a ``.gguf`` file converts to, else the default model's float folder), and the
+    GGUF file when corerun's ``model`` is one (llama.cpp runs the file itself)."""
+    from corerun.config import Config
+    from corerun.runner.construction import model_dir_for
 
-        return gguf_model_dir(Path(model)), Path(model)
-    if model:
-        return Path(model), None
-    from corerun.models.default import default_model_dir
-
-    return default_model_dir(), None
+    gguf = Path(model) if model and str(model).endswith(".gguf") else None
+    return model_dir_for(Config(model=model)), gguf
 
 
 def llamacpp_gguf(model: str | None, dtype: str, given: Path | None) -> Path | None:
