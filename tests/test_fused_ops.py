@@ -5,6 +5,7 @@ handing the choice to the model's layers, and ``corerun new fused_ops NAME`` pas
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -178,6 +179,9 @@ def test_scaffolded_ops_pass_the_suite_unedited(tmp_path: Path, monkeypatch: pyt
     root = tmp_path / "corerun-fused-ops-fresh"
     assert done.exit_code == 0 and "corerun conformance fused_ops:fresh" in done.output, done.output
     assert "`fused_ops: fresh`" in (root / "README.md").read_text()
+    listing = "import sys, corerun_fused_ops_fresh.plugin; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}))"
+    imported = subprocess.run([sys.executable, "-c", listing], cwd=root, capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "[]"  # `corerun plugins` imports the entry point: no torch
     monkeypatch.syspath_prepend(str(root))
     plugin, ops = (importlib.import_module(f"corerun_fused_ops_fresh.{m}") for m in ("plugin", "ops"))
     try:
