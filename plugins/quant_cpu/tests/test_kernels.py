@@ -91,10 +91,11 @@ def test_every_path_on_the_model_shapes(type_name: str) -> None:
             assert ratio <= 1, f"{type_name} {cols} {isa}: {ratio:.3g}x the bound"
 
 
-@pytest.mark.parametrize("rows,nb", [(37, 31), (8, 18), (6, 48)])
+@pytest.mark.parametrize("rows,nb", [(37, 31), (8, 18), (6, 48), (70, 128)])
 def test_q8_0_repacked_matches_float64(rows: int, nb: int) -> None:
     # 31 blocks: spans of 16, 8, 4, 2 and 1; 37 rows: 9 groups of four and 1 left; a -128 code (never
-    # written by the quantizer, valid in a file); one token's block all zeros (dx = 0)
+    # written by the quantizer, valid in a file); one token's block all zeros (dx = 0); 70 rows of 4096
+    # columns: several tasks of 4 groups for at::parallel_for where torch has more than one thread
     packed, _ = _weights("Q8_0", rows, nb * 32, seed=19)
     packed[rows - 1, 34 + 2 + 5] = 0x80
     packed[0, 2 + 31] = 0x80
