@@ -51,15 +51,14 @@ def main() -> None:
         with torch.inference_mode():
             for _ in range(2):  # interleaved
                 for name, way in ways.items():
-                    int8_matmul._cpu_paths = [] if name == "w8a8 float codes" else paths
 
                     def step(way=way) -> None:
                         for s in SHAPES:
                             for _ in range(LAYERS):
                                 way(s)
 
-                    times[name] = min(times[name], best_ms(step, args.repeats))
-        int8_matmul._cpu_paths = paths
+                    with int8_matmul.only_cpu_paths([] if name == "w8a8 float codes" else paths):
+                        times[name] = min(times[name], best_ms(step, args.repeats))
         base = times["float32 prepacked"]
         cells = ", ".join(f"{k} {v:.1f} ms ({base / v:.2f}x)" for k, v in times.items())
         print(f"T={tokens}: {cells}; load {os.getloadavg()[0]:.2f}", flush=True)

@@ -15,11 +15,11 @@ PATHS = ["float", *int8_matmul.cpu_int8_paths()]
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in) of the default model's projections
 
 
-def run(path: str, monkeypatch: pytest.MonkeyPatch, x, weight, w_scale, input_scale=None) -> torch.Tensor:
+def run(path: str, x, weight, w_scale, input_scale=None) -> torch.Tensor:
     """``int8_linear`` through ``path`` alone."""
-    monkeypatch.setattr(int8_matmul, "_cpu_paths", [] if path == "float" else [path])
     packed = PackedInt8.of(weight, w_scale) if path == "onednn" else None
-    return int8_linear(x, weight, w_scale, input_scale, packed)
+    with int8_matmul.only_cpu_paths([] if path == "float" else [path]):
+        return int8_linear(x, weight, w_scale, input_scale, packed)
 
 
 def signed_codes(shape: tuple[int, ...], low: int, high: int, g: torch.Generator) -> torch.Tensor:
@@ -30,7 +30,7 @@ def signed_codes(shape: tuple[int, ...], low: int, high: int, g: torch.Generator
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("cols", [EXACT_FLOAT32, 1537])
-def test_int8_linear_is_exact_integer_accumulation(path: str, cols: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_linear_is_exact_integer_accumulation(path: str, cols: int) -> None:
     g = torch.Generator().manual_seed(1)
     # large codes of one sign: the wide sums pass 2**24, where float32 accumulation would round
     weight = torch.randint(100, 128, (6, cols), generator=g).to(torch.int8)
@@ -40,21 +40,21 @@ def test_int8_linear_is_exact_integer_accumulation(path: str, cols: int, monkeyp
     w_scale = torch.rand(6, 1, generator=g) + 0.5
     acc = x.double() @ weight.double().T  # float64: exact below 2**53
     want = acc.float() * w_scale.reshape(1, -1)  # int32 accumulation, then float32 scaling (x's scale is 1)
-    assert torch.equal(run(path, monkeypatch, x, weight, w_scale), want)
+    assert torch.equal(run(path, x, weight, w_scale), want)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [1, 32, 256, 600])  # 600: blocks of ROW_BLOCK rows
 @pytest.mark.parametrize(("out", "cols"), SHAPES)
 def test_every_cpu_product_gives_the_float64_sums_at_the_default_models_shapes(
-    path: str, rows: int, out: int, cols: int, monkeypatch: pytest.MonkeyPatch,
+    path: str, rows: int, out: int, cols: int,
 ) -> None:
     g = torch.Generator().manual_seed(out + cols + rows)
     weight = signed_codes((out, cols), 1, 129, g).clamp(-128, 127).to(torch.int8)
     x = signed_codes((rows, cols), 1, 128, g).float()
     x[:, 0] = 127.0  # scale 1 per row: the codes are x
     w_scale = torch.rand(out, 1, generator=g, dtype=torch.float64) + 0.25
-    got = run(path, monkeypatch, x, weight, w_scale.float())
+    got = run(path, x, weight, w_scale.float())
     acc = x.double() @ weight.double().T
     assert torch.equal(got, acc.float() * w_scale.float().reshape(1, -1))
     want = acc * w_scale.reshape(1, -1)  # the float64 product of codes and scales
@@ -63,7 +63,7 @@ def test_every_cpu_product_gives_the_float64_sums_at_the_default_models_shapes(
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("static", [False, True])
-def test_scaled_product_matches_float64_on_dequantized_values(path: str, static: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scaled_product_matches_float64_on_dequantized_values(path: str, static: bool) -> None:
     """Random float activations, a per-tensor weight scale: the output is the float64 product of the
     dequantized weight and the activations rounded to their int8 grid (per token, or the static scale)."""
     g = torch.Generator().manual_seed(7)
@@ -74,7 +74,7 @@ def test_scaled_product_matches_float64_on_dequantized_values(path: str, static:
     s = torch.full((5, 1), 0.021, dtype=torch.float64) if static else x.double().abs().amax(1, keepdim=True) / 127
     x_q = torch.round(x.double() / s).clamp(-127, 127) * s
     want = x_q @ (weight.double() * 0.0123).T
-    got = run(path, monkeypatch, x, weight, w_scale, input_scale)
+    got = run(path, x, weight, w_scale, input_scale)
     assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-6
 
 
@@ -96,3 +96,16 @@ def test_prepack_leaves_small_weights_to_int_mm() -> None:
     assert int8_matmul.prepack(small, torch.ones(1)) is None
     large = torch.ones(576, 576, dtype=torch.int8)
     assert (int8_matmul.prepack(large, torch.ones(1)) is not None) == ("onednn" in int8_matmul.cpu_int8_paths())
+
+
+def test_only_cpu_paths_restores_the_probed_paths_and_refuses_unknown_ones() -> None:
+    found = list(int8_matmul.cpu_int8_paths())
+    with pytest.raises(RuntimeError, match="inside"):
+        with int8_matmul.only_cpu_paths([]):
+            assert int8_matmul.cpu_int8_paths() == []
+            raise RuntimeError("inside")
+    assert int8_matmul.cpu_int8_paths() == found
+    with pytest.raises(ValueError, match=r"\['vnni-by-hand'\] are not exact on this CPU"):
+        with int8_matmul.only_cpu_paths(["vnni-by-hand"]):
+            pass
+    assert int8_matmul.cpu_int8_paths() == found

@@ -15,14 +15,17 @@ Then ``acc = x_q @ w_q.T`` and ``y = acc * s_w * s_x`` in float32.  Where ``acc`
   (input features <= 1032, as ``127 * 128 * 1032 < 2**24``: activation codes within 127, weight codes
   within 128), else as float64: exact either way, the same ``acc`` as int32.
 
-Every path gives the same ``acc``, hence bit-identical outputs (tests/test_quantization_int8_matmul.py).
+Every path gives the same ``acc``, hence bit-identical outputs (tests/test_quantization_int8_matmul.py);
+:func:`only_cpu_paths` restricts the CPU to some of them within a block, to time or check each alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import torch
 
@@ -112,6 +115,26 @@ def cpu_int8_paths() -> list[str]:
         if _cpu_paths is None:
             _cpu_paths = _probe()
         return _cpu_paths
+
+
+@contextlib.contextmanager
+def only_cpu_paths(paths: Sequence[str]) -> Iterator[None]:
+    """Within the block, W8A8 on CPU uses only ``paths`` of :func:`cpu_int8_paths` (``[]``: the exact
+    float path), then what the probe found again: how benchmarks and tests run each path alone.  Sets
+    the process's choice (not for use while other threads run products); ``ValueError`` for a path not
+    exact here."""
+    found = cpu_int8_paths()
+    unknown = [p for p in paths if p not in found]
+    if unknown:
+        raise ValueError(f"int8 CPU paths {unknown} are not exact on this CPU; choose among {found} ([] for the float path)")
+    global _cpu_paths
+    with _lock:
+        _cpu_paths = list(paths)
+    try:
+        yield
+    finally:
+        with _lock:
+            _cpu_paths = found
 
 
 def prepack(weight: torch.Tensor, weight_scale: torch.Tensor) -> PackedInt8 | None:
