@@ -91,3 +91,30 @@ def test_padding_rows_past_the_steps_tokens_are_left_alone(kernel):
     for t, s in enumerate(step.tolist()[:4]):
         merged = torch.cat([w_i + float(scalings[s]) * (b_i[s] @ a_i[s]) for w_i, a_i, b_i in zip(w, a, b)])
         torch.testing.assert_close(y[t], x[t] @ merged.T, rtol=1e-10, atol=1e-10)
+
+
+def test_grouped_reads_the_scalings_once_per_step_and_again_after_the_next_update():
+    """Every layer call of a step uses the scalings read at the step's first call (one host read, not
+    one per layer); the next step (an adapter changed its slot's scaling) reads them again."""
+    from corerun.lora.grouped import GroupedLoRAKernel
+
+    w, a, b, scalings, slices = _case(5)
+    reads = []
+    read = scalings.tolist
+    scalings.tolist = lambda: reads.append(1) or read()
+    step = torch.tensor([2, 0, -1, 1, 0, 2], dtype=torch.int32)
+    tokens = LoRATokens(num_slots=3, max_tokens=6, device="cpu")
+    x = torch.randn(6, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    kernel = GroupedLoRAKernel()
+    for new_scaling in (None, 3.25):
+        if new_scaling is not None:
+            scalings[1] = new_scaling  # set between steps, as LoRAManager.activate does
+        tokens.update(step)
+        for _ in range(3):  # three layers of one step
+            y = torch.cat([x @ w_i.T for w_i in w], dim=1)
+            kernel.add_lora(y, x, a, b, scalings, tokens, slices)
+            for t, s in enumerate(step.tolist()):
+                merged = torch.cat(w) if s < 0 else torch.cat(
+                    [w_i + float(scalings[s]) * (b_i[s] @ a_i[s]) for w_i, a_i, b_i in zip(w, a, b)])
+                torch.testing.assert_close(y[t], x[t] @ merged.T, rtol=1e-10, atol=1e-10)
+        assert len(reads) == (1 if new_scaling is None else 2)

@@ -3,11 +3,11 @@
 Where the ``torch`` reference gathers every token's ``[R, H_in]`` and ``[out_i, R]`` weights (memory
 and traffic growing with the tokens of a step), this one takes the step's tokens ordered by slot and
 each slot's count (:class:`~corerun.lora.tokens.LoRATokens`, counted and sorted once per step, not
-per layer) and, for each slot present, multiplies its tokens' rows by that slot's A and B once: two
-matrix products per adapter and slice, whatever the batch.  The counts are host values (a graph
-would replay them as captured), so it is not graph safe: for the CPU (and eager CUDA).  On the CPU,
-float16 and bfloat16 products run in float32 (oneDNN's half kernels are slow at rank-sized shapes),
-rounded once into ``y``.
+per layer; the slots' scalings read to the host once per step, too) and, for each slot present,
+multiplies its tokens' rows by that slot's A and B once: two matrix products per adapter and slice,
+whatever the batch.  The counts are host values (a graph would replay them as captured), so it is
+not graph safe: for the CPU (and eager CUDA).  On the CPU, float16 and bfloat16 products run in
+float32 (oneDNN's half kernels are slow at rank-sized shapes), rounded once into ``y``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class GroupedLoRAKernel:
         if tokens.num_base == tokens.num_tokens:
             return  # every token is the base model's
         compute = torch.float32 if x.device.type == "cpu" and x.dtype in HALF else x.dtype
-        scale = scalings.tolist() if scalings.device.type == "cpu" else scalings  # (on a device: 0-d tensors, no read)
+        scale = tokens.host_scalings(scalings) if scalings.device.type == "cpu" else scalings  # (on a device: 0-d tensors, no read)
         start = tokens.num_base
         for s, n in enumerate(tokens.host_counts):
             if n == 0:

@@ -30,8 +30,8 @@ class LoRATokens:
       by slot (stable: in token order within a slot), the base model's first;
     - ``counts``, ``starts``: int64 ``[S]`` on the device: slot ``s``'s tokens are
       ``order[starts[s] : starts[s] + counts[s]]``;
-    - host (not for graph-safe kernels): ``num_tokens`` (``n``), ``num_base`` (tokens of slot ``-1``) and
-      ``host_counts`` (``S`` ints, ``counts`` as read on the host).
+    - host (not for graph-safe kernels): ``num_tokens`` (``n``), ``num_base`` (tokens of slot ``-1``),
+      ``host_counts`` (``S`` ints, ``counts`` as read on the host) and :meth:`host_scalings`.
     """
 
     def __init__(self, num_slots: int, max_tokens: int, device: torch.device | str) -> None:
@@ -45,6 +45,7 @@ class LoRATokens:
         self.starts = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.num_tokens = 0
         self._host: list[int] | None = [0] * (num_slots + 1)  # slot -1, then 0 .. S-1, as read on the host
+        self._scalings: list[float] | None = None  # the slots' scalings as read on the host this step
 
     @classmethod
     def of(cls, token_slots: torch.Tensor, num_slots: int) -> "LoRATokens":
@@ -61,7 +62,7 @@ class LoRATokens:
         n, capacity = step_slots.shape[0], self.slots.shape[0]
         if n > capacity:
             raise ValueError(f"a step of {n} tokens, beyond the {capacity} the LoRA slots were sized for")
-        self._host = None
+        self._host = self._scalings = None
         if step_slots.device.type == "cpu":
             if n and not (-1 <= int(step_slots.min()) and int(step_slots.max()) < self.num_slots):
                 raise ValueError(f"token slots must lie in -1 .. {self.num_slots - 1} (the LoRA slots), got "
@@ -80,6 +81,14 @@ class LoRATokens:
         if self._host is None:
             self._host = self._counts.tolist()  # slots given on the device: one read per step
         return self._host
+
+    def host_scalings(self, scalings: torch.Tensor) -> list[float]:
+        """``scalings`` (float32 ``[S]``, the slots' ``alpha / r``) as ``S`` floats (host), read at the
+        step's first call and kept until the next :meth:`update`: the slots' adapters (and their
+        scalings) are set before a step begins and hold through its layers."""
+        if self._scalings is None:
+            self._scalings = scalings.tolist()
+        return self._scalings
 
     @property
     def num_base(self) -> int:
