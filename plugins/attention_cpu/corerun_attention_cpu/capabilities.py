@@ -1,4 +1,5 @@
-"""What the ``cpu`` backend declares, as plain data (imported at plugin-listing time: no torch).
+"""What the ``cpu`` backend and the ``cpu`` fused ops declare, as plain data (imported at plugin-listing
+time: no torch).
 
 The kernel takes any head size up to 256 (its per-thread buffers are sized for that), any block
 size, GQA/MQA with any group size, per-layer sliding windows and logit soft-capping, and keeps
@@ -9,7 +10,7 @@ scale per token-head) are dequantized block by block inside the kernel.
 
 from __future__ import annotations
 
-from corerun.sdk import AttentionCapabilities
+from corerun.sdk import AttentionCapabilities, FusedOpsCapabilities
 
 MAX_HEAD_SIZE = 256  # MAX_HEAD_SIZE in csrc/paged_attention.cpp
 
@@ -25,3 +26,6 @@ CPU_CAPABILITIES = AttentionCapabilities(
     logits_soft_cap=True,
     kv_cache_dtypes=frozenset({"fp8_e4m3", "fp8_e5m2", "int8"}),
 )
+
+# csrc/fused_ops.cpp: RMSNorm, SiLU-and-mul and RoPE in float32 and bfloat16 (float16 is left to torch)
+FUSED_OPS_CAPABILITIES = FusedOpsCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"float32", "bfloat16"}))

@@ -14,7 +14,9 @@ from typing import ClassVar
 
 import torch
 
+from corerun.sdk import FusedOpsCapabilities
 from corerun_attention_cpu import kernels
+from corerun_attention_cpu.capabilities import FUSED_OPS_CAPABILITIES
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum DType in csrc/fused_ops.cpp
 
@@ -60,6 +62,7 @@ class CpuFusedOps:
     """``factory(**options)`` (no options): RMSNorm, SiLU-and-mul and RoPE through the C++ kernels."""
 
     name: ClassVar[str] = "cpu"
+    capabilities: FusedOpsCapabilities = FUSED_OPS_CAPABILITIES  # cpu; float32, bfloat16
 
     def __init__(self) -> None:
         lib, reasons = kernels.load()

@@ -1,8 +1,9 @@
-"""Entry point of corerun-attention-cpu: registers the ``cpu`` backend (imports no torch, compiles nothing)."""
+"""Entry point of corerun-attention-cpu: registers the ``cpu`` attention backend and the ``cpu`` fused ops
+(imports no torch, compiles nothing)."""
 
 from corerun import hookimpl
 
-from corerun_attention_cpu.capabilities import CPU_CAPABILITIES
+from corerun_attention_cpu.capabilities import CPU_CAPABILITIES, FUSED_OPS_CAPABILITIES
 
 
 @hookimpl
@@ -18,4 +19,16 @@ def corerun_attention_backends(register):
             "C++ paged attention on CPU: walks each sequence's block table with an online softmax "
             "(no gather of the context), vectorised, OpenMP over sequences x KV heads"
         ),
+    )
+
+
+@hookimpl
+def corerun_fused_ops(register):
+    register(
+        "cpu",
+        "corerun_attention_cpu.fused_ops:CpuFusedOps",
+        capabilities=FUSED_OPS_CAPABILITIES,
+        probe="corerun_attention_cpu.probe:probe",  # the same library: built, or the reasons it cannot be
+        priority={"cpu": 20, "default": -10},  # above the torch reference (0) on CPU, as the attention backend
+        description="C++ RMSNorm, SiLU-and-mul and RoPE on CPU: one pass each, float32 math rounded once, strided rows",
     )

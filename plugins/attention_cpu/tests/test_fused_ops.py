@@ -181,3 +181,16 @@ def test_what_the_kernels_do_not_take_is_refused(ops):
         ops.rms_norm(x, torch.randn(64, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match=r"cos and sin as contiguous float32 \[T, 1, D\]"):
         ops.rotary(x.view(4, 1, 64), torch.randn(4, 64), torch.randn(4, 1, 64))
+
+
+def test_registered_as_cpu_and_picked_by_auto_where_it_fits():
+    from corerun.protocols.fused_ops import FusedOps, FusedOpsNeed
+    from corerun.sdk import get_registry
+
+    reg = get_registry()
+    cpu = reg.registrations["fused_ops"]["cpu"]
+    assert cpu.distribution == "corerun-attention-cpu" and cpu.priority_on("cpu") > 0 > cpu.priority_on("cuda")
+    assert reg.select("fused_ops", "auto", FusedOpsNeed("cpu", "bfloat16")).name == "cpu"
+    assert reg.select("fused_ops", "auto", FusedOpsNeed("cpu", "float16")).name == "torch"  # not declared
+    assert reg.select("fused_ops", "auto", FusedOpsNeed("cuda", "float32")).name != "cpu"
+    assert isinstance(cpu.create(), FusedOps)
