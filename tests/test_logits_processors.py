@@ -74,6 +74,24 @@ def test_manager_masks_only_its_rows_keeps_state_per_sample_and_frees() -> None:
     assert m.num_requests == 0
 
 
+def test_manager_is_in_use_while_a_request_that_wants_a_processor_is_at_the_runner() -> None:
+    """Set by the requests that reach the runner, cleared when the last one that wants a processor ends:
+    a plain request never turns it on, and a preempted one coming back counts once."""
+    m = _manager()
+    plain = SamplingParams()
+    assert not m.in_use
+    m.add_requests([_seq(1, plain)])
+    assert not m.in_use
+    m.add_requests([_seq(2, CHOICE), _seq(3, CHOICE), _seq(4, plain)])
+    assert m.in_use
+    m.add_requests([_seq(2, CHOICE)])  # resumed after a preemption
+    for sid, still in ((1, True), (2, True), (4, True), (3, False)):
+        m.remove(sid)
+        assert m.in_use is still
+    m.add_requests([_seq(5, CHOICE)])
+    assert m.in_use
+
+
 def test_manager_replays_a_request_it_meets_late() -> None:
     m = _manager()
     logits = torch.zeros(1, 16)

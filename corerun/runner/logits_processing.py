@@ -8,6 +8,8 @@ engine.  Life of a request (its key is the ``seq_id``; each of ``n`` samples has
 - admission (:meth:`LogitsProcessors.prepare`, from ``LLMEngine.make_sequence``): the processor
   validates and compiles; a ``ValueError`` refuses that request alone.  ``EngineLoop`` first calls
   :meth:`LogitsProcessors.warm` on the caller's thread, so the compilation is not on the engine's;
+- reaching the runner (:meth:`LogitsProcessors.add_requests`, from ``ModelRunner.prepare_step``): it is a
+  user until removed; while there is none, the runner skips the processors;
 - its first sampling step: ``add_request`` makes its state; every step ``apply`` masks its row, and
   ``accept`` advances the state by the sampled token (``"stop"`` ends the request);
 - finish or abort (``LLMEngine._finish``): ``remove_request``.  Preemption keeps the state: the
@@ -70,11 +72,20 @@ class LogitsProcessors:
         self.tokenizer: Any = None  # set by the engine once it has loaded its tokenizer
         self.eos_token_ids: frozenset[int] = frozenset()
         self._built: dict[str, Any] = {}  # registration name -> processor
-        # some request that reached the runner wants a processor (set by ModelRunner.prepare_step from the
-        # new requests of each step); until then the runner skips apply / accept
-        self.in_use = False
+        self._users: set[int] = set()  # seq_ids of the requests at the runner that want a processor
         self._states: dict[int, list[Any]] = {}  # seq_id -> processors holding its state
         self._lock = threading.Lock()  # admission may run on another thread than the steps
+
+    @property
+    def in_use(self) -> bool:
+        """Some request at the runner wants a processor (from :meth:`add_requests` until :meth:`remove`);
+        while none does, the runner skips :meth:`apply` and :meth:`accept`."""
+        return bool(self._users)
+
+    def add_requests(self, new_reqs: Sequence[Any]) -> None:
+        """A step's new (or resumed) requests (``seq_id``, ``params``): those that want a processor count
+        as its users until they are removed."""
+        self._users.update(r.seq_id for r in new_reqs if self.wanted(r.params))
 
     @staticmethod
     def wanted(params: Any) -> bool:
@@ -191,6 +202,7 @@ class LogitsProcessors:
 
     def remove(self, seq_id: int) -> None:
         """The request ended (finished or aborted): its state goes."""
+        self._users.discard(seq_id)
         for proc in self._states.pop(seq_id, ()):
             try:
                 proc.remove_request(seq_id)

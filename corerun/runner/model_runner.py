@@ -197,8 +197,8 @@ class ModelRunner:
         thread while the next step is scheduled.
         """
         ib, procs = self.input_batch, self.logits_processors
-        if sched.new_reqs and not procs.in_use:  # (from the first request that wants one on, every step applies them)
-            procs.in_use = any(procs.wanted(r.params) for r in sched.new_reqs)
+        if sched.new_reqs:
+            procs.add_requests(sched.new_reqs)
         pooling = bool(ib.pooling_ids)  # (read before the batch applies: embedding requests leaving in it are told to the pooler)
         try:
             inputs, rows, logits_indices = self.prepare_inputs(sched)
