@@ -20,6 +20,7 @@ slots and every layer's kernel call finds the step's bookkeeping done.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,20 +61,32 @@ class LoRATarget:
         return self.name.rpartition(".")[2]
 
 
+# A mixture-of-experts block's parts, by name (the model's modules and the checkpoints' alike): its
+# experts, its router (Mixtral's ``block_sparse_moe.gate``, Qwen-MoE's and newer Mixtral's ``mlp.gate``)
+# and its shared expert with that expert's gate (Qwen2-MoE).
+_MOE = re.compile(r"\.(experts|shared_expert|shared_expert_gate|block_sparse_moe)(\.|$)|\.mlp\.gate$")
+
+
+def in_moe_block(name: str) -> bool:
+    """Whether module ``name`` (``model.layers.0.mlp.experts.3.down_proj``, as the model or an adapter's
+    checkpoint names it) is part of a mixture-of-experts block: no adapter target (those models take
+    adapters on attention and on the MLPs of dense layers)."""
+    return _MOE.search(name) is not None
+
+
 def _is_linear(module: nn.Module) -> bool:
     return isinstance(getattr(module, "in_features", None), int) and hasattr(module, "product")
 
 
 def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     """Every linear layer of ``model`` adapters may target, by name (its ``packed_modules_mapping`` names
-    the slices), but none inside a mixture-of-experts block (a module with ``experts``); read before
+    the slices), but none inside a mixture-of-experts block (:func:`in_moe_block`); read before
     :func:`install` wraps them."""
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {}) or {}
     checkpoint_name = {(ours, shard): ckpt for ckpt, (ours, shard) in packed.items()}
-    moe = tuple(f"{name}." for name, module in model.named_modules() if hasattr(module, "experts"))
     targets: dict[str, LoRATarget] = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear) or not _is_linear(module) or name.startswith(moe):
+        if isinstance(module, LoRALinear) or not _is_linear(module) or in_moe_block(name):
             continue  # (a mixture-of-experts block's router and shared expert are not targets: its experts are not linear layers)
         leaf = name.rpartition(".")[2]
         ranges = getattr(module, "shard_ranges", None)

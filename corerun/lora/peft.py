@@ -28,13 +28,12 @@ from typing import Any
 import torch
 
 from corerun.errors import RequestError
-from corerun.lora.layers import LoRATarget
+from corerun.lora.layers import LoRATarget, in_moe_block
 from corerun.lora.request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
-_MOE = re.compile(r"\.(experts|shared_expert|shared_expert_gate|block_sparse_moe)(\.|$)|\.mlp\.gate$")  # Mixtral's, Qwen-MoE's
 
 
 class LoRAError(RequestError):
@@ -129,7 +128,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank:
     out = LoRAWeights(request, 0, scaling(r, alpha))
     layer_names = sorted({t.leaf for t in targets.values()} | {s.module for t in targets.values() for s in t.slices})
     for module, pair in sorted(pairs.items()):
-        if module not in slices and _MOE.search(module):
+        if module not in slices and in_moe_block(module):
             attention = list(dict.fromkeys(s.module for t in targets.values() if t.parent.endswith("self_attn") for s in t.slices))
             raise LoRAError(f"adapter {name!r}: module {module!r} is part of a mixture-of-experts block (its experts, "
                             f"router or shared expert); corerun serves adapters on such a model's attention "
