@@ -135,10 +135,10 @@ def gguf_dequantize(out: torch.Tensor, blocks: torch.Tensor, type_name: str, isa
 def repack_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 rows (uint8 ``[rows, nb * 34]``, contiguous) as :func:`gguf_gemv_q8_0_repacked` reads them:
     ``codes`` uint8 ``[rows, nb * 32]`` (each code + 128, in the order the AVX-512 product sums them: see
-    ``csrc/gguf_gemv.cpp``) and ``scales`` float32 ``[rows, nb]``."""
+    ``csrc/gguf_gemv.cpp``) and ``scales`` float16 ``[rows, nb]`` (the blocks' ``d``)."""
     rows, nb = blocks.shape[0], blocks.shape[1] // 34
     codes = torch.empty(rows, nb * 32, dtype=torch.uint8)
-    scales = torch.empty(rows, nb, dtype=torch.float32)
+    scales = torch.empty(rows, nb, dtype=torch.float16)
     torch.ops.corerun_quant_cpu.gguf_q8_0_repack(codes, scales, blocks)
     return codes, scales
 

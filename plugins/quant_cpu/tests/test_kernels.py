@@ -102,7 +102,7 @@ def test_q8_0_repacked_matches_float64(rows: int, nb: int) -> None:
     w = torch.from_numpy(gguf.quants.dequantize(packed.numpy(), gguf.GGMLQuantizationType.Q8_0).astype(np.float64))
     codes, scales = kernels.repack_q8_0(packed)
     blocks = packed.reshape(rows, nb, 34)
-    assert torch.equal(scales.double(), torch.from_numpy(blocks[:, :, :2].numpy().copy().view(np.float16)).double().reshape(rows, nb))
+    assert torch.equal(scales, torch.from_numpy(blocks[:, :, :2].numpy().copy().view(np.float16)).reshape(rows, nb))
     # every code once, offset by 128: per group of four rows (interleaved), and per row for the last rows % 4
     stored = (blocks[:, :, 2:].reshape(rows, -1).view(torch.int8).int() + 128).sort(-1).values
     full = rows // 4 * 4
@@ -134,7 +134,7 @@ def test_bad_arguments_are_refused_with_what_would_be_right() -> None:
     with pytest.raises(RuntimeError, match="out must be contiguous float32"):
         kernels.gguf_dequantize(torch.empty(5, 64), packed, "Q8_0", "scalar")
     codes, scales = kernels.repack_q8_0(packed)
-    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
         torch.ops.corerun_quant_cpu.gguf_q8_0_repack(codes, scales.double(), packed)
     if kernels.best_isa() == "avx512":
         with pytest.raises(RuntimeError, match=r"codes must be contiguous uint8 \[rows, 32\]"):

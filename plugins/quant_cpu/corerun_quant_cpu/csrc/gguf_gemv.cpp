@@ -15,7 +15,7 @@
 //     once per call, integer dot products per block, scales applied at the end.  Adds half an
 //     activation step per block to the error bound.
 //   gguf_q8_0_repack(codes, scales, blocks)   Q8_0 blocks [rows, nb * 34] -> codes uint8 [rows, nb * 32]
-//     and scales float32 [rows, nb], the layout gguf_gemv_q8_0r reads (see its section); once, at load
+//     and scales float16 [rows, nb] (the blocks' d), the layout gguf_gemv_q8_0r reads (see its section); once, at load
 //   gguf_gemv_q8_0r(out, codes, scales, x)   AVX-512 + VNNI only: gguf_gemv of repacked Q8_0 rows,
 //     int8 activations as in gguf_gemv's AVX-512 path (the method's Q8_0 product there)
 //   gguf_isa() -> the best isa this CPU runs.
@@ -505,11 +505,11 @@ void rows_avx512(const uint8_t* blocks, const XQ& xq, float* out, int64_t type, 
 // gguf_q8_0_repack turns a Q8_0 row (34-byte blocks: f16 d, 32 int8 codes) into its codes, offset to
 // unsigned (w + 128, exact for every int8) and moved so that one int32 lane of vpdpbusd sums one block
 // only, in a row of their own ([rows, cols] uint8, 64-byte loads, no permutes), and its scales as
-// float32 ([rows, nb]).  A row's blocks go in spans of G = 16, 8, 4, 2, 1 blocks (16 while 16 are left,
+// they were (float16, [rows, nb]: as many bytes as the blocks).  A row's blocks go in spans of G = 16, 8, 4, 2, 1 blocks (16 while 16 are left,
 // then the binary digits of the rest: 18 blocks = 16 + 2); a span of G >= 2 is G / 2 vectors of 64
 // bytes, whose lane l (4 bytes) holds block l % G, so the span's int32 dot products build up lane by
-// lane with no shuffle and are scaled once: its scales come out of one broadcast load (G = 16: a load,
-// 8: vbroadcastf32x8, 4: f32x4, 2: sd).  In the vector k of a span, lane l, byte i is the block's code
+// lane with no shuffle and are scaled once: its scales come out of one load, converted and broadcast
+// (G = 16: 16 in a row, 8: twice, 4: four times, 2: eight times).  In the vector k of a span, lane l, byte i is the block's code
 //   4 (l / G + 16 / G * k) + i;   G = 1 is one block in a 256-bit vector, codes in order.
 // Rows go in fours, their vectors interleaved in the order the product reads them (span by span,
 // vector k of rows 4q, 4q + 1, 4q + 2, 4q + 3, then k + 1): one sequential stream per call; the
@@ -581,7 +581,7 @@ AVX512_FN void quantize_x_q8r(const float* x, int64_t T, int64_t cols, const std
 
 struct Q8R {
     const uint8_t* codes;  // see chunk()
-    const float* scales;
+    const uint16_t* scales;  // float16
     const XR& xr;
     const std::vector<Span>& spans;
     float* out;
@@ -589,13 +589,13 @@ struct Q8R {
 };
 
 template <int G>
-AVX512_FN __attribute__((always_inline)) inline __m512 q8r_scales(const float* s) {
-    if constexpr (G == 16) return _mm512_loadu_ps(s);
-    if constexpr (G == 8) return _mm512_broadcast_f32x8(_mm256_loadu_ps(s));
-    if constexpr (G == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(s));
-    double two;
-    std::memcpy(&two, s, 8);
-    return _mm512_castpd_ps(_mm512_set1_pd(two));
+AVX512_FN __attribute__((always_inline)) inline __m512 q8r_scales(const uint16_t* s) {
+    if constexpr (G == 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    if constexpr (G == 8) return _mm512_broadcast_f32x8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+    if constexpr (G == 4) return _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
+    int32_t two;
+    std::memcpy(&two, s, 4);
+    return _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_castps_pd(_mm_cvtph_ps(_mm_cvtsi32_si128(two)))));
 }
 
 // the codes of row r0 + r of a group of rg rows at gbase (rows 4q...: 4; the last rows % 4: 1 each),
@@ -624,7 +624,7 @@ AVX512_FN __attribute__((always_inline)) inline void q8r_span(const Q8R& p, int6
             for (int n = 0; n < N; ++n) d[r][n] = _mm256_dpbusd_epi32(d[r][n], w, xv[n]);
         }
         for (int r = 0; r < R; ++r) {
-            const float dw = p.scales[(j + r) * p.nb + b0];
+            const float dw = _cvtsh_ss(p.scales[(j + r) * p.nb + b0]);
             for (int n = 0; n < N; ++n)
                 acc[r][n] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(d[r][n])), _mm512_set1_ps(dw * dxl[n * p.ns]), acc[r][n]);
         }
@@ -825,19 +825,19 @@ void gguf_q8_0_repack(at::Tensor codes, at::Tensor scales, const at::Tensor& blo
     const int64_t rows = blocks.size(0), nb = blocks.size(1) / 34, cols = nb * QK;
     TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(0) == rows && codes.size(1) == cols,
                 "gguf_q8_0_repack: codes must be contiguous uint8 [", rows, ", ", cols, "], got ", codes.scalar_type(), " ", codes.sizes());
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == nb,
-                "gguf_q8_0_repack: scales must be contiguous float32 [", rows, ", ", nb, "], got ", scales.scalar_type(), " ", scales.sizes());
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == nb,
+                "gguf_q8_0_repack: scales must be contiguous float16 [", rows, ", ", nb, "], got ", scales.scalar_type(), " ", scales.sizes());
     const std::vector<Span> spans = q8r_spans(nb);
     const uint8_t* bp = blocks.data_ptr<uint8_t>();
     uint8_t* cp = codes.data_ptr<uint8_t>();
-    float* sp = scales.data_ptr<float>();
+    uint16_t* sp = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
     const int64_t rows4 = rows / 4 * 4;
     at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
         for (int64_t j = begin; j < end; ++j)
             for (const Span& s : spans)
                 for (int64_t m = 0; m < s.g; ++m) {
                     const uint8_t* blk = bp + j * nb * 34 + (s.b0 + m) * 34;
-                    sp[j * nb + s.b0 + m] = half_to_float(load_u16(blk));
+                    sp[j * nb + s.b0 + m] = load_u16(blk);
                     const int64_t rg = j < rows4 ? 4 : 1, cb = s.g == 1 ? 32 : 64;
                     const uint8_t* gbase = cp + (j < rows4 ? j / 4 * 4 : j) * cols;
                     for (int64_t u = 0; u < 8; ++u) {
@@ -857,15 +857,15 @@ void gguf_gemv_q8_0r(at::Tensor out, const at::Tensor& codes, const at::Tensor& 
     const int64_t T = x.size(0), cols = x.size(1), nb = cols / QK, rows = codes.size(0);
     TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == cols,
                 "gguf_gemv_q8_0r: codes must be contiguous uint8 [rows, ", cols, "] (gguf_q8_0_repack's), got ", codes.scalar_type(), " ", codes.sizes());
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == rows && scales.size(1) == nb,
-                "gguf_gemv_q8_0r: scales must be contiguous float32 [", rows, ", ", nb, "], got ", scales.scalar_type(), " ", scales.sizes());
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == rows && scales.size(1) == nb,
+                "gguf_gemv_q8_0r: scales must be contiguous float16 [", rows, ", ", nb, "], got ", scales.scalar_type(), " ", scales.sizes());
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == rows && out.stride(1) == 1,
                 "gguf_gemv_q8_0r: out must be float32 [", T, ", ", rows, "] with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
     if (T == 0 || rows == 0) return;
     const std::vector<Span> spans = q8r_spans(nb);
     XR xr;
     quantize_x_q8r(x.data_ptr<float>(), T, cols, spans, xr);
-    const Q8R p{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), xr, spans, out.data_ptr<float>(),
+    const Q8R p{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), xr, spans, out.data_ptr<float>(),
                 cols, nb, static_cast<int64_t>(spans.size()) * 16, out.stride(0)};
     const int64_t grain = std::max<int64_t>(1, (16 * 1024) / cols);  // groups of 4 rows: about 64 KiB of codes per task
     at::parallel_for(0, (rows + 3) / 4, grain, [&](int64_t begin, int64_t end) { q8r_groups(p, T, rows, begin, end); });
