@@ -73,19 +73,18 @@ class LogitsProcessors:
         self.eos_token_ids: frozenset[int] = frozenset()
         self._built: dict[str, Any] = {}  # registration name -> processor
         self._users: set[int] = set()  # seq_ids of the requests at the runner that want a processor
+        # some request at the runner wants a processor (from add_requests until remove); while none does, the
+        # runner skips apply and accept.  A plain attribute, kept in step with _users: the runner reads it every
+        # step, and a property would put this module on every decode's path
+        self.in_use = False
         self._states: dict[int, list[Any]] = {}  # seq_id -> processors holding its state
         self._lock = threading.Lock()  # admission may run on another thread than the steps
-
-    @property
-    def in_use(self) -> bool:
-        """Some request at the runner wants a processor (from :meth:`add_requests` until :meth:`remove`);
-        while none does, the runner skips :meth:`apply` and :meth:`accept`."""
-        return bool(self._users)
 
     def add_requests(self, new_reqs: Sequence[Any]) -> None:
         """A step's new (or resumed) requests (``seq_id``, ``params``): those that want a processor count
         as its users until they are removed."""
         self._users.update(r.seq_id for r in new_reqs if self.wanted(r.params))
+        self.in_use = bool(self._users)
 
     @staticmethod
     def wanted(params: Any) -> bool:
@@ -203,6 +202,7 @@ class LogitsProcessors:
     def remove(self, seq_id: int) -> None:
         """The request ended (finished or aborted): its state goes."""
         self._users.discard(seq_id)
+        self.in_use = bool(self._users)
         for proc in self._states.pop(seq_id, ()):
             try:
                 proc.remove_request(seq_id)
