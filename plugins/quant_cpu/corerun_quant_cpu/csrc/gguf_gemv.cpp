@@ -867,7 +867,7 @@ void gguf_gemv_q8_0r(at::Tensor out, const at::Tensor& codes, const at::Tensor& 
     quantize_x_q8r(x.data_ptr<float>(), T, cols, spans, xr);
     const Q8R p{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), xr, spans, out.data_ptr<float>(),
                 cols, nb, static_cast<int64_t>(spans.size()) * 16, out.stride(0)};
-    const int64_t grain = std::max<int64_t>(1, (16 * 1024) / cols);  // groups of 4 rows: about 64 KiB of codes per task
+    const int64_t grain = std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(1, cols));  // groups of 4 rows: about 64 KiB of codes per task
     at::parallel_for(0, (rows + 3) / 4, grain, [&](int64_t begin, int64_t end) { q8r_groups(p, T, rows, begin, end); });
 }
 }  // namespace
