@@ -504,24 +504,25 @@ void rows_avx512(const uint8_t* blocks, const XQ& xq, float* out, int64_t type, 
 //
 // gguf_q8_0_repack turns a Q8_0 row (34-byte blocks: f16 d, 32 int8 codes) into its codes, offset to
 // unsigned (w + 128, exact for every int8) and moved so that one int32 lane of vpdpbusd sums one block
-// only, in a row of their own ([rows, cols] uint8, 64-byte loads, no permutes), and its scales as
-// they were (float16, [rows, nb]: as many bytes as the blocks).  A row's blocks go in spans of G = 16, 8, 4, 2, 1 blocks (16 while 16 are left,
-// then the binary digits of the rest: 18 blocks = 16 + 2); a span of G >= 2 is G / 2 vectors of 64
-// bytes, whose lane l (4 bytes) holds block l % G, so the span's int32 dot products build up lane by
-// lane with no shuffle and are scaled once: its scales come out of one load, converted and broadcast
-// (G = 16: 16 in a row, 8: twice, 4: four times, 2: eight times).  In the vector k of a span, lane l, byte i is the block's code
-//   4 (l / G + 16 / G * k) + i;   G = 1 is one block in a 256-bit vector, codes in order.
-// Rows go in fours, their vectors interleaved in the order the product reads them (span by span,
-// vector k of rows 4q, 4q + 1, 4q + 2, 4q + 3, then k + 1): one sequential stream per call; the
-// last rows % 4 rows follow one after the other.
+// only, in a buffer of their own ([rows, cols] uint8: 64-byte loads, no permutes), and its scales as
+// they were (float16 [rows, nb]: as many bytes as the blocks).  A row's blocks go in spans of G = 16,
+// 8, 4, 2 or 1 blocks (16 while 16 are left, then the binary digits of the rest: 18 = 16 + 2); a span
+// of G >= 2 is G / 2 vectors of 64 bytes whose lane l (4 bytes) holds block l % G, so the span's int32
+// dot products build up lane by lane with no shuffle and are scaled once, its scales one load,
+// converted and repeated (G = 16: 16 in a row, 8: twice, 4: four times, 2: eight times).  In vector k
+// of a span, lane l, byte i is the block's code  4 (l / G + 16 / G * k) + i;  G = 1 is one block in a
+// 256-bit vector, codes in order.  Rows go in fours, their vectors interleaved in the order the
+// product reads them (span by span, vector k of rows 4q, 4q + 1, 4q + 2, 4q + 3, then k + 1): one
+// sequential stream; the last rows % 4 rows follow one after the other.
 // x is quantized as for the other AVX-512 path (dx = max|x_b| / 127) and its codes put in that same
 // order; vpdpbusd of (w + 128) with qx adds 128 sum(qx) over the lane's bytes, so each lane starts
 // from minus that sum (once per call and token).  Integer sums stay below 2^24: exact in float32.
 
-// software prefetch, bytes ahead in the codes' stream, on the one-token passes.  With the weights in
+// Software prefetch, bytes ahead in the codes' stream, on the one-token passes.  With the weights in
 // the L3 cache (as in a model's step) this product took 0.81-1.10x the blocks path's time without it,
-// 0.54-0.92x at 2048, 0.76-0.97x at 1024, 0.63-0.90x at 4096 (gguf_kernel_bench.py --copies 8)
+// 0.54-0.92x at 2048, 0.76-0.97x at 1024, 0.63-0.90x at 4096 (gguf_kernel_bench.py --copies 8).
 constexpr int64_t Q8R_PREFETCH = 2048;
+
 struct Span {
     int64_t b0, g;  // first block, blocks
 };
