@@ -10,11 +10,19 @@ alternately, and their ratio torch / kernel (above 1: the kernel is faster).
 
     .venv/bin/python benchmarks/fused_ops_bench.py
     .venv/bin/python benchmarks/fused_ops_bench.py --tokens 1 512 --dtype bfloat16
+
+``--steps`` times whole steps of the default model instead (``attention: cpu``): two engines in this
+process, ``fused_ops: torch`` and ``fused_ops: cpu``, taking turns at a prefill of ``--tokens``' first
+length (fresh ids, one output token) and at 32 decode steps of ``--batch`` requests (prompts of 128),
+``--samples`` turns each; it prints the fastest and the median of each.
+
+    .venv/bin/python benchmarks/fused_ops_bench.py --steps --dtype bfloat16 --tokens 512 --batch 4 --samples 6
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Callable
 
@@ -66,6 +74,40 @@ def measure(ref: Callable, fused: Callable, samples: int, sample_ms: float) -> t
     return min(times[0]), min(times[1])
 
 
+def steps(dtype: str, prefill: int, batch: int, samples: int) -> None:
+    """Prefill and decode step times of the default model with each fused_ops, engines taking turns."""
+    import random
+
+    from corerun import LLM, SamplingParams
+
+    llms = {name: LLM(device="cpu", dtype=dtype, attention="cpu", threads=1, fused_ops=name) for name in ("torch", "cpu")}
+    rng = random.Random(0)
+
+    def run(llm: LLM, prompts: int, length: int, tokens: int) -> float:
+        engine = llm.engine
+        for _ in range(prompts):
+            engine.add_request([rng.randrange(10000) for _ in range(length)], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        if tokens > 1:
+            engine.step()  # the prefill, not timed
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return (time.perf_counter() - start) * 1e3 / max(1, tokens - 1)
+
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in llms}
+    for turn in range(samples + 1):  # the first turn warms up
+        for name, llm in llms.items():
+            pre, dec = run(llm, 1, prefill, 1), run(llm, batch, 128, 33)
+            if turn:
+                times[name][0].append(pre)
+                times[name][1].append(dec)
+    print(f"{dtype}, attention cpu, 1 thread: prefill of {prefill} tokens; decode step of {batch} request(s); "
+          f"fastest (median) of {samples}, ms")
+    for name, (pre, dec) in times.items():
+        print(f"  fused_ops {name:5}: prefill {min(pre):8.1f} ({statistics.median(pre):.1f})   "
+              f"decode step {min(dec):6.2f} ({statistics.median(dec):.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 4096])
@@ -73,7 +115,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--sample-ms", type=float, default=3.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", action="store_true", help="time whole steps of the default model instead")
+    parser.add_argument("--batch", type=int, default=1, help="--steps: requests decoding together")
     args = parser.parse_args()
+    if args.steps:
+        for name in args.dtype:
+            steps(name, args.tokens[0], args.batch, args.samples)
+        return
     torch.set_num_threads(args.threads)
     ops, gen = CpuFusedOps(), torch.Generator().manual_seed(0)
     print(f"threads {torch.get_num_threads()}, the fastest of {args.samples} samples of >= {args.sample_ms} ms, ms per call")
