@@ -87,7 +87,7 @@ class CpuFusedOps:
             n0, s0, n1, s1 = x.shape[0], x.stride(0), 1, 0
         else:
             n0, s0, n1, s1 = _leading(x.shape, x.stride())
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)  # 0.8 us, torch.empty 1.8
         rc = self._rms_norm(
             code, x.data_ptr(), n0, s0, n1, s1, hidden, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads()
         )
@@ -126,7 +126,7 @@ class CpuFusedOps:
                     f"cpu fused ops: rotary takes cos and sin as contiguous float32 [T, 1, D] = {[tokens, 1, dim]} "
                     f"on the CPU, got {tuple(t.shape)} {t.dtype} strides {t.stride()} on {t.device}"
                 )
-        out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         rc = self._rotary(
             code, x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1),
             cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads(),

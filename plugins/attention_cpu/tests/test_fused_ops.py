@@ -25,9 +25,10 @@ def ops() -> CpuFusedOps:
 
 @pytest.fixture(autouse=True)
 def poisoned_empty(monkeypatch):
-    """``torch.empty`` hands out NaN-filled tensors, so an element the kernel leaves unwritten fails the check."""
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    """``torch.empty`` and ``empty_like`` hand out NaN-filled tensors: an element the kernel leaves unwritten fails."""
+    for name in ("empty", "empty_like"):
+        make = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, make=make, **k: make(*a, **k).fill_(float("nan")))
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
