@@ -140,7 +140,7 @@ def main() -> None:
     print(f"{args.model or 'default model'}, {args.dtype}, attention {args.attention}, fused_ops {runner.fused_ops_name}, "
           f"{torch.get_num_threads()} thread(s), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
-    for kind, label in (("decode", f"one decode step ({args.batch} request(s), context {args.context})"),
+    for kind, label in (("decode", f"one decode step ({args.batch} request{'s' if args.batch > 1 else ''}, context {args.context})"),
                         (f"prefill{args.prefill}", f"one prefill step ({args.prefill} tokens)")):
         runs = steps[kind]
         total = statistics.median(r[2] for r in runs)
