@@ -1,5 +1,12 @@
 """The default model's shipped Q4_1 file through ``gguf_cpu`` (decode steps in the kernel, the prompt
-through its decoder) gives the greedy tokens of the float folder converted from the same file."""
+through its decoder) gives the greedy tokens of the float folder converted from the same file, up to
+near-ties.
+
+The kernel quantizes each block of 32 activations to int8, as llama.cpp does, so its logits move by a few
+tenths of a nat from the float folder's, and a tiny change upstream (another RMSNorm's summation order)
+can flip an int8 rounding; greedy decoding then follows whichever of two near-equal tokens comes out
+ahead.  Where the tokens part, both runs must rank both tokens first and second, and the float run's gap
+between them must be under ``NEAR_TIE`` nats; a broken kernel parts at once by far more."""
 
 from __future__ import annotations
 
@@ -10,13 +17,14 @@ from corerun import LLM, SamplingParams
 pytest.importorskip("gguf")
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+NEAR_TIE = 0.5  # nats: a few times the int8 activations' logit error measured here (0.1-0.3)
 
 
 @pytest.mark.timeout(600)
 def test_q4_1_file_through_the_kernel_matches_the_converted_folder() -> None:
     from corerun.sdk.quantization import find_default_gguf
 
-    params = SamplingParams(temperature=0.0, max_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
     packed = LLM(model=str(find_default_gguf()), quantization="gguf_cpu", dtype="float32", threads=1)
     try:
         assert packed.engine.runner.quantization_name == "gguf_cpu"
@@ -25,6 +33,15 @@ def test_q4_1_file_through_the_kernel_matches_the_converted_folder() -> None:
     finally:
         packed.shutdown()
     want = LLM(dtype="float32", threads=1).generate(PROMPTS, params, use_tqdm=False)
+    parted = 0
     for p, a, b in zip(PROMPTS, got, want):
-        assert len(a.outputs[0].token_ids) == 8
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, p
+        ka, kb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(ka) == 8
+        if ka == kb:
+            continue
+        parted += 1
+        i = next(j for j, (x, y) in enumerate(zip(ka, kb)) if x != y)
+        lp_kernel, lp_float = a.outputs[0].logprobs[i], b.outputs[0].logprobs[i]
+        assert i > 0 and {ka[i], kb[i]} <= set(lp_kernel) & set(lp_float), (p, i, lp_kernel, lp_float)
+        assert lp_float[kb[i]].logprob - lp_float[ka[i]].logprob < NEAR_TIE, (p, i, lp_float)
+    assert parted <= 1, f"{parted} of {len(PROMPTS)} prompts parted from the float folder's greedy tokens"
