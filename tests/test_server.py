@@ -351,14 +351,21 @@ def test_online_bench_against_the_server(llm: LLM, url: str) -> None:
 
 def test_non_streamed_request_aborted_when_the_client_leaves(llm: LLM, url: str) -> None:
     assert_idle(llm, timeout=30)
-    before = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
+
+    def ended() -> tuple[float, float]:
+        text = http(url + "/metrics")[1]
+        return tuple(metric(text, "vllm:request_success_total", finished_reason=r) for r in ("abort", "length"))
+
+    before = ended()
     impatient = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=0.3)
-    with pytest.raises(openai.APITimeoutError):  # the client gives up long before 5000 tokens
+    with pytest.raises(openai.APITimeoutError):  # the client gives up long before 40 x 125 tokens
         impatient.completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=MAX_MODEL_LEN - 3, n=40,
                                      temperature=1.0, extra_body={"ignore_eos": True})
     assert_idle(llm, timeout=30)
-    after = metric(http(url + "/metrics")[1], "vllm:request_success_total", finished_reason="abort")
-    assert after - before == 40  # every sample of it
+    aborted, lengths = (a - b for a, b in zip(ended(), before))
+    # every sample of it ends and is counted: those the tiny model finished within the client's 0.3 s
+    # (the head and the first forks can reach 125 tokens on a quiet machine) as length, the rest as abort
+    assert aborted + lengths == 40 and aborted >= 1, (aborted, lengths)
 
 
 def test_engine_fault_is_a_500_for_that_request_only(folder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
