@@ -97,19 +97,26 @@ class GraphConfig(_Strict):
 
 class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    # the step's token budget; auto: vLLM's offline defaults, 4096 on CPU (better than 8192 there in throughput
+    # and time to first token alike: benchmarks/RESULTS.md), 8192 on any other device
+    max_num_batched_tokens: int | Literal["auto"] = "auto"
     max_model_len: int | Literal["auto"] = "auto"
     chunked_prefill: bool = True
     # schedule step N+1 while step N runs (forward and sampling on a background thread); outputs are
     # identical to synchronous scheduling (docs/usage.md, "Asynchronous scheduling")
     async_scheduling: bool = False
 
-    @field_validator("max_model_len")
+    def token_budget(self, device_type: str) -> int:
+        """``max_num_batched_tokens``, with ``auto`` resolved for a device of type ``device_type``."""
+        v = self.max_num_batched_tokens
+        return v if v != "auto" else 4096 if device_type == "cpu" else 8192
+
+    @field_validator("max_model_len", "max_num_batched_tokens")
     @classmethod
-    def _len(cls, v: int | str) -> int | str:
+    def _len(cls, v: int | str, info: ValidationInfo) -> int | str:
         if isinstance(v, int) and v < 1:
-            raise ValueError(f"max_model_len must be >= 1 or 'auto', got {v}")
-        if isinstance(v, int) and v > 2**31 - 1:  # positions are int32
+            raise ValueError(f"{info.field_name} must be >= 1 or 'auto', got {v}")
+        if info.field_name == "max_model_len" and isinstance(v, int) and v > 2**31 - 1:  # positions are int32
             raise ValueError(f"max_model_len must be at most {2**31 - 1} (positions are int32) or 'auto', got {v}")
         return v
 

@@ -19,7 +19,7 @@ attention: auto                  # an installed attention backend
 sampler: full                    # an installed sampler
 kv_cache: {manager: paged, block_size: 16, num_blocks: auto, memory_fraction: 0.9, prefix_caching: true}
 graph: {runner: auto, max_batch_size: 256}
-scheduler: {max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: auto}
+scheduler: {max_num_seqs: 256, max_num_batched_tokens: auto, max_model_len: auto}
 """
 
 
@@ -43,6 +43,15 @@ def _pick(actual: object, like: object) -> object:
     return actual
 
 
+def test_the_token_budget_auto_is_vllms_offline_default_for_the_device() -> None:
+    sc = Config().scheduler
+    assert (sc.token_budget("cpu"), sc.token_budget("cuda"), sc.token_budget("mps")) == (4096, 8192, 8192)
+    assert Config(scheduler={"max_num_batched_tokens": 16}).scheduler.token_budget("cpu") == 16
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"max_num_batched_tokens must be >= 1 or 'auto', got {bad}"):
+            Config(scheduler={"max_num_batched_tokens": bad})
+
+
 def test_defaults_are_the_design_values(tmp_path: Path) -> None:
     expected = {
         "model": None,
@@ -52,7 +61,7 @@ def test_defaults_are_the_design_values(tmp_path: Path) -> None:
         "sampler": {"name": "full", "options": {}},
         "kv_cache": {"manager": {"name": "paged", "options": {}}, "block_size": 16, "num_blocks": "auto", "memory_fraction": 0.9, "prefix_caching": True},
         "graph": {"runner": {"name": "auto", "options": {}}, "max_batch_size": 256},
-        "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": "auto"},
+        "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": "auto", "max_model_len": "auto"},
     }
     for cfg in (Config(), load_config(), load_config(write(tmp_path, ""))):
         assert _pick(cfg.model_dump(), expected) == expected

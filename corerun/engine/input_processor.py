@@ -39,13 +39,14 @@ class Limits:
     chunked_prefill: bool
 
     @classmethod
-    def of(cls, config: Any, model_config: Any, kv: Any) -> Limits:
-        """The limits of ``config``, the model's config and the KV-cache manager's blocks."""
+    def of(cls, config: Any, model_config: Any, kv: Any, max_num_batched_tokens: int) -> Limits:
+        """The limits of ``config``, the model's config, the KV-cache manager's blocks and the step's token
+        budget (``scheduler.max_num_batched_tokens`` resolved for the device: ``ModelRunner.max_num_batched_tokens``)."""
         sc = config.scheduler
         return cls(
             max_model_len=model_config.max_model_len if sc.max_model_len == "auto" else sc.max_model_len,
             vocab_size=model_config.vocab_size, block_size=kv.block_size, num_blocks=kv.num_blocks,
-            max_logprobs=config.max_logprobs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_logprobs=config.max_logprobs, max_num_batched_tokens=max_num_batched_tokens,
             chunked_prefill=sc.chunked_prefill,
         )
 

@@ -49,7 +49,7 @@ class LLMEngine:
             eos = frozenset({self.tokenizer.eos_token_id})
         self.eos_token_ids = eos
         runner.set_vocabulary(self.tokenizer, eos)  # structured outputs read both
-        limits = Limits.of(config, runner.model_config, self.kv)
+        limits = Limits.of(config, runner.model_config, self.kv, runner.max_num_batched_tokens)
         self.inputs = InputProcessor(limits, self.tokenizer, sampler_check(runner.sampler, runner.sampler_name,
                                                                             runner.logits_processors),
                                      check_lora=runner.lora.load if runner.lora is not None else None)
@@ -61,7 +61,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.spec = make_spec_decoder(config, runner, registry)
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            self.kv, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
             chunked_prefill=sc.chunked_prefill, max_model_len=runner.max_model_len, eos_token_ids=eos,
             kv_name=runner.kv_manager_name, num_spec_tokens=self.spec.proposer.num_tokens if self.spec else 0,
             max_loras=config.lora.max_loras if runner.lora is not None else 0,

@@ -59,5 +59,5 @@ def _draft_proposer(config: Config, target: Any, registry: Registry | None) -> D
             f"{target.vocab_size}; a draft model must share the model's tokenizer and vocabulary size"
         )
     return DraftModelProposer(
-        runner, spec.num_tokens, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+        runner, spec.num_tokens, max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
     )

@@ -86,6 +86,7 @@ def load(runner: Any, tp: Any) -> None:
     runner.block_size = config.kv_cache.block_size
     ml = config.scheduler.max_model_len
     runner.max_model_len = mc.max_model_len if ml == "auto" else ml
+    runner.max_num_batched_tokens = config.scheduler.token_budget(device.type)
     if runner.max_model_len > mc.max_model_len:
         raise ConfigError(
             f"scheduler.max_model_len: {runner.max_model_len} is longer than the model's "
@@ -166,7 +167,7 @@ def select_lora(runner: Any, tp: Any, limits: GraphLimits) -> None:
     sc = runner.config.scheduler
     runner.lora = LoRAManager(
         runner.model, kernel, max_loras=lc.max_loras, max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
-        max_tokens=max(sc.max_num_batched_tokens, sc.max_num_seqs, limits.max_batch_size), dtype=runner.dtype,
+        max_tokens=max(runner.max_num_batched_tokens, sc.max_num_seqs, limits.max_batch_size), dtype=runner.dtype,
         device=runner.device,
     )
 
@@ -238,8 +239,8 @@ def profile_step_memory(runner: Any, limits: GraphLimits) -> StepMemory:
     peaks (see :mod:`corerun.runner.profile`).  Every rank of a tensor-parallel group runs the same
     forwards in the same order; only the rank holding the logits samples."""
     sc, bs, dev, mc = runner.config.scheduler, runner.block_size, runner.device, runner.model_config
-    prefill = profile.worst_prefill(sc.max_num_batched_tokens, runner.max_model_len, sc.max_num_seqs, bs, dev)
-    decode_rows = min(sc.max_num_seqs, sc.max_num_batched_tokens)
+    prefill = profile.worst_prefill(runner.max_num_batched_tokens, runner.max_model_len, sc.max_num_seqs, bs, dev)
+    decode_rows = min(sc.max_num_seqs, runner.max_num_batched_tokens)
     decode = profile.widest_decode(decode_rows, runner.max_model_len, bs, dev)
     reg = runner.registry.get("graph", runner.graph_name)
     captures = bool(getattr(reg.capabilities, "captures", False)) and bool(
@@ -347,10 +348,26 @@ def select_quantization(runner: Any, device: Any) -> Any:
     from corerun.quantization.checkpoint import checkpoint_format
 
     choice = runner.config.quantization
-    found = checkpoint_format(runner.model_dir, device)
+    found = checkpoint_format(runner.model_dir, device, _run_dtype(runner, device))
     runner.quantization_name = runner.registry.select("quantization", choice.name, found).name
     method = runner.registry.create("quantization", runner.quantization_name, options=choice.options)
     return None if method.dense else method
+
+
+def _run_dtype(runner: Any, device: Any) -> str | None:
+    """The dtype :func:`load` will give the model, by name (a method declares the activation dtypes it takes);
+    ``None`` when ``dtype: auto`` off CPU meets a ``config.json`` that does not read."""
+    from corerun.runner.model_runner import resolve_dtype
+
+    model_dtype = None
+    if runner.config.dtype == "auto" and getattr(device, "type", str(device)) != "cpu":
+        try:
+            from corerun.models.config import ModelConfig
+
+            model_dtype = ModelConfig.from_model_dir(runner.model_dir).torch_dtype
+        except Exception:  # noqa: BLE001 - the load reports an unreadable config.json with its own error
+            return None
+    return str(resolve_dtype(runner.config.dtype, torch.device(device), model_dtype)).removeprefix("torch.")
 
 
 def default_model_dir() -> Path:

@@ -154,7 +154,7 @@ class ModelRunner:
         return StepInputs(
             self.block_size,
             self.device,
-            max_num_tokens=sc.max_num_batched_tokens,
+            max_num_tokens=self.max_num_batched_tokens,
             max_num_reqs=sc.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             in_flight=self.pipeline_depth,  # (steps still reading their inputs while the next is built)
