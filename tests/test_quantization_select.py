@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from corerun import hookimpl
 from corerun.plugin.capabilities import QuantizationCapabilities
@@ -73,6 +74,30 @@ def test_checkpoint_format_reads_config_json(tmp_path: Any) -> None:
     assert checkpoint_format(tmp_path, "cpu") == CheckpointFormat("cpu", quant_method="awq")
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     assert checkpoint_format(tmp_path, "cpu") == CheckpointFormat("cpu")
+
+
+def test_the_model_dtype_is_checked_against_activation_dtypes(tmp_path: Any) -> None:
+    bf16_only = QuantizationCapabilities(dense=True, activation_dtypes=frozenset({"bfloat16"}))
+    assert bf16_only.fits(CheckpointFormat("cpu", dtype="bfloat16")) == []
+    assert bf16_only.fits(CheckpointFormat("cpu")) == []  # dtype not known: not checked
+    assert bf16_only.fits(CheckpointFormat("cpu", dtype="float32")) == ["the model runs in float32; its layers take {bfloat16}"]
+    reg = Registry.from_environment(allow=[])
+    assert reg.select("quantization", "auto", CheckpointFormat("cpu", dtype="float32")).name == "none"
+    with pytest.raises(PluginUnavailableError, match=r"the model runs in float64; its layers take \{bfloat16, float16, float32\}"):
+        reg.select("quantization", "gptq", CheckpointFormat("cpu", quant_method="gptq", dtype="float64"))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert checkpoint_format(tmp_path, "cpu", "bfloat16") == CheckpointFormat("cpu", dtype="bfloat16")
+
+
+def test_select_quantization_hands_the_run_dtype(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from corerun.runner.construction import _run_dtype
+
+    runner = SimpleNamespace(config=SimpleNamespace(dtype="auto"), model_dir=tmp_path)
+    assert _run_dtype(runner, torch.device("cpu")) == "float32"  # auto on CPU
+    runner.config.dtype = "bfloat16"
+    assert _run_dtype(runner, torch.device("cpu")) == "bfloat16"
 
 
 @pytest.mark.parametrize("name", ["gguf", "gguf_cpu"])

@@ -226,7 +226,8 @@ class QuantizationCapabilities:
       token, or per smaller group of a token's values) before the product, as W8A8 formats do and as
       llama.cpp does for GGUF blocks; its conformance bound then adds half an activation step.
 
-    ``fits(checkpoint)`` lists why it cannot read a :class:`corerun.quantization.CheckpointFormat`.
+    ``fits(checkpoint)`` lists why it cannot read a :class:`corerun.quantization.CheckpointFormat` (its
+    ``dtype``, when known, checked against ``activation_dtypes``).
     """
 
     quant_methods: frozenset[str] = frozenset()
@@ -257,6 +258,9 @@ class QuantizationCapabilities:
             reasons.append(f"the checkpoint holds GGUF tensor types {_fmt(gguf_types - self.gguf_types)}; it reads {self.reads()}")
         elif method is None and not gguf_types and not self.dense:
             reasons.append(f"the checkpoint is not quantized; it reads {self.reads()}")
+        dtype = getattr(need, "dtype", None)
+        if dtype is not None and dtype not in self.activation_dtypes:
+            reasons.append(f"the model runs in {dtype}; its layers take {_fmt(self.activation_dtypes)}")
         return reasons
 
     def to_dict(self) -> dict[str, Any]:

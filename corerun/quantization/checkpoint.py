@@ -13,11 +13,13 @@ GGUF_MARKER = "corerun-gguf.json"  # in a folder made for a .gguf file: {"gguf":
 @dataclass(frozen=True)
 class CheckpointFormat:
     """``quant_method``: ``quantization_config.quant_method`` of ``config.json`` (``None``: absent);
-    ``gguf_types``: the GGML types of a GGUF file's tensors (empty: not GGUF); ``device``: where the model runs."""
+    ``gguf_types``: the GGML types of a GGUF file's tensors (empty: not GGUF); ``device``: where the model runs;
+    ``dtype``: the dtype it runs in, by name (``"bfloat16"``; ``None``: not known, not checked)."""
 
     device: Any
     quant_method: str | None = None
     gguf_types: frozenset[str] = frozenset()
+    dtype: str | None = None
 
     def describe(self) -> str:
         if self.gguf_types:
@@ -45,13 +47,13 @@ def quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     return quant if isinstance(quant, dict) else None
 
 
-def checkpoint_format(model_dir: str | Path, device: Any) -> CheckpointFormat:
-    """Read ``model_dir``'s ``config.json`` (and GGUF file, if it stands for one)."""
+def checkpoint_format(model_dir: str | Path, device: Any, dtype: str | None = None) -> CheckpointFormat:
+    """Read ``model_dir``'s ``config.json`` (and GGUF file, if it stands for one); ``dtype`` is the model's, as run."""
     gguf = gguf_file_of(model_dir)
     if gguf is not None:
         from corerun.quantization.gguf_file import gguf_types
 
-        return CheckpointFormat(device, gguf_types=gguf_types(gguf))
+        return CheckpointFormat(device, gguf_types=gguf_types(gguf), dtype=dtype)
     quant = quantization_config(model_dir)
     method = quant.get("quant_method") if quant is not None else None
-    return CheckpointFormat(device, quant_method=str(method) if method is not None else None)
+    return CheckpointFormat(device, quant_method=str(method) if method is not None else None, dtype=dtype)

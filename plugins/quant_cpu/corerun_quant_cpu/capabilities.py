@@ -1,10 +1,14 @@
-"""What the ``gguf_cpu`` method declares, as plain data (imported at plugin-listing time: no torch).
+"""What the ``gguf_cpu`` and ``dense_cpu`` methods declare, as plain data (imported at plugin-listing time: no torch).
 
-It reads every GGUF type the built-in ``gguf`` method reads; Q8_0, Q4_0 and Q4_1 shards go through the
+``gguf_cpu`` reads every GGUF type the built-in ``gguf`` method reads; Q8_0, Q4_0 and Q4_1 shards go through the
 C++ product for batches of up to ``KERNEL_MAX_TOKENS`` rows and through the C++ decoder plus torch's
 matmul above that; every other type through ``gguf``'s own decode-and-multiply.  CPU only.  On a CPU
 with AVX-512 and VNNI the product quantizes the activations to int8 per 32-value block, as llama.cpp
 does (``int8_activations``: the conformance bound adds half an activation step).
+
+``dense_cpu`` reads unquantized checkpoints, as the built-in ``none`` does, for a model run in bfloat16 on
+CPU: batches of up to ``BF16_MAX_TOKENS`` rows go through the C++ bfloat16 product, larger ones through
+oneDNN's prepacked bfloat16 product.
 """
 
 from __future__ import annotations
@@ -12,9 +16,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from corerun.sdk import GGUF_CAPABILITIES as GGUF
+from corerun.sdk import QuantizationCapabilities
 
 KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # kernels.TYPES
 KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster from here on: benchmarks/RESULTS.md)
+# above: oneDNN's prepacked bfloat16 product, as fast or faster from 4-8 tokens on (benchmarks/bf16_gemv_bench.py)
+BF16_MAX_TOKENS = 4
 
 # the AVX-512 path quantizes activations to int8 per 32-block (llama.cpp's way); scalar and AVX2 do not
 GGUF_CPU = replace(GGUF, devices=frozenset({"cpu"}), int8_activations=True)
+DENSE_CPU = QuantizationCapabilities(
+    dense=True, bits=frozenset({16.0}), activation_dtypes=frozenset({"bfloat16"}), devices=frozenset({"cpu"}),
+)

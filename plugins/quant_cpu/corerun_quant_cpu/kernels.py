@@ -26,6 +26,7 @@ import torch
 logger = logging.getLogger("corerun_quant_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
+SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "bf16_gemv.cpp")  # one library; bf16_gemv.cpp adds its ops
 NAME = "corerun_quant_cpu"
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # ordered: each runs where the ones above it do
@@ -40,7 +41,7 @@ def build_dir() -> Path:
     from corerun.sdk import cache_dir
 
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), " ".join(CFLAGS).encode()):
         h.update(part)
         h.update(b"\0")
     return cache_dir() / "quant_cpu" / h.hexdigest()[:20]
@@ -72,14 +73,14 @@ def _build_and_load() -> list[str]:
 
     target.mkdir(parents=True, exist_ok=True)
     try:
-        logger.info("quant_cpu: building %s in %s", SOURCE.name, target)
+        logger.info("quant_cpu: building %s in %s", ", ".join(s.name for s in SOURCES), target)
         cpp_extension.load(
-            name=NAME, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=ldflags,
+            name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=ldflags,
             build_directory=str(target), is_python_module=False, verbose=False,
         )
     except Exception as exc:  # a compiler error, a missing header: the reason, not a crash
         tail = " ".join(str(exc).strip().splitlines()[-6:])
-        return [f"building {SOURCE.name} with torch.utils.cpp_extension failed: {type(exc).__name__}: {tail}"]
+        return [f"building {', '.join(s.name for s in SOURCES)} with torch.utils.cpp_extension failed: {type(exc).__name__}: {tail}"]
     return []
 
 
@@ -147,6 +148,35 @@ def gguf_gemv_q8_0_repacked(out: torch.Tensor, codes: torch.Tensor, scales: torc
     """:func:`gguf_gemv` of Q8_0 rows repacked by :func:`repack_q8_0` (AVX-512 + VNNI only): ``x`` float32
     ``[T, cols]`` contiguous, ``out`` float32 ``[T, rows]`` with a contiguous last dimension."""
     torch.ops.corerun_quant_cpu.gguf_gemv_q8_0r(out, codes, scales, x)
+
+
+BF16_ISAS = {"scalar": 0, "avx512": 1, "avx512_bf16": 2}  # bf16_gemv's: AVX-512 F widens to float32, BF16 has vdpbf16ps
+
+
+def bf16_best_isa() -> str:
+    """The instruction set :func:`bf16_gemv` uses here: ``avx512_bf16`` where the CPU has AVX512_BF16
+    (with F, BW, VL), ``avx512`` where it has AVX-512 F/BW/VL, else ``scalar``."""
+    best = torch.ops.corerun_quant_cpu.bf16_isa()
+    return next(name for name, number in BF16_ISAS.items() if number == best)
+
+
+def repack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[rows, cols]`` as :func:`bf16_gemv` reads it: bfloat16 ``[ceil(rows / 16), ceil(cols / 2) * 32]``,
+    16 rows at a time with their columns in pairs (``packed[b, (p * 16 + r) * 2 + c] = weight[16 b + r, 2 p + c]``),
+    zeros past the last row and after an odd last column."""
+    rows, cols = weight.shape
+    nb, npairs = (rows + 15) // 16, (cols + 1) // 2
+    padded = torch.zeros(nb * 16, npairs * 2, dtype=torch.bfloat16)
+    padded[:rows, :cols] = weight
+    return padded.view(nb, 16, npairs, 2).transpose(1, 2).contiguous().view(nb, npairs * 32)
+
+
+def bf16_gemv(out: torch.Tensor, packed: torch.Tensor, x: torch.Tensor, isa: str) -> None:
+    """``out[t, j] = sum_i x[t, i] * W[j, i]`` in float32, rounded to bfloat16, ``W`` repacked by :func:`repack_bf16`.
+
+    ``x`` bfloat16 ``[T, cols]`` contiguous; ``out`` bfloat16 ``[T, rows]`` with a contiguous last dimension;
+    ``isa`` one of :data:`BF16_ISAS`.  Tokens go 8 to a pass over the weights."""
+    torch.ops.corerun_quant_cpu.bf16_gemv(out, packed, x, BF16_ISAS[isa])
 
 
 def reset() -> None:

@@ -1,8 +1,8 @@
-"""Entry point of corerun-quant-cpu: registers the ``gguf_cpu`` method (imports no torch, compiles nothing)."""
+"""Entry point of corerun-quant-cpu: registers the ``gguf_cpu`` and ``dense_cpu`` methods (imports no torch, compiles nothing)."""
 
 from corerun import hookimpl
 
-from corerun_quant_cpu.capabilities import GGUF_CPU
+from corerun_quant_cpu.capabilities import DENSE_CPU, GGUF_CPU
 
 
 @hookimpl
@@ -18,5 +18,18 @@ def corerun_quantization_methods(register):
             "GGUF blocks kept packed; Q8_0 / Q4_0 / Q4_1 products of up to 16 tokens, the LM head included, in C++ "
             "straight from the blocks (AVX-512 VNNI with int8 activations, AVX2 or scalar, chosen at run time), "
             "the rest decoded per call as gguf does"
+        ),
+    )
+    register(
+        "dense_cpu",
+        "corerun_quant_cpu.dense_method:DenseCpuMethod",
+        capabilities=DENSE_CPU,
+        probe="corerun_quant_cpu.probe:probe_dense",
+        # above the built-in none (0), so `quantization: auto` takes it for a dense checkpoint run in bfloat16 on a
+        # CPU with AVX512_BF16; its capabilities refuse float32 and float16, which keep none
+        priority={"cpu": 20, "default": -10},
+        description=(
+            "unquantized weights run in bfloat16 on CPU: products of up to 4 tokens, the LM head included, in C++ "
+            "(AVX512_BF16 dot products on weights repacked 16 rows by 2 columns), larger ones through oneDNN"
         ),
     )

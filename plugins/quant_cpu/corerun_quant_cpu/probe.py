@@ -1,4 +1,4 @@
-"""Availability probe: builds (or finds already built) the kernel library and returns every reason it cannot run."""
+"""Availability probes: build (or find already built) the kernel library and return every reason a method cannot run."""
 
 from __future__ import annotations
 
@@ -8,3 +8,15 @@ def probe() -> list[str]:
     from corerun_quant_cpu import kernels
 
     return kernels.load()
+
+
+def probe_dense() -> list[str]:
+    """Reasons ``dense_cpu`` cannot run here: those of :func:`probe`, or a CPU without AVX512_BF16 (where
+    the kernel widens bfloat16 to float32 and oneDNN's product, ``none``'s, is the one to keep)."""
+    from corerun_quant_cpu import kernels
+
+    reasons = kernels.load()
+    if not reasons and kernels.bf16_best_isa() != "avx512_bf16":
+        reasons = [f"this CPU lacks AVX512_BF16 (the bfloat16 kernel would run {kernels.bf16_best_isa()!r}); "
+                   "quantization: none multiplies bfloat16 with oneDNN"]
+    return reasons

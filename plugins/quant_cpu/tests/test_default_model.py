@@ -45,3 +45,34 @@ def test_q4_1_file_through_the_kernel_matches_the_converted_folder() -> None:
         assert i > 0 and {ka[i], kb[i]} <= set(lp_kernel) & set(lp_float), (p, i, lp_kernel, lp_float)
         assert lp_float[kb[i]].logprob - lp_float[ka[i]].logprob < NEAR_TIE, (p, i, lp_float)
     assert parted <= 1, f"{parted} of {len(PROMPTS)} prompts parted from the float folder's greedy tokens"
+
+
+@pytest.mark.timeout(600)
+def test_dense_cpu_in_bfloat16_matches_none() -> None:
+    """The default model in bfloat16: ``dense_cpu`` (picked by ``auto``; decode steps and the LM head in the
+    bfloat16 kernel) against ``none`` (oneDNN), greedy, equal up to a near-tie.  Both round each product to
+    bfloat16 from float32 sums taken in another order, so a logit can move by a bfloat16 step."""
+    from corerun_quant_cpu import kernels
+
+    if kernels.bf16_best_isa() != "avx512_bf16":
+        pytest.skip("this CPU lacks AVX512_BF16: auto keeps none")
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    mine = LLM(dtype="bfloat16", threads=1)
+    try:
+        assert mine.engine.runner.quantization_name == "dense_cpu"
+        assert mine.engine.runner.model.lm_head.quantized is not None
+        got = mine.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        mine.shutdown()
+    want = LLM(dtype="bfloat16", threads=1, quantization="none").generate(PROMPTS, params, use_tqdm=False)
+    parted = 0
+    for p, a, b in zip(PROMPTS, got, want):
+        ka, kb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if ka == kb:  # 16 tokens, or fewer up to the same end of sequence
+            continue
+        parted += 1
+        i = next(j for j, (x, y) in enumerate(zip(ka, kb)) if x != y)  # an end of sequence is a token: they part before it
+        lp_mine, lp_none = a.outputs[0].logprobs[i], b.outputs[0].logprobs[i]
+        assert {ka[i], kb[i]} <= set(lp_mine) & set(lp_none), (p, i, lp_mine, lp_none)
+        assert lp_none[kb[i]].logprob - lp_none[ka[i]].logprob < NEAR_TIE, (p, i, lp_none)
+    assert parted <= 1, f"{parted} of {len(PROMPTS)} prompts parted from none's greedy tokens"

@@ -1,0 +1,111 @@
+"""``dense_cpu``: unquantized weights, as the built-in ``none`` loads them, multiplied in bfloat16 on CPU by C++.
+
+A decode step of one request is a matrix-vector product that streams every weight once; oneDNN's
+bfloat16 product streams them well below what one core reads (benchmarks/RESULTS.md).  This method
+loads a dense checkpoint exactly as ``none`` does (one ``[out, in]`` weight per layer, a merged layer's
+q/k/v or gate/up shards stacked in order, a tensor-parallel rank's slice as the layer cut it) and, once
+the layer's last shard is in, keeps two copies made from it in place of the plain weight:
+
+- ``bf16_packed``: :func:`~corerun_quant_cpu.kernels.repack_bf16`'s layout (16 rows by 2 columns per
+  64-byte vector), read by :func:`~corerun_quant_cpu.kernels.bf16_gemv` for batches of up to
+  :data:`~corerun_quant_cpu.capabilities.BF16_MAX_TOKENS` rows;
+- ``bf16_onednn``: oneDNN's prepacked copy, the one ``none``'s layers make (AMX where the CPU has it),
+  for larger batches (prefill).
+
+The plain weight is then emptied (``layer.weight`` holds no values): the layer holds two copies, as a
+``none`` layer does (its weight plus oneDNN's).  Where the weight is not bfloat16 on CPU (a method built
+by hand for another model) nothing is repacked and :meth:`apply` is ``F.linear``.
+
+The LM head too (:meth:`lm_head`): a layer of this method made from the checkpoint's head tensor (the
+tied embedding's, for the default model: 49152 x 576, a fifth of the bytes a step reads).  The
+embedding keeps its own float rows for the lookup, so a tied head adds one copy over ``none``'s two.
+
+Not a subclass of the built-in ``none`` (``corerun.quantization.dense.DenseMethod``): a plugin imports
+only the public surface (docs/plugins.md), which does not list it; its few lines of storage are
+repeated here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corerun.sdk.models import Linear
+
+from corerun_quant_cpu import kernels
+from corerun_quant_cpu.capabilities import BF16_MAX_TOKENS, DENSE_CPU
+
+
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class DenseCpuMethod:
+    name = "dense_cpu"
+    capabilities = DENSE_CPU
+    dense = False  # the layers hand their weight to this method (checkpoints it reads are dense: capabilities.dense)
+    quantizes_lm_head = True
+
+    def __init__(self) -> None:
+        reasons = kernels.load()
+        if reasons:
+            raise RuntimeError("quantization method dense_cpu cannot run here: " + "; ".join(reasons))
+        self.isa = kernels.bf16_best_isa()
+
+    def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None:
+        """``layer.weight`` ``[sum of shard_sizes, in_features]`` in the default dtype (the model's)."""
+        layer.weight = nn.Parameter(torch.empty(sum(shard_sizes.values()), in_features), requires_grad=False)
+        offsets, at = {}, 0
+        for shard_id, size in shard_sizes.items():
+            offsets[shard_id], at = at, at + size
+        layer.dense_offsets, layer.dense_sizes, layer.dense_rows = offsets, dict(shard_sizes), at
+        layer.dense_loaded = set()
+        layer.bf16_packed = layer.bf16_onednn = None
+
+    def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
+        """Copy ``loaded`` (a float tensor) into its shard's rows; after the layer's last shard, repack."""
+        if not isinstance(loaded, torch.Tensor):
+            raise TypeError(f"dense_cpu reads unquantized checkpoints; got a {type(loaded).__name__} for shard {shard_id!r}")
+        if layer.weight.numel() == 0:
+            raise RuntimeError(f"dense_cpu: shard {shard_id!r} loaded again after the layer was repacked (its plain weight is gone)")
+        layer.weight.data.narrow(0, layer.dense_offsets[shard_id], layer.dense_sizes[shard_id]).copy_(loaded)
+        layer.dense_loaded.add(shard_id)
+        if len(layer.dense_loaded) == len(layer.dense_sizes):
+            self._repack(layer)
+
+    @staticmethod
+    def _repack(layer: nn.Module) -> None:
+        w = layer.weight.data
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not _onednn_bf16():
+            return
+        layer.bf16_packed = kernels.repack_bf16(w)
+        layer.bf16_onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        layer.weight.data = w.new_empty(0)  # both copies above hold it
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype (bfloat16 for the layers this method is chosen for)."""
+        packed = layer.__dict__.get("bf16_packed")
+        if packed is None:
+            return F.linear(x, layer.weight.to(x.dtype))
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= BF16_MAX_TOKENS and x.device.type == "cpu":
+            out = torch.empty(x.shape[0], layer.dense_rows, dtype=torch.bfloat16)
+            kernels.bf16_gemv(out, packed, x.contiguous(), self.isa)
+            return out
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), layer.bf16_onednn, None, "none", [], "")
+        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+    def lm_head(self, loaded: Any) -> nn.Module | None:
+        """A bfloat16 layer of this method holding the head ``loaded`` ``[vocab, hidden]`` (a float tensor)."""
+        if not isinstance(loaded, torch.Tensor) or loaded.dim() != 2 or not _onednn_bf16():
+            return None
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # called after the model's load, outside its default dtype
+        try:
+            layer = Linear(loaded.shape[1], loaded.shape[0], quant=self)
+        finally:
+            torch.set_default_dtype(previous)
+        layer.weight.weight_loader(layer.weight, loaded)
+        return layer

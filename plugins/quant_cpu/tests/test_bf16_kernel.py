@@ -1,0 +1,58 @@
+"""``bf16_gemv`` (csrc/bf16_gemv.cpp) against float64: every instruction set this CPU runs, odd shapes,
+1 to 11 tokens (a second tile of 8), a column slice of a wider output, and the repacked layout itself
+against its definition written out element by element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corerun_quant_cpu import kernels
+
+SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536)]
+
+
+def bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """One bfloat16 rounding of the result (half a unit in the 8th bit: 2^-9 relative, doubled) plus the
+    float32 sum's rounding, ``8 sqrt(in) eps(float32) (|x| @ |W|.T)``."""
+    eps32 = torch.finfo(torch.float32).eps
+    return 2.0**-8 * ref.abs() + 8 * x.shape[1] ** 0.5 * eps32 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("isa", list(kernels.BF16_ISAS))
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 11])
+def test_bf16_gemv_matches_float64(isa: str, rows: int, cols: int, tokens: int) -> None:
+    if kernels.BF16_ISAS[isa] > kernels.BF16_ISAS[kernels.bf16_best_isa()]:
+        pytest.skip(f"this CPU runs at most {kernels.bf16_best_isa()}")
+    g = torch.Generator().manual_seed(rows * 1000 + cols * 10 + tokens)
+    w = torch.randn(rows, cols, generator=g).bfloat16()
+    x = torch.randn(tokens, cols, generator=g).bfloat16()
+    ref = x.double() @ w.double().T
+    wide = torch.full((tokens, rows + 5), float("nan"), dtype=torch.bfloat16)  # poisoned; the kernel writes columns 2 .. rows + 1
+    out = wide[:, 2 : rows + 2]
+    kernels.bf16_gemv(out, kernels.repack_bf16(w), x, isa)
+    err = (out.double() - ref).abs()
+    assert torch.isfinite(out).all()
+    assert (err <= bound(x, w, ref)).all(), f"worst {(err / bound(x, w, ref)).max().item():.2f} of the bound"
+    assert torch.isnan(wide[:, :2].float()).all() and torch.isnan(wide[:, rows + 2 :].float()).all()  # nothing outside
+
+
+def test_repack_layout_is_its_definition() -> None:
+    w = torch.randn(21, 7, generator=torch.Generator().manual_seed(3)).bfloat16()
+    packed = kernels.repack_bf16(w)
+    assert packed.shape == (2, 4 * 32) and packed.dtype == torch.bfloat16
+    for b in range(2):
+        for p in range(4):
+            for r in range(16):
+                for c in range(2):
+                    row, col = 16 * b + r, 2 * p + c
+                    want = w[row, col] if row < 21 and col < 7 else torch.tensor(0, dtype=torch.bfloat16)
+                    assert packed[b, (p * 16 + r) * 2 + c] == want, (b, p, r, c)
+
+
+def test_bf16_gemv_refuses_a_mismatched_layout() -> None:
+    w = torch.randn(20, 10).bfloat16()
+    out = torch.empty(1, 40, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="repack_bf16.s, for 40 rows of 10 columns"):
+        kernels.bf16_gemv(out, kernels.repack_bf16(w), torch.randn(1, 10).bfloat16(), "scalar")
