@@ -82,7 +82,8 @@ class DenseCpuMethod:
         if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not _onednn_bf16():
             return
         layer.bf16_packed = kernels.repack_bf16(w)
-        layer.bf16_onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        with torch.inference_mode():  # made outside it, the same reorder multiplied 10% slower at 16 tokens (RESULTS.md)
+            layer.bf16_onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         layer.weight.data = w.new_empty(0)  # both copies above hold it
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
