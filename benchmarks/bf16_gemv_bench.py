@@ -5,6 +5,7 @@ model's step, where 30 layers' weights pass by).  Prints GB/s of weight streamed
 measured in this one process, side by side.
 
     .venv/bin/python benchmarks/bf16_gemv_bench.py [--copies 8] [--tokens 1 2 4 8]
+    .venv/bin/python benchmarks/bf16_gemv_bench.py --model     # one token through all 121 of the default model's weights
 """
 
 from __future__ import annotations
@@ -27,14 +28,47 @@ def _time(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def model_stream(rounds: int = 5) -> None:
+    """One token through the default model's 30 layers of weights and its LM head, each weight its own
+    tensor (269 MB in bfloat16, streamed once per token as a decode step does): ms per token and GB/s."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    ws = [torch.randn(rows, cols, generator=gen).bfloat16() for rows, cols in shapes]
+    packed = [kernels.repack_bf16(w) for w in ws]
+    with torch.inference_mode():
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
+    del ws
+    xs = {cols: torch.randn(1, cols, generator=gen).bfloat16() for cols in (576, 1536)}
+    outs = [torch.empty(1, rows, dtype=torch.bfloat16) for rows, _ in shapes]
+    isa, total = kernels.bf16_best_isa(), sum(r * c * 2 for r, c in shapes)
+
+    def ours() -> None:
+        for (rows, cols), p, out in zip(shapes, packed, outs):
+            kernels.bf16_gemv(out, p, xs[cols], isa)
+
+    def theirs() -> None:
+        with torch.inference_mode():
+            for (rows, cols), d in zip(shapes, onednn):
+                torch.ops.mkldnn._linear_pointwise(xs[cols], d, None, "none", [], "")
+
+    for _ in range(rounds):
+        a, b = _time(ours, 5), _time(theirs, 5)
+        print(f"{total / 1e6:.0f} MB per token: kernel {a * 1e3:.2f} ms ({total / a / 1e9:.1f} GB/s), "
+              f"oneDNN {b * 1e3:.2f} ms ({total / b / 1e9:.1f} GB/s), kernel/oneDNN {a / b:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--model", action="store_true", help="one token through the default model's weights (model_stream)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     assert not kernels.load(), kernels.load()
+    if args.model:
+        model_stream()
+        return
     isa = kernels.bf16_best_isa()
     gen = torch.Generator().manual_seed(0)
     print(f"isa {isa}, 1 thread, {args.copies} copies of each weight")
