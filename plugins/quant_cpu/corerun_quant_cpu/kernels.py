@@ -165,10 +165,9 @@ def repack_bf16(weight: torch.Tensor) -> torch.Tensor:
     16 rows at a time with their columns in pairs (``packed[b, (p * 16 + r) * 2 + c] = weight[16 b + r, 2 p + c]``),
     zeros past the last row and after an odd last column."""
     rows, cols = weight.shape
-    nb, npairs = (rows + 15) // 16, (cols + 1) // 2
-    padded = torch.zeros(nb * 16, npairs * 2, dtype=torch.bfloat16)
-    padded[:rows, :cols] = weight
-    return padded.view(nb, 16, npairs, 2).transpose(1, 2).contiguous().view(nb, npairs * 32)
+    packed = torch.empty((rows + 15) // 16, (cols + 1) // 2 * 32, dtype=torch.bfloat16)
+    torch.ops.corerun_quant_cpu.bf16_repack(packed, weight.to(torch.bfloat16).contiguous())
+    return packed
 
 
 def bf16_gemv(out: torch.Tensor, packed: torch.Tensor, x: torch.Tensor, isa: str) -> None:

@@ -13,6 +13,7 @@
 //     isa     0 = scalar, 1 = AVX-512 F (bfloat16 widened to float32, FMA), 2 = AVX-512 BF16
 //             (vdpbf16ps: one instruction multiplies a 16-row x 2-column vector by a broadcast pair
 //             of x and adds into 16 float32 row sums; no horizontal sums); refused where the CPU lacks it
+//   bf16_repack(packed, w)   w bfloat16 [rows, cols] contiguous -> packed as above (once, at load; no temporaries)
 //   bf16_isa() -> the best isa this CPU runs.
 //
 // Tokens go in tiles of up to 8, each tile one pass over the weights (a step of 8 tokens or fewer reads
@@ -213,11 +214,35 @@ void bf16_gemv(at::Tensor out, const at::Tensor& packed, const at::Tensor& x, in
     });
 }
 
+void bf16_repack(at::Tensor packed, const at::Tensor& w) {
+    TORCH_CHECK(w.device().is_cpu() && packed.device().is_cpu(), "bf16_repack: CPU tensors only");
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(), "bf16_repack: w must be contiguous bfloat16 [rows, cols], got ", w.scalar_type(), " ", w.sizes());
+    const int64_t rows = w.size(0), cols = w.size(1), npairs = (cols + 1) / 2, blocks = (rows + 15) / 16;
+    TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 && packed.is_contiguous() && packed.size(0) == blocks && packed.size(1) == npairs * 32,
+                "bf16_repack: packed must be contiguous bfloat16 [", blocks, ", ", npairs * 32, "], got ", packed.scalar_type(), " ", packed.sizes());
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+            uint16_t* d = dst + b * npairs * 32;
+            for (int64_t r = 0; r < 16; ++r) {
+                const int64_t row = 16 * b + r;
+                for (int64_t i = 0; i < 2 * npairs; ++i)
+                    d[((i / 2) * 16 + r) * 2 + (i & 1)] = row < rows && i < cols ? src[row * cols + i] : 0;
+            }
+        }
+    });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(corerun_quant_cpu, m) {
     m.def("bf16_gemv(Tensor(a!) out, Tensor packed, Tensor x, int isa) -> ()");
+    m.def("bf16_repack(Tensor(a!) packed, Tensor w) -> ()");
     m.def("bf16_isa() -> int", bf16_isa);
 }
 
-TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) { m.impl("bf16_gemv", bf16_gemv); }
+TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) {
+    m.impl("bf16_gemv", bf16_gemv);
+    m.impl("bf16_repack", bf16_repack);
+}
