@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from corerun.models.layers import RMSNorm, SiluAndMul
+from corerun.models.layers import RMSNorm, SiluAndMul, rms_norm, silu_and_mul
 from corerun.models.rotary import Rope, RotaryEmbedding
 from corerun.protocols.fused_ops import FusedOpsCapabilities
 
@@ -29,16 +28,12 @@ class TorchFusedOps:
             raise TypeError(f"fused_ops 'torch' takes no options, got {sorted(options)}")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """torch's fused ``rms_norm`` (``RMSNorm.forward``): reduces in float32, rounds once after the weight."""
-        if weight.dtype == x.dtype:
-            return F.rms_norm(x, weight.shape, weight, eps)
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+        """``RMSNorm``'s torch code (:func:`corerun.models.layers.rms_norm`)."""
+        return rms_norm(x, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``SiluAndMul.forward``: ``silu(gate)`` in a new tensor, multiplied by ``up`` in place."""
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
+        """``SiluAndMul``'s torch code (:func:`corerun.models.layers.silu_and_mul`)."""
+        return silu_and_mul(x)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``Rope.apply``: four full-width passes below 64 tokens, the halves written out from there."""
