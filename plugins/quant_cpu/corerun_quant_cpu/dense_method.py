@@ -20,9 +20,8 @@ The LM head too (:meth:`lm_head`): a layer of this method made from the checkpoi
 tied embedding's, for the default model: 49152 x 576, a fifth of the bytes a step reads).  The
 embedding keeps its own float rows for the lookup, so a tied head adds one copy over ``none``'s two.
 
-Not a subclass of the built-in ``none`` (``corerun.quantization.dense.DenseMethod``): a plugin imports
-only the public surface (docs/plugins.md), which does not list it; its few lines of storage are
-repeated here.
+A subclass of the built-in ``none`` (:class:`corerun.sdk.quantization.DenseMethod`): its storage and
+loading, with the repack added after a layer's last shard.
 """
 
 from __future__ import annotations
@@ -30,10 +29,10 @@ from __future__ import annotations
 from typing import Any, Hashable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from corerun.sdk.models import Linear
+from corerun.sdk.quantization import DenseMethod
 
 from corerun_quant_cpu import kernels
 from corerun_quant_cpu.capabilities import BF16_MAX_TOKENS, DENSE_CPU
@@ -43,7 +42,7 @@ def _onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class DenseCpuMethod:
+class DenseCpuMethod(DenseMethod):
     name = "dense_cpu"
     capabilities = DENSE_CPU
     dense = False  # the layers hand their weight to this method (checkpoints it reads are dense: capabilities.dense)
@@ -56,12 +55,9 @@ class DenseCpuMethod:
         self.isa = kernels.bf16_best_isa()
 
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None:
-        """``layer.weight`` ``[sum of shard_sizes, in_features]`` in the default dtype (the model's)."""
-        layer.weight = nn.Parameter(torch.empty(sum(shard_sizes.values()), in_features), requires_grad=False)
-        offsets, at = {}, 0
-        for shard_id, size in shard_sizes.items():
-            offsets[shard_id], at = at, at + size
-        layer.dense_offsets, layer.dense_sizes, layer.dense_rows = offsets, dict(shard_sizes), at
+        """``none``'s ``layer.weight`` ``[sum of shard_sizes, in_features]`` in the default dtype (the model's)."""
+        super().create_weights(layer, in_features, shard_sizes)
+        layer.dense_rows = layer.weight.shape[0]  # (kept: the weight is emptied once repacked)
         layer.dense_loaded = set()
         layer.bf16_packed = layer.bf16_onednn = None
 
@@ -71,7 +67,7 @@ class DenseCpuMethod:
             raise TypeError(f"dense_cpu reads unquantized checkpoints; got a {type(loaded).__name__} for shard {shard_id!r}")
         if layer.weight.numel() == 0:
             raise RuntimeError(f"dense_cpu: shard {shard_id!r} loaded again after the layer was repacked (its plain weight is gone)")
-        layer.weight.data.narrow(0, layer.dense_offsets[shard_id], layer.dense_sizes[shard_id]).copy_(loaded)
+        super().load_weight(layer, loaded, shard_id)
         layer.dense_loaded.add(shard_id)
         if len(layer.dense_loaded) == len(layer.dense_sizes):
             self._repack(layer)
@@ -90,7 +86,7 @@ class DenseCpuMethod:
         """``x`` ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype (bfloat16 for the layers this method is chosen for)."""
         packed = layer.__dict__.get("bf16_packed")
         if packed is None:
-            return F.linear(x, layer.weight.to(x.dtype))
+            return super().apply(layer, x)
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= BF16_MAX_TOKENS and x.device.type == "cpu":
             out = torch.empty(x.shape[0], layer.dense_rows, dtype=torch.bfloat16)
             kernels.bf16_gemv(out, packed, x.contiguous(), self.isa)
