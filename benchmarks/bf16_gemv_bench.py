@@ -5,7 +5,7 @@ model's step, where 30 layers' weights pass by).  Prints GB/s of weight streamed
 measured in this one process, side by side.
 
     .venv/bin/python benchmarks/bf16_gemv_bench.py [--copies 8] [--tokens 1 2 4 8]
-    .venv/bin/python benchmarks/bf16_gemv_bench.py --model     # one token through all 121 of the default model's weights
+    .venv/bin/python benchmarks/bf16_gemv_bench.py --model --tokens 1 4 8 16 32 64 128  # all 121 of the default model's weights
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def _time(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def model_stream(rounds: int = 5) -> None:
-    """One token through the default model's 30 layers of weights and its LM head, each weight its own
-    tensor (269 MB in bfloat16, streamed once per token as a decode step does): ms per token and GB/s."""
+def model_stream(tokens: list[int], rounds: int = 3) -> None:
+    """``T`` tokens through the default model's 30 layers of weights and its LM head, each weight its own
+    tensor (269 MB in bfloat16, streamed once per step as a decode step does): ms per step and GB/s of
+    weights, for each instruction set the kernel runs here and for oneDNN's prepacked product."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     ws = [torch.randn(rows, cols, generator=gen).bfloat16() for rows, cols in shapes]
@@ -38,23 +39,26 @@ def model_stream(rounds: int = 5) -> None:
     with torch.inference_mode():
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
     del ws
-    xs = {cols: torch.randn(1, cols, generator=gen).bfloat16() for cols in (576, 1536)}
-    outs = [torch.empty(1, rows, dtype=torch.bfloat16) for rows, _ in shapes]
-    isa, total = kernels.bf16_best_isa(), sum(r * c * 2 for r, c in shapes)
+    total = sum(r * c * 2 for r, c in shapes)
+    isas = [i for i in ("avx512_bf16", "amx") if kernels.BF16_ISAS[i] <= kernels.BF16_ISAS[kernels.bf16_best_isa()]]
+    print(f"{total / 1e6:.0f} MB of weights per step, 1 thread; ms per step (GB/s), best of {rounds}")
+    print(f"{'T':>4} " + " ".join(f"{name:>18}" for name in (*isas, "oneDNN")))
+    for T in tokens:
+        xs = {cols: torch.randn(T, cols, generator=gen).bfloat16() for cols in (576, 1536)}
+        outs = [torch.empty(T, rows, dtype=torch.bfloat16) for rows, _ in shapes]
 
-    def ours() -> None:
-        for (rows, cols), p, out in zip(shapes, packed, outs):
-            kernels.bf16_gemv(out, p, xs[cols], isa)
+        def ours(isa: str) -> None:
+            for (rows, cols), p, out in zip(shapes, packed, outs):
+                kernels.bf16_gemv(out, p, xs[cols], isa)
 
-    def theirs() -> None:
-        with torch.inference_mode():
-            for (rows, cols), d in zip(shapes, onednn):
-                torch.ops.mkldnn._linear_pointwise(xs[cols], d, None, "none", [], "")
+        def theirs() -> None:
+            with torch.inference_mode():
+                for (rows, cols), d in zip(shapes, onednn):
+                    torch.ops.mkldnn._linear_pointwise(xs[cols], d, None, "none", [], "")
 
-    for _ in range(rounds):
-        a, b = _time(ours, 5), _time(theirs, 5)
-        print(f"{total / 1e6:.0f} MB per token: kernel {a * 1e3:.2f} ms ({total / a / 1e9:.1f} GB/s), "
-              f"oneDNN {b * 1e3:.2f} ms ({total / b / 1e9:.1f} GB/s), kernel/oneDNN {a / b:.2f}")
+        arms = [(lambda isa=isa: ours(isa)) for isa in isas] + [theirs]
+        best = [min(_time(fn, 3) for _ in range(rounds)) for fn in arms]
+        print(f"{T:>4} " + " ".join(f"{t * 1e3:9.2f} ({total / t / 1e9:4.1f})" for t in best))
 
 
 def main() -> None:
@@ -67,7 +71,7 @@ def main() -> None:
     torch.set_num_threads(1)
     assert not kernels.load(), kernels.load()
     if args.model:
-        model_stream()
+        model_stream(args.tokens)
         return
     isa = kernels.bf16_best_isa()
     gen = torch.Generator().manual_seed(0)

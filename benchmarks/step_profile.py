@@ -4,7 +4,8 @@ Runs the default model (float32 unless ``--dtype``) on ``--threads`` threads (1 
 ``torch.profiler`` and splits each step's wall time into:
 
 - **linears**: the top-level matrix products (``aten::linear`` / ``addmm`` / ``mm`` / ``matmul``,
-  oneDNN's prepacked ``mkldnn::_linear_pointwise``) and the LM head (``ModelRunner._compute_logits``);
+  oneDNN's prepacked ``mkldnn::_linear_pointwise`` and int8 ``onednn::qlinear_pointwise``, corerun-quant-cpu's
+  C++ products) and the LM head (``ModelRunner._compute_logits``);
 - **attention**: the attention backend's ``forward`` per layer (the KV write and the kernel; the
   ``cpu`` backend's C++ kernel is one ctypes call, invisible to the profiler, so the call is timed as a range);
 - **norms / elementwise / other ops**: every other top-level torch operator (RMSNorm's pieces, RoPE,
@@ -31,7 +32,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
-LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise", "aten::bmm"}
+LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise", "aten::bmm",
+              "corerun_quant_cpu::bf16_gemv", "corerun_quant_cpu::gguf_gemv", "corerun_quant_cpu::gguf_gemv_q8_0r",
+              "onednn::qlinear_pointwise", "aten::_int_mm"}
 PARTS = ("linears", "attention", "norms / elementwise / other ops", "sampling", "host")
 RANGES = {"corerun.attention": "attention", "corerun.sampling": "sampling", "corerun.lm_head": "linears",
           "corerun.fused_ops": PARTS[2]}

@@ -7,8 +7,8 @@ with AVX-512 and VNNI the product quantizes the activations to int8 per 32-value
 does (``int8_activations``: the conformance bound adds half an activation step).
 
 ``dense_cpu`` reads unquantized checkpoints, as the built-in ``none`` does, for a model run in bfloat16 on
-CPU: batches of up to ``BF16_MAX_TOKENS`` rows go through the C++ bfloat16 product, larger ones through
-oneDNN's prepacked bfloat16 product.
+CPU: batches of up to ``BF16_MAX_TOKENS`` rows (``BF16_AMX_MAX_TOKENS`` where the CPU has AMX) go through the
+C++ bfloat16 product, larger ones through oneDNN's prepacked bfloat16 product.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from corerun.sdk import QuantizationCapabilities
 
 KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # kernels.TYPES
 KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster from here on: benchmarks/RESULTS.md)
-# above: oneDNN's prepacked bfloat16 product, as fast or faster from 4-8 tokens on (benchmarks/bf16_gemv_bench.py)
+# above: oneDNN's prepacked bfloat16 product (benchmarks/bf16_gemv_bench.py --model): as fast or faster than
+# AVX512_BF16 from 4-8 tokens on; than the AMX tiles, from about 64 (a 128-token step: 65 against 46 ms)
 BF16_MAX_TOKENS = 4
+BF16_AMX_MAX_TOKENS = 64
 
 # the AVX-512 path quantizes activations to int8 per 32-block (llama.cpp's way); scalar and AVX2 do not
 GGUF_CPU = replace(GGUF, devices=frozenset({"cpu"}), int8_activations=True)

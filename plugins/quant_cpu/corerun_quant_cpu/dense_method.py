@@ -7,8 +7,10 @@ q/k/v or gate/up shards stacked in order, a tensor-parallel rank's slice as the 
 the layer's last shard is in, keeps two copies made from it in place of the plain weight:
 
 - ``bf16_packed``: :func:`~corerun_quant_cpu.kernels.repack_bf16`'s layout (16 rows by 2 columns per
-  64-byte vector), read by :func:`~corerun_quant_cpu.kernels.bf16_gemv` for batches of up to
-  :data:`~corerun_quant_cpu.capabilities.BF16_MAX_TOKENS` rows;
+  64-byte vector, which is also AMX's tile layout), read by :func:`~corerun_quant_cpu.kernels.bf16_gemv`
+  for batches of up to :data:`~corerun_quant_cpu.capabilities.BF16_MAX_TOKENS` rows, or
+  :data:`~corerun_quant_cpu.capabilities.BF16_AMX_MAX_TOKENS` where the CPU has AMX (a decode step of
+  up to 64 requests streams the weights once through AMX tiles, against oneDNN's 1.3x time at 32);
 - ``bf16_onednn``: oneDNN's prepacked copy, the one ``none``'s layers make (AMX where the CPU has it),
   for larger batches (prefill).
 
@@ -35,7 +37,7 @@ from corerun.sdk.models import Linear
 from corerun.sdk.quantization import DenseMethod
 
 from corerun_quant_cpu import kernels
-from corerun_quant_cpu.capabilities import BF16_MAX_TOKENS, DENSE_CPU
+from corerun_quant_cpu.capabilities import BF16_AMX_MAX_TOKENS, BF16_MAX_TOKENS, DENSE_CPU
 
 
 def _onednn_bf16() -> bool:
@@ -53,6 +55,7 @@ class DenseCpuMethod(DenseMethod):
         if reasons:
             raise RuntimeError("quantization method dense_cpu cannot run here: " + "; ".join(reasons))
         self.isa = kernels.bf16_best_isa()
+        self.max_tokens = BF16_AMX_MAX_TOKENS if self.isa == "amx" else BF16_MAX_TOKENS  # rows bf16_gemv takes
 
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None:
         """``none``'s ``layer.weight`` ``[sum of shard_sizes, in_features]`` in the default dtype (the model's)."""
@@ -87,7 +90,7 @@ class DenseCpuMethod(DenseMethod):
         packed = layer.__dict__.get("bf16_packed")
         if packed is None:
             return super().apply(layer, x)
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= BF16_MAX_TOKENS and x.device.type == "cpu":
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= self.max_tokens and x.device.type == "cpu":
             out = torch.empty(x.shape[0], layer.dense_rows, dtype=torch.bfloat16)
             kernels.bf16_gemv(out, packed, x.contiguous(), self.isa)
             return out

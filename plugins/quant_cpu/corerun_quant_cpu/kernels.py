@@ -150,12 +150,15 @@ def gguf_gemv_q8_0_repacked(out: torch.Tensor, codes: torch.Tensor, scales: torc
     torch.ops.corerun_quant_cpu.gguf_gemv_q8_0r(out, codes, scales, x)
 
 
-BF16_ISAS = {"scalar": 0, "avx512": 1, "avx512_bf16": 2}  # bf16_gemv's: AVX-512 F widens to float32, BF16 has vdpbf16ps
+# bf16_gemv's: AVX-512 F widens to float32, BF16 has vdpbf16ps, AMX multiplies 16 x 32 tiles (columns a multiple of 32)
+BF16_ISAS = {"scalar": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
+BF16_NATIVE = ("avx512_bf16", "amx")  # the ones that multiply bfloat16 natively: where dense_cpu is worth picking
 
 
 def bf16_best_isa() -> str:
-    """The instruction set :func:`bf16_gemv` uses here: ``avx512_bf16`` where the CPU has AVX512_BF16
-    (with F, BW, VL), ``avx512`` where it has AVX-512 F/BW/VL, else ``scalar``."""
+    """The best instruction set :func:`bf16_gemv` runs here: ``amx`` where the CPU has AMX-TILE and AMX-BF16
+    and Linux grants the process the tile state, ``avx512_bf16`` where it has AVX512_BF16 (with F, BW, VL),
+    ``avx512`` where it has AVX-512 F/BW/VL, else ``scalar``."""
     best = torch.ops.corerun_quant_cpu.bf16_isa()
     return next(name for name, number in BF16_ISAS.items() if number == best)
 

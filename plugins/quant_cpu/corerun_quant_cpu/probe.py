@@ -16,7 +16,7 @@ def probe_dense() -> list[str]:
     from corerun_quant_cpu import kernels
 
     reasons = kernels.load()
-    if not reasons and kernels.bf16_best_isa() != "avx512_bf16":
+    if not reasons and kernels.bf16_best_isa() not in kernels.BF16_NATIVE:
         reasons = [f"this CPU lacks AVX512_BF16 (the bfloat16 kernel would run {kernels.bf16_best_isa()!r}); "
                    "quantization: none multiplies bfloat16 with oneDNN"]
     return reasons

@@ -1,5 +1,6 @@
 """``bf16_gemv`` (csrc/bf16_gemv.cpp) against float64: every instruction set this CPU runs, odd shapes,
-1 to 11 tokens (a second tile of 8), a column slice of a wider output, and the repacked layout itself
+1 to 11 tokens (a second tile of 8), 16 to 80 (AMX: whole and partial tiles of 16 tokens, passes of 32, an
+odd last row block), a column slice of a wider output, and the repacked layout itself
 against its definition written out element by element."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 
 from corerun_quant_cpu import kernels
 
-SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536)]
+SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536), (48, 96)]
 
 
 def bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -21,7 +22,7 @@ def bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("isa", list(kernels.BF16_ISAS))
 @pytest.mark.parametrize("rows,cols", SHAPES)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 11])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 11, 16, 33, 80])
 def test_bf16_gemv_matches_float64(isa: str, rows: int, cols: int, tokens: int) -> None:
     if kernels.BF16_ISAS[isa] > kernels.BF16_ISAS[kernels.bf16_best_isa()]:
         pytest.skip(f"this CPU runs at most {kernels.bf16_best_isa()}")
@@ -56,3 +57,25 @@ def test_bf16_gemv_refuses_a_mismatched_layout() -> None:
     out = torch.empty(1, 40, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="repack_bf16.s, for 40 rows of 10 columns"):
         kernels.bf16_gemv(out, kernels.repack_bf16(w), torch.randn(1, 10).bfloat16(), "scalar")
+
+
+def test_amx_tiles_and_onednn_interleaved() -> None:
+    """The tile configuration is per-thread state that oneDNN's AMX products (prefill) set too: each of
+    the two, called in turn, still matches float64 (neither leaves the other a stale configuration)."""
+    if kernels.bf16_best_isa() != "amx":
+        pytest.skip(f"this CPU runs at most {kernels.bf16_best_isa()}")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 128, generator=g).bfloat16()
+    packed = kernels.repack_bf16(w)
+    with torch.inference_mode():
+        onednn = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    for round_ in range(3):
+        for tokens in (256, 24):  # oneDNN's AMX product for a prefill's rows, then the kernel's tiles
+            x = torch.randn(tokens, 128, generator=g).bfloat16()
+            ref = x.double() @ w.double().T
+            with torch.inference_mode():
+                theirs = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+            out = torch.full((tokens, 96), float("nan"), dtype=torch.bfloat16)
+            kernels.bf16_gemv(out, packed, x, "amx")
+            for got in (theirs, out):
+                assert (((got.double() - ref).abs()) <= bound(x, w, ref)).all(), (round_, tokens)

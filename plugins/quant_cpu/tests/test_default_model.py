@@ -54,7 +54,7 @@ def test_dense_cpu_in_bfloat16_matches_none() -> None:
     bfloat16 from float32 sums taken in another order, so a logit can move by a bfloat16 step."""
     from corerun_quant_cpu import kernels
 
-    if kernels.bf16_best_isa() != "avx512_bf16":
+    if kernels.bf16_best_isa() not in kernels.BF16_NATIVE:
         pytest.skip("this CPU lacks AVX512_BF16: auto keeps none")
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
     mine = LLM(dtype="bfloat16", threads=1)

@@ -15,7 +15,7 @@ from corerun.sdk import Registry
 from corerun.sdk.models import Linear, MergedLinear
 
 from corerun_quant_cpu import kernels
-from corerun_quant_cpu.capabilities import BF16_MAX_TOKENS
+from corerun_quant_cpu.capabilities import BF16_AMX_MAX_TOKENS, BF16_MAX_TOKENS
 from corerun_quant_cpu.dense_method import DenseCpuMethod
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +40,7 @@ def check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def tokens_counts() -> list[int]:
-    return [1, 2, BF16_MAX_TOKENS, BF16_MAX_TOKENS + 1, 33]
+    return [1, 2, BF16_MAX_TOKENS, BF16_MAX_TOKENS + 1, 33, BF16_AMX_MAX_TOKENS, BF16_AMX_MAX_TOKENS + 1]
 
 
 @pytest.mark.parametrize("rows,cols", [(24, 96), (7, 33), (49, 576)])
@@ -69,13 +69,14 @@ def test_merged_layer_loaded_out_of_order_and_the_kernel_runs_for_decode(monkeyp
     calls: list[int] = []
     real = kernels.bf16_gemv
     monkeypatch.setattr(kernels, "bf16_gemv", lambda out, *a: (calls.append(out.shape[0]), real(out, *a)))
-    for t in (1, 3, 9):
+    above = layer.quant.max_tokens + 1  # 5 (AVX512_BF16) or 65 (AMX) tokens go to oneDNN
+    for t in (1, 3, above):
         x = torch.randn(t, cols, generator=g).bfloat16()
         with torch.no_grad():
             y = layer(x)
         check(y, x, w)
         assert [yy.shape[1] for yy in layer.split(y)] == [48, 17, 17]
-    assert calls == [1, 3]  # 9 tokens went to oneDNN
+    assert calls == [1, 3]
 
 
 def test_lm_head_layer() -> None:
@@ -113,7 +114,7 @@ def _need(dtype: str | None) -> _Checkpoint:
 
 
 def test_auto_picks_dense_cpu_in_bfloat16_and_none_in_float32() -> None:
-    if kernels.bf16_best_isa() != "avx512_bf16":
+    if kernels.bf16_best_isa() not in kernels.BF16_NATIVE:
         pytest.skip("this CPU lacks AVX512_BF16: the probe refuses dense_cpu (tested below)")
     reg = Registry.from_environment()
     assert reg.select("quantization", "auto", _need("bfloat16")).name == "dense_cpu"
