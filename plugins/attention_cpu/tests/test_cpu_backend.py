@@ -25,6 +25,14 @@ CASES = {
     # with AVX512_BF16, the keys read as stored), head sizes 64 and 128
     "decodes-32": (dict(), [(31 + 15 * i, 1) for i in range(32)]),
     "decodes-32-hd128": (dict(num_heads=8, num_kv_heads=2, head_size=128), [(31 + 15 * i, 1) for i in range(32)]),
+    # the one-token path's query-head groups per KV head: 4 at once (hd 64), 4 + 1, and 2 + 1 (hd 128);
+    # partial last blocks of every length; three decodes (one item per KV head)
+    "decodes-gqa4": (dict(num_heads=8, num_kv_heads=2), [(c, 1) for c in range(0, 320, 19)]),
+    "decodes-gqa5": (dict(num_heads=10, num_kv_heads=2), [(c, 1) for c in range(3, 320, 21)]),
+    "decodes-gqa3-hd128": (dict(num_heads=6, num_kv_heads=2, head_size=128), [(c, 1) for c in range(5, 320, 23)]),
+    "three-decodes": (dict(), [(200, 1), (16, 1), (33, 1)]),
+    # prefills whose last tile (21 rows of 3 heads) holds one token, and a decode after them
+    "one-token-tiles": (dict(), [(0, 1), (40, 22), (7, 43), (0, 22)]),
     # prompts with nothing cached (in bfloat16 through torch's SDPA, the requests between them through the kernel)
     "fresh-prompts-mixed": (dict(), [(300, 1), (0, 70), (16, 150), (0, 300), (0, 20), (0, 64)]),
     "fresh-prompts-only-mha-hd128": (dict(num_heads=4, num_kv_heads=4, head_size=128), [(0, 200), (0, 65)]),

@@ -13,7 +13,8 @@
 //
 // Work item = (request, KV head, tile of up to TILE_ROWS / group query tokens): the query heads that
 // share the KV head are processed together, so each K/V block is read from memory once per tile and
-// then served from L1.  Each row keeps an online softmax (running max, running sum, float32
+// then served from L1.  A decode (one query token) is one item for all its KV heads when there are
+// enough decodes to keep the threads busy, and goes through decode_item (AVX-512; see there).  Each row keeps an online softmax (running max, running sum, float32
 // accumulator) while the item walks its request's blocks up to the causal horizon of its last token;
 // a row stops at its own horizon.  float32 accumulation for every dtype.
 //
@@ -37,6 +38,7 @@ enum DType { F32 = 0, BF16 = 1, F16 = 2 };
 enum KVType { KV_SAME = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2, KV_INT8 = 3 };
 constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads of one group) per work item
 constexpr int64_t MAX_HEAD_SIZE = 256;
+constexpr int64_t MAX_DECODE_HEADS = 256;  // query heads the decode path takes (more: the general path)
 
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -390,12 +392,269 @@ inline void row_block(const float* qr, const float* krows, const float* vrows, i
     }
 }
 
+#if defined(__AVX512F__)
+// ---- One query token (decodes): every query head of a KV head per K/V row ----
+//
+// An item of one query token walks its request's blocks (16 keys each) once for all its KV heads.  Per
+// KV head, the query heads of its group take a block NG at a time (NG compile-time: up to 4 for head
+// size 64, 2 for 128, so every accumulator stays in a register): their scores against the block's K rows
+// (read from memory by the first, from L1 by the others), one online-softmax update per block, then
+// each V row is loaded once and multiplied into all NG accumulators.  In bfloat16 both products run on
+// vdpbf16ps with the rows as stored (nothing widened): q . k in pairs of dimensions, P . V in pairs of
+// keys.  The next block of pages (after the last, the next item's first) is prefetched into L1 a part
+// before each KV head of this one.  float32, or bfloat16 with AVX512_BF16; block size 16; sliding
+// windows (masked lanes); no soft cap, no quantized cache: those take attend_item's general path.
+
+// NG query heads (rows qrows[g], as stored for bfloat16, scaled float32 for float32) against one
+// block's K/V rows (kstride elements apart; keys j0 .. nkeys - 1 are seen, the block's other rows are read
+// but masked): online softmax into m, l, acc[g][HD].
+template <int DT, int HD, int NG>
+inline void decode_block(const void* const* qrows, float scale, const void* kb, const void* vb, int64_t kstride,
+                         int64_t j0, int64_t nkeys, float* m, float* l, float* acc) {
+    using T = typename Elem<DT>::T;
+    const T* krows = static_cast<const T*>(kb);
+    const T* vrows = static_cast<const T*>(vb);
+    const __mmask16 valid = static_cast<__mmask16>(((1u << nkeys) - 1u) & ~((1u << j0) - 1u));
+    __m512 p[NG];
+    for (int g = 0; g < NG; ++g) {
+        __m512 sv;
+        if constexpr (DT == F32) {
+            sv = scores16<HD>(static_cast<const float*>(qrows[g]), reinterpret_cast<const float*>(krows), kstride);
+        } else {
+#if defined(__AVX512BF16__)
+            sv = _mm512_mul_ps(scores16_bf16<HD>(static_cast<const uint16_t*>(qrows[g]),
+                                                 reinterpret_cast<const uint16_t*>(krows), kstride),
+                               _mm512_set1_ps(scale));
+#endif
+        }
+        p[g] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sv);
+    }
+    __m512 a[NG][HD / 16];
+    float alpha[NG];
+    for (int g = 0; g < NG; ++g) {
+        const float mold = m[g];
+        const float bmax = _mm512_reduce_max_ps(p[g]);
+        const float mnew = bmax > mold ? bmax : mold;
+        p[g] = exp_nonpos16(_mm512_sub_ps(p[g], _mm512_set1_ps(mnew)));
+        alpha[g] = mnew != mold ? exp_nonpos(mold - mnew) : 1.0f;
+        m[g] = mnew;
+        const __m512 av = _mm512_set1_ps(alpha[g]);
+        for (int c = 0; c < HD / 16; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * HD + 16 * c), av);
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (DT == BF16) {
+        // P rounded to bfloat16 (as flash attention's is) and multiplied into V two rows at a time by
+        // vdpbf16ps: rows j and j + 1 interleaved in 16-bit pairs, against the pair (p_j, p_j+1).  The
+        // accumulator's lanes are then in the unpack's order (see bf16_pairs_to_dims); l sums the rounded P.
+        alignas(64) uint32_t pw[NG][8];
+        for (int g = 0; g < NG; ++g) {
+            const __m256bh pb = _mm512_cvtneps_pbh(p[g]);
+            l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_cvtpbh_ps(pb));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), (__m256i)pb);
+        }
+        for (int64_t j = j0 & ~int64_t{1}; j < nkeys; j += 2) {
+            // a row outside j0 .. nkeys - 1 (its p is 0) is read as zeros: never 0 * a stale inf
+            const __mmask32 m0 = j >= j0 ? ~__mmask32{0} : 0, m1 = j + 1 < nkeys ? ~__mmask32{0} : 0;
+            const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vrows + j * kstride);
+            const uint16_t* r1 = reinterpret_cast<const uint16_t*>(vrows + (j + 1) * kstride);
+            __m512i lo[HD / 32], hi[HD / 32];
+            for (int c = 0; c < HD / 32; ++c) {
+                const __m512i x0 = _mm512_maskz_loadu_epi16(m0, r0 + 32 * c), x1 = _mm512_maskz_loadu_epi16(m1, r1 + 32 * c);
+                lo[c] = _mm512_unpacklo_epi16(x0, x1);
+                hi[c] = _mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int g = 0; g < NG; ++g) {
+                const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g][j / 2]));
+                for (int c = 0; c < HD / 32; ++c) {
+                    a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)lo[c], pj);
+                    a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)hi[c], pj);
+                }
+            }
+        }
+    } else
+#endif
+    {
+        alignas(64) float ps[NG][16];
+        for (int g = 0; g < NG; ++g) {
+            l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(p[g]);
+            _mm512_store_ps(ps[g], p[g]);
+        }
+        for (int64_t j = j0; j < nkeys; ++j) {
+            const float* vr = reinterpret_cast<const float*>(vrows + j * kstride);
+            __m512 v[HD / 16];
+            for (int c = 0; c < HD / 16; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
+            for (int g = 0; g < NG; ++g) {
+                const __m512 pj = _mm512_set1_ps(ps[g][j]);
+                for (int c = 0; c < HD / 16; ++c) a[g][c] = _mm512_fmadd_ps(pj, v[c], a[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(acc + g * HD + 16 * c, a[g][c]);
+}
+
+#if defined(__AVX512BF16__)
+// decode_block's bfloat16 accumulator -> head order: of each 32 dimensions, vector 2c holds (per 128-bit
+// lane k) dimensions 8k .. 8k + 3 and vector 2c + 1 dimensions 8k + 4 .. 8k + 7 (unpacklo / unpackhi).
+template <int HD>
+inline void bf16_pairs_to_dims(const float* acc, float scale, float* out) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int c = 0; c < HD / 32; ++c) {
+        const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+        _mm512_storeu_ps(out + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), sv));
+        _mm512_storeu_ps(out + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), sv));
+    }
+}
+#endif
+
+template <int DT, int HD>
+constexpr bool has_decode_path() {
+#if defined(__AVX512BF16__)
+    return (DT == F32 || DT == BF16) && (HD == 64 || HD == 128);
+#else
+    return DT == F32 && (HD == 64 || HD == 128);
+#endif
+}
+
+// Part `part` of `parts` of the K and V spans starting at k and v (bytes long) into L1: the next block is
+// asked for a part before each KV head of this one, so the requests spread over the block's compute
+// instead of filling every line fill buffer at once.
+inline void prefetch_part(const char* k, const char* v, int64_t bytes, int64_t part, int64_t parts) {
+    const int64_t lead = reinterpret_cast<uintptr_t>(k) & 63;  // k and v share their offset in the line
+    k -= lead;
+    v -= lead;
+    bytes += lead;
+    const int64_t step = ((bytes + parts * 64 - 1) / (parts * 64)) * 64;
+    const int64_t from = part * step, to = from + step < bytes ? from + step : bytes;
+    for (int64_t x = from; x < to; x += 64) {
+        _mm_prefetch(k + x, _MM_HINT_T0);
+        _mm_prefetch(v + x, _MM_HINT_T0);
+    }
+}
+
+template <int DT, int HD, int NGMAX>
+inline void decode_group(int64_t ng, const void* const* qrows, float scale, const void* kb, const void* vb,
+                         int64_t kstride, int64_t j0, int64_t nkeys, float* m, float* l, float* acc) {
+    if (ng >= NGMAX) {
+        decode_block<DT, HD, NGMAX>(qrows, scale, kb, vb, kstride, j0, nkeys, m, l, acc);
+    } else if (ng == 1) {
+        decode_block<DT, HD, 1>(qrows, scale, kb, vb, kstride, j0, nkeys, m, l, acc);
+    } else if constexpr (NGMAX > 2) {
+        if (ng == 2) decode_block<DT, HD, 2>(qrows, scale, kb, vb, kstride, j0, nkeys, m, l, acc);
+        else decode_block<DT, HD, 3>(qrows, scale, kb, vb, kstride, j0, nkeys, m, l, acc);
+    }
+}
+
+// The query token of a one-token item and the keys it sees, lo .. hz - 1.
+inline void one_token_range(const Args& a, const Item& it, int64_t& row, int64_t& hz, int64_t& lo) {
+    const int64_t qlen = a.qsl[it.req + 1] - a.qsl[it.req];
+    row = a.qsl[it.req] + it.first;
+    hz = a.seq_lens[it.req] - qlen + it.first + 1;
+    lo = a.window > 0 && hz > a.window ? hz - a.window : 0;
+}
+
+// An item of one query token (a decode, or a prefill tile of one token), KV heads h0 .. h0 + nh - 1,
+// in attend_item's layout of buf; next: the item after it in the list (its first block is prefetched
+// during this one's last), or null.
+template <int DT, int HD>
+void decode_item(const Args& a, const Item& it, const Item* next, float* buf) {
+    using E = Elem<DT>;
+    using T = typename E::T;
+    constexpr int NGMAX = HD == 64 ? 4 : 2;
+    constexpr int64_t BS = 16;
+    const int64_t G = a.num_heads / a.num_kv_heads, nh = it.nh, h0 = it.h0;
+    const int64_t M = nh * G;
+    const int32_t* table = a.bt + it.req * a.bt_stride;
+    int64_t row, hz, lo;  // the query token; it sees keys lo .. hz - 1
+    one_token_range(a, it, row, hz, lo);
+    float* qf = buf;           // [M][HD] scaled query rows (float32)
+    float* acc = qf + M * HD;  // [M][HD]
+    float* mrow = acc + M * HD;
+    float* lrow = mrow + M;
+    const void* qrows[MAX_DECODE_HEADS];
+    const T* qbase = static_cast<const T*>(a.q) + row * a.q_st;
+    for (int64_t r = 0; r < M; ++r) {
+        const T* src = qbase + (h0 * G + r) * a.q_sh;
+        if constexpr (DT == F32) {
+#pragma omp simd
+            for (int64_t d = 0; d < HD; ++d) qf[r * HD + d] = src[d] * a.scale;
+            qrows[r] = qf + r * HD;
+        } else {
+            qrows[r] = src;
+        }
+        mrow[r] = -INFINITY;
+        lrow[r] = 0.0f;
+    }
+    for (int64_t i = 0; i < M * HD; ++i) acc[i] = 0.0f;
+    const T* kc = static_cast<const T*>(a.k);
+    const T* vc = static_cast<const T*>(a.v);
+    // the heads h0 .. h0 + nh - 1 of one block: one span of memory when a row's heads are adjacent (the usual layout)
+    const bool span = a.kv_sh == HD;
+    const auto span_bytes = [&](int64_t heads) { return ((BS - 1) * a.kv_st + heads * HD) * static_cast<int64_t>(sizeof(T)); };
+    const int64_t nblocks = (hz + BS - 1) / BS;
+    int64_t next_off = -1, next_bytes = 0;  // the span read after this item's last block
+    if (span && next != nullptr && next->count == 1) {
+        int64_t nrow, nhz, nlo;
+        one_token_range(a, *next, nrow, nhz, nlo);
+        next_off = static_cast<int64_t>(a.bt[next->req * a.bt_stride + nlo / BS]) * a.kv_sb + next->h0 * a.kv_sh;
+        next_bytes = span_bytes(next->nh);
+    }
+    for (int64_t b = lo / BS; b < nblocks; ++b) {
+        const int64_t start = b * BS;
+        const int64_t nkeys = hz - start < BS ? hz - start : BS;
+        const int64_t j0 = lo > start ? lo - start : 0;
+        const int64_t base = static_cast<int64_t>(table[b]) * a.kv_sb + h0 * a.kv_sh;
+        const int64_t pf_off = b + 1 < nblocks ? static_cast<int64_t>(table[b + 1]) * a.kv_sb + h0 * a.kv_sh : next_off;
+        const int64_t pf_bytes = b + 1 < nblocks ? span_bytes(nh) : next_bytes;
+        for (int64_t hh = 0; hh < nh; ++hh) {
+            if (span && pf_off >= 0)
+                prefetch_part(reinterpret_cast<const char*>(kc + pf_off), reinterpret_cast<const char*>(vc + pf_off), pf_bytes, hh, nh);
+            const T* kb = kc + base + hh * a.kv_sh;
+            const T* vb = vc + base + hh * a.kv_sh;
+            for (int64_t g0 = 0; g0 < G; g0 += NGMAX) {
+                const int64_t r = hh * G + g0;
+                decode_group<DT, HD, NGMAX>(G - g0, qrows + r, a.scale, kb, vb, a.kv_st, j0, nkeys, mrow + r, lrow + r,
+                                            acc + r * HD);
+            }
+        }
+    }
+    T* obase = static_cast<T*>(a.out) + row * a.o_st;
+    for (int64_t r = 0; r < M; ++r) {
+        T* dst = obase + (h0 * G + r) * a.o_sh;
+        const float inv = 1.0f / lrow[r];
+        const float* ar = acc + r * HD;
+#if defined(__AVX512BF16__)
+        if constexpr (DT == BF16) {
+            alignas(64) float o[HD];
+            bf16_pairs_to_dims<HD>(ar, inv, o);
+#pragma omp simd
+            for (int64_t d = 0; d < HD; ++d) dst[d] = E::store(o[d]);
+            continue;
+        }
+#endif
+#pragma omp simd
+        for (int64_t d = 0; d < HD; ++d) dst[d] = E::store(ar[d] * inv);
+    }
+}
+#endif
+
 // HD > 0: the head size as a compile-time constant (the common sizes get fully unrolled inner loops);
 // HD == 0: any head size, read from the arguments.  Rows are m = (token * nh + head) * G + g.
 template <int DT, int HD>
-void attend_item(const Args& a, const Item& it, float* buf) {
+void attend_item(const Args& a, const Item& it, const Item* next, float* buf) {
     using E = Elem<DT>;
     using T = typename E::T;
+#if defined(__AVX512F__)
+    if constexpr (has_decode_path<DT, HD>()) {
+        if (it.count == 1 && a.block_size == 16 && a.soft_cap == 0.0f && a.kv_type == KV_SAME &&
+            a.num_heads <= MAX_DECODE_HEADS) {
+            decode_item<DT, HD>(a, it, next, buf);
+            return;
+        }
+    }
+#endif
     const int64_t D = HD > 0 ? HD : a.head_size, BS = a.block_size;
     const int64_t G = a.num_heads / a.num_kv_heads;
     const int64_t nh = it.nh, h0 = it.h0;
@@ -536,7 +795,7 @@ void attend_all(const Args& a, const Item* items, int64_t num_items, int num_thr
     {
         float* buf = static_cast<float*>(std::aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < num_items; ++w) attend_item<DT, HD>(a, items[w], buf);
+        for (int64_t w = 0; w < num_items; ++w) attend_item<DT, HD>(a, items[w], w + 1 < num_items ? items + w + 1 : nullptr, buf);
         std::free(buf);
     }
 }
