@@ -34,6 +34,7 @@ from typing import Any
 
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise", "aten::bmm",
               "corerun_quant_cpu::bf16_gemv", "corerun_quant_cpu::gguf_gemv", "corerun_quant_cpu::gguf_gemv_q8_0r",
+              "corerun_quant_cpu::int8_amx_linear",
               "onednn::qlinear_pointwise", "aten::_int_mm"}
 PARTS = ("linears", "attention", "norms / elementwise / other ops", "sampling", "host")
 RANGES = {"corerun.attention": "attention", "corerun.sampling": "sampling", "corerun.lm_head": "linears",
@@ -96,8 +97,9 @@ def main() -> None:
               threads=args.threads)
     runner = llm.engine.runner
     _wrap(runner.attention, "forward", "corerun.attention")
-    for op in ("rms_norm", "silu_and_mul", "rotary") if runner.fused_ops is not None else ():
-        _wrap(runner.fused_ops, op, "corerun.fused_ops")
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary") if runner.fused_ops is not None else ():
+        if hasattr(runner.fused_ops, op):  # add_rms_norm is optional
+            _wrap(runner.fused_ops, op, "corerun.fused_ops")
     _wrap(runner, "_sample", "corerun.sampling")
     _wrap(runner, "_compute_logits", "corerun.lm_head")
     inner_execute = runner.execute

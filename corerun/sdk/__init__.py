@@ -8,7 +8,8 @@
 - :mod:`corerun.sdk.kv_cache` / :mod:`corerun.sdk.graph`: corerun's ``paged`` KV-cache manager and
   ``eager`` graph runner, as base classes to start a plugin from.
 - :mod:`corerun.sdk.quantization`: the built-in ``gguf`` method and its block decoder, to build a
-  GGUF method on (``GGUF_CAPABILITIES``, what ``gguf`` declares, importable here without torch).
+  GGUF method on (``GGUF_CAPABILITIES``, what ``gguf`` declares, importable here without torch), and
+  the built-in ``none`` and ``compressed-tensors`` methods (``COMPRESSED_TENSORS_CAPABILITIES``).
 - :mod:`corerun.sdk.executor`: what an executor builds on (the protocol's types, ``run_rank``, the
   errors it raises, corerun's ``local`` executor as a base class).
 - :func:`require_spec` / :func:`require_params`: raise :class:`corerun.UnsupportedError` for what
@@ -48,11 +49,12 @@ from corerun.plugin.capabilities import (
 from corerun.lora.request import LoRARequest
 from corerun.plugin.hookspecs import Register, hookimpl
 from corerun.plugin.registry import Registration, Registry, get_registry, resolve
+from corerun.quantization.capabilities import COMPRESSED_TENSORS as COMPRESSED_TENSORS_CAPABILITIES
 from corerun.quantization.capabilities import GGUF as GGUF_CAPABILITIES
 from corerun.sdk.checks import require_params, require_spec
 
 __all__ = [
-    "ENGINE_PARAMS", "GGUF_CAPABILITIES", "PROCESSOR_PARAMS", "AttentionCapabilities", "ExecutorCapabilities", "FusedOpsCapabilities", "GraphRunnerCapabilities",
+    "COMPRESSED_TENSORS_CAPABILITIES", "ENGINE_PARAMS", "GGUF_CAPABILITIES", "PROCESSOR_PARAMS", "AttentionCapabilities", "ExecutorCapabilities", "FusedOpsCapabilities", "GraphRunnerCapabilities",
     "KVCacheCapabilities", "LoRAKernelCapabilities", "LoRARequest", "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
     "Registration", "Registry", "SamplerCapabilities", "cache_dir", "get_registry", "hookimpl", "require_params",
     "require_spec", "resolve",

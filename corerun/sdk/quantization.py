@@ -4,6 +4,10 @@
   layer, merged and tensor-parallel shards stacked in order, ``F.linear``); subclass it to multiply dense
   weights with a kernel of your own, keeping its loading.
 
+- :class:`CompressedTensorsMethod`: the built-in ``compressed-tensors`` method (the formats llm-compressor
+  and ``corerun quantize`` write; W8A8 layers merged once loaded into an ``Int8Weight``, ``layer.int8``:
+  int8 codes ``weight`` ``[out, in]``, float32 ``weight_scale`` ``[out, 1]``, ``input_scale`` ``None``
+  when the activations are quantized per token); subclass it to route some products to a kernel.
 - :class:`GGUFMethod`: the built-in ``gguf`` method (packed blocks kept as stored, dequantized per
   layer on every call); subclass it and override ``apply`` to route some products to a kernel of
   your own, keeping its loading, merged and tensor-parallel shards.
@@ -20,5 +24,6 @@ from corerun.models.default import find_default_gguf
 from corerun.quantization.dense import DenseMethod
 from corerun.quantization.gguf_method import GGUFMethod
 from corerun.quantization.gguf_tensor import GGUFTensor
+from corerun.quantization.packed_method import CompressedTensorsMethod
 
-__all__ = ["DenseMethod", "GGUFMethod", "GGUFTensor", "find_default_gguf"]
+__all__ = ["CompressedTensorsMethod", "DenseMethod", "GGUFMethod", "GGUFTensor", "find_default_gguf"]

@@ -26,7 +26,8 @@ import torch
 logger = logging.getLogger("corerun_quant_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
-SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "bf16_gemv.cpp")  # one library; bf16_gemv.cpp adds its ops
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("bf16_gemv.cpp", "int8_amx.cpp")))  # one library; the others add their ops
+HEADERS = (Path(__file__).parent / "csrc" / "amx_tiles.h",)  # included by the sources: in the build key too
 NAME = "corerun_quant_cpu"
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # ordered: each runs where the ones above it do
@@ -41,7 +42,7 @@ def build_dir() -> Path:
     from corerun.sdk import cache_dir
 
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+    for part in (*(s.read_bytes() for s in (*SOURCES, *HEADERS)), torch.__version__.encode(), " ".join(CFLAGS).encode()):
         h.update(part)
         h.update(b"\0")
     return cache_dir() / "quant_cpu" / h.hexdigest()[:20]
@@ -179,6 +180,29 @@ def bf16_gemv(out: torch.Tensor, packed: torch.Tensor, x: torch.Tensor, isa: str
     ``x`` bfloat16 ``[T, cols]`` contiguous; ``out`` bfloat16 ``[T, rows]`` with a contiguous last dimension;
     ``isa`` one of :data:`BF16_ISAS`.  Tokens go 8 to a pass over the weights."""
     torch.ops.corerun_quant_cpu.bf16_gemv(out, packed, x, BF16_ISAS[isa])
+
+
+def int8_amx_available() -> bool:
+    """Whether :func:`int8_amx_linear` runs here: AMX-TILE and AMX-INT8, and Linux grants the process the tile state."""
+    return bool(torch.ops.corerun_quant_cpu.int8_amx_available())
+
+
+def repack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` int8 ``[rows, cols]`` (``cols`` a multiple of 64) as :func:`int8_amx_linear` reads it: int8
+    ``[ceil(rows / 16), cols * 16]``, 16 rows at a time with their columns in fours
+    (``packed[b, (q * 16 + r) * 4 + c] = weight[16 b + r, 4 q + c]``: AMX's B-tile layout), zeros past the last row."""
+    rows, cols = weight.shape
+    packed = torch.empty((rows + 15) // 16, cols * 16, dtype=torch.int8)
+    torch.ops.corerun_quant_cpu.int8_repack(packed, weight.contiguous())
+    return packed
+
+
+def int8_amx_linear(out: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, x: torch.Tensor) -> None:
+    """W8A8 as :mod:`corerun.quantization.int8_matmul` defines it (activations quantized per token, the
+    int32 sums scaled by the weight row's and the token's scale): ``x`` float32 or bfloat16 ``[T, cols]``
+    contiguous, ``packed`` :func:`repack_int8`'s, ``weight_scale`` float32 ``[rows]``, ``out`` ``[T, rows]``
+    of ``x``'s dtype with a contiguous last dimension."""
+    torch.ops.corerun_quant_cpu.int8_amx_linear(out, packed, weight_scale, x)
 
 
 def reset() -> None:

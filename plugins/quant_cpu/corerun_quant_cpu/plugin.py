@@ -1,8 +1,9 @@
-"""Entry point of corerun-quant-cpu: registers the ``gguf_cpu`` and ``dense_cpu`` methods (imports no torch, compiles nothing)."""
+"""Entry point of corerun-quant-cpu: registers the ``gguf_cpu``, ``dense_cpu`` and ``compressed_tensors_cpu``
+methods (imports no torch, compiles nothing)."""
 
 from corerun import hookimpl
 
-from corerun_quant_cpu.capabilities import DENSE_CPU, GGUF_CPU
+from corerun_quant_cpu.capabilities import COMPRESSED_TENSORS_CPU, DENSE_CPU, GGUF_CPU
 
 
 @hookimpl
@@ -31,5 +32,17 @@ def corerun_quantization_methods(register):
         description=(
             "unquantized weights run in bfloat16 on CPU: products of up to 4 tokens, the LM head included, in C++ "
             "(AVX512_BF16 dot products on weights repacked 16 rows by 2 columns), larger ones through oneDNN"
+        ),
+    )
+    register(
+        "compressed_tensors_cpu",
+        "corerun_quant_cpu.w8a8_method:CompressedTensorsCpuMethod",
+        capabilities=COMPRESSED_TENSORS_CPU,
+        probe="corerun_quant_cpu.probe:probe_w8a8",
+        # above the built-in compressed-tensors (0), so `quantization: auto` takes it for such a folder on a CPU with AMX-INT8
+        priority={"cpu": 20, "default": -10},
+        description=(
+            "compressed-tensors checkpoints as the built-in reads them; W8A8 products of up to 64 tokens with per-token "
+            "activations in C++ on AMX-INT8 tiles (activations quantized, multiplied and scaled in one call)"
         ),
     )

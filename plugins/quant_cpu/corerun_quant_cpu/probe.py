@@ -20,3 +20,15 @@ def probe_dense() -> list[str]:
         reasons = [f"this CPU lacks AVX512_BF16 (the bfloat16 kernel would run {kernels.bf16_best_isa()!r}); "
                    "quantization: none multiplies bfloat16 with oneDNN"]
     return reasons
+
+
+def probe_w8a8() -> list[str]:
+    """Reasons ``compressed_tensors_cpu`` cannot run here: those of :func:`probe`, or a CPU without AMX-INT8
+    (or a kernel that does not grant the tile state), where the built-in's oneDNN int8 product is the one to keep."""
+    from corerun_quant_cpu import kernels
+
+    reasons = kernels.load()
+    if not reasons and not kernels.int8_amx_available():
+        reasons = ["this CPU lacks AMX-INT8 (or Linux does not grant the process the tile state); "
+                   "quantization: compressed-tensors multiplies W8A8 with oneDNN"]
+    return reasons

@@ -32,9 +32,8 @@
 #include <cstring>
 #include <vector>
 #include <immintrin.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 namespace {
 
@@ -220,112 +219,35 @@ BF16_DP_FN void one_token_dp_blocks(const Bf16Problem& p, int64_t begin, int64_t
 }
 
 
-// AMX (isa 3): tile products, 16 tokens x 32 columns (A, bfloat16) times 16 column pairs x 16 rows (B,
-// bfloat16 pairs) into 16 tokens x 16 rows (C, float32) per TDPBF16PS.  The packed layout above is AMX's
-// B layout as it stands: a row block's 16 pairs p0 .. p0 + 15 are 16 consecutive 64-byte vectors, one
-// 1 KiB tile at stride 64.  Each task takes two row blocks at a time (two B tiles, streamed from memory
-// once) against 32 tokens at a time (two A tiles, from cache), four C tiles: the 8 tile registers.  More
-// than 32 tokens re-read the two blocks' tiles from L1/L2, not memory: a step reads its weights once.
-// Columns must be a multiple of 32 (whole A/B tiles; bf16_gemv sends other shapes to AVX512_BF16) and
-// the tokens are padded to a multiple of 16 with zeros (rows past T are computed and dropped).
-#define BF16_AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-
-struct alignas(64) AmxTileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {0};
-    uint16_t colsb[16] = {0};
-    uint8_t rows[16] = {0};
-};
-
-constexpr int64_t AMX_PREFETCH = 4096;
-
-struct AmxProblem {
-    const uint16_t* w;  // packed
-    const uint16_t* x;  // bfloat16 [Tpad, cols], rows past T zero
+// AMX (isa 3): TDPBF16PS multiplies 16 tokens x 32 columns (A, bfloat16) by 16 column pairs x 16 rows (B,
+// bfloat16 pairs) into 16 tokens x 16 rows (C, float32).  The packed layout above is AMX's B layout as it
+// stands: a row block's 16 pairs p0 .. p0 + 15 are 16 consecutive 64-byte vectors, one 1 KiB tile.  The
+// loops are amx_tiles.h's; columns must be a multiple of 32 (whole tiles: bf16_gemv sends other shapes to
+// AVX512_BF16) and the tokens are padded to a multiple of 16 with zeros.
+struct Bf16Tiles {
     uint16_t* out;
-    int64_t cols, npairs, rows, T, Tpad, out_stride;
+    int64_t rows, T, out_stride;
+
+    static constexpr corerun_amx::Op op = corerun_amx::Op::bf16;
+
+    // c: [mt][2][16 tokens][16 rows] float32 sums -> bfloat16 out, tokens t < T only
+    CORERUN_AMX_FN void store(const int32_t* c, int mt, int nb, int64_t m0, int64_t b) const {
+        const float* sums = reinterpret_cast<const float*>(c);
+        for (int mi = 0; mi < mt; ++mi) {
+            for (int ni = 0; ni < nb; ++ni) {
+                const int64_t j = (b + ni) * 16, n = std::min<int64_t>(16, rows - j);
+                const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+                const float* tile = sums + (mi * 2 + ni) * 256;
+                for (int r = 0; r < 16 && m0 + mi * 16 + r < T; ++r) {
+                    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tile + r * 16));
+                    _mm256_mask_storeu_epi16(out + (m0 + mi * 16 + r) * out_stride + j, mask, h);
+                }
+            }
+        }
+    }
 };
 
-template <int MT, int NB>
-BF16_AMX_FN void amx_tiles(const AmxProblem& p, const uint16_t* w0, const uint16_t* w1, int64_t m0, float* c) {
-    _tile_zero(0);
-    if constexpr (NB == 2) _tile_zero(1);
-    if constexpr (MT == 2) _tile_zero(2);
-    if constexpr (MT == 2 && NB == 2) _tile_zero(3);
-    const uint16_t* a = p.x + m0 * p.cols;
-    const int64_t astride = p.cols * 2;
-    for (int64_t q = 0; q < p.npairs; q += 16) {
-        if (m0 == 0) {  // the first pass streams the blocks from memory: ask for the next tiles' lines ahead
-            const char* n0 = reinterpret_cast<const char*>(w0 + q * 32) + AMX_PREFETCH;
-            const char* n1 = reinterpret_cast<const char*>(w1 + q * 32) + AMX_PREFETCH;
-            for (int l = 0; l < 1024; l += 64) {
-                _mm_prefetch(n0 + l, _MM_HINT_T0);
-                if constexpr (NB == 2) _mm_prefetch(n1 + l, _MM_HINT_T0);
-            }
-        }
-        _tile_loadd(6, w0 + q * 32, 64);
-        if constexpr (NB == 2) _tile_loadd(7, w1 + q * 32, 64);
-        _tile_loadd(4, a + 2 * q, astride);
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
-        if constexpr (MT == 2) {
-            _tile_loadd(5, a + 16 * p.cols + 2 * q, astride);
-            _tile_dpbf16ps(2, 5, 6);
-            if constexpr (NB == 2) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, c, 64);
-    if constexpr (NB == 2) _tile_stored(1, c + 256, 64);
-    if constexpr (MT == 2) _tile_stored(2, c + 512, 64);
-    if constexpr (MT == 2 && NB == 2) _tile_stored(3, c + 768, 64);
-}
-
-// c: the C tiles of amx_tiles, [mt][nb][16 tokens][16 rows] float32 -> bfloat16 out, rows t < T only
-BF16_AMX_FN void amx_store(const AmxProblem& p, const float* c, int mt, int nb, int64_t m0, int64_t b) {
-    for (int mi = 0; mi < mt; ++mi) {
-        for (int ni = 0; ni < nb; ++ni) {
-            const int64_t j = (b + ni) * 16, n = std::min<int64_t>(16, p.rows - j);
-            const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-            const float* tile = c + (mi * 2 + ni) * 256;
-            for (int r = 0; r < 16; ++r) {
-                const int64_t t = m0 + mi * 16 + r;
-                if (t >= p.T) break;
-                const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tile + r * 16));
-                _mm256_mask_storeu_epi16(p.out + t * p.out_stride + j, mask, h);
-            }
-        }
-    }
-}
-
-BF16_AMX_FN void amx_blocks(const AmxProblem& p, int64_t begin, int64_t end) {
-    AmxTileConfig cfg;
-    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
-    alignas(64) float c[4 * 256];
-    for (int64_t b = begin; b < end; b += 2) {
-        const bool two = b + 1 < end;
-        const uint16_t* w0 = p.w + b * p.npairs * 32;
-        const uint16_t* w1 = two ? w0 + p.npairs * 32 : w0;
-        for (int64_t m0 = 0; m0 < p.Tpad; m0 += 32) {
-            const int mt = p.Tpad - m0 >= 32 ? 2 : 1;
-            if (mt == 2 && two) amx_tiles<2, 2>(p, w0, w1, m0, c);
-            else if (mt == 2) amx_tiles<2, 1>(p, w0, w1, m0, c);
-            else if (two) amx_tiles<1, 2>(p, w0, w1, m0, c);
-            else amx_tiles<1, 1>(p, w0, w1, m0, c);
-            amx_store(p, c, mt, two ? 2 : 1, m0, b);
-        }
-    }
-    _tile_release();
-}
-
-bool cpu_has_amx_bf16() {  // the CPU has AMX-TILE and AMX-BF16, and Linux lets this process use the tile data
-    static const bool ok = [] {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
-    return ok;
-}
+bool cpu_has_amx_bf16() { return corerun_amx::available(22); }
 
 bool cpu_has_avx512f() {
     __builtin_cpu_init();
@@ -368,11 +290,12 @@ void bf16_gemv(at::Tensor out, const at::Tensor& packed, const at::Tensor& x, in
             std::memcpy(padded.data(), xs, static_cast<size_t>(T * cols) * 2);
             xs = padded.data();
         }
-        const AmxProblem p{reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), xs,
-                           reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), cols, npairs, rows, T, Tpad, out.stride(0)};
-        const int64_t grain = std::max<int64_t>(2, (256 * 1024) / std::max<int64_t>(1, npairs * 64)) / 2 * 2;  // whole pairs of blocks
-        at::parallel_for(0, (blocks + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t begin, int64_t end) {
-            amx_blocks(p, 2 * begin, std::min(blocks, 2 * end));
+        const Bf16Tiles kernel{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), rows, T, out.stride(0)};
+        const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>()), reinterpret_cast<const char*>(xs),
+                                      cols * 2, cols * 2, npairs * 64, Tpad};
+        const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, npairs * 128));  // pairs of blocks, ~256 KiB a task
+        at::parallel_for(0, (blocks + 1) / 2, grain, [&](int64_t begin, int64_t end) {
+            corerun_amx::row_blocks(kernel, o, 2 * begin, std::min(blocks, 2 * end));
         });
         return;
     }

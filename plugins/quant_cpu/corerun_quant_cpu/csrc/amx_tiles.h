@@ -1,0 +1,123 @@
+// AMX tile products shared by bf16_gemv.cpp (TDPBF16PS) and int8_amx.cpp (TDPBSSD).
+//
+// Both multiply a few tokens' activations A [Tpad, K] (row-major, Tpad a multiple of 16, rows past the
+// real tokens zero) by a weight repacked in row blocks of 16 output rows, each block one sequential
+// stream of 64-byte vectors, 16 consecutive vectors (1 KiB) one B tile covering 64 bytes of K.  A task
+// takes two row blocks at a time (two B tiles streamed from memory) against 32 tokens at a time (two A
+// tiles, 16 tokens x 64 bytes each, read at A's row stride): four C tiles (16 x 16 32-bit sums), the
+// eight tile registers.  More than 32 tokens re-read the two blocks' tiles from L1/L2, so a call reads
+// its weights from memory once.  The first pass prefetches each block's next tiles 4 KiB ahead.
+//
+// A Kernel supplies: `static constexpr Op op` (the tile instruction: the macros take literal tile numbers) and
+// `void store(const int32_t* or float* c, int mt, int nb, int64_t m0, int64_t block)` (C tiles, laid out
+// [mt][2][16][16] 32-bit words, to the output: rows past the real tokens dropped).
+
+#pragma once
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace corerun_amx {
+
+#define CORERUN_AMX_FN __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+
+constexpr int64_t PREFETCH = 4096;  // bytes ahead in a row block's stream (each of the tile's 16 lines)
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+    uint16_t colsb[16] = {0};
+    uint8_t rows[16] = {0};
+};
+
+// Whether the CPU has AMX-TILE and the AMX feature in cpuid leaf 7's EDX bit `feature_bit` (22: BF16,
+// 25: INT8) with AVX-512 F/BW, and Linux grants this process the tile state (asked once; the answer holds
+// for every thread).
+inline bool available(unsigned feature_bit) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << feature_bit))) return false;
+    if (!(b & (1u << 16)) || !(b & (1u << 30))) return false;
+    static const bool granted = [] {
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return granted;
+}
+
+enum class Op { bf16, int8 };  // TDPBF16PS (float32 sums) or TDPBSSD (int32 sums of signed bytes)
+
+#define CORERUN_AMX_DP(C, A, B)                                          \
+    do {                                                                 \
+        if constexpr (Kernel::op == Op::bf16) _tile_dpbf16ps(C, A, B);   \
+        else _tile_dpbssd(C, A, B);                                      \
+    } while (0)
+
+struct Operands {
+    const char* w;       // the repacked weight: blocks of block_bytes each
+    const char* a;       // A [Tpad, a_stride bytes]
+    int64_t k_bytes;     // bytes of K per token (a multiple of 64)
+    int64_t a_stride;    // bytes between A's rows
+    int64_t block_bytes; // bytes per row block (16 * k_bytes)
+    int64_t Tpad;
+};
+
+template <class Kernel, int MT, int NB>
+CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int64_t m0, void* c) {
+    _tile_zero(0);
+    if constexpr (NB == 2) _tile_zero(1);
+    if constexpr (MT == 2) _tile_zero(2);
+    if constexpr (MT == 2 && NB == 2) _tile_zero(3);
+    const char* a = o.a + m0 * o.a_stride;
+    for (int64_t k = 0; k < o.k_bytes; k += 64) {
+        const int64_t at = k * 16;  // the B tile of these 64 bytes of K: 16 vectors of 64 bytes
+        if (m0 == 0) {
+            for (int l = 0; l < 1024; l += 64) {
+                _mm_prefetch(w0 + at + PREFETCH + l, _MM_HINT_T0);
+                if constexpr (NB == 2) _mm_prefetch(w1 + at + PREFETCH + l, _MM_HINT_T0);
+            }
+        }
+        _tile_loadd(6, w0 + at, 64);
+        if constexpr (NB == 2) _tile_loadd(7, w1 + at, 64);
+        _tile_loadd(4, a + k, o.a_stride);
+        CORERUN_AMX_DP(0, 4, 6);
+        if constexpr (NB == 2) CORERUN_AMX_DP(1, 4, 7);
+        if constexpr (MT == 2) {
+            _tile_loadd(5, a + 16 * o.a_stride + k, o.a_stride);
+            CORERUN_AMX_DP(2, 5, 6);
+            if constexpr (NB == 2) CORERUN_AMX_DP(3, 5, 7);
+        }
+    }
+    char* cb = static_cast<char*>(c);
+    _tile_stored(0, cb, 64);
+    if constexpr (NB == 2) _tile_stored(1, cb + 1024, 64);
+    if constexpr (MT == 2) _tile_stored(2, cb + 2048, 64);
+    if constexpr (MT == 2 && NB == 2) _tile_stored(3, cb + 3072, 64);
+}
+
+// Row blocks [begin, end) of one task, two at a time, every 32 tokens of A against each pair.
+template <class Kernel>
+CORERUN_AMX_FN void row_blocks(const Kernel& kernel, const Operands& o, int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t c[4 * 256];
+    for (int64_t b = begin; b < end; b += 2) {
+        const bool two = b + 1 < end;
+        const char* w0 = o.w + b * o.block_bytes;
+        const char* w1 = two ? w0 + o.block_bytes : w0;
+        for (int64_t m0 = 0; m0 < o.Tpad; m0 += 32) {
+            const int mt = o.Tpad - m0 >= 32 ? 2 : 1;
+            if (mt == 2 && two) tiles<Kernel, 2, 2>(o, w0, w1, m0, c);
+            else if (mt == 2) tiles<Kernel, 2, 1>(o, w0, w1, m0, c);
+            else if (two) tiles<Kernel, 1, 2>(o, w0, w1, m0, c);
+            else tiles<Kernel, 1, 1>(o, w0, w1, m0, c);
+            kernel.store(c, mt, two ? 2 : 1, m0, b);
+        }
+    }
+    _tile_release();
+}
+
+}  // namespace corerun_amx

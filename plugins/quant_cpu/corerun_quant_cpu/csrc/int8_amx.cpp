@@ -1,0 +1,161 @@
+// W8A8 on AMX: int8 weights (one scale per output row) times int8 activations quantized per token, as
+// corerun.quantization.int8_matmul defines them, for the few tokens of a decode step.
+//
+// Ops (registered in the torch.ops.corerun_quant_cpu library with the other sources'; see kernels.py):
+//   int8_repack(packed, w)   w int8 [rows, cols] contiguous, cols a multiple of 64 -> packed int8
+//             [ceil(rows / 16), cols * 16]: 16 rows at a time, their columns in fours, so that
+//             packed[b, (q * 16 + r) * 4 + c] = W[16 b + r, 4 q + c]; rows past the last are zeros.  16
+//             consecutive 64-byte vectors of a row block (64 columns of 16 rows) are one AMX B tile.
+//   int8_amx_linear(out, packed, w_scale, x)
+//     x        float32 or bfloat16 [T, cols], contiguous
+//     w_scale  float32 [rows], the weight rows' scales
+//     out      [T, rows] of x's dtype, last dimension contiguous:
+//              s_t = max(max_i |x[t, i]| / 127, FLT_MIN); q[t, i] = clamp(rne(x[t, i] / s_t), -127, 127);
+//              out[t, j] = round(float(sum_i q[t, i] W[j, i]) * w_scale[j] * s_t)
+//              (the sum exact in int32; the scales applied in float32, in that order, as int8_matmul does)
+//   int8_amx_available() -> whether this CPU has AMX-TILE and AMX-INT8 and Linux grants the tile state.
+//
+// The product: TDPBSSD multiplies 16 tokens x 64 columns (A, int8) by 64 columns x 16 rows (B) into 16 x 16
+// int32 sums, in amx_tiles.h's loops; row blocks are split over at::parallel_for (torch's thread pool and
+// OpenMP runtime).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <immintrin.h>
+
+#include "amx_tiles.h"
+
+namespace {
+
+#define INT8_AMX_FN CORERUN_AMX_FN
+
+struct Int8Tiles {
+    const float* xs;  // activation scales [T]
+    const float* ws;  // weight scales [rows]
+    void* out;
+    bool bf16_out;
+    int64_t rows, T, out_stride;
+
+    static constexpr corerun_amx::Op op = corerun_amx::Op::int8;
+
+    // c: [mt][2][16 tokens][16 rows] int32 sums -> float(acc) * w_scale * x_scale in out's dtype, tokens t < T only
+    CORERUN_AMX_FN void store(const int32_t* c, int mt, int nb, int64_t m0, int64_t b) const {
+        for (int mi = 0; mi < mt; ++mi) {
+            for (int ni = 0; ni < nb; ++ni) {
+                const int64_t j = (b + ni) * 16, n = std::min<int64_t>(16, rows - j);
+                const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+                const __m512 w = _mm512_maskz_loadu_ps(mask, ws + j);
+                const int32_t* tile = c + (mi * 2 + ni) * 256;
+                for (int r = 0; r < 16 && m0 + mi * 16 + r < T; ++r) {
+                    const int64_t t = m0 + mi * 16 + r;
+                    const __m512 acc = _mm512_cvtepi32_ps(_mm512_loadu_si512(tile + r * 16));
+                    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(acc, w), _mm512_set1_ps(xs[t]));
+                    if (bf16_out) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + t * out_stride + j, mask, (__m256i)_mm512_cvtneps_pbh(y));
+                    else _mm512_mask_storeu_ps(static_cast<float*>(out) + t * out_stride + j, mask, y);
+                }
+            }
+        }
+    }
+};
+
+bool int8_amx_available() {
+    static const bool ok = corerun_amx::available(25);
+    return ok;
+}
+
+// One token's codes and scale, as int8_matmul.quantize_activations: the division in float32 (not a
+// multiplication by the reciprocal), rounded to nearest even, clamped to +-127.  cols is a multiple of 64.
+INT8_AMX_FN inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+INT8_AMX_FN inline __m512 load16(const c10::BFloat16* x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+template <typename T>
+INT8_AMX_FN void quantize_row(const T* x, int64_t cols, int8_t* q, float* scale) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < cols; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + i)));
+    const float s = std::max(_mm512_reduce_max_ps(amax) / 127.f, FLT_MIN);
+    const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    for (int64_t i = 0; i < cols; i += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    *scale = s;
+}
+
+void int8_amx_linear(at::Tensor out, const at::Tensor& packed, const at::Tensor& w_scale, const at::Tensor& x) {
+    TORCH_CHECK(int8_amx_available(), "int8_amx_linear: this CPU (or kernel) offers no AMX-INT8");
+    TORCH_CHECK(packed.device().is_cpu() && x.device().is_cpu() && out.device().is_cpu() && w_scale.device().is_cpu(), "int8_amx_linear: CPU tensors only");
+    TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+                "int8_amx_linear: x must be contiguous float32 or bfloat16 [T, cols], got ", x.scalar_type(), " ", x.sizes());
+    const int64_t T = x.size(0), cols = x.size(1), rows = out.size(1);
+    TORCH_CHECK(cols % 64 == 0, "int8_amx_linear: columns must be a multiple of 64 (whole tiles), got ", cols);
+    TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == T && out.stride(1) == 1,
+                "int8_amx_linear: out must be [", T, ", rows] of x's dtype with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
+    TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.is_contiguous() && packed.size(0) == (rows + 15) / 16 &&
+                    packed.size(1) == cols * 16,
+                "int8_amx_linear: packed must be contiguous int8 [", (rows + 15) / 16, ", ", cols * 16, "] (int8_repack's, for ", rows,
+                " rows of ", cols, " columns), got ", packed.scalar_type(), " ", packed.sizes());
+    TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == rows,
+                "int8_amx_linear: w_scale must be contiguous float32 with ", rows, " values, got ", w_scale.scalar_type(), " ", w_scale.sizes());
+    if (T == 0 || rows == 0) return;
+    const int64_t Tpad = (T + 15) / 16 * 16;
+    std::vector<int8_t> codes(static_cast<size_t>(Tpad * cols), 0);
+    std::vector<float> xs(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) {
+        if (x.scalar_type() == at::kFloat) quantize_row(x.data_ptr<float>() + t * cols, cols, codes.data() + t * cols, &xs[t]);
+        else quantize_row(x.data_ptr<at::BFloat16>() + t * cols, cols, codes.data() + t * cols, &xs[t]);
+    }
+    const Int8Tiles kernel{xs.data(), w_scale.data_ptr<float>(), out.data_ptr(), x.scalar_type() == at::kBFloat16, rows, T, out.stride(0)};
+    const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<int8_t>()), reinterpret_cast<const char*>(codes.data()),
+                                  cols, cols, cols * 16, Tpad};
+    const int64_t blocks = (rows + 15) / 16;
+    const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, cols * 32));  // pairs of blocks, ~256 KiB a task
+    at::parallel_for(0, (blocks + 1) / 2, grain, [&](int64_t begin, int64_t end) {
+        corerun_amx::row_blocks(kernel, o, 2 * begin, std::min(blocks, 2 * end));
+    });
+}
+
+void int8_repack(at::Tensor packed, const at::Tensor& w) {
+    TORCH_CHECK(w.device().is_cpu() && packed.device().is_cpu(), "int8_repack: CPU tensors only");
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "int8_repack: w must be contiguous int8 [rows, cols], got ", w.scalar_type(), " ", w.sizes());
+    const int64_t rows = w.size(0), cols = w.size(1), blocks = (rows + 15) / 16;
+    TORCH_CHECK(cols % 64 == 0, "int8_repack: columns must be a multiple of 64, got ", cols);
+    TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.is_contiguous() && packed.size(0) == blocks && packed.size(1) == cols * 16,
+                "int8_repack: packed must be contiguous int8 [", blocks, ", ", cols * 16, "], got ", packed.scalar_type(), " ", packed.sizes());
+    const int8_t* src = w.data_ptr<int8_t>();
+    int8_t* dst = packed.data_ptr<int8_t>();
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+            int8_t* d = dst + b * cols * 16;
+            for (int64_t r = 0; r < 16; ++r) {
+                const int64_t row = 16 * b + r;
+                for (int64_t i = 0; i < cols; ++i) d[((i / 4) * 16 + r) * 4 + (i & 3)] = row < rows ? src[row * cols + i] : 0;
+            }
+        }
+    });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(corerun_quant_cpu, m) {
+    m.def("int8_amx_linear(Tensor(a!) out, Tensor packed, Tensor w_scale, Tensor x) -> ()");
+    m.def("int8_repack(Tensor(a!) packed, Tensor w) -> ()");
+    m.def("int8_amx_available() -> bool", int8_amx_available);
+}
+
+TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) {
+    m.impl("int8_amx_linear", int8_amx_linear);
+    m.impl("int8_repack", int8_repack);
+}

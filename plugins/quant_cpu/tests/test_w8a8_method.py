@@ -1,0 +1,180 @@
+"""``compressed_tensors_cpu``: the AMX-INT8 W8A8 product (csrc/int8_amx.cpp) against float64, the repacked
+layout against its definition, the method's layers (merged q/k/v loaded out of order, static scales and
+other widths left to the built-in), ``auto``'s choice, and the default model quantized by ``corerun
+quantize`` against the built-in ``compressed-tensors`` method."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from corerun.quantization.int8_matmul import quantize_activations
+from corerun.quantization.quantized_tensor import QuantizedTensor
+from corerun.quantization.schemes import int8
+from corerun.sdk.models import Linear, MergedLinear
+
+from corerun_quant_cpu import kernels
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def amx() -> bool:
+    return not kernels.load() and kernels.int8_amx_available()
+
+
+needs_amx = pytest.mark.skipif("not amx()", reason="this CPU (or kernel) offers no AMX-INT8")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8's definition in float64: the activations' codes and scales as corerun.quantization.int8_matmul
+    makes them, their exact product with the weight codes, times both scales."""
+    codes, x_scale = quantize_activations(x, None)
+    return (codes.double() @ w.double().T) * scale.double().reshape(1, -1) * x_scale.double()
+
+
+def bound(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output's one rounding (bfloat16: 2^-8 relative; float32: the int32 sum to float32, two products: 4 eps)."""
+    rel = 2.0**-8 if dtype == torch.bfloat16 else 4 * torch.finfo(torch.float32).eps
+    return rel * ref.abs() + 1e-30
+
+
+def weights(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8), torch.rand(rows, generator=g) * 0.02 + 1e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(16, 64), (37, 128), (960, 576), (576, 1536), (49, 64)])
+@pytest.mark.parametrize("tokens", [1, 2, 15, 16, 17, 32, 33, 64])
+def test_int8_amx_linear_matches_float64(dtype: torch.dtype, rows: int, cols: int, tokens: int) -> None:
+    w, scale = weights(rows, cols, rows * 7 + cols + tokens)
+    x = (torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)) * 3).to(dtype)
+    ref = reference(x, w, scale)
+    wide = torch.full((tokens, rows + 3), float("nan"), dtype=dtype)  # poisoned; the kernel writes columns 1 .. rows
+    out = wide[:, 1 : rows + 1]
+    kernels.int8_amx_linear(out, kernels.repack_int8(w), scale, x)
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs()
+    assert (err <= bound(ref, dtype)).all(), f"worst {(err / bound(ref, dtype)).max().item():.2f} of the bound"
+    assert torch.isnan(wide[:, :1].float()).all() and torch.isnan(wide[:, rows + 1 :].float()).all()
+
+
+@needs_amx
+def test_codes_are_int8_matmuls_on_a_tie() -> None:
+    """Values that fall exactly half-way between two codes round to even, as torch.round does: a wrong
+    rounding (half away from zero) moves a code by one and the product by a whole weight row."""
+    w, scale = weights(16, 64, 1)
+    x = torch.zeros(1, 64)
+    x[0, 0] = 127.0  # the scale is then exactly 1
+    x[0, 1:8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 4.5])
+    x[0, 8:] = torch.randn(56, generator=torch.Generator().manual_seed(2)).clamp(-100, 100)
+    out = torch.empty(1, 16)
+    kernels.int8_amx_linear(out, kernels.repack_int8(w), scale, x)
+    ref = reference(x, w, scale)
+    assert ((out.double() - ref).abs() <= bound(ref, torch.float32)).all()
+
+
+@needs_amx
+def test_repack_layout_is_its_definition() -> None:
+    w, _ = weights(21, 64, 3)
+    packed = kernels.repack_int8(w)
+    assert packed.shape == (2, 64 * 16) and packed.dtype == torch.int8
+    for b in range(2):
+        for q in range(16):
+            for r in range(16):
+                for c in range(4):
+                    row, col = 16 * b + r, 4 * q + c
+                    assert packed[b, (q * 16 + r) * 4 + c] == (w[row, col] if row < 21 else 0), (b, q, r, c)
+
+
+@needs_amx
+def test_refuses_a_width_that_is_not_whole_tiles() -> None:
+    w, scale = weights(16, 96, 4)
+    with pytest.raises(RuntimeError, match="columns must be a multiple of 64"):
+        kernels.repack_int8(w)
+
+
+def _shard(rows: int, cols: int, seed: int, activations: str = "int8-dynamic") -> tuple[QuantizedTensor, torch.Tensor, torch.Tensor]:
+    w, scale = weights(rows, cols, seed)
+    parts = {"weight": w, "weight_scale": scale.reshape(-1, 1)}
+    if activations == "int8-static":
+        parts["input_scale"] = torch.tensor([0.05])
+    return QuantizedTensor(f"w{seed}", int8(True, activations), parts, rows, cols), w, scale
+
+
+def _method() -> nn.Module:
+    from corerun_quant_cpu.w8a8_method import CompressedTensorsCpuMethod
+
+    return CompressedTensorsCpuMethod()
+
+
+@needs_amx
+def test_merged_layer_out_of_order_goes_through_the_tiles_for_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    cols, sizes = 128, {"q": 48, "k": 16, "v": 16}
+    layer = MergedLinear(cols, sizes, quant=_method())
+    shards = {s: _shard(n, cols, i) for i, (s, n) in enumerate(sizes.items())}
+    for s in ("v", "q", "k"):
+        assert layer.int8_amx is None  # not until the last shard is in
+        layer.weight.weight_loader(layer.weight, shards[s][0], s)
+    w = torch.cat([shards[s][1] for s in sizes])
+    scale = torch.cat([shards[s][2] for s in sizes])
+    calls: list[int] = []
+    real = kernels.int8_amx_linear
+    monkeypatch.setattr(kernels, "int8_amx_linear", lambda out, *a: (calls.append(out.shape[0]), real(out, *a)))
+    from corerun_quant_cpu.capabilities import INT8_AMX_MAX_TOKENS
+
+    for t in (1, 9, INT8_AMX_MAX_TOKENS + 1):  # the last one: prefill, the built-in's oneDNN product
+        x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t)).bfloat16()
+        with torch.no_grad():
+            y = layer(x)
+        ref = reference(x, w, scale)
+        assert y.dtype == torch.bfloat16 and ((y.double() - ref).abs() <= 2 * bound(ref, torch.bfloat16)).all(), t
+    assert calls == [1, 9]
+
+
+@needs_amx
+@pytest.mark.parametrize("case", ["static input scale", "width 96"])
+def test_other_layers_keep_the_built_in_product(case: str) -> None:
+    cols = 96 if case == "width 96" else 64
+    shard, w, scale = _shard(32, cols, 5, "int8-static" if case == "static input scale" else "int8-dynamic")
+    layer = Linear(cols, 32, quant=_method())
+    layer.weight.weight_loader(layer.weight, shard)
+    assert layer.int8 is not None and layer.int8_amx is None
+    x = torch.randn(3, cols)
+    with torch.no_grad():
+        assert torch.isfinite(layer(x)).all()
+
+
+def test_probe_refuses_a_cpu_without_amx_int8(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corerun_quant_cpu.probe import probe_w8a8
+
+    monkeypatch.setattr(kernels, "int8_amx_available", lambda: False)
+    assert any("AMX-INT8" in r for r in probe_w8a8())
+
+
+@needs_amx
+@pytest.mark.slow
+def test_default_model_quantized_agrees_with_the_built_in(tmp_path) -> None:
+    """``corerun quantize --method int8`` of the default model, run in bfloat16: ``auto`` takes
+    compressed_tensors_cpu, and its greedy tokens equal the built-in compressed-tensors method's (the
+    same codes and exact sums; only the last rounding's order could part them at a near-tie)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from corerun import LLM, SamplingParams
+
+    out = tmp_path / "w8a8"
+    subprocess.run([str(Path(sys.executable).with_name("corerun")), "quantize", "--method", "int8", "--out", str(out)], check=True)
+    prompts = [[1, 504, 3458, 282, 4649, 314, 1018 + i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for q in ("auto", "compressed-tensors"):
+        llm = LLM(model=str(out), dtype="bfloat16", quantization=q, threads=1)
+        tokens[q] = (llm.engine.runner.quantization_name, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert tokens["auto"][0] == "compressed_tensors_cpu"
+    same = sum(a == b for a, b in zip(tokens["auto"][1], tokens["compressed-tensors"][1]))
+    assert same >= 5, f"{same}/6 prompts equal"
