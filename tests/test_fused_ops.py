@@ -23,12 +23,12 @@ from corerun.errors import PluginUnavailableError
 from corerun.models.fused_ops import TorchFusedOps, use_fused_ops
 from corerun.plugin.hookspecs import hookimpl
 from corerun.plugin.registry import Registry
-from corerun.protocols.fused_ops import FusedOps, FusedOpsCapabilities, FusedOpsNeed
+from corerun.protocols.fused_ops import FusedAddRMSNorm, FusedOps, FusedOpsCapabilities, FusedOpsNeed
 from corerun.testing.engines import TEST_DEFAULTS
 from corerun.testing.tiny_models import corerun_logits, load_corerun_model, make_tiny_model
 from tests.broken_impls.fused_ops import (
-    FlipsSinSign, NormInPlace, NormOverTokens, NormWithoutEps, RotaryInPlace, RotatesAdjacentPairs, SiluInPlace,
-    SwapsGateAndUp,
+    AddsInPlace, FlipsSinSign, NormInPlace, NormOverTokens, NormsBeforeTheAdd, NormWithoutEps, ReturnsTheOldResidual,
+    RotaryInPlace, RotatesAdjacentPairs, SiluInPlace, SwapsGateAndUp,
 )
 
 CPU_FLOAT32 = FusedOpsCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"float32"}))
@@ -45,11 +45,15 @@ class Recording(TorchFusedOps):
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
-        self.calls = {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
+        self.calls = {"rms_norm": 0, "add_rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
 
     def rms_norm(self, x, weight, eps):
         self.calls["rms_norm"] += 1
         return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        self.calls["add_rms_norm"] += 1
+        return super().add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x):
         self.calls["silu_and_mul"] += 1
@@ -104,6 +108,7 @@ def _cases(broken, check: str) -> tuple[int, list[str]]:
     (NormWithoutEps, "rms_norm"), (NormOverTokens, "rms_norm"), (NormInPlace, "rms_norm"),
     (SwapsGateAndUp, "silu_and_mul"), (SiluInPlace, "silu_and_mul"),
     (RotatesAdjacentPairs, "rotary"), (FlipsSinSign, "rotary"), (RotaryInPlace, "rotary"),
+    (NormsBeforeTheAdd, "add_rms_norm"), (ReturnsTheOldResidual, "add_rms_norm"), (AddsInPlace, "add_rms_norm"),
 ])
 def test_every_case_rejects_a_broken_implementation(broken, check: str) -> None:
     total, passed = _cases(broken, check)
@@ -153,8 +158,45 @@ def test_layers_hand_their_work_to_ops_and_the_reference_leaves_the_logits_uncha
     after = corerun_logits(model, ids, chunks=[66, 1, 1, 1, 1])
     assert torch.equal(before, after)
     layers = model.model.layers
-    assert ops.calls["rms_norm"] == 5 * (4 * len(layers) + 1)  # input, post-attention, q and k norms; the final one
+    # per step: the first layer's input norm, q and k norms; every other norm adds the residual before it
+    assert ops.calls["rms_norm"] == 5 * (2 * len(layers) + 1)
+    assert ops.calls["add_rms_norm"] == 5 * 2 * len(layers)  # the input norms after the first, post-attention, final
     assert ops.calls["silu_and_mul"] == 5 * len(layers) and ops.calls["rotary"] == 5 * 2 * len(layers)
+
+
+class ThreeOps:
+    """An implementation written before ``add_rms_norm``: the three required ops (the reference's), counted."""
+
+    name = "three"
+    capabilities = CPU_FLOAT32
+
+    def __init__(self) -> None:
+        self.inner = Recording()
+        self.calls = self.inner.calls
+
+    def rms_norm(self, x, weight, eps):
+        return self.inner.rms_norm(x, weight, eps)
+
+    def silu_and_mul(self, x):
+        return self.inner.silu_and_mul(x)
+
+    def rotary(self, x, cos, sin):
+        return self.inner.rotary(x, cos, sin)
+
+
+def test_ops_without_add_rms_norm_run_the_add_in_torch_and_their_suite_skips_it(tiny: Path) -> None:
+    model, _ = load_corerun_model(tiny)
+    ids = torch.randint(1, 200, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    before = corerun_logits(model, ids, chunks=[66, 1, 1, 1, 1])
+    ops = ThreeOps()
+    assert isinstance(ops, FusedOps) and not isinstance(ops, FusedAddRMSNorm)
+    use_fused_ops(model, ops)
+    assert torch.equal(corerun_logits(model, ids, chunks=[66, 1, 1, 1, 1]), before)
+    assert ops.calls["rms_norm"] == 5 * (4 * len(model.model.layers) + 1) and ops.calls["add_rms_norm"] == 0
+    results = run("fused_ops", factory=ThreeOps, capabilities=CPU_FLOAT32, name="three")
+    skipped = [r for r in results if r.check == "add_rms_norm"]
+    assert [r.outcome for r in skipped] == ["skipped"] and "no add_rms_norm" in skipped[0].reason
+    assert all(r.outcome == "passed" for r in results if r.check != "add_rms_norm")
 
 
 def test_the_runner_selects_once_and_hands_the_choice_to_the_layers(tiny: Path) -> None:
@@ -192,7 +234,7 @@ def test_scaffolded_ops_pass_the_suite_unedited(tmp_path: Path, monkeypatch: pyt
         assert registered.priority_on("cpu") > 0  # above the reference, once auto may choose it (certified)
         results = run("fused_ops", factory=ops.Ops, capabilities=plugin.CAPABILITIES, name="fresh")
         failed = [(r.id, r.reason) for r in results if r.outcome != "passed"]
-        assert len(results) == 3 * (12 + 6 + 18) and failed == []  # 3 dtypes x 36 cases
+        assert len(results) == 3 * (12 + 12 + 6 + 18) and failed == []  # 3 dtypes x 48 cases
     finally:
         for module in [m for m in sys.modules if m.startswith("corerun_fused_ops_fresh")]:
             del sys.modules[module]

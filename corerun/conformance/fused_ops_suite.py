@@ -1,4 +1,4 @@
-"""The fused-ops conformance suite: ``rms_norm``, ``silu_and_mul`` and ``rotary`` against float64 closed forms.
+"""The fused-ops conformance suite: ``rms_norm``, ``add_rms_norm``, ``silu_and_mul`` and ``rotary`` against float64 closed forms.
 
 Each case draws random inputs in float64 (never zeros), rounds them to the case's dtype and hands the
 op views laid out as the model hands them; the reference is the closed form in float64 from the
@@ -11,6 +11,10 @@ Checks, one case per declared dtype (float32, bfloat16, float16, float64) and la
 - ``rms_norm``: ``rows``, ``x`` ``[T, H]`` for T 1, 7, 300 and H 576 and 100 (an odd size); ``heads``,
   the per-head view ``[T, Hq, D]`` of a ``[T, (Hq + 2 Hkv) D]`` qkv output (Qwen3's q norm), D 64 and
   128.  Rows span four orders of magnitude down to ``mean(x**2)`` below ``eps``, so ``eps`` counts;
+- ``add_rms_norm`` (optional: an implementation without it is reported skipped): ``x`` and ``residual``
+  ``[T, H]``, H 576 and 100, contiguous (``rows``) or both views of wider tensors (``strided``), rows of
+  their sum scaled as ``rms_norm``'s; both outputs (``normed``, ``new_residual``) checked, the norm against
+  the float64 norm of the unrounded sum;
 - ``silu_and_mul``: ``x`` ``[T, 2I]``, a view of the rows of a wider tensor (strided rows), I 384 and 100;
 - ``rotary``: the q and k views (``[T, Hq, D]`` and ``[T, Hkv, D]``, and both together) of a
   ``[T, (Hq + 2 Hkv) D]`` qkv output, D 64 and 128, T 1, 7 (below 64) and 300 (above), random angles.
@@ -88,6 +92,18 @@ def rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.detach().cpu().double()
 
 
+def add_rms_inputs(case: OpsCase, device: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tensors to keep unchanged, x, residual, weight)``: ``[T, H]`` each (``strided``: the first H columns of
+    ``[T, H + 40]`` tensors), both rows scaled by one ``10**u``, u in [-3, 0.5), so that ``eps`` counts."""
+    g = _generator(case, 4)
+    width = case.size + (40 if case.layout == "strided" else 0)
+    scale = 10.0 ** (torch.rand(case.tokens, 1, generator=g, dtype=torch.float64) * 3.5 - 3.0)
+    wide = [_rounded(torch.randn(case.tokens, width, generator=g, dtype=torch.float64) * scale, case, device)
+            for _ in range(2)]
+    weight = _rounded(torch.rand(case.size, generator=g, dtype=torch.float64) * 1.5 + 0.25, case, device)
+    return [*wide, weight], wide[0][:, : case.size], wide[1][:, : case.size], weight
+
+
 def silu_inputs(case: OpsCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(the wider tensor, x)``: ``x`` ``[T, 2I]`` its first ``2I`` columns (rows strided by ``2I + 24``)."""
     g = _generator(case, 2)
@@ -154,6 +170,21 @@ def run_op(what: str, case: OpsCase, op: Callable[..., Any], args: tuple, inputs
     check_output(what, case.dtype, out, ref, args[0], inputs, before)
 
 
+def run_add_rms_norm(what: str, case: OpsCase, op: Callable[..., Any], x: torch.Tensor, residual: torch.Tensor,
+                     weight: torch.Tensor, kept: list[torch.Tensor], eps: float = 1e-5) -> None:
+    """``op(x, residual, weight, eps)`` returns ``(normed, new_residual)``, two new tensors, each checked as
+    :func:`check_output` checks one: ``x + residual`` and its norm, both in float64 from the rounded inputs."""
+    before = [t.clone() for t in kept]
+    got = op(x, residual, weight, eps)
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise AssertionError(f"{what}: returned {type(got).__name__}, not the pair (normed, new_residual)")
+    total = x.detach().cpu().double() + residual.detach().cpu().double()
+    check_output(f"{what} (new_residual)", case.dtype, got[1], total, x, kept, before)
+    check_output(f"{what} (normed)", case.dtype, got[0], rms_reference(total, weight, eps), x, kept, before)
+    if got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr():
+        raise AssertionError(f"{what}: normed and new_residual share memory; each must be a new tensor")
+
+
 class FusedOpsSuite(ConformanceSuite):
     """The fused-ops conformance suite (see the module docstring)."""
 
@@ -165,6 +196,11 @@ class FusedOpsSuite(ConformanceSuite):
             return f"{target.label} declares none of the dtypes {', '.join(DTYPES)}"
         if check == "rms_norm":
             shapes = [("rows", f"h{h}", h) for h in (576, 100)] + [("heads", f"d{d}", d) for d in (64, 128)]
+        elif check == "add_rms_norm":
+            factory = target.implementation_class()
+            if isinstance(factory, type) and not callable(getattr(factory, "add_rms_norm", None)):
+                return f"{target.label} has no add_rms_norm (optional: the layers add the residual in torch)"
+            shapes = [(layout, f"h{h}", h) for layout in ("rows", "strided") for h in (576, 100)]
         elif check == "silu_and_mul":
             shapes = [("rows", f"i{i}", i) for i in (384, 100)]
         else:
@@ -180,6 +216,15 @@ class FusedOpsSuite(ConformanceSuite):
         ops = self._ops(case)
         kept, x, weight, eps = rms_inputs(case.config, case.device)
         run_op(f"{case.id}: rms_norm", case.config, ops.rms_norm, (x, weight, eps), kept, rms_reference(x, weight, eps))
+
+    def test_add_rms_norm(self, case: Case) -> None:
+        ops = self._ops(case)
+        if not callable(getattr(ops, "add_rms_norm", None)):
+            import pytest
+
+            pytest.skip(f"{case.target.label} has no add_rms_norm (optional: the layers add the residual in torch)")
+        kept, x, residual, weight = add_rms_inputs(case.config, case.device)
+        run_add_rms_norm(f"{case.id}: add_rms_norm", case.config, ops.add_rms_norm, x, residual, weight, kept)
 
     def test_silu_and_mul(self, case: Case) -> None:
         ops = self._ops(case)

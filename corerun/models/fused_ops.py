@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from corerun.models.layers import RMSNorm, SiluAndMul, rms_norm, silu_and_mul
+from corerun.models.layers import RMSNorm, SiluAndMul, add_rms_norm, rms_norm, silu_and_mul
 from corerun.models.rotary import Rope, RotaryEmbedding
-from corerun.protocols.fused_ops import FusedOpsCapabilities
+from corerun.protocols.fused_ops import FusedAddRMSNorm, FusedOpsCapabilities
 
 
 class TorchFusedOps:
@@ -31,6 +31,12 @@ class TorchFusedOps:
         """``RMSNorm``'s torch code (:func:`corerun.models.layers.rms_norm`)."""
         return rms_norm(x, weight, eps)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``RMSNorm(x, residual)``'s torch code (:func:`corerun.models.layers.add_rms_norm`)."""
+        return add_rms_norm(x, residual, weight, eps)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiluAndMul``'s torch code (:func:`corerun.models.layers.silu_and_mul`)."""
         return silu_and_mul(x)
@@ -46,8 +52,12 @@ FUSED_LAYERS = (RMSNorm, SiluAndMul, RotaryEmbedding)
 def use_fused_ops(model: nn.Module, ops: Any) -> int:
     """Hand ``ops`` (a fused_ops implementation, or ``None``: the layers' own torch code) to every
     ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` of ``model``; returns how many layers took it.
-    Subclasses with a ``forward`` of their own (Gemma's ``1 + weight`` norm) keep their own code."""
+    Subclasses with a ``forward`` of their own (Gemma's ``1 + weight`` norm) keep their own code.
+    The norms get ``add_ops`` too: ``ops`` where it has the optional ``add_rms_norm``, checked here once."""
+    add_ops = ops if isinstance(ops, FusedAddRMSNorm) else None
     layers = [m for m in model.modules() if isinstance(m, FUSED_LAYERS)]
     for layer in layers:
         layer.ops = ops
+        if isinstance(layer, RMSNorm):
+            layer.add_ops = add_ops
     return len(layers)

@@ -30,8 +30,9 @@ tensor that arrives packed (a GGUF tensor) for a float parameter is dequantized 
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import TYPE_CHECKING, Any, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Hashable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +81,18 @@ def _prepack_wanted() -> bool:
     return os.environ.get("CORERUN_CPU_PREPACK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+@functools.cache
+def _packable_dtypes() -> frozenset[torch.dtype]:
+    """float32, and bfloat16 where oneDNN has a bfloat16 path; none without oneDNN (asked once: each question
+    is a dispatched operator, 3% of a 32-request bfloat16 decode step when asked per product)."""
+    if not torch.backends.mkldnn.is_available():
+        return frozenset()
+    return frozenset({torch.float32, torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else {torch.float32})
+
+
 def _packable(weight: torch.Tensor) -> bool:
     """A CPU float32 weight (or bfloat16, where oneDNN has a bfloat16 path) that oneDNN can prepack."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or weight.requires_grad or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.float32:
-        return True
-    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype in _packable_dtypes() and weight.is_cpu and weight.dim() == 2 and not weight.requires_grad
 
 
 def _column_major(weight: torch.Tensor) -> bool:
@@ -131,9 +137,9 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the compiler packs weights itself (inductor's freezing)
             return F.linear(x, weight, bias)
-        if x.dtype != weight.dtype or (torch.is_grad_enabled() and x.requires_grad) or not _packable(weight):
+        if x.dtype != weight.dtype or (x.requires_grad and torch.is_grad_enabled()) or not _packable(weight):
             return F.linear(x, weight, bias)
-        if x.shape[0] == 1 and _column_major(weight) and weight.dtype == torch.float32:
+        if x.shape[0] == 1 and weight.dtype == torch.float32 and _column_major(weight):
             return F.linear(x, weight, bias)  # the matrix-vector product streams this layout faster
         key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
         if key != self.key:
@@ -226,23 +232,39 @@ class MergedLinear(Linear):
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32.
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32; called with a
+    ``residual``, the residual add first (a decoder layer's stream, as vLLM's ``fused_add_rms_norm``).
 
     ``ops``: the engine's ``fused_ops`` implementation (:mod:`corerun.protocols.fused_ops`), set by the
-    runner after construction; ``None`` runs the torch code below."""
+    runner after construction; ``None`` runs the torch code below.  ``add_ops``: the same implementation
+    where it has the optional ``add_rms_norm`` (else ``None``: the add runs in torch, the norm through ``ops``)."""
 
     ops: Any = None
+    add_ops: Any = None
+    takes_residual: ClassVar[bool] = True  # False for a subclass with a ``forward(x)`` of its own (Gemma's)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.takes_residual = cls.forward is RMSNorm.forward
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _parameter(size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., size]`` -> same shape and dtype.
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """``x`` ``[..., size]`` -> same shape and dtype; with ``residual`` (``[T, size]``, ``x``'s shape):
+        ``(normed, new_residual)``, ``new_residual = x + residual`` and ``normed`` its norm.
 
         torch's fused ``rms_norm`` reduces in float32 and rounds once, after the weight (one pass; in bfloat16
         3x faster than the four ops it replaces, and nearer float64: it skips the rounding before the weight)."""
+        if residual is not None:
+            if self.add_ops is not None:
+                return self.add_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            if self.ops is not None:  # an implementation without add_rms_norm: its norm after a torch add
+                residual = x + residual
+                return self.ops.rms_norm(residual, self.weight, self.eps), residual
+            return add_rms_norm(x, residual, self.weight, self.eps)
         if self.ops is not None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
@@ -300,6 +322,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``: one call of an :class:`RMSNorm` that takes the residual (the
+    fused add), else the add in torch and ``norm`` on the sum (a subclass or module with a ``forward(x)`` of its own)."""
+    if getattr(norm, "takes_residual", False):
+        return norm(x, residual)
+    residual = x + residual
+    return norm(residual), residual
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`RMSNorm`'s torch code with a residual (and the ``torch`` fused ops'): ``(rms_norm(x + residual),
+    x + residual)``, the sum rounded to ``x``'s dtype before the norm."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from corerun.protocols.forward_context import AttentionContext
 from corerun.models.config import ModelConfig
 from corerun.models.errors import UnsupportedModelError
-from corerun.models.layers import LMHead, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding
+from corerun.models.layers import LMHead, Linear, MergedLinear, RMSNorm, SiluAndMul, VocabEmbedding, add_norm
 from corerun.models.rotary import Rope, RotaryEmbedding
 from corerun.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, attention_projections, mlp_projections
 from corerun.distributed.sharding import shard_heads
@@ -102,6 +102,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """``hidden + attn(norm(hidden))``, then ``+ mlp(norm(...))``.  :class:`LlamaModel` runs it through
+    :meth:`forward_residual`, vLLM's layout: each residual add is fused into the norm after it.  A subclass
+    with a ``forward`` of its own is run through that instead (``(rope, hidden, ctx) -> hidden``)."""
+
+    mlp_attr: ClassVar[str] = "mlp"  # the MLP's module name (a family's sparse block keeps its checkpoint's)
+
     def __init__(
         self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
         quant: "QuantizationMethod | None" = None,
@@ -113,8 +119,27 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, opts, tp, quant)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """``hidden`` ``[T, hidden_size]``: the residual stream before this layer -> the stream after it."""
+        hidden, residual = self.forward_residual(rope, hidden, None, ctx)
+        return hidden + residual
+
+    def forward_residual(
+        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream before this layer is ``hidden + residual`` (``hidden`` alone when ``residual`` is
+        None: the first layer); returns ``(mlp output, residual)``, whose sum is the stream after it, added by
+        the next layer's input norm (:func:`~corerun.models.layers.add_norm`) or the model's final norm.  ``[T, hidden_size]`` each."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = add_norm(self.input_layernorm, hidden, residual)
+        hidden, residual = add_norm(self.post_attention_layernorm, self.self_attn(rope, hidden, ctx), residual)
+        return getattr(self, self.mlp_attr)(hidden), residual
+
+
+def _runs_residual(layer: type[nn.Module]) -> bool:
+    """``layer`` is run through :meth:`LlamaDecoderLayer.forward_residual`: it keeps Llama's ``forward``."""
+    return issubclass(layer, LlamaDecoderLayer) and layer.forward is LlamaDecoderLayer.forward
 
 
 class LlamaModel(nn.Module):
@@ -132,6 +157,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)  # one for every layer
         self.layers = nn.ModuleList(layer(config, i, opts, tp, quant) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_stream = _runs_residual(layer)  # decided once: the layers' adds go into the norms
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         return self.forward_layers(input_ids, positions, ctx, None, 0, len(self.layers))
@@ -141,14 +167,22 @@ class LlamaModel(nn.Module):
         start: int, end: int,
     ) -> torch.Tensor:
         """Decoder layers ``[start, end)``: embedding first when ``hidden`` is None (``start == 0``), the final
-        norm after when ``end`` is the last layer.  ``hidden`` ``[T, hidden_size]``: the stage before's output
-        (each layer adds its residual in place, so it is the residual stream: nothing else crosses)."""
+        norm after when ``end`` is the last layer.  ``hidden`` ``[T, hidden_size]``: the stage before's output,
+        the residual stream (its last layer's output and residual added up): nothing else crosses."""
         if hidden is None:
             hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.angles(positions)  # once per step, for every layer
+        last = end == len(self.layers)
+        if not self.residual_stream:
+            for layer in islice(self.layers, start, end):
+                hidden = layer(rope, hidden, ctx)
+            return self.norm(hidden) if last else hidden
+        residual = None
         for layer in islice(self.layers, start, end):
-            hidden = layer(rope, hidden, ctx)
-        return self.norm(hidden) if end == len(self.layers) else hidden
+            hidden, residual = layer.forward_residual(rope, hidden, residual, ctx)
+        if residual is None:  # no layer ran
+            return self.norm(hidden) if last else hidden
+        return add_norm(self.norm, hidden, residual)[0] if last else hidden + residual
 
 
 class LlamaForCausalLM(nn.Module):

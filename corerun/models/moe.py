@@ -30,7 +30,7 @@ features (gate and up rows, down columns); the layer sums the ranks' partial out
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +39,12 @@ from torch import nn
 from corerun.distributed.sharding import shard_range
 from corerun.models.config import ModelConfig
 from corerun.models.errors import ModelLoadError
-from corerun.protocols.forward_context import AttentionContext
 from corerun.models.layers import Linear, MergedLinear, RMSNorm, WeightShapeError, as_dense
 from corerun.models.llama import ArchOptions, LlamaAttention, LlamaDecoderLayer
 from corerun.models.parallel_layers import mlp_projections
 
 if TYPE_CHECKING:
     from corerun.distributed.group import TensorParallelGroup
-    from corerun.models.rotary import Rope
     from corerun.quantization.base import QuantizationMethod
 
 EXPERT_SHARDS = ("gate", "up", "down")
@@ -265,8 +263,6 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     """Llama's decoder layer whose MLP the family builds (:meth:`make_mlp`: a :class:`SparseMoeBlock` or a
     dense MLP) and keeps under its checkpoint's name (``mlp_attr``), so no dense MLP is allocated first."""
 
-    mlp_attr: ClassVar[str] = "mlp"
-
     def __init__(
         self, config: ModelConfig, layer_idx: int, opts: ArchOptions, tp: "TensorParallelGroup | None" = None,
         quant: "QuantizationMethod | None" = None,
@@ -282,7 +278,3 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         quant: "QuantizationMethod | None",
     ) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must build its MLP in make_mlp")
-
-    def forward(self, rope: "Rope", hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
-        return hidden + getattr(self, self.mlp_attr)(self.post_attention_layernorm(hidden))

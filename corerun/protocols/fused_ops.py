@@ -7,6 +7,10 @@ layers (their ``ops``); a layer whose ``ops`` is ``None`` runs its own torch cod
 built-in ``torch`` implementation (:mod:`corerun.models.fused_ops`), the reference.  Gemma's
 ``(1 + weight)`` norms and GeGLU keep their own torch code.
 
+``add_rms_norm`` (the residual add and the next norm in one pass, vLLM's ``fused_add_rms_norm``) is
+optional (:class:`FusedAddRMSNorm`): the runner checks for it once, and hands an implementation without
+it only the three ops; the layers then add the residual in torch and call its ``rms_norm``.
+
 An implementation is a ``fused_ops`` plugin (``corerun new fused_ops NAME``, ``corerun conformance
 fused_ops:NAME``, hook ``corerun_fused_ops``).  This module imports no torch at run time.
 """
@@ -52,4 +56,16 @@ class FusedOps(Protocol):
         output), cos = [c | c] and sin = [-s | s] float32 [T, 1, D] (contiguous) -> contiguous [T, H, D]
         of x's dtype: [x1 c - x2 s | x2 c + x1 s] for x = [x1 | x2] (the "rotate half" layout), in
         float32, rounded once."""
+        ...
+
+
+@runtime_checkable
+class FusedAddRMSNorm(Protocol):
+    """The optional fourth op of a :class:`FusedOps`: a decoder layer's residual add and the next RMSNorm."""
+
+    def add_rms_norm(self, x: "Tensor", residual: "Tensor", weight: "Tensor", eps: float) -> tuple["Tensor", "Tensor"]:
+        """x and residual [T, H] of one dtype (last dim contiguous; rows may be strided), weight [H] of that
+        dtype -> (normed, new_residual), two new contiguous [T, H] of x's dtype: new_residual = x + residual
+        rounded once to the dtype, normed = new_residual / sqrt(mean(new_residual**2, -1) + eps) * weight
+        computed in float32 from that rounded sum (what the add and ``rms_norm`` one after the other give)."""
         ...

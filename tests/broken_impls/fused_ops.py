@@ -68,3 +68,25 @@ class RotaryInPlace(TorchFusedOps):
 
     def rotary(self, x, cos, sin):
         return x.copy_(super().rotary(x, cos, sin))
+
+
+class NormsBeforeTheAdd(TorchFusedOps):
+    """``add_rms_norm`` normalising ``x`` alone: the residual is added to the stream but left out of the norm."""
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return super().rms_norm(x, weight, eps), x + residual
+
+
+class ReturnsTheOldResidual(TorchFusedOps):
+    """``add_rms_norm`` handing back (a copy of) the residual it was given instead of ``x + residual``."""
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return super().add_rms_norm(x, residual, weight, eps)[0], residual.clone()
+
+
+class AddsInPlace(TorchFusedOps):
+    """vLLM's in-place ``fused_add_rms_norm``: the sum written into ``residual`` and returned."""
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        residual.add_(x)
+        return super().rms_norm(residual, weight, eps), residual

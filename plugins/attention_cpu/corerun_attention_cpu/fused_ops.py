@@ -1,15 +1,16 @@
-"""The ``cpu`` fused ops: RMSNorm, SiLU-and-mul and the rotary embedding as one C++ pass each
+"""The ``cpu`` fused ops: RMSNorm (alone and after the residual add), SiLU-and-mul and the rotary embedding as one C++ pass each
 (``csrc/fused_ops.cpp``), float32 math rounded once to the input's dtype, on ``torch.get_num_threads()``
 threads for large inputs.
 
 Each method checks the layout it was given (a few attribute reads), allocates the contiguous output
-and calls the kernel: a decode step calls them about 90 times, so nothing else happens per call.
+and calls the kernel: a decode step calls them about 120 times, so nothing else happens per call.
 What the kernels do not take (another dtype or device, a last dimension that is not contiguous, more
 than two strided leading dimensions) raises ``ValueError`` saying so; nothing falls back silently.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import ClassVar
 
 import torch
@@ -71,6 +72,10 @@ class CpuFusedOps:
         self._rms_norm = lib.corerun_cpu_rms_norm
         self._silu_and_mul = lib.corerun_cpu_silu_and_mul
         self._rotary = lib.corerun_cpu_rotary
+        self._add_rms_norm = lib.corerun_cpu_add_rms_norm  # declared here: kernels.py declares the others
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        self._add_rms_norm.restype = ctypes.c_int
+        self._add_rms_norm.argtypes = [ctypes.c_int, vp, i64, vp, i64, i64, i64, vp, ctypes.c_float, vp, vp, ctypes.c_int]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x`` ``[..., H]`` (last dimension contiguous), ``weight`` ``[H]`` of ``x``'s dtype -> contiguous
@@ -93,6 +98,32 @@ class CpuFusedOps:
         )
         _check(rc, "rms_norm", x.shape)
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``, ``residual`` ``[T, H]`` of one dtype (rows may be strided, last dimension contiguous), ``weight``
+        ``[H]`` of that dtype -> ``(normed, new_residual)``, contiguous ``[T, H]``: ``new_residual = x + residual``
+        rounded once, ``normed`` its RMSNorm."""
+        code = _dtype_code("add_rms_norm", x)
+        hidden = x.shape[-1]
+        if (x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or x.stride(1) != 1
+                or residual.stride(1) != 1 or weight.dtype != x.dtype or weight.shape != (hidden,)
+                or not weight.is_contiguous() or not residual.is_cpu):
+            raise ValueError(
+                f"cpu fused ops: add_rms_norm takes x and residual [T, H] of one dtype with contiguous last dimensions "
+                f"and a contiguous weight [H] of that dtype, got x {tuple(x.shape)} strides {x.stride()} {x.dtype}, "
+                f"residual {tuple(residual.shape)} strides {residual.stride()} {residual.dtype} on {residual.device}, "
+                f"weight {tuple(weight.shape)} {weight.dtype}"
+            )
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+        rc = self._add_rms_norm(
+            code, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), x.shape[0], hidden,
+            weight.data_ptr(), eps, out.data_ptr(), new_residual.data_ptr(), torch.get_num_threads(),
+        )
+        _check(rc, "add_rms_norm", x.shape)
+        return out, new_residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, 2I]`` (rows may be strided, last dimension contiguous) -> contiguous ``[T, I]``:

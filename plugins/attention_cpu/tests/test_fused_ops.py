@@ -99,6 +99,40 @@ def test_rms_norm_merges_leading_dimensions_and_refuses_three_strided_ones(ops):
 
 @DTYPES
 @TOKENS
+@pytest.mark.parametrize("hidden", [576, 100])
+def test_add_rms_norm_of_rows_of_wider_tensors(ops, dtype, tokens, hidden):
+    """``(rms_norm(x + residual), x + residual)``: the sum rounded once (equal to torch's add of the two),
+    the norm from that rounded sum (as the add and ``rms_norm`` one after the other), against float64."""
+    gen = torch.Generator().manual_seed(tokens * 31 + hidden)
+    wide_x = _random(gen, tokens, hidden + 24, dtype=dtype, scale=3.0)
+    wide_r = _random(gen, tokens, 2 * hidden, dtype=dtype, scale=3.0)
+    x, residual = wide_x[:, 24:], wide_r[:, hidden:]  # rows strided differently
+    w = _random(gen, hidden, dtype=dtype)
+    before = wide_x.clone(), wide_r.clone(), w.clone()
+    normed, new_residual = ops.add_rms_norm(x, residual, w, 1e-5)
+    total = x.double() + residual.double()
+    _close(new_residual, total, dtype)
+    assert torch.equal(new_residual, x + residual)  # float32 sum rounded once: torch's own add, bit for bit
+    _close(normed, _rms_ref(total, w, 1e-5), dtype)
+    _close(normed, _rms_ref(new_residual, w, 1e-5), dtype)
+    for out in (normed, new_residual):
+        _check_new(out, (tokens, hidden), dtype, wide_x, wide_r, w)
+    assert normed.untyped_storage().data_ptr() != new_residual.untyped_storage().data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip((wide_x, wide_r, w), before))
+
+
+def test_add_rms_norm_refuses_mismatched_inputs(ops):
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="add_rms_norm takes x and residual"):
+        ops.add_rms_norm(x, torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64), 1e-5)
+    with pytest.raises(ValueError, match="add_rms_norm takes x and residual"):
+        ops.add_rms_norm(x, torch.randn(4, 128)[:, ::2], torch.randn(64), 1e-5)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops.add_rms_norm(x.half(), x.half(), torch.randn(64).half(), 1e-5)
+
+
+@DTYPES
+@TOKENS
 @pytest.mark.parametrize("inter", [1536, 100])
 def test_silu_and_mul_of_a_strided_gate_up(ops, dtype, tokens, inter):
     gen = torch.Generator().manual_seed(tokens * 7 + inter)
@@ -185,7 +219,7 @@ def test_what_the_kernels_do_not_take_is_refused(ops):
 
 
 def test_registered_as_cpu_and_picked_by_auto_where_it_fits():
-    from corerun.protocols.fused_ops import FusedOps, FusedOpsNeed
+    from corerun.protocols.fused_ops import FusedAddRMSNorm, FusedOps, FusedOpsNeed
     from corerun.sdk import get_registry
 
     reg = get_registry()
@@ -194,4 +228,4 @@ def test_registered_as_cpu_and_picked_by_auto_where_it_fits():
     assert reg.select("fused_ops", "auto", FusedOpsNeed("cpu", "bfloat16")).name == "cpu"
     assert reg.select("fused_ops", "auto", FusedOpsNeed("cpu", "float16")).name == "torch"  # not declared
     assert reg.select("fused_ops", "auto", FusedOpsNeed("cuda", "float32")).name != "cpu"
-    assert isinstance(cpu.create(), FusedOps)
+    assert isinstance(cpu.create(), FusedOps) and isinstance(cpu.create(), FusedAddRMSNorm)

@@ -1,4 +1,5 @@
-// Fused elementwise ops on CPU: RMSNorm, SiLU-and-mul and the rotary embedding ("rotate half" layout).
+// Fused elementwise ops on CPU: RMSNorm (alone and after the residual add), SiLU-and-mul and the rotary
+// embedding ("rotate half" layout).
 //
 // Each op reads its input once (a row is read again only from L1), computes in float32 and rounds the
 // result once to the input's dtype; the output is a new contiguous tensor.  Rows may be strided, the
@@ -9,6 +10,10 @@
 // C ABI (called through ctypes; fused_ops.py checks shapes and strides, strides count elements):
 //   corerun_cpu_rms_norm      x rows at i * s0 + j * s1 (i < n0, j < n1), hidden values each; weight [hidden];
 //                             out [n0 * n1, hidden]: x / sqrt(mean(x^2) + eps) * weight
+//   corerun_cpu_add_rms_norm  x [T, hidden] rows at t * x_st, residual rows at t * r_st; weight [hidden];
+//                             new_residual [T, hidden] = x + residual (rounded once), out [T, hidden] =
+//                             new_residual / sqrt(mean(new_residual^2) + eps) * weight (from the rounded sum,
+//                             as the add and the norm one after the other give it)
 //   corerun_cpu_silu_and_mul  x [T, 2I] rows at t * x_st; out [T, I]: silu(x[:, :I]) * x[:, I:]
 //   corerun_cpu_rotary        x [T, H, D] at t * x_st + h * x_sh; cos, sin float32 [T, D] contiguous;
 //                             out [T, H, D]: x * cos + [x2 | x1] * sin for x = [x1 | x2]
@@ -138,6 +143,35 @@ void rms_norm(const void* xv, int64_t n0, int64_t s0, int64_t n1, int64_t s1, in
 }
 
 template <typename E>
+void add_rms_norm(const void* xv, int64_t x_st, const void* rv, int64_t r_st, int64_t tokens, int64_t hidden,
+                  const void* wv, float eps, void* outv, void* resv, int threads) {
+    using T = typename E::T;
+    const T* x = static_cast<const T*>(xv);
+    const T* res = static_cast<const T*>(rv);
+    const T* w = static_cast<const T*>(wv);
+    T* out = static_cast<T*>(outv);
+    T* new_res = static_cast<T*>(resv);
+    const float inv_hidden = 1.0f / static_cast<float>(hidden);
+    for_rows(tokens, tokens * hidden, threads, [&](int64_t t) {
+        const T* a = x + t * x_st;
+        const T* b = res + t * r_st;
+        T* sum = new_res + t * hidden;
+        T* dst = out + t * hidden;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < hidden; ++i) {
+            const T s = E::store(E::load(a[i]) + E::load(b[i]));  // the stream as the model's dtype holds it
+            sum[i] = s;
+            const float v = E::load(s);
+            squares += v * v;
+        }
+        const float scale = 1.0f / std::sqrt(squares * inv_hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) dst[i] = E::store(E::load(sum[i]) * scale * E::load(w[i]));
+    });
+}
+
+template <typename E>
 void silu_and_mul(const void* xv, int64_t tokens, int64_t x_st, int64_t inter, void* outv, int threads) {
     using T = typename E::T;
     const T* x = static_cast<const T*>(xv);
@@ -168,17 +202,21 @@ void rotary(const void* xv, int64_t tokens, int64_t heads, int64_t dim, int64_t 
     const T* x = static_cast<const T*>(xv);
     T* out = static_cast<T*>(outv);
     const int64_t half = dim / 2;
-    for_rows(tokens * heads, tokens * heads * dim, threads, [&](int64_t r) {
-        const int64_t t = r / heads;
-        const T* src = x + t * x_st + (r % heads) * x_sh;
+    // one token's heads per task: a head row is only dim values, and splitting a flat row index into token
+    // and head took two integer divisions per row (bfloat16, 32 tokens x 12 heads of 64, one thread, in
+    // cache: 10.5 us that way, 8.8 us this way; float32 5.1 and 5.4 us, within the noise)
+    for_rows(tokens, tokens * heads * dim, threads, [&](int64_t t) {
         const float* c = cos + t * dim;
         const float* s = sin + t * dim;
-        T* dst = out + r * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            const T* src = x + t * x_st + h * x_sh;
+            T* dst = out + (t * heads + h) * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-            const float x1 = E::load(src[i]), x2 = E::load(src[half + i]);
-            dst[i] = E::store(x1 * c[i] + x2 * s[i]);
-            dst[half + i] = E::store(x2 * c[half + i] + x1 * s[half + i]);
+            for (int64_t i = 0; i < half; ++i) {
+                const float x1 = E::load(src[i]), x2 = E::load(src[half + i]);
+                dst[i] = E::store(x1 * c[i] + x2 * s[i]);
+                dst[half + i] = E::store(x2 * c[half + i] + x1 * s[half + i]);
+            }
         }
     });
 }
@@ -194,6 +232,15 @@ int corerun_cpu_rms_norm(int dtype, const void* x, int64_t n0, int64_t s0, int64
     if (n0 < 0 || n1 < 0 || hidden <= 0) return 5;
     if (dtype == F32) rms_norm<Float32>(x, n0, s0, n1, s1, hidden, weight, eps, out, threads);
     else if (dtype == BF16) rms_norm<BFloat16>(x, n0, s0, n1, s1, hidden, weight, eps, out, threads);
+    else return 5;
+    return 0;
+}
+
+int corerun_cpu_add_rms_norm(int dtype, const void* x, int64_t x_st, const void* residual, int64_t r_st, int64_t tokens,
+                             int64_t hidden, const void* weight, float eps, void* out, void* new_residual, int threads) {
+    if (tokens < 0 || hidden <= 0) return 5;
+    if (dtype == F32) add_rms_norm<Float32>(x, x_st, residual, r_st, tokens, hidden, weight, eps, out, new_residual, threads);
+    else if (dtype == BF16) add_rms_norm<BFloat16>(x, x_st, residual, r_st, tokens, hidden, weight, eps, out, new_residual, threads);
     else return 5;
     return 0;
 }
