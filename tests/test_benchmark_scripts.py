@@ -214,3 +214,17 @@ def test_int8_linear_bench_smoke():
         assert f"{name} " in rows[0], f"{name!r} missing from {rows[0]!r}"
     ratios = table_ratios(rows[0].split("; load")[0], len(ways), "T=1")
     assert ratios[1] == 1.0  # float32 prepacked against itself
+
+
+@pytest.mark.timeout(150)
+def test_int8_amx_bench_smoke():
+    kernels = pytest.importorskip("corerun_quant_cpu.kernels")
+    if kernels.load() or not kernels.int8_amx_available():
+        pytest.skip("no corerun-quant-cpu kernel library or no AMX-INT8 here")
+    out = run_script("int8_amx_bench.py", "--tokens", "2", timeout=140)
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
+    assert len(rows) == 1, out
+    amx, builtin, ratio = float(rows[0][1]), float(rows[0][2]), float(rows[0][3].rstrip("x"))
+    for value, what in ((amx, "AMX ms"), (builtin, "built-in ms"), (ratio, "ratio")):
+        positive_finite(value, what)
+    assert abs(ratio - builtin / amx) <= 0.01 * ratio + 0.01  # the printed ratio is the two times'

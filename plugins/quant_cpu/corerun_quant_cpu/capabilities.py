@@ -11,7 +11,7 @@ CPU: batches of up to ``BF16_MAX_TOKENS`` rows (``BF16_AMX_MAX_TOKENS`` where th
 C++ bfloat16 product, larger ones through oneDNN's prepacked bfloat16 product.
 
 ``compressed_tensors_cpu`` reads what the built-in ``compressed-tensors`` reads, CPU only; its W8A8 layers
-with per-token activations multiply batches of up to ``INT8_AMX_MAX_TOKENS`` rows on AMX-INT8 tiles.
+with per-token activations multiply every batch on AMX-INT8 tiles.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster f
 # AVX512_BF16 from 4-8 tokens on; than the AMX tiles, from about 64 (a 128-token step: 65 against 46 ms)
 BF16_MAX_TOKENS = 4
 BF16_AMX_MAX_TOKENS = 64
-# compressed_tensors_cpu's W8A8 tiles take batches up to here; above, the built-in's oneDNN int8 product
-INT8_AMX_MAX_TOKENS = 64
 
 # the AVX-512 path quantizes activations to int8 per 32-block (llama.cpp's way); scalar and AVX2 do not
 GGUF_CPU = replace(GGUF, devices=frozenset({"cpu"}), int8_activations=True)

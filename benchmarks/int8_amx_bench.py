@@ -1,0 +1,64 @@
+"""W8A8 products of a step through the default model's weights: corerun-quant-cpu's AMX-INT8 call
+(``kernels.int8_amx_linear``: activations quantized, multiplied and scaled in one C++ call) against the
+built-in ``int8_matmul.int8_linear`` (torch's quantization ops, then oneDNN's int8 GEMM on the weight
+packed at load), one thread, bfloat16 activations, both in this one process, side by side.
+
+    .venv/bin/python benchmarks/int8_amx_bench.py [--tokens 1 8 32 64 128 256 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from corerun.quantization import int8_matmul
+from corerun_quant_cpu import kernels
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # the 120 decoder products of the default model
+
+
+def _best(fn, rounds: int = 3, calls: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    assert not kernels.load() and kernels.int8_amx_available(), "needs the kernel library and AMX-INT8"
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randint(-127, 128, s, generator=gen, dtype=torch.int8) for s in SHAPES]
+    scales = [torch.rand(s[0], 1, generator=gen) * 0.01 + 1e-3 for s in SHAPES]
+    ours = [(kernels.repack_int8(w), sc.reshape(-1).contiguous()) for w, sc in zip(ws, scales)]
+    theirs = [int8_matmul.Int8Weight(w, sc, None, int8_matmul.prepack(w, sc)) for w, sc in zip(ws, scales)]
+    total = sum(r * c for r, c in SHAPES)
+    print(f"{total / 1e6:.0f} MB of int8 weights per step, 1 thread, bfloat16 activations; ms per step (best of 3)")
+    print(f"{'T':>4} {'AMX call':>10} {'built-in':>10} {'ratio':>7}")
+    for T in args.tokens:
+        xs = {c: torch.randn(T, c, generator=gen).bfloat16() for c in (576, 1536)}
+        outs = [torch.empty(T, r, dtype=torch.bfloat16) for r, _ in SHAPES]
+
+        def amx() -> None:
+            for (r, c), (p, s), o in zip(SHAPES, ours, outs):
+                kernels.int8_amx_linear(o, p, s, xs[c])
+
+        def builtin() -> None:
+            for (r, c), w in zip(SHAPES, theirs):
+                w(xs[c])
+
+        a, b = _best(amx), _best(builtin)
+        print(f"{T:>4} {a * 1e3:10.2f} {b * 1e3:10.2f} {b / a:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
