@@ -12,6 +12,10 @@ without its dozen torch operators per call (a decode step of 32 requests spent a
 than the built-in from 1 to 512 tokens (``benchmarks/int8_amx_bench.py``).  Static activation scales,
 widths that are not a multiple of 64 and other schemes take the built-in's path.
 
+The LM head, which such checkpoints leave in bfloat16 or float32: in a model run in bfloat16 on a CPU that
+multiplies bfloat16 natively, :meth:`lm_head` gives it a ``dense_cpu`` layer (AVX512_BF16 / AMX tiles,
+as the unquantized model's), in place of oneDNN's product.
+
 Such a layer keeps its codes (the built-in's fallbacks and ``dequantized`` read them) and the repacked
 copy, and drops oneDNN's packed one: the same memory as the built-in.
 """
@@ -35,15 +39,18 @@ _DTYPES = (torch.float32, torch.bfloat16)
 class CompressedTensorsCpuMethod(CompressedTensorsMethod):
     name = "compressed_tensors_cpu"
     capabilities = COMPRESSED_TENSORS_CPU
+    quantizes_lm_head = True  # the loader offers the head's tensor to lm_head()
 
     def __init__(self) -> None:
         reasons = kernels.load()
         if reasons:
             raise RuntimeError("quantization method compressed_tensors_cpu cannot run here: " + "; ".join(reasons))
         self.amx = kernels.int8_amx_available()
+        self.model_dtype: torch.dtype | None = None  # the default dtype the layers were made in (the model's)
 
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Any) -> None:
         super().create_weights(layer, in_features, shard_sizes)
+        self.model_dtype = torch.get_default_dtype()
         layer.int8_amx = None  # (packed codes, weight scales [out]) once a W8A8 layer is whole
 
     def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
@@ -62,3 +69,12 @@ class CompressedTensorsCpuMethod(CompressedTensorsMethod):
             kernels.int8_amx_linear(out, packed, scale, x.contiguous())
             return out
         return super().apply(layer, x)
+
+    def lm_head(self, loaded: Any) -> nn.Module | None:
+        """A ``dense_cpu`` layer holding the head ``loaded`` ``[vocab, hidden]`` when the model runs in bfloat16
+        here and this CPU multiplies bfloat16 natively; else ``None`` (the model's own head)."""
+        if self.model_dtype != torch.bfloat16 or kernels.bf16_best_isa() not in kernels.BF16_NATIVE:
+            return None
+        from corerun_quant_cpu.dense_method import DenseCpuMethod
+
+        return DenseCpuMethod().lm_head(loaded)

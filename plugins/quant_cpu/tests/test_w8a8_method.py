@@ -172,8 +172,32 @@ def test_default_model_quantized_agrees_with_the_built_in(tmp_path) -> None:
     tokens = {}
     for q in ("auto", "compressed-tensors"):
         llm = LLM(model=str(out), dtype="bfloat16", quantization=q, threads=1)
+        head = llm.engine.runner.model.lm_head.quantized
+        if q == "auto":  # the bfloat16 head through dense_cpu's kernel
+            assert head is not None and head.quant.name == "dense_cpu", head
         tokens[q] = (llm.engine.runner.quantization_name, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
     assert tokens["auto"][0] == "compressed_tensors_cpu"
     same = sum(a == b for a, b in zip(tokens["auto"][1], tokens["compressed-tensors"][1]))
     assert same >= 5, f"{same}/6 prompts equal"
+
+
+@needs_amx
+def test_lm_head_only_in_bfloat16() -> None:
+    head = torch.randn(300, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    method = _method()
+    previous = torch.get_default_dtype()
+    try:
+        for dtype, want in ((torch.float32, False), (torch.bfloat16, True)):
+            torch.set_default_dtype(dtype)
+            method.create_weights(nn.Module(), 64, {None: 16})  # as the model's layers are made, in its dtype
+            torch.set_default_dtype(torch.float32)  # the loader offers the head after the model's load
+            layer = method.lm_head(head)
+            assert (layer is not None) == want, dtype
+    finally:
+        torch.set_default_dtype(previous)
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        y = layer(x)
+    ref = x.double() @ head.double().T
+    assert ((y.double() - ref).abs() <= 2.0**-7 * ref.abs() + 64 * 2.0**-24 * (x.double().abs() @ head.double().abs().T)).all()
