@@ -7,9 +7,10 @@ then their float16 scale), quantized in torch on write (``corerun.protocols.kv_q
 dequantized by the kernel as it reads each block.
 
 ``plan`` makes the step's lengths, block tables and slot mapping contiguous int32 / int64 tensors,
-once per step; ``forward`` makes two C calls per layer: the K/V write by slot mapping, then the
-attention of every request's query tokens over its own blocks (the kernel in
-``csrc/paged_attention.cpp``), on ``torch.get_num_threads()`` threads.  Nothing is gathered or
+and the kernel's arguments that describe them, once per step; ``forward`` makes two C calls per
+layer: the K/V write by slot mapping, then the attention of every request's query tokens over its
+own blocks (the kernel in ``csrc/paged_attention.cpp``), on ``torch.get_num_threads()`` threads,
+adding only the layer's tensors' addresses and strides to those arguments.  Nothing is gathered or
 copied per step beyond the new tokens' K/V.
 
 In bfloat16, a prompt of at least ``SDPA_MIN_TOKENS`` tokens with nothing cached before it (its
@@ -54,7 +55,8 @@ SDPA_MIN_TOKENS = 64  # a fresh bfloat16 prompt this long goes to torch's SDPA (
 
 @dataclass
 class CpuAttentionMetadata:
-    """One step's batch in the form the kernel reads (all CPU, contiguous)."""
+    """One step's batch in the form the kernel reads (all CPU, contiguous; ``batch_args`` and ``run_args``
+    hold these tensors' addresses, so the tensors are read, never replaced)."""
 
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
@@ -64,6 +66,10 @@ class CpuAttentionMetadata:
     num_tokens: int
     fresh_prompts: tuple[tuple[int, int], ...] = ()  # query ranges [start, end) that go to SDPA ...
     kernel_runs: tuple[tuple[int, int], ...] = ()  # ... and the requests [first, last) that go to the kernel
+    # the kernel's batch arguments (query_start_loc .. num_reqs) with the run's first request: for the whole
+    # batch, and for each of kernel_runs
+    batch_args: tuple = ()
+    run_args: tuple = ()
 
 
 def _int_tensor(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
@@ -94,8 +100,12 @@ class CpuAttentionBackend(DenseKVCache):
         self._kv_code = KV_TYPE_CODES[spec.kv_cache_dtype]
         self._storage = kv_quant.storage_dtype(spec)
         self._row = kv_quant.row_size(spec)
+        self._elem_size = torch.empty((), dtype=self._storage).element_size()
         self._err = (ctypes.c_int64 * 4)()
         self._err_ptr = ctypes.addressof(self._err)
+        # the kernel's arguments fixed by the spec: before the window (num_heads .. scale) and after it
+        self._shape_args = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, self.scale)
+        self._value_args = (self.soft_cap, self._kv_code, *spec.kv_scales)
         logger.info(
             "cpu attention: %s, %d/%d heads of size %d, block size %d, %s",
             dtype_name(spec.dtype), spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
@@ -124,7 +134,16 @@ class CpuAttentionBackend(DenseKVCache):
         )
         if self.spec.dtype == torch.bfloat16 and not self.soft_cap and not self._kv_code:
             self._plan_fresh_prompts(md)
+        md.batch_args = self._batch_args(md, 0, md.num_reqs)
+        md.run_args = tuple(self._batch_args(md, first, last) for first, last in md.kernel_runs)
         return md
+
+    @staticmethod
+    def _batch_args(md: CpuAttentionMetadata, first: int, last: int) -> tuple:
+        """``(first, the kernel's arguments query_start_loc .. num_reqs for requests first .. last - 1)``."""
+        bt, i32 = md.block_tables, md.seq_lens.element_size()
+        return first, (md.query_start_loc.data_ptr() + first * i32, md.seq_lens.data_ptr() + first * i32,
+                       bt.data_ptr() + first * bt.stride(0) * i32, bt.stride(0), bt.shape[1], last - first)
 
     def _plan_fresh_prompts(self, md: CpuAttentionMetadata) -> None:
         """Hand the step's fresh prompts (module docstring) to SDPA, the runs of requests between them to the kernel."""
@@ -144,6 +163,11 @@ class CpuAttentionBackend(DenseKVCache):
         md.kernel_runs = tuple(runs)
 
     def _cache_parts(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._cache_args(kv_cache)
+        return kv_cache[0], kv_cache[1]
+
+    def _cache_args(self, kv_cache: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+        """The checked cache as the kernels take it: K and V addresses, block / token / head strides, blocks."""
         s = self.spec
         if (
             kv_cache.dim() != 5 or kv_cache.shape[0] != 2
@@ -155,7 +179,9 @@ class CpuAttentionBackend(DenseKVCache):
                 f"{s.num_kv_heads}, {self._row}] with a contiguous last dimension, got {dtype_name(kv_cache.dtype)} "
                 f"{list(kv_cache.shape)} on {kv_cache.device}"
             )
-        return kv_cache[0], kv_cache[1]
+        st = kv_cache.stride()
+        k = kv_cache.data_ptr()
+        return k, k + st[0] * kv_cache.element_size(), st[1], st[2], st[3], kv_cache.shape[1]
 
     def _rows(self, t: torch.Tensor, heads: int, field: str) -> torch.Tensor:
         """``t`` as ``[tokens, heads, head_size]`` in the cache's dtype on the CPU, last dimension contiguous."""
@@ -170,15 +196,14 @@ class CpuAttentionBackend(DenseKVCache):
         return t
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        k_cache, v_cache = self._cache_parts(kv_cache)
         s = self.spec
-        self._write(self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value"), k_cache, v_cache,
-                    _int_tensor(slot_mapping, torch.int64, "slot_mapping"))
+        self._write(self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value"),
+                    self._cache_args(kv_cache), _int_tensor(slot_mapping, torch.int64, "slot_mapping"))
 
-    def _write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _write(self, key: torch.Tensor, value: torch.Tensor, cache: tuple[int, int, int, int, int, int],
                slots: torch.Tensor) -> None:
-        """:meth:`write_kv` of ``key``/``value`` as :meth:`_rows` makes them into the checked cache halves;
-        ``slots`` int64, contiguous, on the CPU (as :meth:`plan` makes them)."""
+        """:meth:`write_kv` of ``key``/``value`` as :meth:`_rows` makes them into the cache as :meth:`_cache_args`
+        describes it; ``slots`` int64, contiguous, on the CPU (as :meth:`plan` makes them)."""
         s = self.spec
         if self._kv_code:  # quantized rows, copied as bytes
             key, value = kv_quant.quantize(key, s, 0), kv_quant.quantize(value, s, 1)
@@ -190,17 +215,16 @@ class CpuAttentionBackend(DenseKVCache):
             )
         if n == 0:
             return
+        k_st, v_st = key.stride(), value.stride()
         rc = self.lib.corerun_cpu_write_kv(
-            k_cache.element_size(), key.data_ptr(), key.stride(0), key.stride(1),
-            value.data_ptr(), value.stride(0), value.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            slots.data_ptr(), n, s.num_kv_heads, self._row, s.block_size, k_cache.shape[0], self._err_ptr,
+            self._elem_size, key.data_ptr(), k_st[0], k_st[1], value.data_ptr(), v_st[0], v_st[1], *cache[:5],
+            slots.data_ptr(), n, s.num_kv_heads, self._row, s.block_size, cache[5], self._err_ptr,
         )
         if rc:
             _, token, slot, num_slots = list(self._err)
             raise ValueError(
                 f"cpu attention: slot_mapping[{token}] = {slot} is outside the cache (valid: -1 for none, or "
-                f"0 .. {num_slots - 1} for {k_cache.shape[0]} blocks of {s.block_size}); nothing was written"
+                f"0 .. {num_slots - 1} for {cache[5]} blocks of {s.block_size}); nothing was written"
             )
 
     def forward(
@@ -220,9 +244,9 @@ class CpuAttentionBackend(DenseKVCache):
         -> ``[num_tokens, num_heads, head_size]`` (into ``out`` when given).
         """
         s = self.spec
-        k_cache, v_cache = self._cache_parts(kv_cache)
+        cache = self._cache_args(kv_cache)
         key, value = self._rows(key, s.num_kv_heads, "key"), self._rows(value, s.num_kv_heads, "value")
-        self._write(key, value, k_cache, v_cache, metadata.slot_mapping)  # (the slots as plan converted them)
+        self._write(key, value, cache, metadata.slot_mapping)  # (the slots as plan converted them)
         q = self._rows(query, s.num_heads, "query")
         if out is None:
             out = torch.empty(q.shape, dtype=s.dtype)
@@ -234,8 +258,8 @@ class CpuAttentionBackend(DenseKVCache):
         fresh = md.fresh_prompts if not window else ()
         if fresh:
             self._attend_fresh(q, key, value, target, fresh)
-        for first, last in md.kernel_runs if fresh else ((0, md.num_reqs),):
-            self._attend_paged(q, k_cache, v_cache, target, md, window, first, last)
+        for run in md.run_args if fresh else (md.batch_args,):
+            self._attend_paged(q, cache, target, md, window, run)
         if target is not out:
             out.copy_(target)
         return out
@@ -251,27 +275,22 @@ class CpuAttentionBackend(DenseKVCache):
             )
             target[start:end].copy_(o[0].transpose(0, 1))
 
-    def _attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, target: torch.Tensor,
-                      md: CpuAttentionMetadata, window: int, first: int, last: int) -> None:
-        """The C++ kernel over the paged cache for the step's requests ``first .. last - 1`` (their
-        ``query_start_loc`` entries index the whole step's query)."""
-        s = self.spec
-        bt = md.block_tables
-        i32 = md.seq_lens.element_size()
+    def _attend_paged(self, q: torch.Tensor, cache: tuple[int, int, int, int, int, int], target: torch.Tensor,
+                      md: CpuAttentionMetadata, window: int, run: tuple) -> None:
+        """The C++ kernel over the paged cache for one run of the step's requests (``run``: its first
+        request and batch arguments, as :meth:`plan` made them; their ``query_start_loc`` entries index
+        the whole step's query)."""
+        first, batch = run
+        q_st, o_st = q.stride(), target.stride()
         rc = self.lib.corerun_cpu_attention(
-            self._dtype_code, q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            target.data_ptr(), target.stride(0), target.stride(1),
-            md.query_start_loc.data_ptr() + first * i32, md.seq_lens.data_ptr() + first * i32,
-            bt.data_ptr() + first * bt.stride(0) * i32, bt.stride(0), bt.shape[1],
-            last - first, q.shape[0], k_cache.shape[0], s.num_heads, s.num_kv_heads, s.head_size, s.block_size,
-            self.scale, window, self.soft_cap, self._kv_code, *s.kv_scales,
+            self._dtype_code, q.data_ptr(), q_st[0], q_st[1], *cache[:5], target.data_ptr(), o_st[0], o_st[1],
+            *batch, q.shape[0], cache[5], *self._shape_args, window, *self._value_args,
             torch.get_num_threads(), self._err_ptr,
         )
         if rc:
             if rc <= 4:
                 self._err[1] += first  # the request's index in the whole step
-            raise ValueError(self._explain(rc, md, k_cache.shape[0]))
+            raise ValueError(self._explain(rc, md, cache[5]))
 
     def _explain(self, rc: int, md: CpuAttentionMetadata, num_blocks: int) -> str:
         _, a, b, c = list(self._err)

@@ -4,6 +4,7 @@ head sizes), its refusals, and its thread-count independence."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,13 +138,11 @@ def test_table_too_narrow_and_short_sequence_are_refused():
     spec = make_spec(block_size=8)
     backend = CpuAttentionBackend(spec)
     step = make_step(backend, spec, [(40, 1)], seed=2)
-    narrow = backend.plan(step.batch)
-    narrow.block_tables = narrow.block_tables[:, :2].contiguous()
+    narrow = backend.plan(replace(step.batch, block_tables=step.batch.block_tables[:, :2]))
     with pytest.raises(ValueError, match=r"request 0 needs 6 blocks of 8 tokens, but block_tables has 2 columns"):
         backend.forward(step.query, step.key, step.value, step.cache, narrow)
-    short = backend.plan(step.batch)
-    short.query_start_loc = torch.tensor([0, 1], dtype=torch.int32)
-    short.seq_lens = torch.tensor([0], dtype=torch.int32)
+    short = backend.plan(replace(step.batch, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                                 seq_lens=torch.tensor([0], dtype=torch.int32)))
     with pytest.raises(ValueError, match=r"seq_lens\[0\] = 0 is shorter than request 0's 1 query tokens"):
         backend.forward(step.query, step.key, step.value, step.cache, short)
 
