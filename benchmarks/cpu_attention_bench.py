@@ -33,6 +33,7 @@ def cases(gen: torch.Generator) -> dict[str, list[tuple[int, int]]]:
         return torch.randint(n - n // 4, n + n // 4 + 1, (rows,), generator=gen).tolist()
 
     return {
+        "decode 32 rows x ~160 keys": [(c, 1) for c in around(160, 32)],  # step_profile's decode step
         "decode 32 rows x ~500 keys": [(c, 1) for c in around(500, 32)],
         "decode 128 rows x ~768 keys": [(c, 1) for c in around(768, 128)],
         "decode 1 row x 1000 keys": [(1000, 1)],
