@@ -9,6 +9,10 @@ torch / cpu measured side by side; it also prints the largest difference between
     .venv/bin/python benchmarks/cpu_attention_bench.py            # all cases, 1 and 2 threads
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --dtype bfloat16
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --cpu-time     # on a busy machine
+    .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --layers 30 -k "~160"  # a step's 30 layers
+
+With ``--layers N`` each timed call runs N layers, each over its own copy of the cache, as a model
+step does: the K/V then come from memory instead of the caches the previous call left warm.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("-k", default="", help="only cases whose name contains this")
+    ap.add_argument("--layers", type=int, default=1, help="layers per timed call, each with its own cache copy")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the process's CPU time instead of the wall clock: steadier on a busy machine "
                          "at one thread (time spent descheduled is not counted); at two threads it adds both threads' time")
@@ -105,7 +110,7 @@ def main() -> None:
     ref, cpu = TorchAttentionBackend(spec), CpuAttentionBackend(spec)
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {args.dtype}, {HEADS}/{KV_HEADS} heads x {HEAD_SIZE}, block {BLOCK}; "
-          f"one layer's forward (K/V write + attention), median of {args.reps}, "
+          f"{args.layers} layer(s)' forward (K/V write + attention), median of {args.reps}, "
           f"{'process CPU time' if args.cpu_time else 'wall clock'}; load average {os.getloadavg()[0]:.2f}")
     clock = time.process_time if args.cpu_time else time.perf_counter
     print(f"{'case':48} {'threads':>7} {'torch ms':>10} {'cpu ms':>9} {'torch/cpu':>9} {'max |diff|':>10}")
@@ -114,12 +119,22 @@ def main() -> None:
             continue
         batch, q, k, v, kv = build(requests, dtype, gen)
         kv_torch = torch.cat([kv, torch.zeros_like(kv[:, :1])], dim=1)  # the torch backend's extra write-off block
+        caches = [(kv, kv_torch)] + [(kv.clone(), kv_torch.clone()) for _ in range(args.layers - 1)]
         md_ref, md_cpu = ref.plan(batch), cpu.plan(batch)
         out_ref, out_cpu = torch.empty_like(q), torch.empty_like(q)
+
+        def run_ref() -> None:
+            for _, c in caches:
+                ref.forward(q, k, v, c, md_ref, out=out_ref)
+
+        def run_cpu() -> None:
+            for c, _ in caches:
+                cpu.forward(q, k, v, c, md_cpu, out=out_cpu)
+
         for n in args.threads:
             torch.set_num_threads(n)
-            t_ref = timed(lambda: ref.forward(q, k, v, kv_torch, md_ref, out=out_ref), args.reps, clock)
-            t_cpu = timed(lambda: cpu.forward(q, k, v, kv, md_cpu, out=out_cpu), args.reps, clock)
+            t_ref = timed(run_ref, args.reps, clock)
+            t_cpu = timed(run_cpu, args.reps, clock)
             diff = (out_ref.double() - out_cpu.double()).abs().max().item()
             print(f"{name:48} {n:>7} {t_ref:>10.3f} {t_cpu:>9.3f} {t_ref / t_cpu:>8.1f}x {diff:>10.2e}")
 
