@@ -8,6 +8,10 @@
   and ``corerun quantize`` write; W8A8 layers merged once loaded into an ``Int8Weight``, ``layer.int8``:
   int8 codes ``weight`` ``[out, in]``, float32 ``weight_scale`` ``[out, 1]``, ``input_scale`` ``None``
   when the activations are quantized per token); subclass it to route some products to a kernel.
+- :class:`QuantizedTensor`: one shard of a packed checkpoint as ``load_weight`` receives it (``parts``
+  by name, ``scheme``, ``out_features`` x ``in_features``), and :func:`int8_scheme` (``channel``,
+  ``activations``: ``"int8-dynamic"``, ``"int8-static"`` or ``None``), the compressed-tensors int8
+  scheme a reader gives such a shard: to build W8A8 shards by hand, as a method's tests do.
 - :class:`GGUFMethod`: the built-in ``gguf`` method (packed blocks kept as stored, dequantized per
   layer on every call); subclass it and override ``apply`` to route some products to a kernel of
   your own, keeping its loading, merged and tensor-parallel shards.
@@ -25,5 +29,9 @@ from corerun.quantization.dense import DenseMethod
 from corerun.quantization.gguf_method import GGUFMethod
 from corerun.quantization.gguf_tensor import GGUFTensor
 from corerun.quantization.packed_method import CompressedTensorsMethod
+from corerun.quantization.quantized_tensor import QuantizedTensor
+from corerun.quantization.schemes import int8 as int8_scheme
 
-__all__ = ["CompressedTensorsMethod", "DenseMethod", "GGUFMethod", "GGUFTensor", "find_default_gguf"]
+__all__ = [
+    "CompressedTensorsMethod", "DenseMethod", "GGUFMethod", "GGUFTensor", "QuantizedTensor", "find_default_gguf", "int8_scheme",
+]

@@ -9,10 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from corerun.quantization.int8_matmul import quantize_activations
-from corerun.quantization.quantized_tensor import QuantizedTensor
-from corerun.quantization.schemes import int8
 from corerun.sdk.models import Linear, MergedLinear
+from corerun.sdk.quantization import QuantizedTensor, int8_scheme
 
 from corerun_quant_cpu import kernels
 
@@ -27,9 +25,12 @@ needs_amx = pytest.mark.skipif("not amx()", reason="this CPU (or kernel) offers 
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W8A8's definition in float64: the activations' codes and scales as corerun.quantization.int8_matmul
-    makes them, their exact product with the weight codes, times both scales."""
-    codes, x_scale = quantize_activations(x, None)
+    """W8A8's definition (docs/quantization.md, "W8A8 on CPU") in float64: each token's scale
+    ``max|x_t| / 127`` and codes ``round(x / s)`` (float32 division, half to even, clamped to 127), their
+    exact product with the weight codes, times both scales."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.div(xf, x_scale).round().clamp(-127, 127)
     return (codes.double() @ w.double().T) * scale.double().reshape(1, -1) * x_scale.double()
 
 
@@ -101,7 +102,7 @@ def _shard(rows: int, cols: int, seed: int, activations: str = "int8-dynamic") -
     parts = {"weight": w, "weight_scale": scale.reshape(-1, 1)}
     if activations == "int8-static":
         parts["input_scale"] = torch.tensor([0.05])
-    return QuantizedTensor(f"w{seed}", int8(True, activations), parts, rows, cols), w, scale
+    return QuantizedTensor(f"w{seed}", int8_scheme(True, activations), parts, rows, cols), w, scale
 
 
 def _method() -> nn.Module:
