@@ -199,6 +199,28 @@ def test_ops_without_add_rms_norm_run_the_add_in_torch_and_their_suite_skips_it(
     assert all(r.outcome == "passed" for r in results if r.check != "add_rms_norm")
 
 
+def _two_adds(self, rope, hidden, ctx):  # the Llama layer before the residual stream, as a subclass might write it
+    hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), ctx)
+    return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def test_a_decoder_layer_with_its_own_forward_runs_as_before_and_the_stream_gives_the_same_logits(tiny: Path) -> None:
+    from corerun.models.llama import LlamaDecoderLayer, LlamaModel
+
+    class OwnForward(LlamaDecoderLayer):
+        forward = _two_adds
+
+    model, config = load_corerun_model(tiny)
+    assert model.model.residual_stream
+    assert not LlamaModel(config, model.arch_options(config), layer=OwnForward).residual_stream
+    ids = torch.randint(1, 200, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    stream = corerun_logits(model, ids, chunks=[66, 1, 1, 1, 1])
+    model.model.residual_stream = False  # each layer called as a module, through the forward of before
+    for layer in model.model.layers:
+        layer.forward = _two_adds.__get__(layer)
+    assert torch.equal(corerun_logits(model, ids, chunks=[66, 1, 1, 1, 1]), stream)  # float32: the same adds
+
+
 def test_the_runner_selects_once_and_hands_the_choice_to_the_layers(tiny: Path) -> None:
     from corerun.engine.llm_engine import LLMEngine
     from corerun.models.layers import RMSNorm
