@@ -13,7 +13,9 @@ import torch
 from corerun.config import load_config
 from corerun.errors import ConfigError
 from corerun.models.layers import Linear, LMHead, PackedWeight
-from corerun.platform.host import AUTO_PARALLEL_TOKENS, physical_cores, resolve_threads, step_pools, step_threads
+from corerun.platform.host import (
+    AUTO_PARALLEL_TOKENS, AUTO_PARALLEL_TOKENS_FLOAT32, parallel_tokens, physical_cores, resolve_threads, step_pools, step_threads,
+)
 from tests.helpers.tiny_models import make_tiny_model
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -115,6 +117,8 @@ def test_step_threads():
     assert [step_threads(n, 4, auto=True) for n in (1, 32, big - 1, big, 4 * big)] == [1, 1, 1, 4, 4]
     assert {step_threads(n, 3, auto=False) for n in (1, big, 4 * big)} == {3}  # an integer setting: every step
     assert step_pools(4, auto=True) == (1, 4) and step_pools(3, auto=False) == (3, 3)  # (below, from) 512 tokens
+    assert parallel_tokens("float32") == AUTO_PARALLEL_TOKENS_FLOAT32 < 32 and parallel_tokens("bfloat16") == big
+    assert [step_threads(n, 2, True, parallel_tokens("float32")) for n in (1, 4, 16, 32)] == [1, 1, 2, 2]
 
 
 def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
@@ -140,6 +144,32 @@ def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
         assert seen[:3] == [(3, 1), (1, 1), (1, 1)]  # auto: small steps on one thread
         assert seen[3:] == [(3, 2), (1, 2), (1, 2)]  # 2: as set
         assert host.step_threads(AUTO_PARALLEL_TOKENS, pool, auto=True) == pool
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_auto_runs_a_float32_step_of_16_tokens_on_every_thread(tmp_path, dtype):
+    """In float32 a step of AUTO_PARALLEL_TOKENS_FLOAT32 tokens (a 16-request decode, a short prompt) takes
+    the whole pool; in bfloat16 it stays on one thread."""
+    from corerun import LLM, SamplingParams
+
+    seen: list[tuple[int, int]] = []
+    saved = torch.get_num_threads()
+    try:
+        llm = LLM(model=str(make_tiny_model(tmp_path)), device="cpu", dtype=dtype, attention="torch", threads="auto",
+                  kv_cache={"num_blocks": 8}, scheduler={"max_model_len": 64})
+        forward = llm.engine.runner._forward
+
+        def spy(inputs):
+            seen.append((int(inputs.input_ids.numel()), torch.get_num_threads()))
+            return forward(inputs)
+
+        llm.engine.runner._forward = spy
+        prompt = list(range(5, 5 + AUTO_PARALLEL_TOKENS_FLOAT32))
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        pool = resolve_threads("auto")
+        assert seen == [(len(prompt), pool if dtype == "float32" else 1), (1, 1)]
     finally:
         torch.set_num_threads(saved)
 

@@ -4,8 +4,8 @@
 (hyper-threads share one core's vector units, so a second thread per core slows dense matmuls down
 rather than up; tensor-parallel ranks on one host share the cores, so each of ``world_size`` ranks gets
 its share), and then sizes each step (:func:`step_threads`): a step of fewer than
-:data:`AUTO_PARALLEL_TOKENS` tokens (decodes, small batches, short prompts) runs on one thread, a
-bigger one on all of them.  A small step's operators take tens of microseconds each, so the barrier
+:data:`AUTO_PARALLEL_TOKENS` tokens (decodes, small batches, short prompts; in float32 fewer than
+:data:`AUTO_PARALLEL_TOKENS_FLOAT32`) runs on one thread, a bigger one on all of them.  A small step's operators take tens of microseconds each, so the barrier
 that ends every parallel operator costs more than the second thread gains, and on a loaded machine
 it waits for a descheduled thread (docs/benchmarks.md has the measurements).  An integer ``threads``
 is used for every step.  The engine applies the setting once at start (:func:`apply_threads`); the
@@ -92,6 +92,15 @@ def native_bfloat16() -> bool:
 
 
 AUTO_PARALLEL_TOKENS = 512  # threads: auto runs steps of fewer tokens on one thread (docs/benchmarks.md)
+# ... except in float32, whose products from about 16 rows on are compute-bound enough that a second core
+# pays for its barriers: a 32-request decode step took 0.75x one thread's time on two, 16 requests 0.81x,
+# 4 requests 1.06x (docs/benchmarks.md); bfloat16 and quantized products stream their weights, 0.95-1.03x
+AUTO_PARALLEL_TOKENS_FLOAT32 = 16
+
+
+def parallel_tokens(dtype: str) -> int:
+    """The step size in tokens from which ``threads: auto`` runs a step of a ``dtype`` model on every thread."""
+    return AUTO_PARALLEL_TOKENS_FLOAT32 if dtype == "float32" else AUTO_PARALLEL_TOKENS
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
 
 def prepare_openmp() -> bool:
@@ -153,13 +162,14 @@ def apply_threads(setting: int | str, world_size: int = 1) -> int:
     return n
 
 
-def step_threads(num_tokens: int, threads: int, auto: bool) -> int:
-    """The threads a step of ``num_tokens`` tokens runs on: all ``threads``, or one for a small step under ``auto``."""
-    return threads if not auto or num_tokens >= AUTO_PARALLEL_TOKENS else 1
+def step_threads(num_tokens: int, threads: int, auto: bool, from_tokens: int = AUTO_PARALLEL_TOKENS) -> int:
+    """The threads a step of ``num_tokens`` tokens runs on: all ``threads``, or one under ``auto`` for a step
+    below ``from_tokens`` (:func:`parallel_tokens` of the model's dtype)."""
+    return threads if not auto or num_tokens >= from_tokens else 1
 
 
 def step_pools(threads: int, auto: bool) -> tuple[int, int]:
-    """:func:`step_threads` of a step below :data:`AUTO_PARALLEL_TOKENS` tokens and of one at or above it,
+    """:func:`step_threads` of a small step and of a large one (below / from :func:`parallel_tokens`),
     computed once: the runner picks one per step by its token count and sets torch's pool when it differs."""
     return step_threads(1, threads, auto), step_threads(AUTO_PARALLEL_TOKENS, threads, auto)
 

@@ -30,7 +30,7 @@ from corerun.protocols.sampler import SamplingMetadata
 from corerun.runner import profile
 from corerun.runner.profile import StepMemory
 from corerun.sampling_params import SamplingParams
-from corerun.platform.host import apply_threads, step_pools
+from corerun.platform.host import apply_threads, parallel_tokens, step_pools
 
 logger = logging.getLogger("corerun.runner")
 
@@ -82,6 +82,7 @@ def load(runner: Any, tp: Any) -> None:
     )
     mc = runner.model_config
     runner.dtype = next(runner.model.parameters()).dtype
+    runner.parallel_tokens = parallel_tokens(str(runner.dtype).removeprefix("torch."))  # threads: auto's large step
     runner.vocab_size = mc.vocab_size
     runner.block_size = config.kv_cache.block_size
     ml = config.scheduler.max_model_len

@@ -89,6 +89,7 @@ class ModelRunner:
     lora: Any = None  # the adapters' slots and layers with lora.enabled (corerun.lora.manager.LoRAManager)
     graph_passthrough = False  # the graph runner declares passthrough: _forward plans and calls the model itself
 
+    parallel_tokens = AUTO_PARALLEL_TOKENS  # from this many tokens a step runs on step_pools[1] (host.parallel_tokens)
     pipeline_depth = 1  # micro-batches in flight (corerun.executor.stage: one per pipeline stage; launch / collect)
 
     def __init__(self, config: Config, registry: Registry | None = None, tp: Any = None) -> None:
@@ -229,7 +230,7 @@ class ModelRunner:
 
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
         """The forward (launched on the device; on CPU it runs here) and the prompt logprobs it owes."""
-        threads = self.step_pools[step.sched.num_tokens >= AUTO_PARALLEL_TOKENS]  # threads: auto runs a small step on one
+        threads = self.step_pools[step.sched.num_tokens >= self.parallel_tokens]  # threads: auto runs a small step on one
         if torch.get_num_threads() != threads:  # (OpenMP keeps the count per thread: the one running the forward sets it)
             torch.set_num_threads(threads)
         try:
