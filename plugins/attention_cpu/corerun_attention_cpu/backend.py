@@ -13,14 +13,15 @@ own blocks (the kernel in ``csrc/paged_attention.cpp``), on ``torch.get_num_thre
 adding only the layer's tensors' addresses and strides to those arguments.  Nothing is gathered or
 copied per step beyond the new tokens' K/V.
 
-In bfloat16, a prompt of at least ``SDPA_MIN_TOKENS`` tokens with nothing cached before it (its
-whole sequence is this step's query) is attended by torch's ``scaled_dot_product_attention`` on the
-step's own K/V instead: its CPU flash kernel multiplies tiles through oneDNN's bfloat16 brgemm
-micro-kernels, where the paged kernel takes one query row at a time (a 512-token prompt's attention
-about 2.5x faster, see docs/benchmarks.md).  ``plan`` sends such prompts there and the runs of other
+A prompt of at least ``SDPA_MIN_TOKENS[dtype]`` tokens with nothing cached before it (its whole
+sequence is this step's query) is attended by torch's ``scaled_dot_product_attention`` on the step's
+own K/V instead: its CPU flash kernel multiplies larger tiles through oneDNN's brgemm micro-kernels.
+The thresholds are measured (benchmarks/RESULTS.md, "prefill attention"): in bfloat16 SDPA is ahead
+from about 128 tokens (2.5-3x at 1-2k), in float32 the kernel's query tiles keep up with it to about
+1.5k tokens; float16 never goes there.  ``plan`` sends such prompts there and the runs of other
 requests between them to the kernel, one call per run; without a soft cap, a sliding window or a
-quantized cache.  Its probabilities are rounded to bfloat16 before the product with V, as flash
-attention's are.
+quantized cache.  In bfloat16 its probabilities are rounded to bfloat16 before the product with V, as
+flash attention's are.
 
 The kernel checks the batch before it reads anything (query ranges, lengths against the block
 table's width, every block id it will read against the cache's size, every slot against the
@@ -50,7 +51,8 @@ logger = logging.getLogger("corerun_attention_cpu")
 IMPLEMENTATION = "attention backend 'cpu'"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DType in the source
 KV_TYPE_CODES = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}  # enum KVType in the source
-SDPA_MIN_TOKENS = 64  # a fresh bfloat16 prompt this long goes to torch's SDPA (module docstring)
+# a fresh prompt at least this long goes to torch's SDPA, per dtype (module docstring); None: never
+SDPA_MIN_TOKENS: dict[torch.dtype, int | None] = {torch.bfloat16: 128, torch.float32: 1536, torch.float16: None}
 
 
 @dataclass
@@ -132,8 +134,9 @@ class CpuAttentionBackend(DenseKVCache):
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
         )
-        if self.spec.dtype == torch.bfloat16 and not self.soft_cap and not self._kv_code:
-            self._plan_fresh_prompts(md)
+        sdpa_min = SDPA_MIN_TOKENS.get(self.spec.dtype)
+        if sdpa_min is not None and not self.soft_cap and not self._kv_code:
+            self._plan_fresh_prompts(md, sdpa_min)
         md.batch_args = self._batch_args(md, 0, md.num_reqs)
         md.run_args = tuple(self._batch_args(md, first, last) for first, last in md.kernel_runs)
         return md
@@ -145,12 +148,12 @@ class CpuAttentionBackend(DenseKVCache):
         return first, (md.query_start_loc.data_ptr() + first * i32, md.seq_lens.data_ptr() + first * i32,
                        bt.data_ptr() + first * bt.stride(0) * i32, bt.stride(0), bt.shape[1], last - first)
 
-    def _plan_fresh_prompts(self, md: CpuAttentionMetadata) -> None:
+    def _plan_fresh_prompts(self, md: CpuAttentionMetadata, sdpa_min: int) -> None:
         """Hand the step's fresh prompts (module docstring) to SDPA, the runs of requests between them to the kernel."""
         qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
         if len(qsl) != md.num_reqs + 1 or len(lens) != md.num_reqs or qsl[0] < 0 or qsl[-1] > md.num_tokens:
             return  # the kernel explains the mismatch
-        fresh = [lens[i] == qsl[i + 1] - qsl[i] >= SDPA_MIN_TOKENS for i in range(md.num_reqs)]
+        fresh = [lens[i] == qsl[i + 1] - qsl[i] >= sdpa_min for i in range(md.num_reqs)]
         if not any(fresh):
             return
         runs, first = [], 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from corerun.errors import UnsupportedError
-from corerun_attention_cpu import kernels
+from corerun_attention_cpu import backend as backend_module, kernels
 from corerun_attention_cpu.backend import CpuAttentionBackend
 from cpu_attn_cases import TOLERANCE, make_spec, make_step, needs_compiler, reference, relative_errors
 
@@ -37,6 +37,13 @@ CASES = {
     # prompts with nothing cached (in bfloat16 through torch's SDPA, the requests between them through the kernel)
     "fresh-prompts-mixed": (dict(), [(300, 1), (0, 70), (16, 150), (0, 300), (0, 20), (0, 64)]),
     "fresh-prompts-only-mha-hd128": (dict(num_heads=4, num_kv_heads=4, head_size=128), [(0, 200), (0, 65)]),
+    # the kernel's prefill tiles (block size 16, head size 64 / 128): prompts of several lengths in one step,
+    # some partly cached (chunked prefill), groups of 3, 4 and 5 query heads (tiles of 63, 64 and 60 rows)
+    "prefill-tiles-gqa3": (dict(), [(0, 33), (40, 230), (17, 5), (0, 256), (100, 64), (0, 2)]),
+    "prefill-tiles-gqa4-hd128": (dict(num_heads=8, num_kv_heads=2, head_size=128), [(0, 97), (33, 150), (0, 2), (250, 17)]),
+    "prefill-tiles-gqa5": (dict(num_heads=10, num_kv_heads=2), [(7, 61), (0, 129), (64, 64)]),
+    # a float32 prompt long enough for SDPA, beside a short one through the kernel
+    "fresh-prompt-fp32-sdpa": (dict(), [(0, 1600), (3, 40)]),
 }
 
 
@@ -70,7 +77,8 @@ def test_matches_float64_reference(case, dtype):
         ([(0, 200), (0, 65)], ((0, 200), (200, 265)), ()),
     ],
 )
-def test_bf16_plan_sends_the_fresh_prompts_to_sdpa(requests, fresh, kernel_runs):
+def test_bf16_plan_sends_the_fresh_prompts_to_sdpa(requests, fresh, kernel_runs, monkeypatch):
+    monkeypatch.setitem(backend_module.SDPA_MIN_TOKENS, torch.bfloat16, 64)
     backend = CpuAttentionBackend(make_spec(dtype=torch.bfloat16))
     batch = make_step(backend, backend.spec, requests).batch
     md = backend.plan(batch)

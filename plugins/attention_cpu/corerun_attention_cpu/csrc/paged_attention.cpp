@@ -655,6 +655,186 @@ void decode_item(const Args& a, const Item& it, const Item* next, float* buf) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// ---- Prefill tiles: a block of query rows against each block of 16 keys ----
+//
+// An item of several query tokens of one KV head (rows m = token * G + g, the G query heads of the group)
+// walks its request's blocks up to the causal horizon of its last token.  Per block, K is converted to
+// float32 and transposed (kt[d][j]) and V converted (vf[j][d]) once for all the item's rows; then the
+// scores of eight rows at a time (each kt row loaded once for the eight, multiplied by each row's query
+// value broadcast: sixteen keys per vector, no horizontal sums), each row's online-softmax update on its
+// sixteen lanes (keys past the row's own horizon masked), and P . V for 256 / HD rows at a time (each V row
+// loaded once for them, their accumulators in registers).  Rows whose horizon ends before the block skip
+// it.  Any dtype (queries scaled into float32 once per item); block size 16, head size 64 or 128; no
+// quantized cache, sliding window or soft cap (those take attend_item's general path).
+
+// Scores of R rows (qf, HD apart) against a transposed block: s[r] lane j = q_r . k_j.
+template <int HD, int R>
+inline void tile_scores(const float* qf, const float* kt, __m512* s) {
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; ++d) {
+        const __m512 k = _mm512_loadu_ps(kt + 16 * d);
+        for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * HD + d]), k, s[r]);
+    }
+}
+
+// One row's online-softmax update over its first n (1 .. 16) lanes: probabilities into p[16] (0 past n),
+// the factor its accumulator is to be rescaled by into alpha.
+inline void tile_softmax(__m512 s, int64_t n, float& m, float& l, float* p, float& alpha) {
+    const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+    const float bmax = _mm512_mask_reduce_max_ps(live, s);
+    const float mold = m, mnew = bmax > mold ? bmax : mold;
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos16(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+    alpha = mnew != mold ? exp_nonpos(mold - mnew) : 1.0f;
+    l = l * alpha + _mm512_reduce_add_ps(e);
+    m = mnew;
+    _mm512_storeu_ps(p, e);
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v_j for R rows.
+template <int HD, int R>
+inline void tile_pv(const float* p, const float* alpha, const float* vf, float* acc) {
+    constexpr int C = HD / 16;
+    __m512 o[R][C];
+    for (int r = 0; r < R; ++r) {
+        const __m512 al = _mm512_set1_ps(alpha[r]);
+        for (int c = 0; c < C; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + 16 * c), al);
+    }
+    for (int j = 0; j < 16; ++j) {
+        for (int c = 0; c < C; ++c) {
+            const __m512 v = _mm512_loadu_ps(vf + j * HD + 16 * c);
+            for (int r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * HD + 16 * c, o[r][c]);
+}
+
+// Sixteen stored values as float32.
+template <int DT>
+inline __m512 load16(const typename Elem<DT>::T* src) {
+    if constexpr (DT == F32) {
+        return _mm512_loadu_ps(src);
+    } else {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        if constexpr (DT == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        else return _mm512_cvtph_ps(h);
+    }
+}
+
+// r[j] lane d -> out[d * 16 + j]: a 16 x 16 transpose in three rounds of shuffles.
+inline void transpose16(__m512* r, float* out) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i+1 interleaved, elements 0-1 (lo) and 2-3 (hi)
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + e], lane L: rows 4i .. 4i+3 of element 4L + e
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int e = 0; e < 4; ++e) {  // gather lane L of r[e], r[4+e], r[8+e], r[12+e]: element 4L + e of all 16 rows
+        const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 b = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(3, 1, 3, 1));
+        _mm512_storeu_ps(out + 16 * e, _mm512_shuffle_f32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_storeu_ps(out + 16 * (8 + e), _mm512_shuffle_f32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_storeu_ps(out + 16 * (4 + e), _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_storeu_ps(out + 16 * (12 + e), _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+}
+
+template <int DT, int HD>
+void prefill_tile(const Args& a, const Item& it, float* buf) {
+    using E = Elem<DT>;
+    using T = typename E::T;
+    constexpr int64_t BS = 16, RP = 256 / HD;
+    const int64_t G = a.num_heads / a.num_kv_heads, h = it.h0;
+    const int64_t M = it.count * G;
+    const int64_t q0 = a.qsl[it.req];
+    const int64_t qlen = a.qsl[it.req + 1] - q0;
+    const int64_t first_hz = a.seq_lens[it.req] - qlen + it.first + 1;  // keys the tile's first token sees
+    const int64_t max_hz = first_hz + it.count - 1;                      // ... and its last
+    const int32_t* table = a.bt + it.req * a.bt_stride;
+
+    float* qf = buf;              // [M][HD] scaled query rows
+    float* acc = qf + M * HD;     // [M][HD]
+    float* mrow = acc + M * HD;   // [M]
+    float* lrow = mrow + M;       // [M]
+    float* kt = lrow + M;         // [HD][16] the block's K, transposed
+    float* vf = kt + BS * HD;     // [16][HD]
+    float* p = vf + BS * HD;      // [M][16]
+    float* alpha = p + BS * M;    // [M]
+
+    const T* qbase = static_cast<const T*>(a.q);
+    for (int64_t ti = 0; ti < it.count; ++ti)
+        for (int64_t g = 0; g < G; ++g) {
+            const T* src = qbase + (q0 + it.first + ti) * a.q_st + (h * G + g) * a.q_sh;
+            float* dst = qf + (ti * G + g) * HD;
+#pragma omp simd
+            for (int64_t d = 0; d < HD; ++d) dst[d] = E::load(src[d]) * a.scale;
+        }
+    for (int64_t i = 0; i < M * HD; ++i) acc[i] = 0.0f;
+    for (int64_t m = 0; m < M; ++m) {
+        mrow[m] = -INFINITY;
+        lrow[m] = 0.0f;
+    }
+
+    const T* kc = static_cast<const T*>(a.k);
+    const T* vc = static_cast<const T*>(a.v);
+    const int64_t nblocks = (max_hz + BS - 1) / BS;
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = b * BS;
+        const int64_t nkeys = max_hz - start < BS ? max_hz - start : BS;
+        if (b + 1 < nblocks) {
+            const int64_t next_keys = max_hz - start - BS < BS ? max_hz - start - BS : BS;
+            prefetch_block<T>(kc, vc, static_cast<int64_t>(table[b + 1]) * a.kv_sb + h * a.kv_sh, next_keys, a.kv_st, HD);
+        }
+        const int64_t off = static_cast<int64_t>(table[b]) * a.kv_sb + h * a.kv_sh;
+        for (int64_t c = 0; c < HD; c += 16) {  // sixteen dimensions of the block's K and V rows at a time
+            __m512 r[16];
+            for (int64_t j = 0; j < BS; ++j) {  // keys past nkeys as zeros (their probabilities are 0)
+                const bool live = j < nkeys;
+                r[j] = live ? load16<DT>(kc + off + j * a.kv_st + c) : _mm512_setzero_ps();
+                _mm512_storeu_ps(vf + j * HD + c, live ? load16<DT>(vc + off + j * a.kv_st + c) : _mm512_setzero_ps());
+            }
+            transpose16(r, kt + c * BS);
+        }
+        // token ti sees keys < first_hz + ti: the rows before m0 see none of this block
+        const int64_t m0 = (start >= first_hz ? start - first_hz + 1 : 0) * G;
+        auto softmax_rows = [&](int64_t m, int64_t R, const __m512* s) {
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t row = m + r, hz = first_hz + row / G;
+                tile_softmax(s[r], hz - start < nkeys ? hz - start : nkeys, mrow[row], lrow[row], p + row * BS, alpha[row]);
+            }
+        };
+        // eight rows at a time; the last eight may run past row M into acc (finite, read only) and those
+        // scores are dropped: one chain of 64 dependent products per lone row would cost more
+        int64_t m = m0;
+        __m512 s[8];
+        for (; m < M; m += 8) {
+            tile_scores<HD, 8>(qf + m * HD, kt, s);
+            softmax_rows(m, M - m < 8 ? M - m : 8, s);
+        }
+        for (m = m0; m + RP <= M; m += RP) tile_pv<HD, RP>(p + m * BS, alpha + m, vf, acc + m * HD);
+        for (; m + 2 <= M; m += 2) tile_pv<HD, 2>(p + m * BS, alpha + m, vf, acc + m * HD);
+        if (m < M) tile_pv<HD, 1>(p + m * BS, alpha + m, vf, acc + m * HD);
+    }
+
+    T* obase = static_cast<T*>(a.out);
+    for (int64_t m = 0; m < M; ++m) {
+        T* dst = obase + (q0 + it.first + m / G) * a.o_st + (h * G + m % G) * a.o_sh;
+        const float inv = 1.0f / lrow[m];
+        const float* ar = acc + m * HD;
+#pragma omp simd
+        for (int64_t d = 0; d < HD; ++d) dst[d] = E::store(ar[d] * inv);
+    }
+}
+#endif
+
 // HD > 0: the head size as a compile-time constant (the common sizes get fully unrolled inner loops);
 // HD == 0: any head size, read from the arguments.  Rows are m = (token * nh + head) * G + g.
 template <int DT, int HD>
@@ -666,6 +846,13 @@ void attend_item(const Args& a, const Item& it, const Item* next, float* buf) {
         if (it.count == 1 && a.block_size == 16 && a.soft_cap == 0.0f && a.kv_type == KV_SAME &&
             a.num_heads <= MAX_DECODE_HEADS) {
             decode_item<DT, HD>(a, it, next, buf);
+            return;
+        }
+    }
+    if constexpr (HD == 64 || HD == 128) {
+        if (it.count > 1 && it.nh == 1 && a.block_size == 16 && a.window == 0 && a.soft_cap == 0.0f &&
+            a.kv_type == KV_SAME) {
+            prefill_tile<DT, HD>(a, it, buf);
             return;
         }
     }
@@ -805,7 +992,8 @@ void attend_item(const Args& a, const Item& it, const Item* next, float* buf) {
 template <int DT, int HD>
 void attend_all(const Args& a, const Item* items, int64_t num_items, int num_threads) {
     const int64_t rows = TILE_ROWS > a.num_heads ? TILE_ROWS : a.num_heads;
-    const size_t floats = static_cast<size_t>(2 * rows * a.head_size + 2 * rows + 2 * a.block_size * a.head_size + a.block_size + 16);
+    // (prefill_tile also keeps 16 probabilities and a factor per row)
+    const size_t floats = static_cast<size_t>(2 * rows * a.head_size + 19 * rows + 2 * a.block_size * a.head_size + a.block_size + 16);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         float* buf = static_cast<float*>(std::aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64));
