@@ -146,6 +146,23 @@ def test_silu_and_mul_of_a_strided_gate_up(ops, dtype, tokens, inter):
     assert torch.equal(padded, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_silu_and_mul_at_extreme_gates(ops, dtype):
+    """Gates far into both tails, where e^-|g| leaves the normal floats or underflows to 0, and inf / NaN:
+    each output against the float64 closed form (relative error, and 1e-37 absolute for the denormals)."""
+    gen = torch.Generator().manual_seed(11)
+    tails = [-1e30, -200.0, -104.0, -100.0, -90.0, -87.5, -87.0, -20.0, -0.0, 0.0, 88.0, 100.0, 1e30]
+    gate = torch.tensor(tails * 3 + [float("inf"), float("-inf"), float("nan")], dtype=torch.float64)
+    up = torch.rand(gate.shape[0], generator=gen, dtype=torch.float64) + 0.5
+    x = torch.cat([gate, up]).to(dtype).view(1, -1)
+    out = ops.silu_and_mul(x)[0].double()
+    g, u = x[0].double().chunk(2)
+    ref = g / (1 + torch.exp(-g)) * u  # -inf gives NaN, as in torch's silu
+    assert torch.equal(out.isnan(), ref.isnan())
+    ok = (out == ref) | ((out - ref).abs() <= TOLERANCE[dtype] * ref.abs() + 1e-37)
+    assert ok[~ref.isnan()].all(), f"gates {g[~ok].tolist()}: {out[~ok].tolist()} against {ref[~ok].tolist()}"
+
+
 def _angles(gen: torch.Generator, tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos = [c | c], sin = [-s | s] float32 [T, 1, D] for random positions and frequencies."""
     theta = torch.rand(tokens, 1, dim // 2, generator=gen, dtype=torch.float64) * 200
@@ -162,7 +179,7 @@ def _rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 @DTYPES
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: halves of 40, not a multiple of 32
 def test_rotary_of_q_and_k_views_of_a_fused_qkv(ops, dtype, tokens, head_dim):
     gen = torch.Generator().manual_seed(tokens * 3 + head_dim)
     qkv = _random(gen, tokens, 15 * head_dim, dtype=dtype)
@@ -190,6 +207,23 @@ def test_bfloat16_results_are_rounded_to_nearest_even_and_nan_stays_nan(ops):
     x[3, 2, 5] = float("nan")
     out = ops.rotary(x, cos, sin)
     assert out[3, 2, 5].isnan() and out[3, 2, 69].isnan() and out.isnan().sum() == 2
+
+
+def test_bfloat16_rounding_keeps_denormals_as_torchs_add_does(ops):
+    """The sum of ``add_rms_norm`` equals torch's add bit for bit where it is a float32 denormal (the kernel's
+    vcvtne2ps2bf16 would flush those to 0: rows of 32 values holding one take the integer rounding), in rows of
+    normal sums (the instruction's path), and around NaN and inf."""
+    gen = torch.Generator().manual_seed(12)
+    scale = torch.where(torch.arange(48) % 3 == 0, 1.0, 1e-38).view(48, 1)  # every third row normal
+    x = (_random(gen, 48, 100, dtype=torch.float64) * scale).to(torch.bfloat16)
+    residual = (_random(gen, 48, 100, dtype=torch.float64) * scale).to(torch.bfloat16)
+    x[1, 40], x[2, 99], residual[4, 0], residual[7, 3] = float("nan"), float("inf"), float("-inf"), 1.0
+    _, new_residual = ops.add_rms_norm(x, residual, _random(gen, 100, dtype=torch.bfloat16), 1e-5)
+    expected = x + residual
+    assert (expected.float().abs() < torch.finfo(torch.float32).tiny).sum() > 1000  # denormals present
+    nan = expected.isnan()
+    assert torch.equal(new_residual.isnan(), nan)
+    assert torch.equal(new_residual.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
 
 
 def test_parallel_rows_match_one_thread(ops):

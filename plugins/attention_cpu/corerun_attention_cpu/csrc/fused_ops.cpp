@@ -4,8 +4,9 @@
 // Each op reads its input once (a row is read again only from L1), computes in float32 and rounds the
 // result once to the input's dtype; the output is a new contiguous tensor.  Rows may be strided, the
 // last dimension is contiguous.  OpenMP over rows from PARALLEL_MIN_ELEMS values on: below that the
-// fork costs more than it saves (a decode step's single row stays on the calling thread).  The loops are
-// left to the compiler's vectorisation, except SiLU-and-mul's, written in AVX-512 where the CPU has it.
+// fork costs more than it saves (a decode step's single row stays on the calling thread).  Where the CPU has
+// AVX-512 (F, BW, DQ, VL) every row runs in explicit AVX-512 (namespace simd); elsewhere the scalar loops
+// below, left to the compiler's vectorisation, give the same results up to float32 summation order.
 //
 // C ABI (called through ctypes; fused_ops.py checks shapes and strides, strides count elements):
 //   corerun_cpu_rms_norm      x rows at i * s0 + j * s1 (i < n0, j < n1), hidden values each; weight [hidden];
@@ -71,40 +72,169 @@ inline float exp_nonpositive(float x) {
     return x > -87.0f ? e * two_n : 0.0f;
 }
 
-#if defined(__AVX512F__)
-// SiLU-and-mul 16 lanes at a time (1.7x the compiler's vectorisation of the loop below in bfloat16): the
-// same e^x as exp_nonpositive with 2^n applied by scalef, 1 / (1 + e) from the 14-bit reciprocal and one
-// Newton step (relative error about 1e-8), bfloat16 widened and rounded in registers as BFloat16 does.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CORERUN_FUSED_AVX512 1
+// The AVX-512 rows: 32 values a step, in float32 as two registers in memory order, the last step masked (no
+// scalar tail).  bfloat16 is widened by zero-extension and a shift; it is rounded back to nearest even by
+// vcvtne2ps2bf16 where the CPU has AVX512-BF16 (one instruction for 32 values, NaN kept quiet as below), unless
+// one of the 32 values is a float32 denormal, which that instruction flushes to zero: then, as without
+// AVX512-BF16, by integer arithmetic, BFloat16::store's in 16 lanes.  Both give BFloat16::store's bits (and
+// torch's) for every float32, denormals included.
+namespace simd {
+
+struct F32x32 { __m512 lo, hi; };
+
+inline __mmask32 tail(int64_t left) { return left >= 32 ? 0xffffffffu : (1u << left) - 1u; }
+inline __mmask16 low(__mmask32 m) { return static_cast<__mmask16>(m); }
+inline __mmask16 high(__mmask32 m) { return static_cast<__mmask16>(m >> 16); }
+
+struct Float32 {
+    using T = float;
+    static inline F32x32 load(const float* p, __mmask32 m) {
+        return {_mm512_maskz_loadu_ps(low(m), p), _mm512_maskz_loadu_ps(high(m), p + 16)};
+    }
+    static inline void store(float* p, __mmask32 m, F32x32 v) {
+        _mm512_mask_storeu_ps(p, low(m), v.lo);
+        _mm512_mask_storeu_ps(p + 16, high(m), v.hi);
+    }
+    static inline F32x32 store_rounded(float* p, __mmask32 m, F32x32 v) {  // stores v, returns what was stored
+        store(p, m, v);
+        return v;
+    }
+};
+
+struct BFloat16 {
+    using T = uint16_t;
+    static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+    static inline __m256i narrow(__m512 v) {  // BFloat16::store in 16 lanes
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        return _mm512_cvtepi32_epi16(rounded);
+    }
+    static inline __m512i pack(F32x32 v) {
+#if defined(__AVX512BF16__)
+        if (!(_mm512_fpclass_ps_mask(v.lo, 0x20) | _mm512_fpclass_ps_mask(v.hi, 0x20)))  // 0x20: denormal
+            return (__m512i)_mm512_cvtne2ps_pbh(v.hi, v.lo);
+#endif
+        return _mm512_inserti64x4(_mm512_castsi256_si512(narrow(v.lo)), narrow(v.hi), 1);
+    }
+    static inline F32x32 load(const uint16_t* p, __mmask32 m) {
+        return {widen(_mm256_maskz_loadu_epi16(low(m), p)), widen(_mm256_maskz_loadu_epi16(high(m), p + 16))};
+    }
+    static inline void store(uint16_t* p, __mmask32 m, F32x32 v) { _mm512_mask_storeu_epi16(p, m, pack(v)); }
+    static inline F32x32 store_rounded(uint16_t* p, __mmask32 m, F32x32 v) {
+        const __m512i packed = pack(v);
+        _mm512_mask_storeu_epi16(p, m, packed);
+        return {widen(_mm512_castsi512_si256(packed)), widen(_mm512_extracti64x4_epi64(packed, 1))};
+    }
+};
+
+// e^x for x <= 0 as exp_nonpositive, 16 lanes, 2^n applied by scalef, which rounds to the float32 denormals
+// below -87 and gives 0 from -104 on (2^-150 = e^-103.97), where x is clamped; a NaN x gives 0 (max returns
+// its second operand).
 inline __m512 exp_nonpositive16(__m512 x) {
-    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc));
     __m512 e = _mm512_set1_ps(EXP_TAYLOR[0]);
     for (int k = 1; k < 8; ++k) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(EXP_TAYLOR[k]));
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), e, n);
+    return _mm512_scalef_ps(e, n);
 }
+
+// silu(g) * u with e = e^-|g| in (0, 1]: sigmoid(g) = 1 / (1 + e) for g >= 0 (sign bit clear), e / (1 + e)
+// below; 1 / (1 + e) from the 14-bit reciprocal and one Newton step (relative error about 1e-8).  A NaN g
+// gives NaN through the product g * u.
 inline __m512 silu_mul16(__m512 g, __m512 u) {
-    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 e = exp_nonpositive16(_mm512_or_ps(g, _mm512_set1_ps(-0.0f)));
     const __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
     __m512 inv = _mm512_rcp14_ps(d);
     inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
-    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.0f));
-    return _mm512_mul_ps(_mm512_mul_ps(g, u), _mm512_mul_ps(num, inv));
+    const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_movepi32_mask(_mm512_castps_si512(g)), inv, e);
+    return _mm512_mul_ps(_mm512_mul_ps(g, u), sigmoid);
 }
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+
+inline __m512 squares(__m512 acc, __m512 v) { return _mm512_fmadd_ps(v, v, acc); }
+
+// dst = src * scale * w, one row
+template <typename V>
+inline void scale_row(const typename V::T* src, const typename V::T* w, typename V::T* dst, int64_t n, float scale) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 32) {
+        const __mmask32 m = tail(n - i);
+        const F32x32 x = V::load(src + i, m), g = V::load(w + i, m);
+        V::store(dst + i, m, {_mm512_mul_ps(_mm512_mul_ps(x.lo, s), g.lo), _mm512_mul_ps(_mm512_mul_ps(x.hi, s), g.hi)});
+    }
 }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+
+inline float rms_scale(__m512 acc_lo, __m512 acc_hi, float inv_hidden, float eps) {
+    return 1.0f / std::sqrt(_mm512_reduce_add_ps(_mm512_add_ps(acc_lo, acc_hi)) * inv_hidden + eps);
 }
+
+template <typename V>
+inline void rms_norm_row(const typename V::T* src, const typename V::T* w, typename V::T* dst, int64_t n,
+                         float inv_hidden, float eps) {
+    __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        const F32x32 x = V::load(src + i, tail(n - i));
+        lo = squares(lo, x.lo);
+        hi = squares(hi, x.hi);
+    }
+    scale_row<V>(src, w, dst, n, rms_scale(lo, hi, inv_hidden, eps));
+}
+
+// the sum stored rounded, its squares summed as rms_norm_row sums them (same order: the same scale, bit for bit)
+template <typename V>
+inline void add_rms_norm_row(const typename V::T* a, const typename V::T* b, const typename V::T* w,
+                             typename V::T* sum, typename V::T* dst, int64_t n, float inv_hidden, float eps) {
+    __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        const __mmask32 m = tail(n - i);
+        const F32x32 x = V::load(a + i, m), r = V::load(b + i, m);
+        const F32x32 s = V::store_rounded(sum + i, m, {_mm512_add_ps(x.lo, r.lo), _mm512_add_ps(x.hi, r.hi)});
+        lo = squares(lo, s.lo);
+        hi = squares(hi, s.hi);
+    }
+    scale_row<V>(sum, w, dst, n, rms_scale(lo, hi, inv_hidden, eps));
+}
+
+template <typename V>
+inline void silu_and_mul_row(const typename V::T* gate, const typename V::T* up, typename V::T* dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32) {
+        const __mmask32 m = tail(n - i);
+        const F32x32 g = V::load(gate + i, m), u = V::load(up + i, m);
+        V::store(dst + i, m, {silu_mul16(g.lo, u.lo), silu_mul16(g.hi, u.hi)});
+    }
+}
+
+// one token's heads: 32 values of each half a step, the token's cos and sin loaded once for all heads
+template <typename V>
+inline void rotary_token(const typename V::T* x, int64_t heads, int64_t dim, int64_t x_sh, const float* c,
+                         const float* s, typename V::T* dst) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i += 32) {
+        const __mmask32 m = tail(half - i);
+        const F32x32 c1 = Float32::load(c + i, m), c2 = Float32::load(c + half + i, m);
+        const F32x32 s1 = Float32::load(s + i, m), s2 = Float32::load(s + half + i, m);
+        for (int64_t h = 0; h < heads; ++h) {
+            const F32x32 x1 = V::load(x + h * x_sh + i, m), x2 = V::load(x + h * x_sh + half + i, m);
+            typename V::T* out = dst + h * dim + i;
+            V::store(out, m, {_mm512_fmadd_ps(x2.lo, s1.lo, _mm512_mul_ps(x1.lo, c1.lo)),
+                              _mm512_fmadd_ps(x2.hi, s1.hi, _mm512_mul_ps(x1.hi, c1.hi))});
+            V::store(out + half, m, {_mm512_fmadd_ps(x1.lo, s2.lo, _mm512_mul_ps(x2.lo, c2.lo)),
+                                     _mm512_fmadd_ps(x1.hi, s2.hi, _mm512_mul_ps(x2.hi, c2.hi))});
+        }
+    }
+}
+
+}  // namespace simd
+
+template <typename E> struct Simd;  // the scalar element type's simd rows
+template <> struct Simd<Float32> { using V = simd::Float32; };
+template <> struct Simd<BFloat16> { using V = simd::BFloat16; };
 #endif
 
 template <typename Row>
@@ -130,6 +260,9 @@ void rms_norm(const void* xv, int64_t n0, int64_t s0, int64_t n1, int64_t s1, in
     for_rows(n0 * n1, n0 * n1 * hidden, threads, [&](int64_t r) {
         const T* src = x + (r / n1) * s0 + (r % n1) * s1;
         T* dst = out + r * hidden;
+#if defined(CORERUN_FUSED_AVX512)
+        simd::rms_norm_row<typename Simd<E>::V>(src, w, dst, hidden, inv_hidden, eps);
+#else
         float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
         for (int64_t i = 0; i < hidden; ++i) {
@@ -139,6 +272,7 @@ void rms_norm(const void* xv, int64_t n0, int64_t s0, int64_t n1, int64_t s1, in
         const float scale = 1.0f / std::sqrt(squares * inv_hidden + eps);
 #pragma omp simd
         for (int64_t i = 0; i < hidden; ++i) dst[i] = E::store(E::load(src[i]) * scale * E::load(w[i]));
+#endif
     });
 }
 
@@ -157,6 +291,9 @@ void add_rms_norm(const void* xv, int64_t x_st, const void* rv, int64_t r_st, in
         const T* b = res + t * r_st;
         T* sum = new_res + t * hidden;
         T* dst = out + t * hidden;
+#if defined(CORERUN_FUSED_AVX512)
+        simd::add_rms_norm_row<typename Simd<E>::V>(a, b, w, sum, dst, hidden, inv_hidden, eps);
+#else
         float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
         for (int64_t i = 0; i < hidden; ++i) {
@@ -168,6 +305,7 @@ void add_rms_norm(const void* xv, int64_t x_st, const void* rv, int64_t r_st, in
         const float scale = 1.0f / std::sqrt(squares * inv_hidden + eps);
 #pragma omp simd
         for (int64_t i = 0; i < hidden; ++i) dst[i] = E::store(E::load(sum[i]) * scale * E::load(w[i]));
+#endif
     });
 }
 
@@ -180,18 +318,17 @@ void silu_and_mul(const void* xv, int64_t tokens, int64_t x_st, int64_t inter, v
         const T* gate = x + t * x_st;
         const T* up = gate + inter;
         T* dst = out + t * inter;
-        int64_t start = 0;
-#if defined(__AVX512F__)
-        for (; start + 16 <= inter; start += 16)
-            store16(dst + start, silu_mul16(load16(gate + start), load16(up + start)));
-#endif
+#if defined(CORERUN_FUSED_AVX512)
+        simd::silu_and_mul_row<typename Simd<E>::V>(gate, up, dst, inter);
+#else
 #pragma omp simd
-        for (int64_t i = start; i < inter; ++i) {
+        for (int64_t i = 0; i < inter; ++i) {
             const float g = E::load(gate[i]);
             const float e = exp_nonpositive(-std::fabs(g));  // sigmoid(g) = 1 / (1 + e^-g) = e^g / (1 + e^g)
             const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
             dst[i] = E::store(g * sigmoid * E::load(up[i]));
         }
+#endif
     });
 }
 
@@ -208,6 +345,9 @@ void rotary(const void* xv, int64_t tokens, int64_t heads, int64_t dim, int64_t 
     for_rows(tokens, tokens * heads * dim, threads, [&](int64_t t) {
         const float* c = cos + t * dim;
         const float* s = sin + t * dim;
+#if defined(CORERUN_FUSED_AVX512)
+        simd::rotary_token<typename Simd<E>::V>(x + t * x_st, heads, dim, x_sh, c, s, out + t * heads * dim);
+#else
         for (int64_t h = 0; h < heads; ++h) {
             const T* src = x + t * x_st + h * x_sh;
             T* dst = out + (t * heads + h) * dim;
@@ -218,6 +358,7 @@ void rotary(const void* xv, int64_t tokens, int64_t heads, int64_t dim, int64_t 
                 dst[half + i] = E::store(x2 * c[half + i] + x1 * s[half + i]);
             }
         }
+#endif
     });
 }
 
