@@ -671,10 +671,12 @@ void decode_item(const Args& a, const Item& it, const Item* next, float* buf) {
 // Scores of R rows (qf, HD apart) against a transposed block: s[r] lane j = q_r . k_j.
 template <int HD, int R>
 inline void tile_scores(const float* qf, const float* kt, __m512* s) {
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
     for (int d = 0; d < HD; ++d) {
         const __m512 k = _mm512_loadu_ps(kt + 16 * d);
-        for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * HD + d]), k, s[r]);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * HD + d]), k, s[r]);
     }
 }
 
@@ -696,17 +698,23 @@ template <int HD, int R>
 inline void tile_pv(const float* p, const float* alpha, const float* vf, float* acc) {
     constexpr int C = HD / 16;
     __m512 o[R][C];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
         const __m512 al = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 8
         for (int c = 0; c < C; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + 16 * c), al);
     }
     for (int j = 0; j < 16; ++j) {
+#pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
             const __m512 v = _mm512_loadu_ps(vf + j * HD + 16 * c);
-            for (int r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r][c]);
+        #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r][c]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * HD + 16 * c, o[r][c]);
 }
 
