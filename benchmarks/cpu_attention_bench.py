@@ -42,6 +42,8 @@ def cases(gen: torch.Generator) -> dict[str, list[tuple[int, int]]]:
         "decode 128 rows x ~768 keys": [(c, 1) for c in around(768, 128)],
         "decode 1 row x 1000 keys": [(1000, 1)],
         "prefill 1 x 512 new": [(0, 512)],
+        "prefill 8 x 32-256 new": [(0, n) for n in torch.randint(32, 257, (8,), generator=gen).tolist()],
+        "prefill 1 x 2048 new": [(0, 2048)],
         "prefill 4 x 128 new after 256 cached": [(256, 128)] * 4,
         "mixed 31 decodes ~300 keys + 256-token chunk": [(c, 1) for c in around(300, 31)] + [(128, 256)],
     }
