@@ -32,13 +32,13 @@ CASES = {
     "decodes-gqa5": (dict(num_heads=10, num_kv_heads=2), [(c, 1) for c in range(3, 320, 21)]),
     "decodes-gqa3-hd128": (dict(num_heads=6, num_kv_heads=2, head_size=128), [(c, 1) for c in range(5, 320, 23)]),
     "three-decodes": (dict(), [(200, 1), (16, 1), (33, 1)]),
-    # prefills whose last tile (21 rows of 3 heads) holds one token, and a decode after them
-    "one-token-tiles": (dict(), [(0, 1), (40, 22), (7, 43), (0, 22)]),
+    # prefills whose last tile (32 tokens of 3 heads) holds one token, and a decode after them
+    "one-token-tiles": (dict(), [(0, 1), (40, 33), (7, 65), (0, 33)]),
     # prompts with nothing cached (in bfloat16 through torch's SDPA, the requests between them through the kernel)
     "fresh-prompts-mixed": (dict(), [(300, 1), (0, 70), (16, 150), (0, 300), (0, 20), (0, 64)]),
     "fresh-prompts-only-mha-hd128": (dict(num_heads=4, num_kv_heads=4, head_size=128), [(0, 200), (0, 65)]),
     # the kernel's prefill tiles (block size 16, head size 64 / 128): prompts of several lengths in one step,
-    # some partly cached (chunked prefill), groups of 3, 4 and 5 query heads (tiles of 63, 64 and 60 rows)
+    # some partly cached (chunked prefill), groups of 3, 4 and 5 query heads (tiles of 96 rows)
     "prefill-tiles-gqa3": (dict(), [(0, 33), (40, 230), (17, 5), (0, 256), (100, 64), (0, 2)]),
     "prefill-tiles-gqa4-hd128": (dict(num_heads=8, num_kv_heads=2, head_size=128), [(0, 97), (33, 150), (0, 2), (250, 17)]),
     "prefill-tiles-gqa5": (dict(num_heads=10, num_kv_heads=2), [(7, 61), (0, 129), (64, 64)]),

@@ -36,7 +36,7 @@ namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
 enum KVType { KV_SAME = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2, KV_INT8 = 3 };
-constexpr int64_t TILE_ROWS = 64;  // query rows (tokens x heads of one group) per work item
+constexpr int64_t TILE_ROWS = 96;  // query rows (tokens x heads of one group) per work item
 constexpr int64_t MAX_HEAD_SIZE = 256;
 constexpr int64_t MAX_DECODE_HEADS = 256;  // query heads the decode path takes (more: the general path)
 
