@@ -10,6 +10,11 @@ torch / cpu measured side by side; it also prints the largest difference between
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --dtype bfloat16
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --cpu-time     # on a busy machine
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --layers 30 -k "~160"  # a step's 30 layers
+    .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --parts -k prefill  # where cpu's time goes
+
+With ``--parts`` each case also splits the ``cpu`` backend's forward into the K/V write, the C++ kernel over
+every request, and torch's SDPA over every request as one prompt (the backend's fresh-prompt route: with and
+without its copies into the output), whichever route ``plan`` takes for each.
 
 With ``--layers N`` each timed call runs N layers, each over its own copy of the cache, as a model
 step does: the K/V then come from memory instead of the caches the previous call left warm.
@@ -103,6 +108,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("-k", default="", help="only cases whose name contains this")
     ap.add_argument("--layers", type=int, default=1, help="layers per timed call, each with its own cache copy")
+    ap.add_argument("--parts", action="store_true", help="also time the cpu backend's parts (module docstring)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the process's CPU time instead of the wall clock: steadier on a busy machine "
                          "at one thread (time spent descheduled is not counted); at two threads it adds both threads' time")
@@ -139,6 +145,32 @@ def main() -> None:
             t_cpu = timed(run_cpu, args.reps, clock)
             diff = (out_ref.double() - out_cpu.double()).abs().max().item()
             print(f"{name:48} {n:>7} {t_ref:>10.3f} {t_cpu:>9.3f} {t_ref / t_cpu:>8.1f}x {diff:>10.2e}")
+            if args.parts:
+                print("    " + parts(cpu, md_cpu, q, k, v, kv, out_cpu, args.reps, clock))
+
+
+def parts(cpu: CpuAttentionBackend, md, q, k, v, kv, out, reps: int, clock) -> str:
+    """One layer of the cpu backend split by route (``--parts``), each part timed on its own."""
+    cache = cpu._cache_args(kv)
+    qsl = md.query_start_loc.tolist()
+    prompts = tuple((qsl[i], qsl[i + 1]) for i in range(md.num_reqs))
+    gqa = cpu.spec.num_heads != cpu.spec.num_kv_heads
+
+    def sdpa_only() -> None:
+        for s, e in prompts:
+            torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1).unsqueeze(0), k[s:e].transpose(0, 1).unsqueeze(0),
+                v[s:e].transpose(0, 1).unsqueeze(0), is_causal=True, scale=cpu.scale, enable_gqa=gqa)
+
+    t = {
+        "K/V write": timed(lambda: cpu._write(k, v, cache, md.slot_mapping), reps, clock),
+        "kernel, every request": timed(lambda: cpu._attend_paged(q, cache, out, md, 0, md.batch_args), reps, clock),
+        "SDPA + copies, every request": timed(lambda: cpu._attend_fresh(q, k, v, out, prompts), reps, clock),
+        "SDPA alone": timed(sdpa_only, reps, clock),
+    }
+    runs = [f"{a}-{b - 1}" for a, b in md.kernel_runs] if md.fresh_prompts else ["all"]
+    route = f"plan: {len(md.fresh_prompts)} prompt(s) to SDPA, requests {', '.join(runs) or 'none'} to the kernel"
+    return "; ".join(f"{name} {ms:.3f} ms" for name, ms in t.items()) + f"; {route}"
 
 
 if __name__ == "__main__":

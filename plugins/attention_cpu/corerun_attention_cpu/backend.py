@@ -18,7 +18,7 @@ sequence is this step's query) is attended by torch's ``scaled_dot_product_atten
 own K/V instead: its CPU flash kernel multiplies larger tiles through oneDNN's brgemm micro-kernels.
 The thresholds are measured (benchmarks/RESULTS.md, "prefill attention"): in bfloat16 SDPA is ahead
 from about 128 tokens (2.5-3x at 1-2k), in float32 the kernel's query tiles keep up with it to about
-1.5k tokens; float16 never goes there.  ``plan`` sends such prompts there and the runs of other
+2k tokens; float16 never goes there.  ``plan`` sends such prompts there and the runs of other
 requests between them to the kernel, one call per run; without a soft cap, a sliding window or a
 quantized cache.  In bfloat16 its probabilities are rounded to bfloat16 before the product with V, as
 flash attention's are.
@@ -52,7 +52,7 @@ IMPLEMENTATION = "attention backend 'cpu'"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DType in the source
 KV_TYPE_CODES = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}  # enum KVType in the source
 # a fresh prompt at least this long goes to torch's SDPA, per dtype (module docstring); None: never
-SDPA_MIN_TOKENS: dict[torch.dtype, int | None] = {torch.bfloat16: 128, torch.float32: 1536, torch.float16: None}
+SDPA_MIN_TOKENS: dict[torch.dtype, int | None] = {torch.bfloat16: 128, torch.float32: 2048, torch.float16: None}
 
 
 @dataclass
