@@ -33,7 +33,7 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {0};
 };
 
-// Whether the CPU has AMX-TILE and the AMX feature in cpuid leaf 7's EDX bit `feature_bit` (22: BF16,
+// (Callers keep the answer: CPUID can cost microseconds, a virtual machine's exit.)  Whether the CPU has AMX-TILE and the AMX feature in cpuid leaf 7's EDX bit `feature_bit` (22: BF16,
 // 25: INT8) with AVX-512 F/BW, and Linux grants this process the tile state (asked once; the answer holds
 // for every thread).
 inline bool available(unsigned feature_bit) {

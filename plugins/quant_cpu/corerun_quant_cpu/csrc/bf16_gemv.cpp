@@ -247,7 +247,10 @@ struct Bf16Tiles {
     }
 };
 
-bool cpu_has_amx_bf16() { return corerun_amx::available(22); }
+bool cpu_has_amx_bf16() {  // asked once: CPUID is slow here (a virtual machine's exit), and every call checks the isa
+    static const bool ok = corerun_amx::available(22);
+    return ok;
+}
 
 bool cpu_has_avx512f() {
     __builtin_cpu_init();
