@@ -19,7 +19,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace corerun_amx {
 
@@ -33,18 +36,33 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {0};
 };
 
-// (Callers keep the answer: CPUID can cost microseconds, a virtual machine's exit.)  Whether the CPU has AMX-TILE and the AMX feature in cpuid leaf 7's EDX bit `feature_bit` (22: BF16,
-// 25: INT8) with AVX-512 F/BW, and Linux grants this process the tile state (asked once; the answer holds
-// for every thread).
+// Whether the CPU has AMX-TILE and the AMX feature in cpuid leaf 7's EDX bit `feature_bit` (22: BF16,
+// 25: INT8) with AVX-512 F/BW, and Linux grants this process the tile state.  CPUID and the request are
+// made once per process (a CPUID can cost microseconds: a virtual machine's exit), so every kernel call
+// may ask.
 inline bool available(unsigned feature_bit) {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << feature_bit))) return false;
-    if (!(b & (1u << 16)) || !(b & (1u << 30))) return false;
-    static const bool granted = [] {
+    struct Leaf7 {
+        unsigned b = 0, d = 0;
+        bool granted = false;
+    };
+    static const Leaf7 leaf = [] {
+        Leaf7 l;
+        unsigned a = 0, c = 0;
+        if (!__get_cpuid_count(7, 0, &a, &l.b, &c, &l.d)) return l;
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        l.granted = (l.d & (1u << 24)) && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        return l;
     }();
-    return granted;
+    return leaf.granted && (leaf.d & (1u << feature_bit)) && (leaf.b & (1u << 16)) && (leaf.b & (1u << 30));
+}
+
+// A per-thread scratch buffer of at least n elements, zero-filled, kept between calls (a decode step's
+// products would otherwise allocate and free one per call).
+template <typename T>
+inline T* zeroed_scratch(std::vector<T>& buffer, size_t n) {
+    if (buffer.size() < n) buffer.resize(n);
+    std::fill(buffer.begin(), buffer.begin() + static_cast<std::ptrdiff_t>(n), T(0));
+    return buffer.data();
 }
 
 enum class Op { bf16, int8 };  // TDPBF16PS (float32 sums) or TDPBSSD (int32 sums of signed bytes)

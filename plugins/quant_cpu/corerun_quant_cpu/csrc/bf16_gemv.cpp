@@ -247,10 +247,7 @@ struct Bf16Tiles {
     }
 };
 
-bool cpu_has_amx_bf16() {  // asked once: CPUID is slow here (a virtual machine's exit), and every call checks the isa
-    static const bool ok = corerun_amx::available(22);
-    return ok;
-}
+bool cpu_has_amx_bf16() { return corerun_amx::available(22); }
 
 bool cpu_has_avx512f() {
     __builtin_cpu_init();
@@ -286,12 +283,12 @@ void bf16_gemv(at::Tensor out, const at::Tensor& packed, const at::Tensor& x, in
     if (isa == BF_AMX && (T == 1 || cols % 32 != 0)) isa = BF_AVX512BF16;
     if (isa == BF_AMX) {
         const int64_t Tpad = (T + 15) / 16 * 16;
-        std::vector<uint16_t> padded;  // x's rows, zeros up to a whole A tile
+        thread_local std::vector<uint16_t> padded;  // x's rows, zeros up to a whole A tile
         const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
         if (Tpad != T) {
-            padded.assign(static_cast<size_t>(Tpad * cols), 0);
-            std::memcpy(padded.data(), xs, static_cast<size_t>(T * cols) * 2);
-            xs = padded.data();
+            uint16_t* buf = corerun_amx::zeroed_scratch(padded, static_cast<size_t>(Tpad * cols));
+            std::memcpy(buf, xs, static_cast<size_t>(T * cols) * 2);
+            xs = buf;
         }
         const Bf16Tiles kernel{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), rows, T, out.stride(0)};
         const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>()), reinterpret_cast<const char*>(xs),

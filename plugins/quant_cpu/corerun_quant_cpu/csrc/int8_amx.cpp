@@ -68,10 +68,7 @@ struct Int8Tiles {
     }
 };
 
-bool int8_amx_available() {
-    static const bool ok = corerun_amx::available(25);
-    return ok;
-}
+bool int8_amx_available() { return corerun_amx::available(25); }
 
 // One token's codes and scale, as int8_matmul.quantize_activations: the division in float32 (not a
 // multiplication by the reciprocal), rounded to nearest even, clamped to +-127.  cols is a multiple of 64.
@@ -111,14 +108,16 @@ void int8_amx_linear(at::Tensor out, const at::Tensor& packed, const at::Tensor&
                 "int8_amx_linear: w_scale must be contiguous float32 with ", rows, " values, got ", w_scale.scalar_type(), " ", w_scale.sizes());
     if (T == 0 || rows == 0) return;
     const int64_t Tpad = (T + 15) / 16 * 16;
-    std::vector<int8_t> codes(static_cast<size_t>(Tpad * cols), 0);
-    std::vector<float> xs(static_cast<size_t>(T));
+    thread_local std::vector<int8_t> code_buffer;  // kept between calls: rows past T stay zero
+    thread_local std::vector<float> scale_buffer;
+    int8_t* codes = corerun_amx::zeroed_scratch(code_buffer, static_cast<size_t>(Tpad * cols));
+    float* xs = corerun_amx::zeroed_scratch(scale_buffer, static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) {
-        if (x.scalar_type() == at::kFloat) quantize_row(x.data_ptr<float>() + t * cols, cols, codes.data() + t * cols, &xs[t]);
-        else quantize_row(x.data_ptr<at::BFloat16>() + t * cols, cols, codes.data() + t * cols, &xs[t]);
+        if (x.scalar_type() == at::kFloat) quantize_row(x.data_ptr<float>() + t * cols, cols, codes + t * cols, &xs[t]);
+        else quantize_row(x.data_ptr<at::BFloat16>() + t * cols, cols, codes + t * cols, &xs[t]);
     }
-    const Int8Tiles kernel{xs.data(), w_scale.data_ptr<float>(), out.data_ptr(), x.scalar_type() == at::kBFloat16, rows, T, out.stride(0)};
-    const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<int8_t>()), reinterpret_cast<const char*>(codes.data()),
+    const Int8Tiles kernel{xs, w_scale.data_ptr<float>(), out.data_ptr(), x.scalar_type() == at::kBFloat16, rows, T, out.stride(0)};
+    const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<int8_t>()), reinterpret_cast<const char*>(codes),
                                   cols, cols, cols * 16, Tpad};
     const int64_t blocks = (rows + 15) / 16;
     const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, cols * 32));  // pairs of blocks, ~256 KiB a task
