@@ -19,7 +19,7 @@ Each figure is the median over ``--repeat`` steps of the same kind (a decode at 
 ``--context`` tokens for ``--batch`` requests, one by default; a prefill of ``--prefill`` prompt tokens); the profiler adds its
 own cost to every operator (the un-profiled step time is printed beside it).
 
-    .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--fused-ops auto] [--context 128] [--batch 1] [--prefill 512]
+    .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--fused-ops auto] [--context 128] [--batch 1] [--prefill 512 | 32:256 --prefill-prompts 28]
 """
 
 from __future__ import annotations
@@ -85,9 +85,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--context", type=int, default=128, help="the decoding requests' prompt length")
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together in the decode step")
-    ap.add_argument("--prefill", type=int, default=512, help="the prefill step's prompt length")
+    ap.add_argument("--prefill", default="512", help="the prefill step's prompt length, or LO:HI for prompts of lengths drawn "
+                    "uniformly from LO..HI (with --prefill-prompts)")
+    ap.add_argument("--prefill-prompts", type=int, default=1, help="prompts prefilled together in one step (as the first "
+                    "step of a many-request workload: 28 prompts of 32:256 tokens fill the CPU's 4096-token budget)")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    lo, _, hi = args.prefill.partition(":")
+    prefill_range = (int(lo), int(hi or lo))
 
     import torch
 
@@ -106,7 +111,7 @@ def main() -> None:
     walls: dict[str, list[float]] = defaultdict(list)
 
     def execute(sched: Any, eos: Any) -> Any:
-        kind = "decode" if all(n == 1 for n in sched.num_scheduled) else f"prefill{sum(sched.num_scheduled)}"
+        kind = "decode" if all(n == 1 for n in sched.num_scheduled) else "prefill"
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"corerun.step.{kind}"):
             out = inner_execute(sched, eos)
@@ -121,16 +126,17 @@ def main() -> None:
     engine = llm.engine
     vocab = min(runner.vocab_size, 10000)
 
-    def serve(length: int, params: SamplingParams, count: int = 1) -> None:  # on this thread (the profiler records its own)
+    def serve(lengths: tuple[int, int], params: SamplingParams, count: int = 1) -> None:  # on this thread (the profiler records its own)
         for _ in range(count):
+            length = rng.randint(*lengths)
             engine.add_request([rng.randrange(vocab) for _ in range(length)], params)  # fresh ids: no prefix-cache hits
         while engine.has_unfinished_requests():
             engine.step()
 
     def workload() -> None:
-        serve(args.context, greedy, args.batch)
+        serve((args.context, args.context), greedy, args.batch)
         for _ in range(args.repeat):
-            serve(args.prefill, one)
+            serve(prefill_range, one, args.prefill_prompts)
 
     workload()  # warm-up, and the un-profiled step times
     plain = {k: statistics.median(v) for k, v in walls.items()}
@@ -146,7 +152,7 @@ def main() -> None:
           f"{torch.get_num_threads()} thread(s), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
     for kind, label in (("decode", f"one decode step ({args.batch} request{'s' if args.batch > 1 else ''}, context {args.context})"),
-                        (f"prefill{args.prefill}", f"one prefill step ({args.prefill} tokens)")):
+                        ("prefill", f"one prefill step ({args.prefill_prompts} x {args.prefill} tokens)")):
         runs = steps[kind]
         total = statistics.median(r[2] for r in runs)
         print(f"\n{label}: {total:.2f} ms profiled, {plain[kind]:.2f} ms without the profiler (median of {len(runs)})")

@@ -93,6 +93,9 @@ class KVCacheConfig(_Strict):
 class GraphConfig(_Strict):
     runner: Choice = Choice(name="auto")
     max_batch_size: int = Field(256, ge=1)
+    # CPU in bfloat16/float16: one dummy prefill of the whole token budget at load, so oneDNN builds that step's
+    # kernels then and not inside the first full step of requests (docs/graphs.md, "Warm-up")
+    warmup: bool = True
 
 
 class SchedulerConfig(_Strict):

@@ -1,4 +1,4 @@
-"""A ModelRunner's construction, in order: load -> select -> profile -> size -> allocate -> capture.
+"""A ModelRunner's construction, in order: load -> select -> profile -> size -> allocate -> capture -> warm up.
 
 Each stage reads the configuration and what the stages before it set on the runner:
 
@@ -9,6 +9,7 @@ Each stage reads the configuration and what the stages before it set on the runn
 - size:     the KV cache's block count (given, or from the memory left); every rank of a placement agrees
 - allocate: the KV cache of the layers it holds (a pipeline stage's range, else all) and its manager
 - capture:  the graph runner around the composed model (CUDA graphs where it captures)
+- warm up:  on CPU in bfloat16/float16, one dummy prefill of the token budget (see :func:`warm_up`)
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def build(runner: Any, tp: Any) -> None:
     runner.num_blocks = size(runner, per_block, tp)
     allocate(runner, need)
     capture(runner, limits)
+    if warms_up(runner, tp):
+        warm_up(runner)
     mc = runner.model_config
     logger.info(
         "model %s (%s) on %s/%s: attention=%s fused_ops=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
@@ -221,6 +224,46 @@ def capture(runner: Any, limits: GraphLimits) -> None:
     runner.graph.capture()
     # (a runner that only plans and calls the model: ModelRunner._forward does that itself)
     runner.graph_passthrough = bool(getattr(runner.registry.get("graph", runner.graph_name).capabilities, "passthrough", False))
+
+
+# ------------------------------------------------------------------ warm up
+WARMUP_PROMPT_TOKENS = 256  # the dummy prompts' length: a full budget of short prompts, as a batch of requests arrives
+
+
+def warms_up(runner: Any, tp: Any) -> bool:
+    """One process on a CPU, in a half-precision dtype, unless ``graph.warmup`` is off.
+
+    oneDNN, under torch's bfloat16 / float16 products on CPU, builds its kernels for each new number of rows on
+    first use: a full 4096-token bfloat16 step of the default model took 1.50-1.56 s the first time and
+    1.15-1.27 s once a step of that size had run (benchmarks/RESULTS.md, "Warm-up").  float32 products go to
+    MKL, with no such cost.  Ranks of a group would have to warm up in step; they do not.
+    """
+    return (runner.config.graph.warmup and runner.device.type == "cpu" and runner.dtype in (torch.bfloat16, torch.float16)
+            and tp is None and getattr(runner, "placement", None) is None)
+
+
+@torch.no_grad()
+def warm_up(runner: Any) -> None:
+    """Run one prefill of ``max_num_batched_tokens`` tokens (fresh prompts of :data:`WARMUP_PROMPT_TOKENS`
+    tokens, or ``max_model_len`` if shorter) on a one-block scratch cache; its outputs are dropped and
+    the KV cache is untouched."""
+    import time
+
+    t0 = time.perf_counter()
+    length = min(WARMUP_PROMPT_TOKENS, runner.max_model_len)
+    count = max(1, min(runner.config.scheduler.max_num_seqs, runner.max_num_batched_tokens // length))
+    inputs = profile.dummy_step([length] * count, [0] * count, runner.block_size, runner.device)
+    threads = runner.step_pools[inputs.batch.num_tokens >= runner.parallel_tokens]  # as execute_model would
+    before_threads, kv_caches = torch.get_num_threads(), runner.kv_caches
+    runner.kv_caches = [runner.attention.allocate_kv_cache(1) if c is not None else None for c in kv_caches]
+    try:
+        torch.set_num_threads(threads)
+        runner._model_fn(inputs.input_ids, inputs.positions, runner.attention.plan(inputs.batch))
+    finally:
+        runner.kv_caches = kv_caches
+        torch.set_num_threads(before_threads)
+    logger.info("warm-up: a prefill of %d tokens (%d prompts of %d) on %d thread(s) in %.2f s",
+                inputs.batch.num_tokens, count, length, threads, time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------ profile
