@@ -14,7 +14,9 @@ torch / cpu measured side by side; it also prints the largest difference between
 
 With ``--parts`` each case also splits the ``cpu`` backend's forward into the K/V write, the C++ kernel over
 every request, and torch's SDPA over every request as one prompt (the backend's fresh-prompt route: with and
-without its copies into the output), whichever route ``plan`` takes for each.
+without its copies into the output), whichever route ``plan`` takes for each; in bfloat16 on a CPU with AMX
+also the AMX prefill call over every request (when all are fresh prompts) and the whole forward planned
+with and without the AMX route (the latter: today's route before it, SDPA from 128 tokens).
 
 With ``--layers N`` each timed call runs N layers, each over its own copy of the cache, as a model
 step does: the K/V then come from memory instead of the caches the previous call left warm.
@@ -48,6 +50,7 @@ def cases(gen: torch.Generator) -> dict[str, list[tuple[int, int]]]:
         "decode 1 row x 1000 keys": [(1000, 1)],
         "prefill 1 x 512 new": [(0, 512)],
         "prefill 8 x 32-256 new": [(0, n) for n in torch.randint(32, 257, (8,), generator=gen).tolist()],
+        "prefill 24 x 32-256 new": [(0, n) for n in torch.randint(32, 257, (24,), generator=gen).tolist()],  # step_profile's
         "prefill 1 x 2048 new": [(0, 2048)],
         "prefill 4 x 128 new after 256 cached": [(256, 128)] * 4,
         "mixed 31 decodes ~300 keys + 256-token chunk": [(c, 1) for c in around(300, 31)] + [(128, 256)],
@@ -146,10 +149,10 @@ def main() -> None:
             diff = (out_ref.double() - out_cpu.double()).abs().max().item()
             print(f"{name:48} {n:>7} {t_ref:>10.3f} {t_cpu:>9.3f} {t_ref / t_cpu:>8.1f}x {diff:>10.2e}")
             if args.parts:
-                print("    " + parts(cpu, md_cpu, q, k, v, kv, out_cpu, args.reps, clock))
+                print("    " + parts(cpu, md_cpu, q, k, v, kv, out_cpu, args.reps, clock, batch))
 
 
-def parts(cpu: CpuAttentionBackend, md, q, k, v, kv, out, reps: int, clock) -> str:
+def parts(cpu: CpuAttentionBackend, md, q, k, v, kv, out, reps: int, clock, batch: AttentionBatch) -> str:
     """One layer of the cpu backend split by route (``--parts``), each part timed on its own."""
     cache = cpu._cache_args(kv)
     qsl = md.query_start_loc.tolist()
@@ -168,8 +171,20 @@ def parts(cpu: CpuAttentionBackend, md, q, k, v, kv, out, reps: int, clock) -> s
         "SDPA + copies, every request": timed(lambda: cpu._attend_fresh(q, k, v, out, prompts), reps, clock),
         "SDPA alone": timed(sdpa_only, reps, clock),
     }
+    if cpu.amx_prefill:
+        if all(n == e - s for n, (s, e) in zip(md.seq_lens.tolist(), prompts)):
+            ranges = torch.tensor(prompts, dtype=torch.int32).reshape(-1, 2)
+            t["AMX call, every request"] = timed(lambda: cpu._attend_fresh_amx(q, k, v, out, ranges), reps, clock)
+        try:
+            t["forward, AMX route"] = timed(lambda: cpu.forward(q, k, v, kv, md, out=out), reps, clock)
+            cpu.amx_prefill = False
+            md_old = cpu.plan(batch)
+            t["forward, route without AMX"] = timed(lambda: cpu.forward(q, k, v, kv, md_old, out=out), reps, clock)
+        finally:
+            cpu.amx_prefill = True
     runs = [f"{a}-{b - 1}" for a, b in md.kernel_runs] if md.fresh_prompts else ["all"]
-    route = f"plan: {len(md.fresh_prompts)} prompt(s) to SDPA, requests {', '.join(runs) or 'none'} to the kernel"
+    where = "AMX" if md.fresh_amx is not None else "SDPA"
+    route = f"plan: {len(md.fresh_prompts)} prompt(s) to {where}, requests {', '.join(runs) or 'none'} to the kernel"
     return "; ".join(f"{name} {ms:.3f} ms" for name, ms in t.items()) + f"; {route}"
 
 

@@ -13,15 +13,26 @@ own blocks (the kernel in ``csrc/paged_attention.cpp``), on ``torch.get_num_thre
 adding only the layer's tensors' addresses and strides to those arguments.  Nothing is gathered or
 copied per step beyond the new tokens' K/V.
 
-A prompt of at least ``SDPA_MIN_TOKENS[dtype]`` tokens with nothing cached before it (its whole
-sequence is this step's query) is attended by torch's ``scaled_dot_product_attention`` on the step's
-own K/V instead: its CPU flash kernel multiplies larger tiles through oneDNN's brgemm micro-kernels.
-The thresholds are measured (benchmarks/RESULTS.md, "prefill attention"): in bfloat16 SDPA is ahead
-from about 128 tokens (2.5-3x at 1-2k), in float32 the kernel's query tiles keep up with it to about
-2k tokens; float16 never goes there.  ``plan`` sends such prompts there and the runs of other
-requests between them to the kernel, one call per run; without a soft cap, a sliding window or a
-quantized cache.  In bfloat16 its probabilities are rounded to bfloat16 before the product with V, as
-flash attention's are.
+A fresh prompt (nothing cached before it: its whole sequence is this step's query) is attended on the
+step's own K/V instead of through the cache, by one of two routes:
+
+* bfloat16 on a CPU with AMX-BF16 (head size 64 or 128): every fresh prompt of at least
+  ``AMX_MIN_TOKENS`` tokens goes to ONE call per layer of ``csrc/prefill_amx.cpp`` (causal flash
+  attention on AMX tiles: S = Q K^T and O += P V by TDPBF16PS, the online softmax in AVX-512, the
+  probabilities rounded to bfloat16 as flash attention's are).  Measured (benchmarks/RESULTS.md, "AMX
+  prefill attention"): ahead of SDPA and of the paged kernel from the shortest prompts on, 2-3x SDPA on
+  24 prompts of 32-256 tokens and ~1.9x on one of 2048.
+* otherwise a prompt of at least ``SDPA_MIN_TOKENS[dtype]`` tokens goes to torch's
+  ``scaled_dot_product_attention``, one call per prompt: its CPU flash kernel multiplies larger tiles
+  through oneDNN's brgemm micro-kernels.  The thresholds are measured (benchmarks/RESULTS.md, "prefill
+  attention"): in bfloat16 without AMX SDPA is ahead from about 128 tokens (2.5-3x at 1-2k), in float32
+  the kernel's query tiles keep up with it to about 2k tokens; float16 never goes there.  In bfloat16
+  its probabilities are rounded to bfloat16 before the product with V, as flash attention's are.
+
+``plan`` sends such prompts there and the runs of other requests between them to the kernel, one call
+per run; without a soft cap, a sliding window or a quantized cache.  Whether AMX is usable is asked once
+per process (CPUID and the kernel's grant of the tile state); a library built without it, or a refusal
+at run time, keeps the SDPA route.
 
 The kernel checks the batch before it reads anything (query ranges, lengths against the block
 table's width, every block id it will read against the cache's size, every slot against the
@@ -53,6 +64,10 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DT
 KV_TYPE_CODES = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}  # enum KVType in the source
 # a fresh prompt at least this long goes to torch's SDPA, per dtype (module docstring); None: never
 SDPA_MIN_TOKENS: dict[torch.dtype, int | None] = {torch.bfloat16: 128, torch.float32: 2048, torch.float16: None}
+# bfloat16 with AMX: a fresh prompt at least this long goes to csrc/prefill_amx.cpp (module docstring)
+AMX_MIN_TOKENS = 24
+AMX_HEAD_SIZES = (64, 128)
+AMX_NO_AMX = 7  # the call's code for "no AMX path here"
 
 
 @dataclass
@@ -66,12 +81,13 @@ class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     num_reqs: int
     num_tokens: int
-    fresh_prompts: tuple[tuple[int, int], ...] = ()  # query ranges [start, end) that go to SDPA ...
+    fresh_prompts: tuple[tuple[int, int], ...] = ()  # query ranges [start, end) that go to SDPA or AMX ...
     kernel_runs: tuple[tuple[int, int], ...] = ()  # ... and the requests [first, last) that go to the kernel
     # the kernel's batch arguments (query_start_loc .. num_reqs) with the run's first request: for the whole
     # batch, and for each of kernel_runs
     batch_args: tuple = ()
     run_args: tuple = ()
+    fresh_amx: torch.Tensor | None = None  # int32 [len(fresh_prompts), 2] when they go to the AMX call
 
 
 def _int_tensor(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
@@ -108,6 +124,10 @@ class CpuAttentionBackend(DenseKVCache):
         # the kernel's arguments fixed by the spec: before the window (num_heads .. scale) and after it
         self._shape_args = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, self.scale)
         self._value_args = (self.soft_cap, self._kv_code, *spec.kv_scales)
+        # bfloat16 fresh prompts through csrc/prefill_amx.cpp (module docstring)
+        self.amx_prefill = bool(
+            spec.dtype == torch.bfloat16 and spec.head_size in AMX_HEAD_SIZES and lib.corerun_cpu_prefill_amx_available()
+        )
         logger.info(
             "cpu attention: %s, %d/%d heads of size %d, block size %d, %s",
             dtype_name(spec.dtype), spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
@@ -134,9 +154,11 @@ class CpuAttentionBackend(DenseKVCache):
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
         )
-        sdpa_min = SDPA_MIN_TOKENS.get(self.spec.dtype)
-        if sdpa_min is not None and not self.soft_cap and not self._kv_code:
-            self._plan_fresh_prompts(md, sdpa_min)
+        fresh_min = AMX_MIN_TOKENS if self.amx_prefill else SDPA_MIN_TOKENS.get(self.spec.dtype)
+        if fresh_min is not None and not self.soft_cap and not self._kv_code:
+            self._plan_fresh_prompts(md, fresh_min)
+            if self.amx_prefill and md.fresh_prompts:
+                md.fresh_amx = torch.tensor(md.fresh_prompts, dtype=torch.int32).reshape(-1, 2)
         md.batch_args = self._batch_args(md, 0, md.num_reqs)
         md.run_args = tuple(self._batch_args(md, first, last) for first, last in md.kernel_runs)
         return md
@@ -148,12 +170,12 @@ class CpuAttentionBackend(DenseKVCache):
         return first, (md.query_start_loc.data_ptr() + first * i32, md.seq_lens.data_ptr() + first * i32,
                        bt.data_ptr() + first * bt.stride(0) * i32, bt.stride(0), bt.shape[1], last - first)
 
-    def _plan_fresh_prompts(self, md: CpuAttentionMetadata, sdpa_min: int) -> None:
-        """Hand the step's fresh prompts (module docstring) to SDPA, the runs of requests between them to the kernel."""
+    def _plan_fresh_prompts(self, md: CpuAttentionMetadata, fresh_min: int) -> None:
+        """Hand the step's fresh prompts (module docstring) to SDPA or AMX, the runs of requests between them to the kernel."""
         qsl, lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
         if len(qsl) != md.num_reqs + 1 or len(lens) != md.num_reqs or qsl[0] < 0 or qsl[-1] > md.num_tokens:
             return  # the kernel explains the mismatch
-        fresh = [lens[i] == qsl[i + 1] - qsl[i] >= sdpa_min for i in range(md.num_reqs)]
+        fresh = [lens[i] == qsl[i + 1] - qsl[i] >= fresh_min for i in range(md.num_reqs)]
         if not any(fresh):
             return
         runs, first = [], 0
@@ -260,7 +282,8 @@ class CpuAttentionBackend(DenseKVCache):
         window = self._windows[layer] if self._windows else 0
         fresh = md.fresh_prompts if not window else ()
         if fresh:
-            self._attend_fresh(q, key, value, target, fresh)
+            if md.fresh_amx is None or not self._attend_fresh_amx(q, key, value, target, md.fresh_amx):
+                self._attend_fresh(q, key, value, target, fresh)
         for run in md.run_args if fresh else (md.batch_args,):
             self._attend_paged(q, cache, target, md, window, run)
         if target is not out:
@@ -277,6 +300,25 @@ class CpuAttentionBackend(DenseKVCache):
                 enable_gqa=self.spec.num_heads != self.spec.num_kv_heads,
             )
             target[start:end].copy_(o[0].transpose(0, 1))
+
+    def _attend_fresh_amx(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, target: torch.Tensor,
+                          ranges: torch.Tensor) -> bool:
+        """Every fresh prompt (``ranges`` int32 ``[n, 2]``) in one call of ``csrc/prefill_amx.cpp``; False when the
+        library has no AMX path after all (the caller then takes the SDPA route)."""
+        s = self.spec
+        q_st, k_st, v_st, o_st = q.stride(), k.stride(), v.stride(), target.stride()
+        rc = self.lib.corerun_cpu_prefill_amx(
+            q.data_ptr(), q_st[0], q_st[1], k.data_ptr(), k_st[0], k_st[1], v.data_ptr(), v_st[0], v_st[1],
+            target.data_ptr(), o_st[0], o_st[1], ranges.data_ptr(), ranges.shape[0], q.shape[0],
+            s.num_heads, s.num_kv_heads, s.head_size, self.scale, torch.get_num_threads(), self._err_ptr,
+        )
+        if rc == AMX_NO_AMX:
+            self.amx_prefill = False  # later steps plan for SDPA
+            return False
+        if rc:
+            _, a, b, c = list(self._err)
+            raise ValueError(f"cpu attention: the AMX prefill call refused the step (code {rc}, detail {a}, {b}, {c})")
+        return True
 
     def _attend_paged(self, q: torch.Tensor, cache: tuple[int, int, int, int, int, int], target: torch.Tensor,
                       md: CpuAttentionMetadata, window: int, run: tuple) -> None:

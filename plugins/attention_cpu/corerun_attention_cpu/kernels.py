@@ -1,4 +1,5 @@
-"""Building, loading and calling the C++ kernels (``csrc/paged_attention.cpp``, ``csrc/fused_ops.cpp``) through ctypes.
+"""Building, loading and calling the C++ kernels (``csrc/paged_attention.cpp``, ``csrc/fused_ops.cpp``,
+``csrc/prefill_amx.cpp``) through ctypes.
 
 The sources are compiled once per machine with the C++ compiler found here (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) at ``-O3 -march=native`` with OpenMP, into corerun's cache folder
@@ -34,9 +35,9 @@ from pathlib import Path
 logger = logging.getLogger("corerun_attention_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("fused_ops.cpp"))  # one library
+SOURCES = (SOURCE, SOURCE.with_name("fused_ops.cpp"), SOURCE.with_name("prefill_amx.cpp"))  # one library
 LIB_NAME = "libcorerun_attention_cpu.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 BASE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_S = 300
@@ -168,6 +169,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         _i64, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _vp, _i64, _i64, _i64, _vp, _i64, _i64, _i64, _i64, _i64, _vp,
     ]
     lib.corerun_cpu_openmp.restype = ctypes.c_int
+    lib.corerun_cpu_prefill_amx_available.restype = ctypes.c_int
+    lib.corerun_cpu_prefill_amx.restype = ctypes.c_int
+    lib.corerun_cpu_prefill_amx.argtypes = [  # csrc/prefill_amx.cpp
+        _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _i64, _vp, _i64, _i64, _i64, _i64, _i64,
+        ctypes.c_float, ctypes.c_int, _vp,
+    ]
     for fn, args in (  # csrc/fused_ops.cpp
         (lib.corerun_cpu_rms_norm, [ctypes.c_int, _vp, _i64, _i64, _i64, _i64, _i64, _vp, ctypes.c_float, _vp, ctypes.c_int]),
         (lib.corerun_cpu_silu_and_mul, [ctypes.c_int, _vp, _i64, _i64, _i64, _vp, ctypes.c_int]),

@@ -80,9 +80,11 @@ def test_matches_float64_reference(case, dtype):
 def test_bf16_plan_sends_the_fresh_prompts_to_sdpa(requests, fresh, kernel_runs, monkeypatch):
     monkeypatch.setitem(backend_module.SDPA_MIN_TOKENS, torch.bfloat16, 64)
     backend = CpuAttentionBackend(make_spec(dtype=torch.bfloat16))
+    backend.amx_prefill = False  # the route without AMX (tests/test_prefill_amx.py covers the other)
     batch = make_step(backend, backend.spec, requests).batch
     md = backend.plan(batch)
     assert (md.fresh_prompts, md.kernel_runs) == (fresh, kernel_runs)
+    assert md.fresh_amx is None
     assert CpuAttentionBackend(make_spec(dtype=torch.float32)).plan(batch).fresh_prompts == ()
 
 

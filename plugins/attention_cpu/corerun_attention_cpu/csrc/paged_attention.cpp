@@ -1147,7 +1147,7 @@ int corerun_cpu_write_kv(int64_t elem_size, const void* key, int64_t k_st, int64
     return 0;
 }
 
-int corerun_cpu_abi_version(void) { return 3; }
+int corerun_cpu_abi_version(void) { return 4; }
 
 int corerun_cpu_openmp(void) {
 #ifdef _OPENMP
