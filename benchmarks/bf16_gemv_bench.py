@@ -6,6 +6,9 @@ measured in this one process, side by side.
 
     .venv/bin/python benchmarks/bf16_gemv_bench.py [--copies 8] [--tokens 1 2 4 8]
     .venv/bin/python benchmarks/bf16_gemv_bench.py --model --tokens 1 4 8 16 32 64 128  # all 121 of the default model's weights
+
+With ``--model``, the column ``amx few-token`` is the AMX product held to csrc/amx_tiles.h's few-token loop (the
+only one before the tenth session; ``amx`` routes many tokens through the blocked path, ``kernels.amx_tuning``).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def model_stream(tokens: list[int], rounds: int = 3) -> None:
     del ws
     total = sum(r * c * 2 for r, c in shapes)
     isas = [i for i in ("avx512_bf16", "amx") if kernels.BF16_ISAS[i] <= kernels.BF16_ISAS[kernels.bf16_best_isa()]]
-    print(f"{total / 1e6:.0f} MB of weights per step, 1 thread; ms per step (GB/s), best of {rounds}")
-    print(f"{'T':>4} " + " ".join(f"{name:>18}" for name in (*isas, "oneDNN")))
+    routed = kernels.amx_tuning()
+    print(f"{total / 1e6:.0f} MB of weights per step, {torch.get_num_threads()} thread(s); ms per step (GB/s), best of {rounds}")
+    print(f"{'T':>4} " + " ".join(f"{name:>18}" for name in (*isas, *(["amx few-token"] if "amx" in isas else []), "oneDNN")))
     for T in tokens:
         xs = {cols: torch.randn(T, cols, generator=gen).bfloat16() for cols in (576, 1536)}
         outs = [torch.empty(T, rows, dtype=torch.bfloat16) for rows, _ in shapes]
@@ -56,9 +60,17 @@ def model_stream(tokens: list[int], rounds: int = 3) -> None:
                 for (rows, cols), d in zip(shapes, onednn):
                     torch.ops.mkldnn._linear_pointwise(xs[cols], d, None, "none", [], "")
 
-        arms = [(lambda isa=isa: ours(isa)) for isa in isas] + [theirs]
-        best = [min(_time(fn, 3) for _ in range(rounds)) for fn in arms]
-        print(f"{T:>4} " + " ".join(f"{t * 1e3:9.2f} ({total / t / 1e9:4.1f})" for t in best))
+        def few_token_loop() -> None:
+            kernels.amx_tuning(large_tokens=1 << 30)
+            try:
+                ours("amx")
+            finally:
+                kernels.amx_tuning(**routed)
+
+        arms = [(lambda isa=isa: ours(isa)) for isa in isas] + ([few_token_loop] if "amx" in isas else []) + [theirs]
+        # AVX512_BF16 past 64 tokens: never routed there, and seconds a step
+        best = [None if fn is not theirs and fn.__defaults__ == ("avx512_bf16",) and T > 64 else min(_time(fn, 3) for _ in range(rounds)) for fn in arms]
+        print(f"{T:>4} " + " ".join(f"{'-':>18}" if t is None else f"{t * 1e3:9.2f} ({total / t / 1e9:4.1f})" for t in best))
 
 
 def main() -> None:
@@ -67,8 +79,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--model", action="store_true", help="one token through the default model's weights (model_stream)")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     assert not kernels.load(), kernels.load()
     if args.model:
         model_stream(args.tokens)

@@ -3,7 +3,11 @@
 built-in ``int8_matmul.int8_linear`` (torch's quantization ops, then oneDNN's int8 GEMM on the weight
 packed at load), one thread, bfloat16 activations, both in this one process, side by side.
 
-    .venv/bin/python benchmarks/int8_amx_bench.py [--tokens 1 8 32 64 128 256 512]
+    .venv/bin/python benchmarks/int8_amx_bench.py [--tokens 1 8 32 64 128 256 512] [--threads 1]
+
+Columns: the AMX call as it routes (the blocked path of csrc/amx_tiles.h from ``kernels.amx_tuning()``'s
+``large_tokens`` on), the same call held to the few-token loop ("few-token loop": the only one before the
+tenth session), the built-in, and the built-in's time over the AMX call's.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ def _best(fn, rounds: int = 3, calls: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     assert not kernels.load() and kernels.int8_amx_available(), "needs the kernel library and AMX-INT8"
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randint(-127, 128, s, generator=gen, dtype=torch.int8) for s in SHAPES]
@@ -42,8 +47,9 @@ def main() -> None:
     ours = [(kernels.repack_int8(w), sc.reshape(-1).contiguous()) for w, sc in zip(ws, scales)]
     theirs = [int8_matmul.Int8Weight(w, sc, None, int8_matmul.prepack(w, sc)) for w, sc in zip(ws, scales)]
     total = sum(r * c for r, c in SHAPES)
-    print(f"{total / 1e6:.0f} MB of int8 weights per step, 1 thread, bfloat16 activations; ms per step (best of 3)")
-    print(f"{'T':>4} {'AMX call':>10} {'built-in':>10} {'ratio':>7}")
+    print(f"{total / 1e6:.0f} MB of int8 weights per step, {args.threads} thread(s), bfloat16 activations; ms per step (best of 3)")
+    print(f"{'T':>4} {'AMX call':>10} {'few-token loop':>15} {'built-in':>10} {'ratio':>7} {'TOPS':>6}")
+    routed = kernels.amx_tuning()
     for T in args.tokens:
         xs = {c: torch.randn(T, c, generator=gen).bfloat16() for c in (576, 1536)}
         outs = [torch.empty(T, r, dtype=torch.bfloat16) for r, _ in SHAPES]
@@ -56,8 +62,15 @@ def main() -> None:
             for (r, c), w in zip(SHAPES, theirs):
                 w(xs[c])
 
-        a, b = _best(amx), _best(builtin)
-        print(f"{T:>4} {a * 1e3:10.2f} {b * 1e3:10.2f} {b / a:6.2f}x")
+        def few_token_loop() -> None:
+            kernels.amx_tuning(large_tokens=1 << 30)
+            try:
+                amx()
+            finally:
+                kernels.amx_tuning(**routed)
+
+        a, old, b = _best(amx), _best(few_token_loop), _best(builtin)
+        print(f"{T:>4} {a * 1e3:10.2f} {old * 1e3:15.2f} {b * 1e3:10.2f} {b / a:6.2f}x {2 * T * total / a / 1e12:6.2f}")
 
 
 if __name__ == "__main__":

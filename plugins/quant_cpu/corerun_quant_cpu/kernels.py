@@ -205,6 +205,22 @@ def int8_amx_linear(out: torch.Tensor, packed: torch.Tensor, weight_scale: torch
     torch.ops.corerun_quant_cpu.int8_amx_linear(out, packed, weight_scale, x)
 
 
+AMX_TUNING = ("large_tokens", "group_bytes", "chunk_tokens", "order")
+
+
+def amx_tuning(**values: int) -> dict[str, int]:
+    """The AMX products' blocking for many tokens (``csrc/amx_tiles.h``, both :func:`bf16_gemv`'s ``amx`` and
+    :func:`int8_amx_linear`), process-wide: ``large_tokens`` (from this many tokens, rounded up to 16, on: the
+    blocked path; below: the few-token loop), ``group_bytes`` (weight bytes of one row group), ``chunk_tokens``
+    (tokens of one chunk), ``order`` (0: every 32 tokens against each pair of row blocks of a group; 1: each pair
+    against every 32 tokens).  Sets the ones given and returns all of them as they were before (benchmarks, tests)."""
+    unknown = set(values) - set(AMX_TUNING)
+    if unknown or any(v < 0 for v in values.values()):
+        raise ValueError(f"amx_tuning: expected non-negative {AMX_TUNING}, got {values}")
+    before = torch.ops.corerun_quant_cpu.amx_tuning([values.get(name, -1) for name in AMX_TUNING])
+    return dict(zip(AMX_TUNING, before))
+
+
 def reset() -> None:
     """Forget the load result, so the next :func:`load` looks again (tests)."""
     global _loaded

@@ -8,6 +8,16 @@
 // eight tile registers.  More than 32 tokens re-read the two blocks' tiles from L1/L2, so a call reads
 // its weights from memory once.  The first pass prefetches each block's next tiles 4 KiB ahead.
 //
+// That loop (row_blocks) serves fewer than tuning().large_tokens tokens (padded to 16).  From there on
+// (product), the tokens go in chunks of chunk_tokens and the row blocks in groups of about group_bytes of
+// weights; a task is one chunk against one group (panel): for every 32 tokens of the chunk (A's 32 rows,
+// kept in L1), each pair of the group's row blocks (kept in L2 after the chunk's first 32 tokens), the sums
+// over the whole K in the four C tiles.  The old loop re-read A (T x K bytes, from L2 or memory past a few
+// hundred tokens) for every pair of row blocks.  A tile load that misses L1 costs: on this machine the four
+// C tiles reach about 4.6 int8 TOPS with both operands in L1 and about 2 with one of them from L2
+// (benchmarks/RESULTS.md, tenth session).  Tasks are split over at::parallel_for, with as many row groups
+// as the threads need to share them evenly.
+//
 // A Kernel supplies: `static constexpr Op op` (the tile instruction: the macros take literal tile numbers) and
 // `void store(const int32_t* or float* c, int mt, int nb, int64_t m0, int64_t block)` (C tiles, laid out
 // [mt][2][16][16] 32-bit words, to the output: rows past the real tokens dropped).
@@ -18,6 +28,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -83,7 +95,7 @@ struct Operands {
 };
 
 template <class Kernel, int MT, int NB>
-CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int64_t m0, void* c) {
+CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int64_t m0, void* c, bool prefetch) {
     _tile_zero(0);
     if constexpr (NB == 2) _tile_zero(1);
     if constexpr (MT == 2) _tile_zero(2);
@@ -91,7 +103,7 @@ CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int
     const char* a = o.a + m0 * o.a_stride;
     for (int64_t k = 0; k < o.k_bytes; k += 64) {
         const int64_t at = k * 16;  // the B tile of these 64 bytes of K: 16 vectors of 64 bytes
-        if (m0 == 0) {
+        if (prefetch) {
             for (int l = 0; l < 1024; l += 64) {
                 _mm_prefetch(w0 + at + PREFETCH + l, _MM_HINT_T0);
                 if constexpr (NB == 2) _mm_prefetch(w1 + at + PREFETCH + l, _MM_HINT_T0);
@@ -115,6 +127,17 @@ CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int
     if constexpr (MT == 2 && NB == 2) _tile_stored(3, cb + 3072, 64);
 }
 
+// One pair of row blocks (or one, `two` false) against mt (1 or 2) A tiles from token m0, stored.
+template <class Kernel>
+CORERUN_AMX_FN inline void pair_product(const Kernel& kernel, const Operands& o, const char* w0, const char* w1, bool two, int64_t m0, int mt,
+                                        int64_t b, int32_t* c, bool prefetch) {
+    if (mt == 2 && two) tiles<Kernel, 2, 2>(o, w0, w1, m0, c, prefetch);
+    else if (mt == 2) tiles<Kernel, 2, 1>(o, w0, w1, m0, c, prefetch);
+    else if (two) tiles<Kernel, 1, 2>(o, w0, w1, m0, c, prefetch);
+    else tiles<Kernel, 1, 1>(o, w0, w1, m0, c, prefetch);
+    kernel.store(c, mt, two ? 2 : 1, m0, b);
+}
+
 // Row blocks [begin, end) of one task, two at a time, every 32 tokens of A against each pair.
 template <class Kernel>
 CORERUN_AMX_FN void row_blocks(const Kernel& kernel, const Operands& o, int64_t begin, int64_t end) {
@@ -128,14 +151,78 @@ CORERUN_AMX_FN void row_blocks(const Kernel& kernel, const Operands& o, int64_t 
         const char* w1 = two ? w0 + o.block_bytes : w0;
         for (int64_t m0 = 0; m0 < o.Tpad; m0 += 32) {
             const int mt = o.Tpad - m0 >= 32 ? 2 : 1;
-            if (mt == 2 && two) tiles<Kernel, 2, 2>(o, w0, w1, m0, c);
-            else if (mt == 2) tiles<Kernel, 2, 1>(o, w0, w1, m0, c);
-            else if (two) tiles<Kernel, 1, 2>(o, w0, w1, m0, c);
-            else tiles<Kernel, 1, 1>(o, w0, w1, m0, c);
-            kernel.store(c, mt, two ? 2 : 1, m0, b);
+            pair_product(kernel, o, w0, w1, two, m0, mt, b, c, m0 == 0);
         }
     }
     _tile_release();
+}
+
+// Many tokens: tunables (process-wide; benchmarks and tests move them).  large_tokens: from this many
+// tokens on, the blocked path below; group_bytes: weight bytes of one row group (kept in L2 across a
+// token chunk); chunk_tokens: tokens of one chunk (a multiple of 32); order: 0 = within a group, every 32
+// tokens against each pair of blocks (A from L1, B from L2), 1 = each pair against every 32 tokens.
+struct Tuning {
+    int64_t large_tokens = 64, group_bytes = 256 * 1024, chunk_tokens = 256, order = 0;
+};
+inline Tuning& tuning() {
+    static Tuning t;
+    return t;
+}
+
+// Blocks [b_begin, b_end) (b_begin even) against tokens [m_begin, m_end) (m_begin a multiple of 32, m_end
+// a multiple of 16).
+template <class Kernel>
+CORERUN_AMX_FN void panel(const Kernel& kernel, const Operands& o, int64_t b_begin, int64_t b_end, int64_t m_begin, int64_t m_end, int64_t order) {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t c[4 * 256];
+    if (order == 0) {
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+            const int mt = m_end - m0 >= 32 ? 2 : 1;
+            for (int64_t b = b_begin; b < b_end; b += 2) {
+                const bool two = b + 1 < b_end;
+                const char* w0 = o.w + b * o.block_bytes;
+                pair_product(kernel, o, w0, two ? w0 + o.block_bytes : w0, two, m0, mt, b, c, m0 == m_begin);
+            }
+        }
+    } else {
+        for (int64_t b = b_begin; b < b_end; b += 2) {
+            const bool two = b + 1 < b_end;
+            const char* w0 = o.w + b * o.block_bytes;
+            for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+                const int mt = m_end - m0 >= 32 ? 2 : 1;
+                pair_product(kernel, o, w0, two ? w0 + o.block_bytes : w0, two, m0, mt, b, c, m0 == m_begin);
+            }
+        }
+    }
+    _tile_release();
+}
+
+// The whole product: few tokens, pairs of row blocks split over the threads (grain_pairs a task);
+// many, token chunks times row groups.
+template <class Kernel>
+void product(const Kernel& kernel, const Operands& o, int64_t blocks, int64_t grain_pairs) {
+    const Tuning tu = tuning();
+    if (o.Tpad < tu.large_tokens) {
+        at::parallel_for(0, (blocks + 1) / 2, grain_pairs, [&](int64_t begin, int64_t end) {
+            row_blocks(kernel, o, 2 * begin, std::min(blocks, 2 * end));
+        });
+        return;
+    }
+    const int64_t chunk = std::max<int64_t>(32, tu.chunk_tokens / 32 * 32), nm = (o.Tpad + chunk - 1) / chunk;
+    // groups of about group_bytes, as many as the threads need to share the tasks evenly, of equal size (even)
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    int64_t ng = std::max<int64_t>(1, (blocks * o.block_bytes + tu.group_bytes - 1) / std::max<int64_t>(1, tu.group_bytes));
+    if (nm % threads != 0) ng = (ng + threads - 1) / threads * threads;
+    const int64_t group = std::max<int64_t>(2, ((blocks + ng - 1) / ng + 1) / 2 * 2);
+    ng = (blocks + group - 1) / group;
+    at::parallel_for(0, nm * ng, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t mi = task / ng, gi = task % ng;
+            panel(kernel, o, gi * group, std::min(blocks, (gi + 1) * group), mi * chunk, std::min(o.Tpad, (mi + 1) * chunk), tu.order);
+        }
+    });
 }
 
 }  // namespace corerun_amx

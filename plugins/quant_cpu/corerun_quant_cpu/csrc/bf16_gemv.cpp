@@ -294,9 +294,7 @@ void bf16_gemv(at::Tensor out, const at::Tensor& packed, const at::Tensor& x, in
         const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>()), reinterpret_cast<const char*>(xs),
                                       cols * 2, cols * 2, npairs * 64, Tpad};
         const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, npairs * 128));  // pairs of blocks, ~256 KiB a task
-        at::parallel_for(0, (blocks + 1) / 2, grain, [&](int64_t begin, int64_t end) {
-            corerun_amx::row_blocks(kernel, o, 2 * begin, std::min(blocks, 2 * end));
-        });
+        corerun_amx::product(kernel, o, blocks, grain);
         return;
     }
     std::vector<uint32_t> xp(static_cast<size_t>(T * npairs), 0);

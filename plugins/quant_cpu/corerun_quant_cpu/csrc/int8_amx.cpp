@@ -1,5 +1,5 @@
 // W8A8 on AMX: int8 weights (one scale per output row) times int8 activations quantized per token, as
-// corerun.quantization.int8_matmul defines them, for the few tokens of a decode step.
+// corerun.quantization.int8_matmul defines them, for a decode step's few tokens and a prefill's many.
 //
 // Ops (registered in the torch.ops.corerun_quant_cpu library with the other sources'; see kernels.py):
 //   int8_repack(packed, w)   w int8 [rows, cols] contiguous, cols a multiple of 64 -> packed int8
@@ -16,8 +16,9 @@
 //   int8_amx_available() -> whether this CPU has AMX-TILE and AMX-INT8 and Linux grants the tile state.
 //
 // The product: TDPBSSD multiplies 16 tokens x 64 columns (A, int8) by 64 columns x 16 rows (B) into 16 x 16
-// int32 sums, in amx_tiles.h's loops; row blocks are split over at::parallel_for (torch's thread pool and
-// OpenMP runtime).
+// int32 sums, in amx_tiles.h's loops; row blocks (and, for many tokens, token chunks) are split over
+// at::parallel_for (torch's thread pool and OpenMP runtime), and so are the tokens' quantization past about
+// 64 KiB of activations.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -70,6 +71,18 @@ struct Int8Tiles {
 
 bool int8_amx_available() { return corerun_amx::available(25); }
 
+// amx_tiles.h's tunables for many tokens (both ops'): each value >= 0 replaces the current one; returns the
+// values before, [large_tokens, group_bytes, chunk_tokens, order] (benchmarks and tests).
+std::vector<int64_t> amx_tuning(std::vector<int64_t> values) {
+    corerun_amx::Tuning& t = corerun_amx::tuning();
+    std::vector<int64_t> before{t.large_tokens, t.group_bytes, t.chunk_tokens, t.order};
+    int64_t* fields[] = {&t.large_tokens, &t.group_bytes, &t.chunk_tokens, &t.order};
+    TORCH_CHECK(values.size() <= 4, "amx_tuning: at most 4 values, got ", values.size());
+    for (size_t i = 0; i < values.size(); ++i)
+        if (values[i] >= 0) *fields[i] = values[i];
+    return before;
+}
+
 // One token's codes and scale, as int8_matmul.quantize_activations: the division in float32 (not a
 // multiplication by the reciprocal), rounded to nearest even, clamped to +-127.  cols is a multiple of 64.
 INT8_AMX_FN inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -108,22 +121,27 @@ void int8_amx_linear(at::Tensor out, const at::Tensor& packed, const at::Tensor&
                 "int8_amx_linear: w_scale must be contiguous float32 with ", rows, " values, got ", w_scale.scalar_type(), " ", w_scale.sizes());
     if (T == 0 || rows == 0) return;
     const int64_t Tpad = (T + 15) / 16 * 16;
-    thread_local std::vector<int8_t> code_buffer;  // kept between calls: rows past T stay zero
+    thread_local std::vector<int8_t> code_buffer;  // kept between calls (a decode step makes many)
     thread_local std::vector<float> scale_buffer;
-    int8_t* codes = corerun_amx::zeroed_scratch(code_buffer, static_cast<size_t>(Tpad * cols));
-    float* xs = corerun_amx::zeroed_scratch(scale_buffer, static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) {
-        if (x.scalar_type() == at::kFloat) quantize_row(x.data_ptr<float>() + t * cols, cols, codes + t * cols, &xs[t]);
-        else quantize_row(x.data_ptr<at::BFloat16>() + t * cols, cols, codes + t * cols, &xs[t]);
-    }
+    if (code_buffer.size() < static_cast<size_t>(Tpad * cols)) code_buffer.resize(static_cast<size_t>(Tpad * cols));
+    if (scale_buffer.size() < static_cast<size_t>(T)) scale_buffer.resize(static_cast<size_t>(T));
+    int8_t* codes = code_buffer.data();  // rows < T written below, the padding rows up to Tpad zeroed here
+    std::memset(codes + T * cols, 0, static_cast<size_t>((Tpad - T) * cols));
+    float* xs = scale_buffer.data();
+    // one thread under about 64 KiB of activations (a decode step: waking the pool would cost more)
+    const int64_t quantize_grain = std::max<int64_t>(1, (64 * 1024) / (cols * static_cast<int64_t>(x.element_size())));
+    at::parallel_for(0, T, quantize_grain, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            if (x.scalar_type() == at::kFloat) quantize_row(x.data_ptr<float>() + t * cols, cols, codes + t * cols, &xs[t]);
+            else quantize_row(x.data_ptr<at::BFloat16>() + t * cols, cols, codes + t * cols, &xs[t]);
+        }
+    });
     const Int8Tiles kernel{xs, w_scale.data_ptr<float>(), out.data_ptr(), x.scalar_type() == at::kBFloat16, rows, T, out.stride(0)};
     const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<int8_t>()), reinterpret_cast<const char*>(codes),
                                   cols, cols, cols * 16, Tpad};
     const int64_t blocks = (rows + 15) / 16;
     const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, cols * 32));  // pairs of blocks, ~256 KiB a task
-    at::parallel_for(0, (blocks + 1) / 2, grain, [&](int64_t begin, int64_t end) {
-        corerun_amx::row_blocks(kernel, o, 2 * begin, std::min(blocks, 2 * end));
-    });
+    corerun_amx::product(kernel, o, blocks, grain);
 }
 
 void int8_repack(at::Tensor packed, const at::Tensor& w) {
@@ -152,6 +170,7 @@ TORCH_LIBRARY_FRAGMENT(corerun_quant_cpu, m) {
     m.def("int8_amx_linear(Tensor(a!) out, Tensor packed, Tensor w_scale, Tensor x) -> ()");
     m.def("int8_repack(Tensor(a!) packed, Tensor w) -> ()");
     m.def("int8_amx_available() -> bool", int8_amx_available);
+    m.def("amx_tuning(int[] values) -> int[]", amx_tuning);
 }
 
 TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) {
