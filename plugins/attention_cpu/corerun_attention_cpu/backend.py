@@ -20,8 +20,9 @@ step's own K/V instead of through the cache, by one of two routes:
   ``AMX_MIN_TOKENS`` tokens goes to ONE call per layer of ``csrc/prefill_amx.cpp`` (causal flash
   attention on AMX tiles: S = Q K^T and O += P V by TDPBF16PS, the online softmax in AVX-512, the
   probabilities rounded to bfloat16 as flash attention's are).  Measured (benchmarks/RESULTS.md, "AMX
-  prefill attention"): ahead of SDPA and of the paged kernel from the shortest prompts on, 2-3x SDPA on
-  24 prompts of 32-256 tokens and ~1.9x on one of 2048.
+  prefill attention (tenth session)"): ahead of the paged kernel from 24 tokens (below it the kernel
+  keeps them) and of SDPA at every length; one layer, 24 prompts of 32-256 tokens 2.6x the route
+  before it, one prompt of 2048 tokens 2.0x SDPA.
 * otherwise a prompt of at least ``SDPA_MIN_TOKENS[dtype]`` tokens goes to torch's
   ``scaled_dot_product_attention``, one call per prompt: its CPU flash kernel multiplies larger tiles
   through oneDNN's brgemm micro-kernels.  The thresholds are measured (benchmarks/RESULTS.md, "prefill
