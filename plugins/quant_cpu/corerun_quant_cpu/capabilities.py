@@ -25,7 +25,8 @@ from corerun.sdk import QuantizationCapabilities
 KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # kernels.TYPES
 KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster from here on: benchmarks/RESULTS.md)
 # above: oneDNN's prepacked bfloat16 product (benchmarks/bf16_gemv_bench.py --model): as fast or faster than
-# AVX512_BF16 from 4-8 tokens on; than the AMX tiles, from about 64 (a 128-token step: 65 against 46 ms)
+# AVX512_BF16 from 4-8 tokens on; than the AMX tiles, from about 64 (a 128-token step: 65 against 46 ms; with
+# amx_tiles.h's blocked loop for many tokens 40.9 against 37.5, and a 128-request decode step no faster with 128 here)
 BF16_MAX_TOKENS = 4
 BF16_AMX_MAX_TOKENS = 64
 
