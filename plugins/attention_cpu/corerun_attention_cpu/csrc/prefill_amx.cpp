@@ -182,6 +182,7 @@ void attend_tile(const Problem& P, const Job& j, const Scratch& w) {
     for (int64_t r = 0; r < M; ++r) w.m[r] = -INFINITY;
     const int64_t off = (j.head * P.padded_total + P.padded_start[j.prompt]) * D;
     const __m512 c2 = _mm512_set1_ps(P.scale2), ninf = _mm512_set1_ps(-INFINITY);
+    const float inv_scale2 = 1.0f / P.scale2;
     // the tile's rows reach keys 0 .. q0 + nq - 1; a tail of at most 16 tokens takes one 16-row tile per head
     const int64_t reach = q0 + nq, last = (reach - 1) / BK;  // last: the block holding the tile's diagonal
     const bool two = nq > 16;
@@ -241,8 +242,11 @@ void attend_tile(const Problem& P, const Job& j, const Scratch& w) {
                 }
                 // the reference moves only when the block's maximum passes it by more than LAZY (else the
                 // probabilities, at most 2^LAZY, stay exact in float32 and the accumulators need no rescaling)
-                const float mold = w.m[r], bm = _mm512_reduce_max_ps(mx) * P.scale2;
-                const float mnew = bm > mold + LAZY ? bm : mold;
+                // (compared as raw scores first: the horizontal maximum only when the reference moves)
+                const float mold = w.m[r];
+                float mnew = mold;
+                if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps((mold + LAZY) * inv_scale2), _CMP_GT_OQ))
+                    mnew = std::max(mold, _mm512_reduce_max_ps(mx) * P.scale2);
                 float* lr = w.l + r * 16;
                 __m512 lsum = _mm512_loadu_ps(lr);
                 if (mnew > mold && kb > 0) {  // (block 0: nothing accumulated yet)
