@@ -18,7 +18,9 @@
 // (benchmarks/RESULTS.md, tenth session).  Tasks are split over at::parallel_for, with as many row groups
 // as the threads need to share them evenly.
 //
-// A Kernel supplies: `static constexpr Op op` (the tile instruction: the macros take literal tile numbers) and
+// A Kernel supplies: `static constexpr Op op` (the tile instruction: the macros take literal tile numbers),
+// `static constexpr bool overlap_store` (many tokens: whether a pair's store epilogue runs while the next
+// pair's products are in flight, two C buffers; measured per op, benchmarks/RESULTS.md) and
 // `void store(const int32_t* or float* c, int mt, int nb, int64_t m0, int64_t block)` (C tiles, laid out
 // [mt][2][16][16] 32-bit words, to the output: rows past the real tokens dropped).
 
@@ -94,8 +96,14 @@ struct Operands {
     int64_t Tpad;
 };
 
-template <class Kernel, int MT, int NB>
-CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int64_t m0, void* c, bool prefetch) {
+struct Nothing {
+    void operator()() const {}
+};
+
+// `between` runs after the last tile product is issued and before the C tiles are stored: work that does
+// not touch the tiles (the previous tiles' store epilogue) overlaps the products still in flight.
+template <class Kernel, int MT, int NB, class Between = Nothing>
+CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int64_t m0, void* c, bool prefetch, const Between& between = Between()) {
     _tile_zero(0);
     if constexpr (NB == 2) _tile_zero(1);
     if constexpr (MT == 2) _tile_zero(2);
@@ -120,6 +128,7 @@ CORERUN_AMX_FN void tiles(const Operands& o, const char* w0, const char* w1, int
             if constexpr (NB == 2) CORERUN_AMX_DP(3, 5, 7);
         }
     }
+    between();
     char* cb = static_cast<char*>(c);
     _tile_stored(0, cb, 64);
     if constexpr (NB == 2) _tile_stored(1, cb + 1024, 64);
@@ -177,7 +186,36 @@ CORERUN_AMX_FN void panel(const Kernel& kernel, const Operands& o, int64_t b_beg
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     _tile_loadconfig(&cfg);
     alignas(64) int32_t c[4 * 256];
-    if (order == 0) {
+    if (order == 0 && Kernel::overlap_store) {
+        // two C buffers: the tiles of one pair are stored while the next pair's products run
+        alignas(64) int32_t cs[2][4 * 256];
+        struct Pending {
+            int mt = 0, nb = 0;
+            int64_t m0 = 0, b = 0;
+            const int32_t* c = nullptr;
+        } pending;
+        int flip = 0;
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+            const int mt = m_end - m0 >= 32 ? 2 : 1;
+            for (int64_t b = b_begin; b < b_end; b += 2) {
+                const bool two = b + 1 < b_end;
+                const char* w0 = o.w + b * o.block_bytes;
+                const char* w1 = two ? w0 + o.block_bytes : w0;
+                const bool pf = m0 == m_begin;
+                const auto flush = [&] {
+                    if (pending.c) kernel.store(pending.c, pending.mt, pending.nb, pending.m0, pending.b);
+                };
+                int32_t* cur = cs[flip];
+                if (mt == 2 && two) tiles<Kernel, 2, 2>(o, w0, w1, m0, cur, pf, flush);
+                else if (mt == 2) tiles<Kernel, 2, 1>(o, w0, w1, m0, cur, pf, flush);
+                else if (two) tiles<Kernel, 1, 2>(o, w0, w1, m0, cur, pf, flush);
+                else tiles<Kernel, 1, 1>(o, w0, w1, m0, cur, pf, flush);
+                pending = Pending{mt, two ? 2 : 1, m0, b, cur};
+                flip ^= 1;
+            }
+        }
+        if (pending.c) kernel.store(pending.c, pending.mt, pending.nb, pending.m0, pending.b);
+    } else if (order == 0) {
         for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
             const int mt = m_end - m0 >= 32 ? 2 : 1;
             for (int64_t b = b_begin; b < b_end; b += 2) {

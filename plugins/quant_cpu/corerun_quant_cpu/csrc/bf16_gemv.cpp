@@ -229,6 +229,7 @@ struct Bf16Tiles {
     int64_t rows, T, out_stride;
 
     static constexpr corerun_amx::Op op = corerun_amx::Op::bf16;
+    static constexpr bool overlap_store = true;  // 1024 tokens 261 against 280 ms through the model, 256 level
 
     // c: [mt][2][16 tokens][16 rows] float32 sums -> bfloat16 out, tokens t < T only
     CORERUN_AMX_FN void store(const int32_t* c, int mt, int nb, int64_t m0, int64_t b) const {
