@@ -98,10 +98,17 @@ class GraphConfig(_Strict):
     warmup: bool = True
 
 
+# float32 on CPU: a 4096-token step takes 6+ s on one core of the default model; 1024-token steps gave the same
+# throughput and a 1.2-1.3x shorter median time to first token, and the same 2048-token prompt time
+# (benchmarks/RESULTS.md, "The float32 token budget")
+CPU_FLOAT32_TOKEN_BUDGET = 1024
+
+
 class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(256, ge=1)
     # the step's token budget; auto: vLLM's offline defaults, 4096 on CPU (better than 8192 there in throughput
-    # and time to first token alike: benchmarks/RESULTS.md), 8192 on any other device
+    # and time to first token alike: benchmarks/RESULTS.md), 8192 on any other device; 1024 for float32 on CPU,
+    # whose products are several times slower than bfloat16's (same throughput, a shorter wait for the first token)
     max_num_batched_tokens: int | Literal["auto"] = "auto"
     max_model_len: int | Literal["auto"] = "auto"
     chunked_prefill: bool = True
@@ -109,10 +116,15 @@ class SchedulerConfig(_Strict):
     # identical to synchronous scheduling (docs/usage.md, "Asynchronous scheduling")
     async_scheduling: bool = False
 
-    def token_budget(self, device_type: str) -> int:
-        """``max_num_batched_tokens``, with ``auto`` resolved for a device of type ``device_type``."""
+    def token_budget(self, device_type: str, dtype: str | None = None) -> int:
+        """``max_num_batched_tokens``, with ``auto`` resolved for a device of type ``device_type`` running
+        activations of ``dtype`` (``"float32"``, ``"bfloat16"``, ...; None: not known)."""
         v = self.max_num_batched_tokens
-        return v if v != "auto" else 4096 if device_type == "cpu" else 8192
+        if v != "auto":
+            return v
+        if device_type != "cpu":
+            return 8192
+        return CPU_FLOAT32_TOKEN_BUDGET if dtype == "float32" else 4096
 
     @field_validator("max_model_len", "max_num_batched_tokens")
     @classmethod

@@ -52,6 +52,24 @@ def test_the_token_budget_auto_is_vllms_offline_default_for_the_device() -> None
             Config(scheduler={"max_num_batched_tokens": bad})
 
 
+def test_the_cpu_token_budget_auto_is_1024_in_float32_only() -> None:
+    sc = Config().scheduler
+    assert [sc.token_budget("cpu", d) for d in ("float32", "bfloat16", "float16")] == [1024, 4096, 4096]
+    assert sc.token_budget("cuda", "float32") == 8192
+    assert Config(scheduler={"max_num_batched_tokens": 4096}).scheduler.token_budget("cpu", "float32") == 4096
+
+
+def test_a_float32_cpu_runner_takes_the_float32_budget(tmp_path) -> None:
+    from corerun.runner.model_runner import ModelRunner
+    from tests.helpers.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path)
+    for dtype, budget in (("float32", 1024), ("bfloat16", 4096)):
+        runner = ModelRunner(Config(model=str(model_dir), device="cpu", dtype=dtype, attention="torch",
+                                    kv_cache={"num_blocks": 64}, graph={"warmup": False}))
+        assert runner.max_num_batched_tokens == budget
+
+
 def test_defaults_are_the_design_values(tmp_path: Path) -> None:
     expected = {
         "model": None,

@@ -90,7 +90,7 @@ def load(runner: Any, tp: Any) -> None:
     runner.block_size = config.kv_cache.block_size
     ml = config.scheduler.max_model_len
     runner.max_model_len = mc.max_model_len if ml == "auto" else ml
-    runner.max_num_batched_tokens = config.scheduler.token_budget(device.type)
+    runner.max_num_batched_tokens = config.scheduler.token_budget(device.type, str(runner.dtype).removeprefix("torch."))
     if runner.max_model_len > mc.max_model_len:
         raise ConfigError(
             f"scheduler.max_model_len: {runner.max_model_len} is longer than the model's "
