@@ -318,7 +318,13 @@ class CpuAttentionBackend(DenseKVCache):
             return False
         if rc:
             _, a, b, c = list(self._err)
-            raise ValueError(f"cpu attention: the AMX prefill call refused the step (code {rc}, detail {a}, {b}, {c})")
+            why = {
+                1: f"fresh prompt {a}'s query range [{b}, {c}) is not within the step's {q.shape[0]} tokens",
+                5: (f"head_size {b} is not one of {AMX_HEAD_SIZES} (or the scale {self.scale} is not positive)" if a == 0
+                    else f"num_heads {b} is not a multiple of num_kv_heads {c}"),
+                6: "out of memory for the repacked K/V",
+            }.get(rc, f"code {rc} ({a}, {b}, {c})")
+            raise ValueError(f"cpu attention: the AMX prefill call refused the step: {why}")
         return True
 
     def _attend_paged(self, q: torch.Tensor, cache: tuple[int, int, int, int, int, int], target: torch.Tensor,

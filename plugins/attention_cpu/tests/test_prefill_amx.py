@@ -208,3 +208,16 @@ class _Refusing:
 @pytest.mark.parametrize("kw", [dict(dtype=torch.float32), dict(dtype=torch.bfloat16, head_size=80)], ids=["fp32", "bf16-hd80"])
 def test_amx_route_only_for_bfloat16_head_sizes_it_takes(kw):
     assert not CpuAttentionBackend(make_spec(**kw)).amx_prefill
+
+
+@needs_amx
+def test_a_refused_call_through_the_backend_names_the_prompt_and_its_range():
+    backend = CpuAttentionBackend(make_spec(dtype=torch.bfloat16))
+    s = backend.spec
+    q = torch.randn(40, s.num_heads, s.head_size).bfloat16()
+    k, v = (torch.randn(40, s.num_kv_heads, s.head_size).bfloat16() for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    ranges = torch.tensor([[0, 20], [20, 41]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fresh prompt 1's query range \[20, 41\) is not within the step's 40 tokens"):
+        backend._attend_fresh_amx(q, k, v, out, ranges)
+    assert torch.isnan(out).all()
