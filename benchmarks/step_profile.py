@@ -111,7 +111,8 @@ def main() -> None:
     walls: dict[str, list[float]] = defaultdict(list)
 
     def execute(sched: Any, eos: Any) -> Any:
-        kind = "decode" if all(n == 1 for n in sched.num_scheduled) else "prefill"
+        # (the decoding requests' own prompts are prefilled too: those steps are not the prefill measured)
+        kind = "decode" if all(n == 1 for n in sched.num_scheduled) else "prefill" if phase[0] == "prefill" else "context"
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"corerun.step.{kind}"):
             out = inner_execute(sched, eos)
@@ -133,8 +134,12 @@ def main() -> None:
         while engine.has_unfinished_requests():
             engine.step()
 
+    phase = ["context"]
+
     def workload() -> None:
+        phase[0] = "context"
         serve((args.context, args.context), greedy, args.batch)
+        phase[0] = "prefill"
         for _ in range(args.repeat):
             serve(prefill_range, one, args.prefill_prompts)
 
@@ -152,7 +157,8 @@ def main() -> None:
           f"{torch.get_num_threads()} thread(s), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
     for kind, label in (("decode", f"one decode step ({args.batch} request{'s' if args.batch > 1 else ''}, context {args.context})"),
-                        ("prefill", f"one prefill step ({args.prefill_prompts} x {args.prefill} tokens)")):
+                        ("prefill", f"one prefill step ({args.prefill} tokens)" if args.prefill_prompts == 1
+                         else f"one prefill step ({args.prefill_prompts} prompts of {args.prefill} tokens)")):
         runs = steps[kind]
         total = statistics.median(r[2] for r in runs)
         print(f"\n{label}: {total:.2f} ms profiled, {plain[kind]:.2f} ms without the profiler (median of {len(runs)})")

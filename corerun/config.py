@@ -93,22 +93,14 @@ class KVCacheConfig(_Strict):
 class GraphConfig(_Strict):
     runner: Choice = Choice(name="auto")
     max_batch_size: int = Field(256, ge=1)
-    # CPU in bfloat16/float16: one dummy prefill of the whole token budget at load, so oneDNN builds that step's
-    # kernels then and not inside the first full step of requests (docs/graphs.md, "Warm-up")
-    warmup: bool = True
-
-
-# float32 on CPU: a 4096-token step takes 6+ s on one core of the default model; 1024-token steps gave the same
-# throughput and a 1.2-1.3x shorter median time to first token, and the same 2048-token prompt time
-# (benchmarks/RESULTS.md, "The float32 token budget")
-CPU_FLOAT32_TOKEN_BUDGET = 1024
+    warmup: bool = True  # CPU, bfloat16/float16: a dummy prefill of the token budget at load (docs/graphs.md, "Warm-up")
 
 
 class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(256, ge=1)
     # the step's token budget; auto: vLLM's offline defaults, 4096 on CPU (better than 8192 there in throughput
-    # and time to first token alike: benchmarks/RESULTS.md), 8192 on any other device; 1024 for float32 on CPU,
-    # whose products are several times slower than bfloat16's (same throughput, a shorter wait for the first token)
+    # and time to first token alike), 8192 on any other device; 1024 for float32 on CPU, whose products are several
+    # times slower than bfloat16's (same throughput, TTFT 1.2-1.3x shorter: benchmarks/RESULTS.md, "The float32 token budget")
     max_num_batched_tokens: int | Literal["auto"] = "auto"
     max_model_len: int | Literal["auto"] = "auto"
     chunked_prefill: bool = True
@@ -120,11 +112,7 @@ class SchedulerConfig(_Strict):
         """``max_num_batched_tokens``, with ``auto`` resolved for a device of type ``device_type`` running
         activations of ``dtype`` (``"float32"``, ``"bfloat16"``, ...; None: not known)."""
         v = self.max_num_batched_tokens
-        if v != "auto":
-            return v
-        if device_type != "cpu":
-            return 8192
-        return CPU_FLOAT32_TOKEN_BUDGET if dtype == "float32" else 4096
+        return v if v != "auto" else 8192 if device_type != "cpu" else 1024 if dtype == "float32" else 4096
 
     @field_validator("max_model_len", "max_num_batched_tokens")
     @classmethod

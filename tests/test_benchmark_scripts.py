@@ -134,6 +134,11 @@ def test_step_profile_smoke(tiny_llama):
         shares = {p: float(re.search(re.escape(p) + r"\s+(-?[\d.]+) ms\s+(-?[\d.]+) %", block).group(2)) for p in parts}
         assert shares["linears"] > 0 and shares["attention"] > 0, block
         assert sum(shares.values()) == pytest.approx(100, abs=0.5), block  # the parts split the whole step
+    # several prompts in one prefill step
+    out = run_script("step_profile.py", "--model", str(tiny_llama), "--attention", "torch", "--context", "8",
+                     "--prefill", "8:24", "--prefill-prompts", "3", "--repeat", "2")
+    block = out.split("one prefill step (3 prompts of 8:24 tokens)", 1)[1].split("\n\n", 1)[0]
+    assert float(re.search(r"linears\s+(-?[\d.]+) ms", block).group(1)) > 0, block
 
 
 # ------------------------------------------------------------------------------ serve_bench
@@ -224,7 +229,8 @@ def test_int8_amx_bench_smoke():
     out = run_script("int8_amx_bench.py", "--tokens", "2", timeout=140)
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
     assert len(rows) == 1, out
-    amx, builtin, ratio = float(rows[0][1]), float(rows[0][2]), float(rows[0][3].rstrip("x"))
-    for value, what in ((amx, "AMX ms"), (builtin, "built-in ms"), (ratio, "ratio")):
+    # T, AMX call, few-token loop, built-in, ratio, TOPS
+    amx, few, builtin, ratio = float(rows[0][1]), float(rows[0][2]), float(rows[0][3]), float(rows[0][4].rstrip("x"))
+    for value, what in ((amx, "AMX ms"), (few, "few-token loop ms"), (builtin, "built-in ms"), (ratio, "ratio")):
         positive_finite(value, what)
     assert abs(ratio - builtin / amx) <= 0.01 * ratio + 0.01  # the printed ratio is the two times'
