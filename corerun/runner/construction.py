@@ -15,6 +15,7 @@ Each stage reads the configuration and what the stages before it set on the runn
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -85,12 +86,13 @@ def load(runner: Any, tp: Any) -> None:
     )
     mc = runner.model_config
     runner.dtype = next(runner.model.parameters()).dtype
-    runner.parallel_tokens = parallel_tokens(str(runner.dtype).removeprefix("torch."))  # threads: auto's large step
+    dtype = str(runner.dtype).removeprefix("torch.")
+    runner.parallel_tokens = parallel_tokens(dtype)  # threads: auto's large step
     runner.vocab_size = mc.vocab_size
     runner.block_size = config.kv_cache.block_size
     ml = config.scheduler.max_model_len
     runner.max_model_len = mc.max_model_len if ml == "auto" else ml
-    runner.max_num_batched_tokens = config.scheduler.token_budget(device.type, str(runner.dtype).removeprefix("torch."))
+    runner.max_num_batched_tokens = config.scheduler.token_budget(device.type, dtype)
     if runner.max_model_len > mc.max_model_len:
         raise ConfigError(
             f"scheduler.max_model_len: {runner.max_model_len} is longer than the model's "
@@ -247,13 +249,11 @@ def warm_up(runner: Any) -> None:
     """Run one prefill of ``max_num_batched_tokens`` tokens (fresh prompts of :data:`WARMUP_PROMPT_TOKENS`
     tokens, or ``max_model_len`` if shorter) on a one-block scratch cache; its outputs are dropped and
     the KV cache is untouched."""
-    import time
-
     t0 = time.perf_counter()
     length = min(WARMUP_PROMPT_TOKENS, runner.max_model_len)
     count = max(1, min(runner.config.scheduler.max_num_seqs, runner.max_num_batched_tokens // length))
     inputs = profile.dummy_step([length] * count, [0] * count, runner.block_size, runner.device)
-    threads = runner.step_pools[inputs.batch.num_tokens >= runner.parallel_tokens]  # as execute_model would
+    threads = runner.step_threads(inputs.batch.num_tokens)
     before_threads, kv_caches = torch.get_num_threads(), runner.kv_caches
     runner.kv_caches = [runner.attention.allocate_kv_cache(1) if c is not None else None for c in kv_caches]
     try:

@@ -228,9 +228,13 @@ class ModelRunner:
             self._prompt_logprob_plan(sched, inputs) if ib.prompt_logprob_ids else [], pool_plan,
         )
 
+    def step_threads(self, num_tokens: int) -> int:
+        """The threads a step of ``num_tokens`` tokens runs on (``threads: auto`` runs a small step on one)."""
+        return self.step_pools[num_tokens >= self.parallel_tokens]
+
     def execute_model(self, step: PreparedStep) -> ExecuteModelState:
         """The forward (launched on the device; on CPU it runs here) and the prompt logprobs it owes."""
-        threads = self.step_pools[step.sched.num_tokens >= self.parallel_tokens]  # threads: auto runs a small step on one
+        threads = self.step_threads(step.sched.num_tokens)
         if torch.get_num_threads() != threads:  # (OpenMP keeps the count per thread: the one running the forward sets it)
             torch.set_num_threads(threads)
         try:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from corerun_quant_cpu import kernels
+from quant_cpu_cases import amx_bf16, amx_int8, bf16_bound, poisoned_columns, untouched_outside, w8a8_bound, w8a8_reference
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,14 +26,6 @@ BLOCKINGS = {
     "fine_pairs_outer": {"large_tokens": 0, "group_bytes": 0, "chunk_tokens": 32, "order": 1},
     "few_token_loop": {"large_tokens": 1 << 30},
 }
-
-
-def amx_int8() -> bool:
-    return not kernels.load() and kernels.int8_amx_available()
-
-
-def amx_bf16() -> bool:
-    return not kernels.load() and kernels.bf16_best_isa() == "amx"
 
 
 @contextlib.contextmanager
@@ -50,15 +43,6 @@ def cases() -> list[tuple[int, int, int]]:
     return out + [(1000, 200, 576), (4096, 584, 1536), (4096, 37, 64)]
 
 
-def int8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W8A8 (docs/quantization.md): per-token scale max|x| / 127, codes round(x / s) (float32 division, half to
-    even, clamped to 127), their exact product with the weight codes times both scales, in float64."""
-    xf = x.float()
-    x_scale = xf.abs().amax(dim=1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.div(xf, x_scale).round().clamp(-127, 127)
-    return (codes.double() @ w.double().T) * scale.double().reshape(1, -1) * x_scale.double()
-
-
 @pytest.mark.skipif("not amx_int8()", reason="this CPU (or kernel) offers no AMX-INT8")
 @pytest.mark.parametrize("name", list(BLOCKINGS))
 @pytest.mark.parametrize("tokens,rows,cols", cases())
@@ -69,17 +53,16 @@ def test_int8_many_tokens_match_float64(name: str, tokens: int, rows: int, cols:
     w = torch.randint(-128, 128, (rows, cols), generator=g, dtype=torch.int8)
     scale = torch.rand(rows, generator=g) * 0.02 + 1e-3
     x = (torch.randn(tokens, cols, generator=g) * 3).bfloat16()
-    ref = int8_reference(x, w, scale)
-    wide = torch.full((tokens, rows + 3), float("nan"), dtype=torch.bfloat16)  # poisoned; the kernel writes columns 1 .. rows
-    out = wide[:, 1 : rows + 1]
+    ref = w8a8_reference(x, w, scale)
+    wide, out = poisoned_columns(tokens, rows, 1, torch.bfloat16)
     packed = kernels.repack_int8(w)
     with blocking(name):
         kernels.int8_amx_linear(out, packed, scale, x)
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs()
-    bound = 2.0**-8 * ref.abs() + 1e-30  # the output's one bfloat16 rounding
+    bound = w8a8_bound(ref, torch.bfloat16)
     assert (err <= bound).all(), f"worst {(err / bound).max().item():.2f} of the bound"
-    assert torch.isnan(wide[:, :1].float()).all() and torch.isnan(wide[:, rows + 1 :].float()).all()
+    assert untouched_outside(wide, 1, rows)
 
 
 @pytest.mark.skipif("not amx_int8()", reason="this CPU (or kernel) offers no AMX-INT8")
@@ -89,11 +72,10 @@ def test_int8_many_tokens_float32_activations(tokens: int) -> None:
     w = torch.randint(-128, 128, (200, 576), generator=g, dtype=torch.int8)
     scale = torch.rand(200, generator=g) * 0.02 + 1e-3
     x = torch.randn(tokens, 576, generator=g) * 3
-    ref = int8_reference(x, w, scale)
+    ref = w8a8_reference(x, w, scale)
     out = torch.full((tokens, 200), float("nan"))
     kernels.int8_amx_linear(out, kernels.repack_int8(w), scale, x)
-    bound = 4 * torch.finfo(torch.float32).eps * ref.abs() + 1e-30  # int32 sum to float32, two products
-    assert torch.isfinite(out).all() and ((out.double() - ref).abs() <= bound).all()
+    assert torch.isfinite(out).all() and ((out.double() - ref).abs() <= w8a8_bound(ref, torch.float32)).all()
 
 
 @pytest.mark.skipif("not amx_bf16()", reason="this CPU (or kernel) offers no AMX-BF16")
@@ -106,17 +88,15 @@ def test_bf16_many_tokens_match_float64(name: str, tokens: int, rows: int, cols:
     w = torch.randn(rows, cols, generator=g).bfloat16()
     x = torch.randn(tokens, cols, generator=g).bfloat16()
     ref = x.double() @ w.double().T
-    wide = torch.full((tokens, rows + 5), float("nan"), dtype=torch.bfloat16)  # poisoned; the kernel writes columns 2 .. rows + 1
-    out = wide[:, 2 : rows + 2]
+    wide, out = poisoned_columns(tokens, rows, 2, torch.bfloat16)
     packed = kernels.repack_bf16(w)
     with blocking(name):
         kernels.bf16_gemv(out, packed, x, "amx")
     assert torch.isfinite(out).all()
-    # one bfloat16 rounding of the result plus the float32 sum's rounding, 8 sqrt(in) eps(float32) (|x| @ |W|.T)
-    bound = 2.0**-8 * ref.abs() + 8 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T) + 1e-30
+    bound = bf16_bound(x, w, ref)
     err = (out.double() - ref).abs()
     assert (err <= bound).all(), f"worst {(err / bound).max().item():.2f} of the bound"
-    assert torch.isnan(wide[:, :2].float()).all() and torch.isnan(wide[:, rows + 2 :].float()).all()
+    assert untouched_outside(wide, 2, rows)
 
 
 @pytest.mark.skipif("not amx_int8()", reason="this CPU (or kernel) offers no AMX-INT8")

@@ -9,15 +9,9 @@ import pytest
 import torch
 
 from corerun_quant_cpu import kernels
+from quant_cpu_cases import bf16_bound as bound, poisoned_columns, untouched_outside
 
 SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536), (48, 96)]
-
-
-def bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """One bfloat16 rounding of the result (half a unit in the 8th bit: 2^-9 relative, doubled) plus the
-    float32 sum's rounding, ``8 sqrt(in) eps(float32) (|x| @ |W|.T)``."""
-    eps32 = torch.finfo(torch.float32).eps
-    return 2.0**-8 * ref.abs() + 8 * x.shape[1] ** 0.5 * eps32 * (x.double().abs() @ w.double().abs().T) + 1e-30
 
 
 @pytest.mark.parametrize("isa", list(kernels.BF16_ISAS))
@@ -30,13 +24,12 @@ def test_bf16_gemv_matches_float64(isa: str, rows: int, cols: int, tokens: int) 
     w = torch.randn(rows, cols, generator=g).bfloat16()
     x = torch.randn(tokens, cols, generator=g).bfloat16()
     ref = x.double() @ w.double().T
-    wide = torch.full((tokens, rows + 5), float("nan"), dtype=torch.bfloat16)  # poisoned; the kernel writes columns 2 .. rows + 1
-    out = wide[:, 2 : rows + 2]
+    wide, out = poisoned_columns(tokens, rows, 2, torch.bfloat16)
     kernels.bf16_gemv(out, kernels.repack_bf16(w), x, isa)
     err = (out.double() - ref).abs()
     assert torch.isfinite(out).all()
     assert (err <= bound(x, w, ref)).all(), f"worst {(err / bound(x, w, ref)).max().item():.2f} of the bound"
-    assert torch.isnan(wide[:, :2].float()).all() and torch.isnan(wide[:, rows + 2 :].float()).all()  # nothing outside
+    assert untouched_outside(wide, 2, rows)  # nothing outside
 
 
 def test_repack_layout_is_its_definition() -> None:

@@ -13,31 +13,12 @@ from corerun.sdk.models import Linear, MergedLinear
 from corerun.sdk.quantization import QuantizedTensor, int8_scheme
 
 from corerun_quant_cpu import kernels
+from quant_cpu_cases import amx_int8, w8a8_bound as bound, w8a8_reference as reference
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def amx() -> bool:
-    return not kernels.load() and kernels.int8_amx_available()
-
-
-needs_amx = pytest.mark.skipif("not amx()", reason="this CPU (or kernel) offers no AMX-INT8")
-
-
-def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W8A8's definition (docs/quantization.md, "W8A8 on CPU") in float64: each token's scale
-    ``max|x_t| / 127`` and codes ``round(x / s)`` (float32 division, half to even, clamped to 127), their
-    exact product with the weight codes, times both scales."""
-    xf = x.float()
-    x_scale = xf.abs().amax(dim=1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.div(xf, x_scale).round().clamp(-127, 127)
-    return (codes.double() @ w.double().T) * scale.double().reshape(1, -1) * x_scale.double()
-
-
-def bound(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output's one rounding (bfloat16: 2^-8 relative; float32: the int32 sum to float32, two products: 4 eps)."""
-    rel = 2.0**-8 if dtype == torch.bfloat16 else 4 * torch.finfo(torch.float32).eps
-    return rel * ref.abs() + 1e-30
+needs_amx = pytest.mark.skipif("not amx_int8()", reason="this CPU (or kernel) offers no AMX-INT8")
 
 
 def weights(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

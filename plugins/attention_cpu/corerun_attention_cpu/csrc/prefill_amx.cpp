@@ -165,6 +165,27 @@ inline __mmask16 visible(int64_t lim, int64_t first) {
     return n >= 16 ? static_cast<__mmask16>(0xffff) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
 }
 
+// O's float32 C tiles 0-3 for the P V steps: rows o0 (and, when `two`, o1) times 32 head dims, 16 a tile, `stride`
+// bytes between rows; loaded before the steps (Store false), stored after them (Store true).
+template <bool Store>
+inline void o_tiles(float* o0, float* o1, int64_t stride, bool two) {
+    if constexpr (Store) {
+        _tile_stored(0, o0, stride);
+        _tile_stored(1, o0 + 16, stride);
+        if (two) {
+            _tile_stored(2, o1, stride);
+            _tile_stored(3, o1 + 16, stride);
+        }
+    } else {
+        _tile_loadd(0, o0, stride);
+        _tile_loadd(1, o0 + 16, stride);
+        if (two) {
+            _tile_loadd(2, o1, stride);
+            _tile_loadd(3, o1 + 16, stride);
+        }
+    }
+}
+
 void attend_tile(const Problem& P, const Job& j, const Scratch& w) {
     const int64_t G = P.G, D = P.D, M = G * BQ, KS = D / 32, NV = D / 16;
     const int64_t start = P.ranges[2 * j.prompt], len = P.ranges[2 * j.prompt + 1] - start;
@@ -273,12 +294,7 @@ void attend_tile(const Problem& P, const Job& j, const Scratch& w) {
             for (int64_t n = 0; n < NV; n += 2) {
                 float* o0 = w.o + m0 * D + 16 * n;
                 float* o1 = w.o + (m0 + 16) * D + 16 * n;
-                _tile_loadd(0, o0, D * 4);
-                _tile_loadd(1, o0 + 16, D * 4);
-                if (two) {
-                    _tile_loadd(2, o1, D * 4);
-                    _tile_loadd(3, o1 + 16, D * 4);
-                }
+                o_tiles<false>(o0, o1, D * 4, two);
                 for (int64_t h = 0; h < steps; ++h) {
                     _tile_loadd(4, w.p + m0 * BK + 32 * h, BK * 2);
                     _tile_loadd(6, vt + (h * NV + n) * 512, 64);
@@ -291,12 +307,7 @@ void attend_tile(const Problem& P, const Job& j, const Scratch& w) {
                         _tile_dpbf16ps(3, 5, 7);
                     }
                 }
-                _tile_stored(0, o0, D * 4);
-                _tile_stored(1, o0 + 16, D * 4);
-                if (two) {
-                    _tile_stored(2, o1, D * 4);
-                    _tile_stored(3, o1 + 16, D * 4);
-                }
+                o_tiles<true>(o0, o1, D * 4, two);
             }
         }
     }

@@ -1,0 +1,51 @@
+"""Definitions the kernel tests of this folder share: which AMX units this machine offers, the float64
+definitions of the products with their rounding bounds, and a poisoned output that shows stray writes."""
+
+from __future__ import annotations
+
+import torch
+
+from corerun_quant_cpu import kernels
+
+
+def amx_int8() -> bool:
+    return not kernels.load() and kernels.int8_amx_available()
+
+
+def amx_bf16() -> bool:
+    return not kernels.load() and kernels.bf16_best_isa() == "amx"
+
+
+def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8's definition (docs/quantization.md, "W8A8 on CPU") in float64: each token's scale
+    ``max|x_t| / 127`` and codes ``round(x / s)`` (float32 division, half to even, clamped to 127), their
+    exact product with the weight codes, times both scales."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1, keepdim=True).div(127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.div(xf, x_scale).round().clamp(-127, 127)
+    return (codes.double() @ w.double().T) * scale.double().reshape(1, -1) * x_scale.double()
+
+
+def w8a8_bound(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output's one rounding (bfloat16: 2^-8 relative; float32: the int32 sum to float32, two products: 4 eps)."""
+    rel = 2.0**-8 if dtype == torch.bfloat16 else 4 * torch.finfo(torch.float32).eps
+    return rel * ref.abs() + 1e-30
+
+
+def bf16_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """One bfloat16 rounding of the result (half a unit in the 8th bit: 2^-9 relative, doubled) plus the
+    float32 sum's rounding, ``8 sqrt(in) eps(float32) (|x| @ |W|.T)``."""
+    eps32 = torch.finfo(torch.float32).eps
+    return 2.0**-8 * ref.abs() + 8 * x.shape[1] ** 0.5 * eps32 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+def poisoned_columns(tokens: int, rows: int, left: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-filled ``[tokens, rows + left + 3]`` tensor and its column slice ``left .. left + rows`` (the output a
+    kernel writes, with a row stride wider than its rows)."""
+    wide = torch.full((tokens, rows + left + 3), float("nan"), dtype=dtype)
+    return wide, wide[:, left : left + rows]
+
+
+def untouched_outside(wide: torch.Tensor, left: int, rows: int) -> bool:
+    """Whether every column of ``wide`` outside ``left .. left + rows`` is still NaN."""
+    return bool(torch.isnan(wide[:, :left].float()).all() and torch.isnan(wide[:, left + rows :].float()).all())
