@@ -237,12 +237,13 @@ CORERUN_AMX_FN void panel(const Kernel& kernel, const Operands& o, int64_t b_beg
     _tile_release();
 }
 
-// The whole product: few tokens, pairs of row blocks split over the threads (grain_pairs a task);
-// many, token chunks times row groups.
+// The whole product: few tokens, pairs of row blocks split over the threads (about 256 KiB of weights a
+// task); many, token chunks times row groups.
 template <class Kernel>
-void product(const Kernel& kernel, const Operands& o, int64_t blocks, int64_t grain_pairs) {
+void product(const Kernel& kernel, const Operands& o, int64_t blocks) {
     const Tuning tu = tuning();
     if (o.Tpad < tu.large_tokens) {
+        const int64_t grain_pairs = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, 2 * o.block_bytes));
         at::parallel_for(0, (blocks + 1) / 2, grain_pairs, [&](int64_t begin, int64_t end) {
             row_blocks(kernel, o, 2 * begin, std::min(blocks, 2 * end));
         });

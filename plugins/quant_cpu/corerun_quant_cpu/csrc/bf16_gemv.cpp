@@ -294,8 +294,7 @@ void bf16_gemv(at::Tensor out, const at::Tensor& packed, const at::Tensor& x, in
         const Bf16Tiles kernel{reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), rows, T, out.stride(0)};
         const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>()), reinterpret_cast<const char*>(xs),
                                       cols * 2, cols * 2, npairs * 64, Tpad};
-        const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, npairs * 128));  // pairs of blocks, ~256 KiB a task
-        corerun_amx::product(kernel, o, blocks, grain);
+        corerun_amx::product(kernel, o, blocks);
         return;
     }
     std::vector<uint32_t> xp(static_cast<size_t>(T * npairs), 0);

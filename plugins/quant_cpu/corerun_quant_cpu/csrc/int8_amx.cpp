@@ -141,8 +141,7 @@ void int8_amx_linear(at::Tensor out, const at::Tensor& packed, const at::Tensor&
     const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<int8_t>()), reinterpret_cast<const char*>(codes),
                                   cols, cols, cols * 16, Tpad};
     const int64_t blocks = (rows + 15) / 16;
-    const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, cols * 32));  // pairs of blocks, ~256 KiB a task
-    corerun_amx::product(kernel, o, blocks, grain);
+    corerun_amx::product(kernel, o, blocks);
 }
 
 void int8_repack(at::Tensor packed, const at::Tensor& w) {
