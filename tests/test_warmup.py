@@ -22,19 +22,18 @@ def _config(model_dir, dtype: str, **over) -> Config:
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, list[int], list[int], int]]:
     """Record each warm-up forward: its token count, query and sequence lengths, and torch's threads then."""
     seen: list[tuple[int, list[int], list[int], int]] = []
-    inner = ModelRunner._model_fn
-
-    def model_fn(self, input_ids, positions, metadata):
-        batch = self._warmup_batch
-        seen.append((input_ids.numel(), batch.query_start_loc.diff().tolist(), batch.seq_lens.tolist(), torch.get_num_threads()))
-        return inner(self, input_ids, positions, metadata)
-
-    plan_inner = construction.profile.dummy_step
+    batches = []  # the dummy steps' batches, as the warm-up builds them
+    inner, plan_inner = ModelRunner._model_fn, construction.profile.dummy_step
 
     def dummy_step(query_lens, context_lens, block_size, device):
         inputs = plan_inner(query_lens, context_lens, block_size, device)
-        ModelRunner._warmup_batch = inputs.batch
+        batches.append(inputs.batch)
         return inputs
+
+    def model_fn(self, input_ids, positions, metadata):
+        batch = batches[-1]
+        seen.append((input_ids.numel(), batch.query_start_loc.diff().tolist(), batch.seq_lens.tolist(), torch.get_num_threads()))
+        return inner(self, input_ids, positions, metadata)
 
     monkeypatch.setattr(construction.profile, "dummy_step", dummy_step)
     monkeypatch.setattr(ModelRunner, "_model_fn", model_fn)
