@@ -16,7 +16,7 @@ Runs the default model (float32 unless ``--dtype``) on ``--threads`` threads (1 
   preparation and the scheduler's share inside ``ModelRunner.execute``.
 
 Each figure is the median over ``--repeat`` steps of the same kind (a decode at a context of
-``--context`` tokens for ``--batch`` requests, one by default; a prefill of ``--prefill`` prompt tokens); the profiler adds its
+``--context`` tokens for ``--batch`` requests, one by default, counted only with the whole batch in the step; a prefill of ``--prefill`` prompt tokens); the profiler adds its
 own cost to every operator (the un-profiled step time is printed beside it).
 
     .venv/bin/python benchmarks/step_profile.py [--model DIR] [--threads 1] [--attention cpu] [--fused-ops auto] [--context 128] [--batch 1] [--prefill 512 | 32:256 --prefill-prompts 28]
@@ -112,7 +112,12 @@ def main() -> None:
 
     def execute(sched: Any, eos: Any) -> Any:
         # (the decoding requests' own prompts are prefilled too: those steps are not the prefill measured)
-        kind = "decode" if all(n == 1 for n in sched.num_scheduled) else "prefill" if phase[0] == "prefill" else "context"
+        # a decode step counts only with the whole batch in it: the requests prefilled first decode beside the
+        # others' prefill, and a step after some have finished is a smaller batch than the one asked for
+        decode = all(n == 1 for n in sched.num_scheduled) and len(sched.num_scheduled) == args.batch
+        decode = decode and decodes[0] < args.repeat  # (the first --repeat of them, as many as the prefills)
+        decodes[0] += decode
+        kind = "decode" if decode else "prefill" if phase[0] == "prefill" else "context"
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"corerun.step.{kind}"):
             out = inner_execute(sched, eos)
@@ -121,7 +126,10 @@ def main() -> None:
 
     runner.execute = execute
     rng = random.Random(0)
-    greedy = SamplingParams(temperature=0, max_tokens=args.repeat + 1, ignore_eos=True)
+    # enough tokens that the first request prefilled still decodes after the last one's prefill (a step's token
+    # budget is at least 1024 on CPU), then --repeat whole-batch decodes
+    prefill_steps = -(-args.batch * args.context // 1024)
+    greedy = SamplingParams(temperature=0, max_tokens=args.repeat + 1 + prefill_steps, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     engine = llm.engine
@@ -135,9 +143,11 @@ def main() -> None:
             engine.step()
 
     phase = ["context"]
+    decodes = [0]  # whole-batch decode steps seen in this pass
 
     def workload() -> None:
         phase[0] = "context"
+        decodes[0] = 0
         serve((args.context, args.context), greedy, args.batch)
         phase[0] = "prefill"
         for _ in range(args.repeat):
