@@ -112,10 +112,9 @@ def main() -> None:
 
     def execute(sched: Any, eos: Any) -> Any:
         # (the decoding requests' own prompts are prefilled too: those steps are not the prefill measured)
-        # a decode step counts only with the whole batch in it: the requests prefilled first decode beside the
-        # others' prefill, and a step after some have finished is a smaller batch than the one asked for
-        decode = all(n == 1 for n in sched.num_scheduled) and len(sched.num_scheduled) == args.batch
-        decode = decode and decodes[0] < args.repeat  # (the first --repeat of them, as many as the prefills)
+        # a decode step counts only with the whole batch in it (the requests prefilled first decode beside the
+        # others' prefill; a step after some have finished is a smaller batch), and only the first --repeat of them
+        decode = len(sched.num_scheduled) == args.batch and all(n == 1 for n in sched.num_scheduled) and decodes[0] < args.repeat
         decodes[0] += decode
         kind = "decode" if decode else "prefill" if phase[0] == "prefill" else "context"
         t0 = time.perf_counter()
@@ -126,9 +125,9 @@ def main() -> None:
 
     runner.execute = execute
     rng = random.Random(0)
-    # enough tokens that the first request prefilled still decodes after the last one's prefill (a step's token
-    # budget is at least 1024 on CPU), then --repeat whole-batch decodes
-    prefill_steps = -(-args.batch * args.context // 1024)
+    # enough tokens that the first request prefilled still decodes after the last one's prefill, then --repeat
+    # whole-batch decodes
+    prefill_steps = -(-args.batch * args.context // runner.max_num_batched_tokens)
     greedy = SamplingParams(temperature=0, max_tokens=args.repeat + 1 + prefill_steps, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
