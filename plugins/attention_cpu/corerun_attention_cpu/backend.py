@@ -54,7 +54,7 @@ from corerun.protocols import kv_quant
 from corerun.sdk import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
-from corerun.sdk.attention import DenseKVCache
+from corerun.sdk.attention import DenseKVCache, zeros_kv_cache
 from corerun_attention_cpu import kernels
 from corerun_attention_cpu.capabilities import CPU_CAPABILITIES
 
@@ -139,7 +139,7 @@ class CpuAttentionBackend(DenseKVCache):
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Zeroed ``[2, num_blocks, block_size, num_kv_heads, row]`` at the stored dtype (row: head_size, int8 + 2)."""
         s = self.spec
-        return torch.zeros((2, num_blocks, s.block_size, s.num_kv_heads, self._row), dtype=self._storage)
+        return zeros_kv_cache((2, num_blocks, s.block_size, s.num_kv_heads, self._row), self._storage)
 
     def kv_cache_view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self._cache_parts(kv_cache)

@@ -1,0 +1,58 @@
+"""The KV cache on transparent huge pages: which bytes are advised, and that the kernel took the advice."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from corerun.platform import host
+from corerun.sdk.attention import zeros_kv_cache
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="transparent huge pages are off or absent here",
+)
+
+
+def _vma(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@needs_thp
+def test_the_advice_covers_exactly_the_whole_huge_pages_inside_the_region() -> None:
+    buf = torch.empty(9 << 20, dtype=torch.uint8)
+    for skew in (0, 4096, 12345):  # the region's start, aligned or not
+        start = buf.data_ptr() + skew
+        nbytes = buf.numel() - skew - 777
+        first = (start + (2 << 20) - 1) & ~((2 << 20) - 1)  # round up to 2 MiB
+        last = (start + nbytes) & ~((2 << 20) - 1)  # round down
+        assert host.advise_huge_pages(start, nbytes) == last - first > 0
+    # a region holding no whole huge page is not advised
+    inner = (buf.data_ptr() + (2 << 20) - 1) & ~((2 << 20) - 1)
+    assert host.advise_huge_pages(inner + 4096, (2 << 20) - 8192) == 0
+
+
+@needs_thp
+def test_a_cpu_kv_cache_is_zero_and_eligible_for_huge_pages() -> None:
+    shape = (2, 1536, 16, 3, 64)  # 36 MiB of float32, beyond glibc's largest heap allocation: fresh pages
+    cache = zeros_kv_cache(shape, torch.float32, "cpu")
+    assert cache.shape == shape and cache.dtype == torch.float32
+    assert not cache.any()
+    vma = _vma((cache.data_ptr() + (2 << 20) - 1) & ~((2 << 20) - 1))  # the first whole huge page in it
+    assert vma.get("THPeligible") == "1", vma
+    assert "hg" in vma.get("VmFlags", "").split(), vma  # madvise(MADV_HUGEPAGE) recorded on the mapping
