@@ -56,3 +56,61 @@ def test_a_cpu_kv_cache_is_zero_and_eligible_for_huge_pages() -> None:
     vma = _vma((cache.data_ptr() + (2 << 20) - 1) & ~((2 << 20) - 1))  # the first whole huge page in it
     assert vma.get("THPeligible") == "1", vma
     assert "hg" in vma.get("VmFlags", "").split(), vma  # madvise(MADV_HUGEPAGE) recorded on the mapping
+
+
+# ---------------------------------------------------------------- malloc: the memory a step frees is kept
+
+FREED_SCRIPT = """
+import ctypes, resource, sys, threading
+import torch  # (as in the engine: torch loaded first, with its own thread)
+from corerun.platform.host import keep_freed_memory
+print(keep_freed_memory() if sys.argv[1] == "keep" else "untouched")
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+def touch():  # a step's activation: 24 MiB written, then freed
+    p = libc.malloc(24 << 20)
+    ctypes.memset(p, 1, 24 << 20)
+    libc.free(p)
+def faults(fn):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+touch()
+again = faults(touch)  # the same thread's next step
+other = []
+th = threading.Thread(target=lambda: other.append(faults(touch)))  # the step thread's first step
+th.start(); th.join()
+print(again, other[0])
+"""
+
+
+def _freed(env: dict[str, str], keep: bool = True) -> tuple[str, int, int]:
+    import os
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", FREED_SCRIPT, "keep" if keep else "no"], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | env)
+    assert run.returncode == 0, run.stderr
+    kept, again, other = run.stdout.split()
+    return kept, int(again), int(other)
+
+
+needs_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or not host._glibc(), reason="glibc's malloc only")
+
+
+@needs_glibc
+def test_the_memory_a_step_frees_is_served_again_on_its_thread_and_on_another() -> None:
+    pages = (24 << 20) // 4096
+    kept, again, other = _freed({})
+    assert kept == "True" and again < pages // 10 and other < pages // 10, (again, other)
+    # glibc left alone: the block goes back to the system and both steps fault it in page by page
+    kept, again, other = _freed({}, keep=False)
+    assert kept == "untouched" and again > pages * 9 // 10 and other > pages * 9 // 10, (again, other)
+
+
+@needs_glibc
+def test_a_users_own_malloc_settings_are_left_alone() -> None:
+    for env in ({"MALLOC_ARENA_MAX": "4"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+                {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}):
+        kept, _, _ = _freed(env)
+        assert kept == "False", env

@@ -175,6 +175,48 @@ def step_pools(threads: int, auto: bool) -> tuple[int, int]:
     return step_threads(1, threads, auto), step_threads(AUTO_PARALLEL_TOKENS, threads, auto)
 
 
+MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks up to here come from the heap and are reused
+TRIM_THRESHOLD = 1 << 30  # free memory kept at the heap's top before any is returned
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep and share the memory a CPU step frees; ``True`` if it was set.
+
+    A step of thousands of tokens allocates activations of tens of megabytes and frees them at its end.
+    Left to itself, glibc gives each thread an arena of its own (the steps run on the engine's thread,
+    not on the one whose warm-up touched that memory first), serves blocks over a moving threshold by
+    ``mmap`` and gives them back on ``free``, so a step faults its memory in again, page by page.  Here:
+    one arena for every thread, blocks up to 32 MiB from the heap, and 1 GiB of free memory kept at its
+    top.  The first 4096-token step of a 32-request batch (bfloat16, one thread) then took 1-9 thousand
+    page faults and 1274-1313 ms, against 43-56 thousand and 1378-1402 ms (benchmarks/RESULTS.md,
+    "Twelfth session").  The cost is memory: the process keeps its largest step's activations once the
+    step is over.
+
+    Where the environment already chooses (``MALLOC_ARENA_MAX`` and the other ``MALLOC_*_`` variables,
+    ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``, tcmalloc, jemalloc or mimalloc in ``LD_PRELOAD``),
+    or the C library is not glibc, nothing is changed.
+    """
+    if any(name in os.environ for name in MALLOC_ENV) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS) or not _glibc():
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    return all(libc.mallopt(param, value) == 1 for param, value in (
+        (M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+
+
+def _glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 MADV_HUGEPAGE = 14
 

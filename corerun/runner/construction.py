@@ -32,7 +32,7 @@ from corerun.protocols.sampler import SamplingMetadata
 from corerun.runner import profile
 from corerun.runner.profile import StepMemory
 from corerun.sampling_params import SamplingParams
-from corerun.platform.host import apply_threads, parallel_tokens, step_pools
+from corerun.platform.host import apply_threads, keep_freed_memory, parallel_tokens, step_pools
 
 logger = logging.getLogger("corerun.runner")
 
@@ -67,6 +67,8 @@ def load(runner: Any, tp: Any) -> None:
 
     config = runner.config
     runner.device = device = resolve_device(config.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # before the weights load: every thread's steps reuse what the last step freed
     placement = getattr(runner, "placement", None)  # a rank of a placement (corerun.executor.stage)
     ranks = placement.world_size if placement is not None else tp.world_size if tp is not None else 1
     runner.threads = apply_threads(config.threads, ranks)  # torch's intra-op pool, shared by this host's ranks
