@@ -21,6 +21,7 @@ import torch
 
 # the output contract's marker of a non-finite row and the logits check live with the Sampler protocol
 from corerun.protocols.sampler import NON_FINITE, check_logits, mark_non_finite
+from corerun.sampler.argmax import row_max
 
 _MASK64 = (1 << 64) - 1
 # Exp(1) draws of exactly 0 would turn p / q into inf (or 0/0 = nan for a masked token); clamping to the
@@ -79,7 +80,7 @@ def exponential_race(probs: torch.Tensor, seeded: Sequence[tuple[int, int, int]]
     for row, seed, step in seeded:
         generator.manual_seed(row_seed(seed, step))
         _exponential_(noise[row], generator)
-    return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
+    return row_max(probs.div_(noise.clamp_min_(_TINY))).indices
 
 
 def _exponential_(out: torch.Tensor, generator: torch.Generator | None) -> None:

@@ -34,6 +34,7 @@ from corerun.protocols.sampler import check_logits, mark_non_finite
 from corerun.sampling_params import SAMPLING_EPS, SamplingParams
 
 from corerun.sampler.logprobs import gather_logprobs
+from corerun.sampler.argmax import row_max
 from corerun.sampler.common import GeneratorCache, exponential_race, to_device
 from corerun.sampler.penalties import apply_penalties
 from corerun.sampler.options import CAPABILITIES, FullSamplerOptions
@@ -79,7 +80,7 @@ class FullSampler:
         check_logits(logits, len(metadata.params), self.vocab_size)
         params = metadata.params
         if all(map(_argmax_alone, params)):  # vLLM v1's all-greedy shortcut: no stage below can move the argmax
-            values, tokens = logits.max(dim=-1)
+            values, tokens = row_max(logits)
             return SamplerOutput(mark_non_finite(tokens, values), None)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         raw = None
@@ -129,9 +130,9 @@ class FullSampler:
         params = metadata.params
         greedy = [p.greedy for p in params]
         if all(greedy):
-            values, tokens = x.max(dim=-1)
+            values, tokens = row_max(x)
             return tokens, values
-        greedy_values, greedy_tokens = x.max(dim=-1) if any(greedy) else (None, None)
+        greedy_values, greedy_tokens = row_max(x) if any(greedy) else (None, None)
         temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         if any(t != 1.0 for t in temperature):
             x.div_(to_device(temperature, torch.float32, x.device)[:, None])

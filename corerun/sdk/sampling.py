@@ -7,6 +7,7 @@ scheme and why the race draws the right law); this module is its public name.
 
 from __future__ import annotations
 
+from corerun.sampler.argmax import row_max
 from corerun.sampler.common import (
     NON_FINITE,
     GeneratorCache,
@@ -20,6 +21,6 @@ from corerun.sampler.common import (
 )
 
 __all__ = [
-    "NON_FINITE", "GeneratorCache", "check_logits", "exponential_race", "mark_non_finite", "row_seed", "seeded_generator",
-    "seeded_rows", "to_device",
+    "NON_FINITE", "GeneratorCache", "check_logits", "exponential_race", "mark_non_finite", "row_max", "row_seed",
+    "seeded_generator", "seeded_rows", "to_device",
 ]

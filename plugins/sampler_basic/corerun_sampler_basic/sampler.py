@@ -9,7 +9,7 @@ import torch
 from corerun import ConfigError, SamplerCapabilities, UnsupportedError
 from corerun.protocols import LogprobsTensors, SamplerOutput, SamplingMetadata
 from corerun.sampling_params import SamplingParams
-from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, mark_non_finite, to_device
+from corerun.sdk.sampling import GeneratorCache, check_logits, exponential_race, mark_non_finite, row_max, to_device
 from corerun_sampler_basic.plugin import CAPABILITIES
 
 FULL_HINT = "use `sampler: full` (built into corerun), which honours them"
@@ -52,7 +52,7 @@ class BasicSampler:
         greedy = [p.greedy for p in params]
         x = logits.to(torch.float32)
         if all(greedy):
-            values, tokens = x.max(dim=-1)
+            values, tokens = row_max(x)
             return SamplerOutput(mark_non_finite(tokens, values))
         # the race runs on the random rows only; ``seeded`` rows index into them
         rows = [i for i, g in enumerate(greedy) if not g]
@@ -70,7 +70,7 @@ class BasicSampler:
         index = to_device(rows, torch.int64, x.device)
         probs = torch.softmax(x[index] / temperature[:, None], dim=-1)
         tokens = exponential_race(probs, seeded, generator)
-        values, greedy_tokens = x.max(dim=-1)
+        values, greedy_tokens = row_max(x)
         values.index_copy_(0, index, probs.gather(1, tokens[:, None])[:, 0])
         return SamplerOutput(mark_non_finite(greedy_tokens.index_copy_(0, index, tokens), values))
 
