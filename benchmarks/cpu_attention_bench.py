@@ -11,6 +11,7 @@ torch / cpu measured side by side; it also prints the largest difference between
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --cpu-time     # on a busy machine
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --layers 30 -k "~160"  # a step's 30 layers
     .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --parts -k prefill  # where cpu's time goes
+    .venv/bin/python benchmarks/cpu_attention_bench.py --threads 1 --dtype bfloat16 --layers 30 -k "decode 128" --pages both
 
 With ``--parts`` each case also splits the ``cpu`` backend's forward into the K/V write, the C++ kernel over
 every request, and torch's SDPA over every request as one prompt (the backend's fresh-prompt route: with and
@@ -20,6 +21,11 @@ with and without the AMX route (the latter: today's route before it, SDPA from 1
 
 With ``--layers N`` each timed call runs N layers, each over its own copy of the cache, as a model
 step does: the K/V then come from memory instead of the caches the previous call left warm.
+
+With ``--pages both`` each case also times the ``cpu`` backend over a second set of cache copies allocated as the
+engine allocates them (``zeros_kv_cache``: transparent huge pages where Linux allows them), against the first set
+on ordinary 4 KiB pages (``torch.randn`` / ``clone``), the two taken alternately; the blocks of every request are
+in random order, as in a long-running engine.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 from corerun.attention.torch_backend import TorchAttentionBackend
 from corerun.protocols.attention import DTYPE_NAMES, AttentionBatch, AttentionSpec
+from corerun.sdk.attention import zeros_kv_cache
 from corerun_attention_cpu.backend import CpuAttentionBackend
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16
@@ -112,6 +119,8 @@ def main() -> None:
     ap.add_argument("-k", default="", help="only cases whose name contains this")
     ap.add_argument("--layers", type=int, default=1, help="layers per timed call, each with its own cache copy")
     ap.add_argument("--parts", action="store_true", help="also time the cpu backend's parts (module docstring)")
+    ap.add_argument("--pages", choices=["4k", "both"], default="4k",
+                    help="both: also time the cpu backend over caches on huge pages (module docstring)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the process's CPU time instead of the wall clock: steadier on a busy machine "
                          "at one thread (time spent descheduled is not counted); at two threads it adds both threads' time")
@@ -150,6 +159,23 @@ def main() -> None:
             print(f"{name:48} {n:>7} {t_ref:>10.3f} {t_cpu:>9.3f} {t_ref / t_cpu:>8.1f}x {diff:>10.2e}")
             if args.parts:
                 print("    " + parts(cpu, md_cpu, q, k, v, kv, out_cpu, args.reps, clock, batch))
+            if args.pages == "both":
+                print("    " + pages(cpu, md_cpu, q, k, v, [c for c, _ in caches], out_cpu, args.reps, clock))
+
+
+def pages(cpu: CpuAttentionBackend, md, q, k, v, small: list, out, reps: int, clock) -> str:
+    """The cpu backend's forward over ``small`` (4 KiB pages) and over copies on huge pages, turn about."""
+    huge = [zeros_kv_cache(tuple(c.shape), c.dtype).copy_(c) for c in small]
+    times: dict[str, list[float]] = {"4 KiB": [], "huge": []}
+    for turn in range(2 * reps + 4):
+        name, caches = ("4 KiB", small) if turn % 2 == 0 else ("huge", huge)
+        t0 = clock()
+        for c in caches:
+            cpu.forward(q, k, v, c, md, out=out)
+        if turn >= 4:  # two warm-up turns each
+            times[name].append((clock() - t0) * 1e3)
+    a, b = statistics.median(times["4 KiB"]), statistics.median(times["huge"])
+    return f"pages: 4 KiB {a:.3f} ms, huge {b:.3f} ms ({a / b:.2f}x)"
 
 
 def parts(cpu: CpuAttentionBackend, md, q, k, v, kv, out, reps: int, clock, batch: AttentionBatch) -> str:

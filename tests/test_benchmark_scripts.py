@@ -196,6 +196,15 @@ def test_cpu_attention_bench_smoke():
     assert diff < 1e-4, f"the cpu kernel's output differs from the torch reference by {diff}"
 
 
+def test_cpu_attention_bench_pages_both_prints_both_timings():
+    pytest.importorskip("corerun_attention_cpu")
+    out = run_script("cpu_attention_bench.py", "--threads", "1", "--reps", "1", "-k", "1 row", "--pages", "both")
+    line = next((x for x in out.splitlines() if x.strip().startswith("pages:")), None)
+    assert line is not None, out
+    small, huge = (float(x) for x in re.findall(r"(?:4 KiB|huge) ([0-9.]+) ms", line))
+    assert small > 0 and huge > 0, line
+
+
 @pytest.mark.timeout(120)
 def test_linear_bench_smoke():
     out = run_script("linear_bench.py", "--threads", "1", "--tokens", "1", "--repeats", "1")
