@@ -203,11 +203,19 @@ def keep_freed_memory() -> bool:
         return False
     if any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS) or not _glibc():
         return False
+    libc = _libc()
+    return all(libc.mallopt(param, value) == 1 for param, value in (
+        (M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+
+
+@lru_cache(maxsize=1)
+def _libc() -> Any:
+    """The C library this process runs on, loaded once, with ``madvise``'s argument types declared."""
     import ctypes
 
     libc = ctypes.CDLL(None)
-    return all(libc.mallopt(param, value) == 1 for param, value in (
-        (M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _glibc() -> bool:
@@ -233,11 +241,7 @@ def advise_huge_pages(address: int, nbytes: int) -> int:
     length = (address + nbytes - start) // HUGE_PAGE * HUGE_PAGE
     if length <= 0 or not sys.platform.startswith("linux") or not _huge_pages_allowed():
         return 0
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return length if libc.madvise(start, length, MADV_HUGEPAGE) == 0 else 0
+    return length if _libc().madvise(start, length, MADV_HUGEPAGE) == 0 else 0
 
 
 @lru_cache(maxsize=1)

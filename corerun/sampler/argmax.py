@@ -13,6 +13,7 @@ class RowMax(NamedTuple):
 
 
 ROW_MAX_CHUNK = 1024
+_OFFSETS = torch.arange(ROW_MAX_CHUNK)  # a chunk's indices, made once (the chunked path runs on a CPU only)
 
 
 def row_max(x: torch.Tensor) -> RowMax:
@@ -38,5 +39,5 @@ def row_max(x: torch.Tensor) -> RowMax:
         chunk_max = torch.cat([chunk_max, x[:, vocab - c :].amax(dim=-1, keepdim=True)], dim=1)
     best = chunk_max.max(dim=-1).indices
     start = torch.where(best < whole, best * c, vocab - c)
-    within = x.gather(1, start[:, None] + torch.arange(c, device=x.device)).max(dim=-1)
+    within = x.gather(1, start[:, None] + _OFFSETS).max(dim=-1)
     return RowMax(within.values, start + within.indices)
