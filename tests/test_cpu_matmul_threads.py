@@ -240,6 +240,9 @@ def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tm
     assert linears and all(m.weight.stride() == (1, m.weight.shape[0]) for m in linears)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     assert use_cpu_matvec_layout(model) == 0  # already moved: nothing twice
+    # every linear layer packed at load, of the weight as it is multiplied; the head packs on first use
+    packs = {m: m.packed.packed for m in linears if isinstance(m, Linear)}
+    assert all(p is not None for p in packs.values()) and model.lm_head.packed.packed is None
     layer = model.model.layers[0].mlp.down_proj
     g = torch.Generator().manual_seed(3)
     for rows in (1, 5):  # one token: F.linear on the column-major weight; more: the prepacked copy
@@ -247,7 +250,10 @@ def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tm
         with torch.inference_mode():
             y = layer(x)
         assert _rel(y, x.double() @ layer.weight.double().T) < 1e-6
-        assert (layer.packed.packed is None) == (rows == 1)
+        assert layer.packed.packed is packs[layer]  # the load's pack served the product: nothing packed again
+    with torch.inference_mode():  # the head's product of two rows packs it then
+        logits = model.lm_head(torch.randn(2, layer.out_features, generator=g))
+    assert model.lm_head.packed.packed is not None and logits.shape == (2, model.lm_head.weight.shape[0])
     ids = torch.tensor([3, 0, 7])  # the tied table is read column-major by the embedding too
     assert torch.equal(model.model.embed_tokens(ids), model.model.embed_tokens.weight.contiguous()[ids])
 
@@ -258,3 +264,4 @@ def test_prepacking_off_keeps_the_checkpoint_layout(tmp_path, monkeypatch):
     monkeypatch.setenv("CORERUN_CPU_PREPACK", "0")
     model, _ = load_model(make_tiny_model(tmp_path), dtype="float32", device="cpu")
     assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, (Linear, LMHead)))
+    assert all(m.packed.packed is None for m in model.modules() if isinstance(m, (Linear, LMHead)))  # nothing packed

@@ -11,8 +11,8 @@ and ``down_proj``) without touching the model code.
 
 On CPU, float32 and bfloat16 weights of the linear layers and the LM head are multiplied through a
 copy prepacked once for oneDNN (:class:`PackedWeight`): oneDNN's blocked layout saves the reorder
-a plain ``F.linear`` repeats on every call (docs/benchmarks.md has the measurements).  The parameter
-itself stays an ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack
+a plain ``F.linear`` repeats on every call (docs/benchmarks.md has the measurements); the linear layers are
+packed at load (:func:`prepack_cpu_weights`), the LM head on first use.  The parameter itself stays an ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack
 is redone when the parameter's storage or version changes.  ``CORERUN_CPU_PREPACK=0`` turns it off.
 
 A step of one token (one request decoding) is a matrix-vector product, bound by how fast the weights
@@ -147,6 +147,24 @@ class PackedWeight:
                 return F.linear(x, weight, bias)
             self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), key
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    @torch.inference_mode()  # as a step makes it: a pack made outside multiplied 10% slower (quantization/dense_cpu)
+    def prepare(self, weight: torch.Tensor) -> bool:
+        """Pack ``weight`` now, as the first product of two tokens or more would; whether it did."""
+        if not _prepack_wanted() or not _packable(weight):
+            return False
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
+        if key != self.key:
+            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), key
+        return True
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Pack every unquantized CPU linear layer's weight for oneDNN at load (:class:`PackedWeight`), so that the
+    first prompt does not pay for it: on the default model in float32, 0.5-1.2 s, which the first request's time
+    to first token carried before.  The LM head stays lazy: it multiplies two rows or more only when a step
+    samples for several requests, and its pack is the embedding's size again.  Returns how many were packed."""
+    return sum(m.packed.prepare(m.weight) for m in model.modules() if isinstance(m, Linear) and m.quant is None)
 
 
 class Linear(nn.Module):

@@ -29,7 +29,7 @@ from torch import nn
 
 from corerun.models.config import ModelConfig, parse_dtype
 from corerun.models.errors import ModelLoadError, UnsupportedModelError, folder_listing
-from corerun.models.layers import WeightShapeError, use_cpu_matvec_layout
+from corerun.models.layers import WeightShapeError, prepack_cpu_weights, use_cpu_matvec_layout
 from corerun.quantization.checkpoint import gguf_file_of, quantization_config
 from corerun.quantization.gguf_file import gguf_weights
 from corerun.models.registry import model_family
@@ -101,6 +101,7 @@ def load_model(
     if head:
         _quantize_lm_head(model, quant, head.get("lm_head.weight", head.get("model.embed_tokens.weight") if config.tie_word_embeddings else None))
     use_cpu_matvec_layout(model)  # one-token steps stream float32 CPU weights faster column by column
+    prepack_cpu_weights(model)  # (after it: a pack is of the weight's storage as it will be multiplied)
     return model.eval(), config
 
 
