@@ -59,6 +59,8 @@ def cases(gen: torch.Generator) -> dict[str, list[tuple[int, int]]]:
         "prefill 8 x 32-256 new": [(0, n) for n in torch.randint(32, 257, (8,), generator=gen).tolist()],
         "prefill 24 x 32-256 new": [(0, n) for n in torch.randint(32, 257, (24,), generator=gen).tolist()],  # step_profile's
         "prefill 1 x 2048 new": [(0, 2048)],
+        "prefill 1 x 1024 new": [(0, 1024)],  # a 2,048-token float32 prompt's two chunks (budget 1024)
+        "prefill 1 x 1024 new after 1024 cached": [(1024, 1024)],
         "prefill 4 x 128 new after 256 cached": [(256, 128)] * 4,
         "mixed 31 decodes ~300 keys + 256-token chunk": [(c, 1) for c in around(300, 31)] + [(128, 256)],
     }

@@ -659,43 +659,42 @@ void decode_item(const Args& a, const Item& it, const Item* next, float* buf) {
 // ---- Prefill tiles: a block of query rows against each block of 16 keys ----
 //
 // An item of several query tokens of one KV head (rows m = token * G + g, the G query heads of the group)
-// walks its request's blocks up to the causal horizon of its last token.  Per block, K is converted to
-// float32 and transposed (kt[d][j]) and V converted (vf[j][d]) once for all the item's rows; then the
-// scores of eight rows at a time (each kt row loaded once for the eight, multiplied by each row's query
-// value broadcast: sixteen keys per vector, no horizontal sums), each row's online-softmax update on its
-// sixteen lanes (keys past the row's own horizon masked), and P . V for 256 / HD rows at a time (each V row
-// loaded once for them, their accumulators in registers).  Rows whose horizon ends before the block skip
-// it.  Any dtype (queries scaled into float32 once per item); block size 16, head size 64 or 128; no
-// quantized cache, sliding window or soft cap (those take attend_item's general path).
+// walks its request's blocks up to the causal horizon of its last token.  The softmax runs across rows,
+// sixteen rows to a vector, so that no step of it needs a horizontal reduction:
+//   - the item's queries are scaled by scale * log2(e) and transposed once (qT[d][m], rows padded to a
+//     multiple of 16); per block, K and V are converted to float32 once for all the item's rows (kf, vf);
+//   - per sixteen rows, sixteen score vectors s_j (key j of the block, lane = row), each qT[d] loaded once
+//     for the sixteen keys and multiplied by k_j[d] broadcast; keys at or past a row's horizon masked;
+//   - the online softmax in base 2 on those vectors: the block's maximum by vertical maxima, 2^(s_j - m)
+//     by a polynomial and VSCALEFPS, the running sum by vertical adds; the probabilities stored key-major;
+//   - P . V for 256 / HD rows at a time (each V row loaded once for them, their accumulators in registers).
+// Row vectors wholly before the block's first visible key skip it.  Any dtype (float32 arithmetic); block
+// size 16, head size 64 or 128; no quantized cache, sliding window or soft cap (those take attend_item's
+// general path).  Measured against the per-row softmax it replaces (horizontal maximum and sum per row and
+// block, K transposed per block): benchmarks/RESULTS.md, "Thirteenth session".
 
-// Scores of R rows (qf, HD apart) against a transposed block: s[r] lane j = q_r . k_j.
-template <int HD, int R>
-inline void tile_scores(const float* qf, const float* kt, __m512* s) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
-    for (int d = 0; d < HD; ++d) {
-        const __m512 k = _mm512_loadu_ps(kt + 16 * d);
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * HD + d]), k, s[r]);
-    }
+// 2^x for x <= 0 on sixteen lanes: x = n + f, |f| <= 1/2, 2^f by the degree-7 Taylor polynomial of
+// e^(f ln 2) (relative error < 1e-8 before rounding), scaled by 2^n; 0 below -126, NaN stays NaN.
+inline __m512 exp2_nonpos16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-126.0f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);  // x >= -126 or NaN
+    const __m512 xc = _mm512_max_ps(lo, x);                         // NaN stays NaN
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(xc, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);                    // ln2^7 / 7!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-04f));  // ln2^6 / 6!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));  // ln2^5 / 5!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));  // ln2^4 / 4!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));  // ln2^3 / 3!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));  // ln2^2 / 2!
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));  // ln2
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-// One row's online-softmax update over its first n (1 .. 16) lanes: probabilities into p[16] (0 past n),
-// the factor its accumulator is to be rescaled by into alpha.
-inline void tile_softmax(__m512 s, int64_t n, float& m, float& l, float* p, float& alpha) {
-    const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
-    const float bmax = _mm512_mask_reduce_max_ps(live, s);
-    const float mold = m, mnew = bmax > mold ? bmax : mold;
-    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos16(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
-    alpha = mnew != mold ? exp_nonpos(mold - mnew) : 1.0f;
-    l = l * alpha + _mm512_reduce_add_ps(e);
-    m = mnew;
-    _mm512_storeu_ps(p, e);
-}
-
-// acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v_j for R rows.
+// acc[r] = acc[r] * alpha[r] + sum_j p[j * pstride + r] * v_j for R rows (probabilities key-major).
 template <int HD, int R>
-inline void tile_pv(const float* p, const float* alpha, const float* vf, float* acc) {
+inline void tile_pv(const float* p, int64_t pstride, const float* alpha, const float* vf, float* acc) {
     constexpr int C = HD / 16;
     __m512 o[R][C];
 #pragma GCC unroll 8
@@ -705,11 +704,14 @@ inline void tile_pv(const float* p, const float* alpha, const float* vf, float* 
         for (int c = 0; c < C; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + 16 * c), al);
     }
     for (int j = 0; j < 16; ++j) {
+        __m512 pb[R];  // each row's probability broadcast once, for the C products of the row
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) pb[r] = _mm512_set1_ps(p[j * pstride + r]);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
             const __m512 v = _mm512_loadu_ps(vf + j * HD + 16 * c);
-        #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * 16 + j]), v, o[r][c]);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) o[r][c] = _mm512_fmadd_ps(pb[r], v, o[r][c]);
         }
     }
 #pragma GCC unroll 8
@@ -730,28 +732,16 @@ inline __m512 load16(const typename Elem<DT>::T* src) {
     }
 }
 
-// r[j] lane d -> out[d * 16 + j]: a 16 x 16 transpose in three rounds of shuffles.
-inline void transpose16(__m512* r, float* out) {
-    __m512 t[16];
-    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i+1 interleaved, elements 0-1 (lo) and 2-3 (hi)
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {  // r[4i + e], lane L: rows 4i .. 4i+3 of element 4L + e
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int e = 0; e < 4; ++e) {  // gather lane L of r[e], r[4+e], r[8+e], r[12+e]: element 4L + e of all 16 rows
-        const __m512 a = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512 b = _mm512_shuffle_f32x4(r[e], r[4 + e], _MM_SHUFFLE(3, 1, 3, 1));
-        const __m512 c = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512 d = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(3, 1, 3, 1));
-        _mm512_storeu_ps(out + 16 * e, _mm512_shuffle_f32x4(a, c, _MM_SHUFFLE(2, 0, 2, 0)));
-        _mm512_storeu_ps(out + 16 * (8 + e), _mm512_shuffle_f32x4(a, c, _MM_SHUFFLE(3, 1, 3, 1)));
-        _mm512_storeu_ps(out + 16 * (4 + e), _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0)));
-        _mm512_storeu_ps(out + 16 * (12 + e), _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1)));
+// Scores of sixteen rows (qT: [HD][mp], this vector's lanes at qT) against the block's 16 keys (kf [16][HD]):
+// s[j] lane r = q_r . k_j, in base-2 units (the queries carry log2(e)).
+template <int HD>
+inline void scores_by_key(const float* qT, int64_t mp, const float* kf, __m512* s) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; ++d) {
+        const __m512 q = _mm512_loadu_ps(qT + d * mp);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) s[j] = _mm512_fmadd_ps(q, _mm512_set1_ps(kf[j * HD + d]), s[j]);
     }
 }
 
@@ -761,35 +751,37 @@ void prefill_tile(const Args& a, const Item& it, float* buf) {
     using T = typename E::T;
     constexpr int64_t BS = 16, RP = 256 / HD;
     const int64_t G = a.num_heads / a.num_kv_heads, h = it.h0;
-    const int64_t M = it.count * G;
+    const int64_t M = it.count * G, MP = (M + 15) / 16 * 16;
     const int64_t q0 = a.qsl[it.req];
     const int64_t qlen = a.qsl[it.req + 1] - q0;
     const int64_t first_hz = a.seq_lens[it.req] - qlen + it.first + 1;  // keys the tile's first token sees
     const int64_t max_hz = first_hz + it.count - 1;                      // ... and its last
     const int32_t* table = a.bt + it.req * a.bt_stride;
 
-    float* qf = buf;              // [M][HD] scaled query rows
-    float* acc = qf + M * HD;     // [M][HD]
-    float* mrow = acc + M * HD;   // [M]
-    float* lrow = mrow + M;       // [M]
-    float* kt = lrow + M;         // [HD][16] the block's K, transposed
-    float* vf = kt + BS * HD;     // [16][HD]
-    float* p = vf + BS * HD;      // [M][16]
-    float* alpha = p + BS * M;    // [M]
+    float* qT = buf;               // [HD][MP] scaled query rows, transposed (padding rows 0)
+    float* acc = qT + HD * MP;     // [MP][HD]
+    float* mrow = acc + MP * HD;   // [MP] running maximum (base 2)
+    float* lrow = mrow + MP;       // [MP] running sum
+    float* alpha = lrow + MP;      // [MP]
+    int32_t* hz = reinterpret_cast<int32_t*>(alpha + MP);  // [MP] keys each row sees (padding: the first row's)
+    float* p = alpha + 2 * MP;     // [16][MP] probabilities, key-major
+    float* kf = p + BS * MP;       // [16][HD]
+    float* vf = kf + BS * HD;      // [16][HD]
 
+    const float qscale = a.scale * 1.44269504088896341f;
     const T* qbase = static_cast<const T*>(a.q);
-    for (int64_t ti = 0; ti < it.count; ++ti)
-        for (int64_t g = 0; g < G; ++g) {
-            const T* src = qbase + (q0 + it.first + ti) * a.q_st + (h * G + g) * a.q_sh;
-            float* dst = qf + (ti * G + g) * HD;
-#pragma omp simd
-            for (int64_t d = 0; d < HD; ++d) dst[d] = E::load(src[d]) * a.scale;
+    for (int64_t m = 0; m < MP; ++m) {
+        if (m < M) {
+            const T* src = qbase + (q0 + it.first + m / G) * a.q_st + (h * G + m % G) * a.q_sh;
+            for (int64_t d = 0; d < HD; ++d) qT[d * MP + m] = E::load(src[d]) * qscale;
+        } else {
+            for (int64_t d = 0; d < HD; ++d) qT[d * MP + m] = 0.0f;
         }
-    for (int64_t i = 0; i < M * HD; ++i) acc[i] = 0.0f;
-    for (int64_t m = 0; m < M; ++m) {
+        hz[m] = static_cast<int32_t>(m < M ? first_hz + m / G : first_hz);
         mrow[m] = -INFINITY;
         lrow[m] = 0.0f;
     }
+    for (int64_t i = 0; i < MP * HD; ++i) acc[i] = 0.0f;
 
     const T* kc = static_cast<const T*>(a.k);
     const T* vc = static_cast<const T*>(a.v);
@@ -802,34 +794,49 @@ void prefill_tile(const Args& a, const Item& it, float* buf) {
             prefetch_block<T>(kc, vc, static_cast<int64_t>(table[b + 1]) * a.kv_sb + h * a.kv_sh, next_keys, a.kv_st, HD);
         }
         const int64_t off = static_cast<int64_t>(table[b]) * a.kv_sb + h * a.kv_sh;
-        for (int64_t c = 0; c < HD; c += 16) {  // sixteen dimensions of the block's K and V rows at a time
-            __m512 r[16];
-            for (int64_t j = 0; j < BS; ++j) {  // keys past nkeys as zeros (their probabilities are 0)
-                const bool live = j < nkeys;
-                r[j] = live ? load16<DT>(kc + off + j * a.kv_st + c) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < BS; ++j) {  // keys past nkeys as zeros (masked, and their probabilities are 0)
+            const bool live = j < nkeys;
+            for (int64_t c = 0; c < HD; c += 16) {
+                _mm512_storeu_ps(kf + j * HD + c, live ? load16<DT>(kc + off + j * a.kv_st + c) : _mm512_setzero_ps());
                 _mm512_storeu_ps(vf + j * HD + c, live ? load16<DT>(vc + off + j * a.kv_st + c) : _mm512_setzero_ps());
             }
-            transpose16(r, kt + c * BS);
         }
         // token ti sees keys < first_hz + ti: the rows before m0 see none of this block
         const int64_t m0 = (start >= first_hz ? start - first_hz + 1 : 0) * G;
-        auto softmax_rows = [&](int64_t m, int64_t R, const __m512* s) {
-            for (int64_t r = 0; r < R; ++r) {
-                const int64_t row = m + r, hz = first_hz + row / G;
-                tile_softmax(s[r], hz - start < nkeys ? hz - start : nkeys, mrow[row], lrow[row], p + row * BS, alpha[row]);
+        const int64_t v0 = m0 / 16 * 16;
+        for (int64_t m = v0; m < MP; m += 16) {
+            __m512 s[16];
+            scores_by_key<HD>(qT + m, MP, kf, s);
+            const __m512i rows_hz = _mm512_loadu_si512(hz + m);
+            if (start + BS > hz[m]) {  // some key of the block is at or past some row's horizon: mask them
+#pragma GCC unroll 16
+                for (int j = 0; j < 16; ++j) {
+                    const __mmask16 live = _mm512_cmpgt_epi32_mask(rows_hz, _mm512_set1_epi32(static_cast<int>(start + j)));
+                    s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s[j]);
+                }
             }
-        };
-        // eight rows at a time; the last eight may run past row M into acc (finite, read only) and those
-        // scores are dropped: one chain of 64 dependent products per lone row would cost more
-        int64_t m = m0;
-        __m512 s[8];
-        for (; m < M; m += 8) {
-            tile_scores<HD, 8>(qf + m * HD, kt, s);
-            softmax_rows(m, M - m < 8 ? M - m : 8, s);
+            __m512 bmax = s[0];
+#pragma GCC unroll 16
+            for (int j = 1; j < 16; ++j) bmax = _mm512_max_ps(bmax, s[j]);
+            const __m512 mold = _mm512_loadu_ps(mrow + m);
+            const __m512 mnew = _mm512_max_ps(mold, bmax);
+            // every row sees key 0, so a row's maximum is finite from the first block on
+            const __m512 al = exp2_nonpos16(_mm512_sub_ps(mold, mnew));
+            __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; ++j) {
+                const __m512 e = exp2_nonpos16(_mm512_sub_ps(s[j], mnew));
+                sum = _mm512_add_ps(sum, e);
+                _mm512_storeu_ps(p + j * MP + m, e);
+            }
+            _mm512_storeu_ps(lrow + m, _mm512_fmadd_ps(_mm512_loadu_ps(lrow + m), al, sum));
+            _mm512_storeu_ps(mrow + m, mnew);
+            _mm512_storeu_ps(alpha + m, al);
         }
-        for (m = m0; m + RP <= M; m += RP) tile_pv<HD, RP>(p + m * BS, alpha + m, vf, acc + m * HD);
-        for (; m + 2 <= M; m += 2) tile_pv<HD, 2>(p + m * BS, alpha + m, vf, acc + m * HD);
-        if (m < M) tile_pv<HD, 1>(p + m * BS, alpha + m, vf, acc + m * HD);
+        int64_t m = v0;
+        for (; m + RP <= M; m += RP) tile_pv<HD, RP>(p + m, MP, alpha + m, vf, acc + m * HD);
+        for (; m + 2 <= M; m += 2) tile_pv<HD, 2>(p + m, MP, alpha + m, vf, acc + m * HD);
+        if (m < M) tile_pv<HD, 1>(p + m, MP, alpha + m, vf, acc + m * HD);
     }
 
     T* obase = static_cast<T*>(a.out);
@@ -999,9 +1006,9 @@ void attend_item(const Args& a, const Item& it, const Item* next, float* buf) {
 
 template <int DT, int HD>
 void attend_all(const Args& a, const Item* items, int64_t num_items, int num_threads) {
-    const int64_t rows = TILE_ROWS > a.num_heads ? TILE_ROWS : a.num_heads;
-    // (prefill_tile also keeps 16 probabilities and a factor per row)
-    const size_t floats = static_cast<size_t>(2 * rows * a.head_size + 19 * rows + 2 * a.block_size * a.head_size + a.block_size + 16);
+    const int64_t rows = (TILE_ROWS > a.num_heads ? TILE_ROWS : a.num_heads + 15) / 16 * 16;  // (prefill_tile pads to 16)
+    // (prefill_tile also keeps 16 probabilities, a factor and a horizon per row)
+    const size_t floats = static_cast<size_t>(2 * rows * a.head_size + 20 * rows + 2 * a.block_size * a.head_size + a.block_size + 16);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
     {
         float* buf = static_cast<float*>(std::aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64));
