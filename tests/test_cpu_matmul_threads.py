@@ -12,7 +12,7 @@ import torch
 
 from corerun.config import load_config
 from corerun.errors import ConfigError
-from corerun.models.layers import Linear, LMHead, PackedWeight
+from corerun.models.layers import MATMUL_MIN_ROWS, Linear, LMHead, PackedWeight
 from corerun.platform.host import (
     AUTO_PARALLEL_TOKENS, AUTO_PARALLEL_TOKENS_FLOAT32, parallel_tokens, physical_cores, resolve_threads, step_pools, step_threads,
 )
@@ -231,7 +231,7 @@ def test_cpu_flags():
 
 @needs_mkldnn
 @pytest.mark.parametrize("tied", [False, True])
-def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tmp_path, tied):
+def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tmp_path, monkeypatch, tied):
     from corerun.models.layers import use_cpu_matvec_layout
     from corerun.models.loader import load_model
 
@@ -245,12 +245,19 @@ def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tm
     assert all(p is not None for p in packs.values()) and model.lm_head.packed.packed is None
     layer = model.model.layers[0].mlp.down_proj
     g = torch.Generator().manual_seed(3)
-    for rows in (1, 5):  # one token: F.linear on the column-major weight; more: the prepacked copy
+    for rows in (1, 5, MATMUL_MIN_ROWS):  # 1 and MATMUL_MIN_ROWS: F.linear on the column-major weight; 5: the pack
         x = torch.randn(rows, layer.in_features, generator=g)
         with torch.inference_mode():
             y = layer(x)
         assert _rel(y, x.double() @ layer.weight.double().T) < 1e-6
         assert layer.packed.packed is packs[layer]  # the load's pack served the product: nothing packed again
+    calls = []  # which product each row count takes: the pack from 2 rows up to MATMUL_MIN_ROWS - 1
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, 2, MATMUL_MIN_ROWS - 1, MATMUL_MIN_ROWS, 2 * MATMUL_MIN_ROWS):
+            layer(torch.randn(rows, layer.in_features, generator=g))
+    assert calls == [2, MATMUL_MIN_ROWS - 1]
     with torch.inference_mode():  # the head's product of two rows packs it then
         logits = model.lm_head(torch.randn(2, layer.out_features, generator=g))
     assert model.lm_head.packed.packed is not None and logits.shape == (2, model.lm_head.weight.shape[0])

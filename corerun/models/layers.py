@@ -11,16 +11,17 @@ and ``down_proj``) without touching the model code.
 
 On CPU, float32 and bfloat16 weights of the linear layers and the LM head are multiplied through a
 copy prepacked once for oneDNN (:class:`PackedWeight`): oneDNN's blocked layout saves the reorder
-a plain ``F.linear`` repeats on every call (docs/benchmarks.md has the measurements); the linear layers are
-packed at load (:func:`prepack_cpu_weights`), the LM head on first use.  The parameter itself stays an ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack
-is redone when the parameter's storage or version changes.  ``CORERUN_CPU_PREPACK=0`` turns it off.
+a plain ``F.linear`` repeats on every call (docs/benchmarks.md has the measurements); the linear layers
+are packed at load (:func:`prepack_cpu_weights`), the LM head on first use.  The parameter itself stays an
+ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack is redone when the parameter's storage or version changes.  ``CORERUN_CPU_PREPACK=0`` turns it off.
 
 A step of one token (one request decoding) is a matrix-vector product, bound by how fast the weights
 stream from memory.  There oneDNN's blocked layout streams slower than a plain product with the
 weight stored column by column (``x @ W.T`` with ``W.T`` contiguous: 15 against 12.6 GB/s on one
 core of this project's CPU, docs/benchmarks.md), so :func:`use_cpu_matvec_layout` stores each float32
 CPU weight that way after loading (same shape and values, strides ``(1, out_features)``), and a
-one-token step calls ``F.linear`` on it; steps of two tokens or more keep the prepacked copy.
+one-token step calls ``F.linear`` on it, as does a float32 step of :data:`MATMUL_MIN_ROWS` tokens or more (MKL's
+GEMM on that layout is then faster than the pack); the steps between keep the prepacked copy.
 
 A linear layer built with a quantization method (``quant``, :mod:`corerun.quantization`) hands its
 weight to the method: the method creates the storage, stores each checkpoint tensor once the layer
@@ -119,6 +120,13 @@ def use_cpu_matvec_layout(model: nn.Module) -> int:
     return moved
 
 
+# From this many rows on, a float32 product on the column-major weight (``F.linear``: MKL's GEMM with no transpose)
+# is faster than oneDNN's prepacked one: the default model's 30 layers of products at one thread took 4-6 % less
+# at 384, 512, 768, 1024 and 2048 rows, 1-2 % more at 256 and 15 % more at 32; at two threads 1-2 % less from
+# 512 rows (benchmarks/RESULTS.md, "Thirteenth session").  Prompts and large batches take it, decodes keep the pack.
+MATMUL_MIN_ROWS = 384
+
+
 class PackedWeight:
     """A weight reordered once into oneDNN's blocked layout, for ``y = x @ weight.T (+ bias)`` on CPU.
 
@@ -139,8 +147,8 @@ class PackedWeight:
             return F.linear(x, weight, bias)
         if x.dtype != weight.dtype or (x.requires_grad and torch.is_grad_enabled()) or not _packable(weight):
             return F.linear(x, weight, bias)
-        if x.shape[0] == 1 and weight.dtype == torch.float32 and _column_major(weight):
-            return F.linear(x, weight, bias)  # the matrix-vector product streams this layout faster
+        if (x.shape[0] == 1 or x.shape[0] >= MATMUL_MIN_ROWS) and weight.dtype == torch.float32 and _column_major(weight):
+            return F.linear(x, weight, bias)  # the matrix-vector product streams this layout faster; see MATMUL_MIN_ROWS
         key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
         if key != self.key:
             if not _prepack_wanted():
