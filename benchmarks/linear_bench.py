@@ -3,9 +3,11 @@
 For the shapes of SmolLM2-135M (hidden 576, qkv 960, gate_up 3072, down 1536->576, 30 layers, and
 the 49152-row LM head) and a few token counts, the time of one step's matmuls, in float32 and
 bfloat16, plain and through :class:`corerun.models.layers.PackedWeight`, interleaved, best of
-``--repeats``; the ratios in the same run are the result (docs/benchmarks.md).
+``--repeats``; in float32 also plain ``F.linear`` on the weights stored column-major, as corerun stores
+them (MKL's GEMM without a transpose; what a float32 product of one row, or of ``MATMUL_MIN_ROWS`` or more,
+runs).  The ratios in the same run are the result (docs/benchmarks.md).
 
-    .venv/bin/python benchmarks/linear_bench.py --threads 1 --tokens 1,32,256
+    .venv/bin/python benchmarks/linear_bench.py --threads 1 --tokens 1,32,256,384,1024
 """
 
 from __future__ import annotations
@@ -58,18 +60,24 @@ def main() -> None:
             packs = {k: PackedWeight() for k in ws}
             xs = {k: torch.randn(tokens if k != LM_HEAD else min(tokens, 32), k[0], generator=g).to(dtype) for k in ws}
 
-            def step(packed: bool) -> None:
+            columns = {k: w.t().contiguous().t() for k, w in ws.items()}  # same values, strides (1, out)
+
+            def step(how: str) -> None:
                 for k, w in ws.items():
                     for _ in range(LAYERS if k != LM_HEAD else 1):
-                        packs[k].linear(xs[k], w, None) if packed else F.linear(xs[k], w)
+                        if how == "prepacked":
+                            packs[k].linear(xs[k], w, None)
+                        else:
+                            F.linear(xs[k], w if how == "plain" else columns[k])
 
+            hows = ("plain", "prepacked", "column-major") if dtype == torch.float32 else ("plain", "prepacked")
             with torch.inference_mode():
-                plain, packed = [], []
+                times: dict[str, list[float]] = {how: [] for how in hows}
                 for _ in range(2):  # interleaved
-                    plain.append(best_ms(lambda: step(False), args.repeats))
-                    packed.append(best_ms(lambda: step(True), args.repeats))
+                    for how in hows:
+                        times[how].append(best_ms(lambda: step(how), args.repeats))
             name = str(dtype).removeprefix("torch.")
-            row[f"{name} plain"], row[f"{name} prepacked"] = min(plain), min(packed)
+            row.update({f"{name} {how}": min(t) for how, t in times.items()})
         base = row["float32 plain"]
         cells = ", ".join(f"{k} {v:.1f} ms ({base / v:.2f}x)" for k, v in row.items())
         print(f"T={tokens}: {cells}; load {os.getloadavg()[0]:.2f}")

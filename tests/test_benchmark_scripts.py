@@ -141,6 +141,16 @@ def test_step_profile_smoke(tiny_llama):
     assert float(re.search(r"linears\s+(-?[\d.]+) ms", block).group(1)) > 0, block
 
 
+def test_one_request_anatomy_smoke(tiny_llama):
+    out = run_script("one_request_anatomy.py", "--model", str(tiny_llama), "--dtype", "float32", "--tokens", "6",
+                     "--repeats", "2")
+    layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
+    calls = re.search(r"linear layers inside the model:\s+([\d.]+) ms per token \((\d+) calls", out)
+    assert calls and int(calls.group(2)) == 4 * layers + 1, out  # qkv, o, gate_up, down per layer, then the head
+    for name in ("step as it runs", "the same calls back to back", "the rest, inside the model", "the rest, linear layers filled instead"):
+        positive_finite(float(re.search(re.escape(name) + r":\s+(-?[\d.]+) ms", out).group(1)), name)
+
+
 # ------------------------------------------------------------------------------ serve_bench
 @pytest.mark.timeout(120)
 def test_serve_bench_self_smoke(tiny_llama):
@@ -211,9 +221,9 @@ def test_linear_bench_smoke():
     rows = [line for line in out.splitlines() if line.startswith("T=")]
     assert [r.split(":")[0] for r in rows] == ["T=1"], out
     for row in rows:
-        for name in ("float32 plain", "float32 prepacked", "bfloat16 plain", "bfloat16 prepacked"):
+        for name in ("float32 plain", "float32 prepacked", "float32 column-major", "bfloat16 plain", "bfloat16 prepacked"):
             assert name in row, f"{name!r} missing from {row!r}"
-        ratios = table_ratios(row.split("; load")[0], 4, row.split(":")[0])
+        ratios = table_ratios(row.split("; load")[0], 5, row.split(":")[0])
         assert ratios[0] == 1.0  # float32 plain against itself
 
 
