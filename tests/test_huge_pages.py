@@ -114,3 +114,17 @@ def test_a_users_own_malloc_settings_are_left_alone() -> None:
                 {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}):
         kept, _, _ = _freed(env)
         assert kept == "False", env
+
+
+def test_a_cpu_runner_sets_malloc_before_its_weights_load(tmp_path, monkeypatch) -> None:
+    from corerun.llm import LLM
+    from corerun.models import loader
+    from corerun.runner import construction
+    from tests.helpers.tiny_models import make_tiny_model
+
+    events: list[str] = []
+    monkeypatch.setattr(construction, "keep_freed_memory", lambda: events.append("malloc") or True)
+    real_load = loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: events.append("weights") or real_load(*a, **k))
+    LLM(model=str(make_tiny_model(tmp_path)), threads=1)
+    assert events == ["malloc", "weights"]  # once, and before the weights: their memory comes after the setting
