@@ -124,7 +124,13 @@ def use_cpu_matvec_layout(model: nn.Module) -> int:
 # is faster than oneDNN's prepacked one: the default model's 30 layers of products at one thread took 4-6 % less
 # at 384, 512, 768, 1024 and 2048 rows, 1-2 % more at 256 and 15 % more at 32; at two threads 1-2 % less from
 # 512 rows (benchmarks/RESULTS.md, "Thirteenth session").  Prompts and large batches take it, decodes keep the pack.
+# Measured with MKL only: a torch without it (another BLAS behind F.linear) keeps the pack at every size.
 MATMUL_MIN_ROWS = 384
+
+
+@functools.cache
+def _matmul_min_rows() -> float:
+    return MATMUL_MIN_ROWS if torch.backends.mkl.is_available() else float("inf")
 
 
 class PackedWeight:
@@ -147,7 +153,7 @@ class PackedWeight:
             return F.linear(x, weight, bias)
         if x.dtype != weight.dtype or (x.requires_grad and torch.is_grad_enabled()) or not _packable(weight):
             return F.linear(x, weight, bias)
-        if (x.shape[0] == 1 or x.shape[0] >= MATMUL_MIN_ROWS) and weight.dtype == torch.float32 and _column_major(weight):
+        if (x.shape[0] == 1 or x.shape[0] >= _matmul_min_rows()) and weight.dtype == torch.float32 and _column_major(weight):
             return F.linear(x, weight, bias)  # the matrix-vector product streams this layout faster; see MATMUL_MIN_ROWS
         key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
         if key != self.key:
