@@ -168,6 +168,8 @@ class DistributedConfig(_Strict):
     # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) or "tcp://host:port": every rank is launched on its host.
     init_method: str | None = None
     timeout_s: float = Field(600.0, gt=0.0)  # a collective waiting longer than this fails
+    # every rank started and its model and KV cache built within this (a busy host starts slowly); None: timeout_s
+    start_timeout_s: float | None = Field(None, gt=0.0)
     start_method: Literal["spawn", "forkserver"] = "spawn"  # how one host starts its workers (forkserver: faster restarts)
 
     @field_validator("executor")

@@ -9,7 +9,9 @@ import pytest
 from corerun.conformance.executor_suite import ExecutorSuite
 from corerun.conformance.suite import Case
 from corerun.config import Config
+from corerun.distributed.errors import TensorParallelError
 from corerun.protocols.executor import Executor, Placement
+from corerun.sdk.executor import LocalExecutor, WorkerLaunch
 from tests.broken_impls.executor import CAPABILITIES, DropsAStep, HangsOnADeadRank, LeaksAProcess
 
 
@@ -50,7 +52,7 @@ class TestLocalExecutor(ExecutorSuite):
 
 def _check(broken, check: str, placement: str = "tp2") -> None:
     class Suite(ExecutorSuite):  # short waits: each broken executor fails by waiting them out
-        timeout_s = 5.0  # (a loaded machine starts a forked rank within it; the dropped step's collective waits it out)
+        timeout_s = 5.0  # (the dropped step's collective waits it out; starting keeps start_timeout_s)
         lost_rank_grace_s = 3.0
         leak_grace_s = 2.0
 
@@ -94,3 +96,50 @@ def test_scaffolded_executor_passes_the_suite_unedited(tmp_path, monkeypatch) ->
     assert "`distributed: {executor: fresh}`" in (root / "README.md").read_text()
     for module in [m for m in sys.modules if m.startswith("corerun_executor_fresh")]:
         monkeypatch.delitem(sys.modules, module)
+
+
+class _SilentStart(LocalExecutor):
+    """Starts nothing; its ``wait_for`` records the wait corerun asked for and fails as a silent rank would."""
+
+    waits: list[tuple[str, float]] = []
+
+    def start(self, launch: WorkerLaunch) -> None:
+        self.world_size = launch.placement.world_size
+        return None
+
+    def wait_for(self, what: str, timeout_s: float) -> None:
+        _SilentStart.waits.append((what, timeout_s))
+        raise TensorParallelError(f"rank(s) 1 did not report {what!r} within {timeout_s:.0f} s")
+
+
+@pytest.mark.parametrize(("distributed", "expect"), [
+    ({"timeout_s": 7.0}, 7.0),  # unset: the collective timeout
+    ({"timeout_s": 7.0, "start_timeout_s": 450.0}, 450.0),
+], ids=["unset", "set"])
+def test_ranks_get_start_timeout_s_to_start(distributed: dict, expect: float, tmp_path) -> None:
+    """Starting ranks waits ``distributed.start_timeout_s`` (a busy host or a cold Ray worker is slow to
+    start), not the collective ``timeout_s`` a user shortens to find a lost rank fast."""
+    from corerun.engine.llm_engine import LLMEngine
+    from corerun.plugin.hookspecs import hookimpl
+    from corerun.plugin.registry import Registry
+    from tests.helpers.tiny_models import make_tiny_model
+
+    class _One:
+        @hookimpl
+        def corerun_executors(self, register) -> None:
+            register("silent", _SilentStart, capabilities=CAPABILITIES)
+
+    registry = Registry.from_environment()
+    registry.register_module(_One(), plugin="silent", distribution="tests", version="0")
+    _SilentStart.waits = []
+    model = make_tiny_model(tmp_path, "llama", num_hidden_layers=2)
+    config = Config(model=str(model), device="cpu", dtype="float32", tensor_parallel_size=2,
+                    distributed={"executor": "silent", **distributed})
+    with pytest.raises(TensorParallelError, match=f"did not report 'started' within {expect:.0f} s"):
+        LLMEngine(config, registry)
+    assert _SilentStart.waits == [("started", expect)]
+
+
+def test_start_timeout_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="start_timeout_s"):
+        Config(distributed={"start_timeout_s": 0})

@@ -66,16 +66,16 @@ def _run(model: Path, **parallel: Any) -> tuple[list[list[int]], Any]:
         llm.shutdown()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_tp2_and_pp2_through_ray_equal_one_process(cluster: None, model: Path) -> None:
     want, (preempted, hits) = _run(model)
     assert preempted > 0 and hits > 0  # the mix the ranks must follow
     for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        got, _ = _run(model, distributed={"executor": "ray", "timeout_s": 60}, **parallel)
+        got, _ = _run(model, distributed={"executor": "ray", "timeout_s": 60, "start_timeout_s": 600}, **parallel)
         assert got == want, parallel
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_ray_passes_the_executor_suite(cluster: None) -> None:
     from corerun.conformance.runner import run
 

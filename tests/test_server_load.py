@@ -83,7 +83,10 @@ def run_load(url: str, plan: list[tuple[int, str, int, int | None]], tok: Any) -
     clients = max(c for c, *_ in plan) + 1
 
     async def client_run(c: int) -> list[dict[str, Any]]:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        # The client's default 5 s connect timeout is a wait on this test's own event loop, which a busy
+        # machine can starve with 64 streams to read: the server is under test, not the loop's latency.
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0,
+                                    timeout=openai.Timeout(240.0, connect=120.0))
         try:
             return [await _one(client, p, m, h) for cc, p, m, h in plan if cc == c]
         finally:

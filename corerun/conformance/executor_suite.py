@@ -113,6 +113,7 @@ class ExecutorSuite(ConformanceSuite):
 
     kind = "executor"
     timeout_s: ClassVar[float] = 30.0  # distributed.timeout_s of the engines it builds
+    start_timeout_s: ClassVar[float] = 300.0  # distributed.start_timeout_s: a busy host starts ranks slowly
     lost_rank_grace_s: ClassVar[float] = 15.0  # beyond timeout_s, for the requests to end after a rank's death
     leak_grace_s: ClassVar[float] = 10.0  # how long the executor's processes may take to be reaped after shutdown()
 
@@ -155,7 +156,8 @@ class ExecutorSuite(ConformanceSuite):
         from corerun.config import Config
         from corerun.engine.llm_engine import LLMEngine
 
-        distributed: dict[str, Any] = {"timeout_s": self.timeout_s, "start_method": "forkserver"}  # (local's)
+        distributed: dict[str, Any] = {"timeout_s": self.timeout_s, "start_timeout_s": self.start_timeout_s,
+                                       "start_method": "forkserver"}  # (local's)
         if target is not None:
             distributed.update(executor=target.name, executor_options=dict(target.options))
         config = Config(model=str(tiny_model()), tensor_parallel_size=tp, pipeline_parallel_size=pp,

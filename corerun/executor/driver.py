@@ -71,6 +71,7 @@ class TensorParallelRunner(StageRunner):
         if executor is None:
             executor = make_executor(config, placement, registry)[1]
         n, timeout = placement.world_size, config.distributed.timeout_s
+        start_timeout = config.distributed.start_timeout_s or timeout
         ensure_not_initialized()
         self._busy = False  # True while the workers may be waiting in a collective for rank 0
         self._recorded: Recorded = {}  # tokens sampled since the workers' last command (seq_id -> tokens)
@@ -81,7 +82,7 @@ class TensorParallelRunner(StageRunner):
         try:
             backend = backend_for(config)
             store = executor.start(WorkerLaunch(config.model_dump(), placement, backend, timeout))
-            executor.wait_for("started", timeout)
+            executor.wait_for("started", start_timeout)
             if store is not None:
                 device = bind_device(config, 0, n, is_worker=False)
                 init_group(backend, store, 0, n, timeout, device)
@@ -92,7 +93,7 @@ class TensorParallelRunner(StageRunner):
             group = stage_group(placement, 0, device) if pipelined else world
             self.tp = world  # every rank: the ranks' persistent batches are gathered over it
             super().__init__(config, registry, group, placement, 0, world if pipelined else None)
-            executor.wait_for("ready", timeout)
+            executor.wait_for("ready", start_timeout)
         except BaseException as exc:
             found = self._startup_failure(exc)
             self.shutdown(graceful=False)

@@ -124,7 +124,7 @@ class LaunchedExecutor:
             if pending and time.monotonic() > deadline:
                 raise TensorParallelError(
                     f"tensor-parallel rank(s) {', '.join(map(str, sorted(pending)))} did not report {what!r} "
-                    f"within {timeout_s:.0f} s (distributed.timeout_s); see their logs"
+                    f"within {timeout_s:.0f} s (distributed.start_timeout_s); see their logs"
                 )
             if pending:
                 time.sleep(0.05)

@@ -109,7 +109,7 @@ class LocalExecutor:
             if pending and remaining <= 0:
                 raise TensorParallelError(
                     f"tensor-parallel rank(s) {', '.join(map(str, sorted(pending)))} did not report {what!r} within "
-                    f"{timeout_s:.0f} s (distributed.timeout_s); see their output above"
+                    f"{timeout_s:.0f} s (distributed.start_timeout_s); see their output above"
                 )
             if pending:
                 wait([self.conns[r - 1] for r in pending] + [self.procs[r - 1].sentinel for r in pending], min(remaining, 1.0))

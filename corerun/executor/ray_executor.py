@@ -190,7 +190,7 @@ class RayExecutor:
             if pending and remaining <= 0:
                 raise TensorParallelError(
                     f"rank(s) {', '.join(map(str, sorted(pending)))} (Ray actors) did not report {what!r} within "
-                    f"{timeout_s:.0f} s (distributed.timeout_s); their output is in the Ray logs")
+                    f"{timeout_s:.0f} s (distributed.start_timeout_s); their output is in the Ray logs")
             self._wait(min(remaining, 0.5))
 
     # ------------------------------------------------------------------ steps

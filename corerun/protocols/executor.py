@@ -22,7 +22,8 @@ executor only decides *where the other ranks run and how words reach them*:
    its process is up, before it joins the group; ``"ready"``: its model and KV cache are built).  A
    rank that reported an error or whose process ended raises
    :class:`~corerun.distributed.errors.TensorParallelError` naming the rank; a rank silent past
-   ``timeout_s`` raises it naming the ranks still pending.
+   ``timeout_s`` raises it naming the ranks still pending.  corerun passes
+   ``distributed.start_timeout_s`` here (``timeout_s`` when that is unset).
 3. ``send(command)``: hand one command to every started rank, in order (the same object, pickled
    once; commands are small plain dataclasses of ``corerun.executor.step``: ``Step`` carries the
    scheduler's frozen ``ScheduledBatch`` message).  Returns without waiting for the ranks to run it.
