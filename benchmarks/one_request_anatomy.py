@@ -86,7 +86,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     step = generate_ms(llm, prompt, args.tokens)
 
-    spent, calls, captured = [0.0], [0], []
+    spent, calls, captured, capture_limit = [0.0], [0], [], [0]  # capture_limit: how many calls to keep inputs of
     originals = {cls: cls.forward for cls in (Linear, LMHead)}
 
     depth, head_rows = [0], [0]
@@ -110,7 +110,6 @@ def main() -> None:
             return y
         return wrapper
 
-    capture_limit = [0]
     for cls, forward in originals.items():
         cls.forward = timed(forward)
     try:

@@ -13,7 +13,8 @@ On CPU, float32 and bfloat16 weights of the linear layers and the LM head are mu
 copy prepacked once for oneDNN (:class:`PackedWeight`): oneDNN's blocked layout saves the reorder
 a plain ``F.linear`` repeats on every call (docs/benchmarks.md has the measurements); the linear layers
 are packed at load (:func:`prepack_cpu_weights`), the LM head on first use.  The parameter itself stays an
-ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack is redone when the parameter's storage or version changes.  ``CORERUN_CPU_PREPACK=0`` turns it off.
+ordinary tensor, so weight loaders, tying and ``state_dict`` are unchanged; the pack is redone when the
+parameter's storage or version changes.  ``CORERUN_CPU_PREPACK=0`` turns it off.
 
 A step of one token (one request decoding) is a matrix-vector product, bound by how fast the weights
 stream from memory.  There oneDNN's blocked layout streams slower than a plain product with the
@@ -153,24 +154,28 @@ class PackedWeight:
             return F.linear(x, weight, bias)
         if x.dtype != weight.dtype or (x.requires_grad and torch.is_grad_enabled()) or not _packable(weight):
             return F.linear(x, weight, bias)
-        if (x.shape[0] == 1 or x.shape[0] >= _matmul_min_rows()) and weight.dtype == torch.float32 and _column_major(weight):
-            return F.linear(x, weight, bias)  # the matrix-vector product streams this layout faster; see MATMUL_MIN_ROWS
-        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
-        if key != self.key:
-            if not _prepack_wanted():
-                return F.linear(x, weight, bias)
-            self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), key
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        rows = x.shape[0]
+        if (rows == 1 or rows >= _matmul_min_rows()) and weight.dtype == torch.float32 and _column_major(weight):
+            return F.linear(x, weight, bias)  # one row streams this layout faster; MKL multiplies many faster on it
+        packed = self._pack(weight)
+        if packed is None:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     @torch.inference_mode()  # as a step makes it: a pack made outside multiplied 10% slower (quantization/dense_cpu)
     def prepare(self, weight: torch.Tensor) -> bool:
         """Pack ``weight`` now, as the first product of two tokens or more would; whether it did."""
-        if not _prepack_wanted() or not _packable(weight):
-            return False
+        return _packable(weight) and self._pack(weight) is not None
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The pack of ``weight`` as it is now (made again when its storage or version changed); None with
+        ``CORERUN_CPU_PREPACK=0``.  ``weight`` is :func:`_packable`."""
         key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, weight.dtype)
         if key != self.key:
+            if not _prepack_wanted():
+                return None
             self.packed, self.key = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), key
-        return True
+        return self.packed
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:

@@ -240,7 +240,8 @@ def warms_up(runner: Any, tp: Any) -> bool:
     oneDNN, under torch's bfloat16 / float16 products on CPU, builds its kernels for each new number of rows on
     first use: a full 4096-token bfloat16 step of the default model took 1.50-1.56 s the first time and
     1.15-1.27 s once a step of that size had run (benchmarks/RESULTS.md, "Warm-up").  float32 products showed
-    no such cost (their weights are packed at load: ``prepack_cpu_weights``).  Ranks of a group would have to warm up in step; they do not.
+    no such cost (their weights are packed at load: ``prepack_cpu_weights``).  Ranks of a group would have to
+    warm up in step; they do not.
     """
     return (runner.config.graph.warmup and runner.device.type == "cpu" and runner.dtype in (torch.bfloat16, torch.float16)
             and tp is None and getattr(runner, "placement", None) is None)

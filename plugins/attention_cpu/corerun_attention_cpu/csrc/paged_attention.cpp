@@ -1006,7 +1006,7 @@ void attend_item(const Args& a, const Item& it, const Item* next, float* buf) {
 
 template <int DT, int HD>
 void attend_all(const Args& a, const Item* items, int64_t num_items, int num_threads) {
-    const int64_t rows = (TILE_ROWS > a.num_heads ? TILE_ROWS : a.num_heads + 15) / 16 * 16;  // (prefill_tile pads to 16)
+    const int64_t rows = ((TILE_ROWS > a.num_heads ? TILE_ROWS : a.num_heads) + 15) / 16 * 16;  // (prefill_tile pads to 16)
     // (prefill_tile also keeps 16 probabilities, a factor and a horizon per row)
     const size_t floats = static_cast<size_t>(2 * rows * a.head_size + 20 * rows + 2 * a.block_size * a.head_size + a.block_size + 16);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_items > 1)
