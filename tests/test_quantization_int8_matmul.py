@@ -109,3 +109,22 @@ def test_only_cpu_paths_restores_the_probed_paths_and_refuses_unknown_ones() -> 
         with int8_matmul.only_cpu_paths(["vnni-by-hand"]):
             pass
     assert int8_matmul.cpu_int8_paths() == found
+
+
+@pytest.mark.parametrize(("flags", "onednn"), [
+    ({"avx512_vnni", "avx512f"}, False),  # AMD Zen 4, Intel before Sapphire Rapids: oneDNN's reference kernel
+    ({"avx512_vnni", "amx_int8", "amx_tile"}, True),
+    ({"avx2"}, False),  # no exact integer dot product: the float path
+], ids=["vnni", "amx", "neither"])
+def test_onednn_int8_only_where_amx_multiplies_it(monkeypatch: pytest.MonkeyPatch, flags: set[str], onednn: bool) -> None:
+    """Without AMX-INT8 oneDNN has no native s8 x s8 kernel and runs its reference one (2.4 s for a one-token
+    step of the default model on an AMD EPYC): W8A8 must not send its products there."""
+    if onednn and not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        pytest.skip("torch without oneDNN's int8 linear")
+    monkeypatch.setattr(int8_matmul, "_cpu_flags", lambda: set(flags))
+    found = int8_matmul._probe()
+    assert ("onednn" in found) == onednn, found
+    if flags & set(int8_matmul.INTEGER_DOT_FLAGS) and hasattr(torch, "_int_mm"):
+        assert "int_mm" in found, found  # exact wherever torch has it: the VNNI-only CPUs' product
+    else:
+        assert found == []

@@ -5,12 +5,16 @@ the checkpoint's one ``input_scale`` (``static``), rounded to nearest and clampe
 Then ``acc = x_q @ w_q.T`` and ``y = acc * s_w * s_x`` in float32.  Where ``acc`` is computed:
 
 - CUDA: ``torch._int_mm`` (cuBLASLt int8 x int8 -> int32; it wants more than 16 rows: fewer are padded);
-- CPU with integer dot products (VNNI or AMX), checked exact once per process (:func:`cpu_int8_paths`):
-  oneDNN's int8 GEMM (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86 int8 inference
-  runs) on the weight packed once at load (:func:`prepack`), given the weight scales and a unit
-  activation scale, so that it returns ``acc * s_w`` (rounded once, as torch's product); a weight of fewer than ``SMALL_PRODUCT`` codes goes through
-  ``torch._int_mm`` instead (oneDNN spends about 25 us per call, and milliseconds in its int8 x int8
+- CPU with AMX-INT8, checked exact once per process (:func:`cpu_int8_paths`): oneDNN's int8 GEMM
+  (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86 int8 inference runs) on the weight
+  packed once at load (:func:`prepack`), given the weight scales and a unit activation scale, so that it
+  returns ``acc * s_w`` (rounded once, as torch's product); a weight of fewer than ``SMALL_PRODUCT``
+  codes goes through ``torch._int_mm`` instead (oneDNN spends about 25 us per call, and milliseconds in its int8 x int8
   kernel for fewer than 256 outputs and a few rows);
+- CPU with VNNI but no AMX (AMD Zen 4, Intel before Sapphire Rapids): ``torch._int_mm``, checked exact the
+  same way.  oneDNN has no native kernel there for int8 activations times int8 weights and runs its
+  reference one (``ref_int8`` in ``ONEDNN_VERBOSE``): 20 ms for one row of a 1536 x 576 weight on an
+  AMD EPYC, 2.4 s for a one-token step of the default model, against 5.4 ms through ``torch._int_mm``;
 - CPU otherwise: the codes multiplied as float32 when every partial sum is an integer below 2**24
   (input features <= 1032, as ``127 * 128 * 1032 < 2**24``: activation codes within 127, weight codes
   within 128), else as float64: exact either way, the same ``acc`` as int32.
@@ -34,6 +38,7 @@ EXACT_FLOAT32 = 2**24 // (127 * 128)  # input features whose products (activatio
 ROW_BLOCK = 256  # rows multiplied at a time on CPU (int8_linear)
 SMALL_PRODUCT = 1 << 18  # weight codes (out * in) below which torch._int_mm is the faster CPU product
 INTEGER_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # /proc/cpuinfo flags of exact int8 dot products
+ONEDNN_INT8_FLAGS = ("amx_int8",)  # where oneDNN multiplies int8 x int8 natively (elsewhere: its reference kernel)
 
 _lock = threading.Lock()
 _cpu_paths: list[str] | None = None
@@ -83,9 +88,11 @@ class PackedInt8:
 
 
 def _probe() -> list[str]:
-    """The integer CPU products exact here (``"onednn"``, ``"int_mm"``): each is run on codes whose pairs
-    overflow int16 (a u8 x s8 multiply-add without VNNI saturates there) and sums past 2**24, against int64."""
-    if not _cpu_flags() & set(INTEGER_DOT_FLAGS):
+    """The integer CPU products exact here (``"onednn"``, with AMX-INT8 only; ``"int_mm"``): each is run on codes
+    whose pairs overflow int16 (a u8 x s8 multiply-add without VNNI saturates there) and sums past 2**24,
+    against int64."""
+    flags = _cpu_flags()
+    if not flags & set(INTEGER_DOT_FLAGS):
         return []
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-128, 128, (64, 1100), generator=g, dtype=torch.int8)
@@ -95,7 +102,8 @@ def _probe() -> list[str]:
     want = (x.long() @ w.long().t()).float()
     found = []
     try:
-        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        native = flags & set(ONEDNN_INT8_FLAGS)
+        if native and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"):
             if torch.equal(PackedInt8.of(w, torch.ones(1)).scaled(x), want):
                 found.append("onednn")
     except RuntimeError:

@@ -8,8 +8,8 @@ ranks) and the method keeps one per shard, as stored.  ``apply`` per scheme:
 - 4-bit GPTQ / AWQ / pack-quantized, int8 weights without int8 activations (W8A16), FP8 on CPU:
   the shards are decoded into ``x.dtype`` on every call and multiplied (``F.linear``);
 - W8A8 (int8 activations, dynamic or static): :func:`corerun.quantization.int8_matmul.int8_linear`,
-  int8 x int8 -> int32 (``torch._int_mm`` on CUDA; oneDNN's int8 GEMM on a CPU with VNNI or AMX).  A
-  layer whose shards are all W8A8 alike (merged q/k/v, gate/up) is merged once loaded
+  int8 x int8 -> int32 (``torch._int_mm`` on CUDA and on a CPU with VNNI alone; oneDNN's int8 GEMM on a
+  CPU with AMX).  A layer whose shards are all W8A8 alike (merged q/k/v, gate/up) is merged once loaded
   (:func:`~corerun.quantization.int8_matmul.merge`): one activation quantization and one product per call;
 - FP8 on CUDA (compute capability 8.9 or more): :func:`corerun.quantization.fp8_cuda.fp8_linear`,
   ``torch._scaled_mm`` with the activations quantized to e4m3 per token.
