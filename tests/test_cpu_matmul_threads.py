@@ -14,7 +14,8 @@ from corerun.config import load_config
 from corerun.errors import ConfigError
 from corerun.models.layers import MATMUL_MIN_ROWS, Linear, LMHead, PackedWeight
 from corerun.platform.host import (
-    AUTO_PARALLEL_TOKENS, AUTO_PARALLEL_TOKENS_FLOAT32, parallel_tokens, physical_cores, resolve_threads, step_pools, step_threads,
+    AUTO_PARALLEL_TOKENS, AUTO_PARALLEL_TOKENS_FLOAT32, cpu_vendor, parallel_tokens, physical_cores, resolve_threads,
+    step_pools, step_threads,
 )
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -229,6 +230,23 @@ def test_cpu_flags():
     assert not BF16_FLAGS & cpu_flags(_cpuinfo([(0, 0, 0)])) and cpu_flags("processor : 0\n") == frozenset()
 
 
+@pytest.mark.parametrize(("vendor", "mkl_rows"), [("GenuineIntel", MATMUL_MIN_ROWS), ("AuthenticAMD", None), ("", None)])
+def test_many_row_float32_products_go_to_mkl_on_intel_only(monkeypatch, vendor, mkl_rows):
+    """MKL's GEMM beat oneDNN's pack from 384 rows on a Sapphire Rapids and lost at every size on an EPYC."""
+    from corerun.models import layers
+    from corerun.platform import host
+
+    assert cpu_vendor("processor : 0\nvendor_id : AuthenticAMD\n") == "AuthenticAMD" and cpu_vendor("") == ""
+    monkeypatch.setattr(host, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    layers._matmul_min_rows.cache_clear()
+    try:
+        assert layers._matmul_min_rows() == (mkl_rows if mkl_rows is not None else float("inf"))
+    finally:
+        monkeypatch.undo()
+        layers._matmul_min_rows.cache_clear()
+
+
 @needs_mkldnn
 @pytest.mark.parametrize("tied", [False, True])
 def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tmp_path, monkeypatch, tied):
@@ -257,8 +275,9 @@ def test_loaded_float32_weights_are_column_major_and_both_paths_match_float64(tm
     with torch.inference_mode():
         for rows in (1, 2, MATMUL_MIN_ROWS - 1, MATMUL_MIN_ROWS, 2 * MATMUL_MIN_ROWS):
             layer(torch.randn(rows, layer.in_features, generator=g))
-    large = [MATMUL_MIN_ROWS, 2 * MATMUL_MIN_ROWS]  # F.linear with MKL; without it (another BLAS) the pack
-    assert calls == [2, MATMUL_MIN_ROWS - 1] + ([] if torch.backends.mkl.is_available() else large)
+    large = [MATMUL_MIN_ROWS, 2 * MATMUL_MIN_ROWS]  # F.linear with MKL on Intel; elsewhere the pack
+    mkl_wins = torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+    assert calls == [2, MATMUL_MIN_ROWS - 1] + ([] if mkl_wins else large)
     with torch.inference_mode():  # the head's product of two rows packs it then
         logits = model.lm_head(torch.randn(2, layer.out_features, generator=g))
     assert model.lm_head.packed.packed is not None and logits.shape == (2, model.lm_head.weight.shape[0])

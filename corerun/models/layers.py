@@ -21,8 +21,8 @@ stream from memory.  There oneDNN's blocked layout streams slower than a plain p
 weight stored column by column (``x @ W.T`` with ``W.T`` contiguous: 15 against 12.6 GB/s on one
 core of this project's CPU, docs/benchmarks.md), so :func:`use_cpu_matvec_layout` stores each float32
 CPU weight that way after loading (same shape and values, strides ``(1, out_features)``), and a
-one-token step calls ``F.linear`` on it, as does a float32 step of :data:`MATMUL_MIN_ROWS` tokens or more (MKL's
-GEMM on that layout is then faster than the pack); the steps between keep the prepacked copy.
+one-token step calls ``F.linear`` on it, as does a float32 step of :data:`MATMUL_MIN_ROWS` tokens or more on an
+Intel CPU (MKL's GEMM on that layout is then faster than the pack); the steps between keep the prepacked copy.
 
 A linear layer built with a quantization method (``quant``, :mod:`corerun.quantization`) hands its
 weight to the method: the method creates the storage, stores each checkpoint tensor once the layer
@@ -125,13 +125,18 @@ def use_cpu_matvec_layout(model: nn.Module) -> int:
 # is faster than oneDNN's prepacked one: the default model's 30 layers of products at one thread took 4-6 % less
 # at 384, 512, 768, 1024 and 2048 rows, 1-2 % more at 256 and 15 % more at 32; at two threads 1-2 % less from
 # 512 rows (benchmarks/RESULTS.md, "Thirteenth session").  Prompts and large batches take it, decodes keep the pack.
-# Measured with MKL only: a torch without it (another BLAS behind F.linear) keeps the pack at every size.
+# On Intel CPUs with MKL only: on an AMD EPYC (Zen 4) MKL's GEMM took 1.15-1.25x the pack's time from 128 to
+# 1024 rows ("Fourteenth session"), and a torch without MKL (another BLAS behind F.linear) was never measured;
+# both keep the pack at every size.
 MATMUL_MIN_ROWS = 384
 
 
 @functools.cache
 def _matmul_min_rows() -> float:
-    return MATMUL_MIN_ROWS if torch.backends.mkl.is_available() else float("inf")
+    from corerun.platform.host import cpu_vendor
+
+    mkl_wins = torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+    return MATMUL_MIN_ROWS if mkl_wins else float("inf")
 
 
 class PackedWeight:

@@ -82,6 +82,12 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset(found[0].get("flags", "").split()) if found else frozenset()
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The first processor's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; empty where unknown)."""
+    found = processors(cpuinfo)
+    return found[0].get("vendor_id", "") if found else ""
+
+
 @lru_cache(maxsize=1)
 def native_bfloat16() -> bool:
     """The CPU multiplies bfloat16 natively (AVX512_BF16 or AMX-BF16) and torch's oneDNN has that path."""
