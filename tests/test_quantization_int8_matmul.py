@@ -121,7 +121,7 @@ def test_onednn_int8_only_where_amx_multiplies_it(monkeypatch: pytest.MonkeyPatc
     step of the default model on an AMD EPYC): W8A8 must not send its products there."""
     if onednn and not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
         pytest.skip("torch without oneDNN's int8 linear")
-    monkeypatch.setattr(int8_matmul, "_cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(int8_matmul.host, "cpu_flags", lambda: frozenset(flags))
     found = int8_matmul._probe()
     assert ("onednn" in found) == onednn, found
     if flags & set(int8_matmul.INTEGER_DOT_FLAGS) and hasattr(torch, "_int_mm"):

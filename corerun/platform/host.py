@@ -76,16 +76,18 @@ def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) 
     return max(1, len(cores) if cores else len(allowed))
 
 
+def _first_processor(cpuinfo: str | None) -> dict[str, str]:
+    return next(iter(processors(cpuinfo)), {})
+
+
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The ``flags`` of the first processor (empty where there is no such field or file)."""
-    found = processors(cpuinfo)
-    return frozenset(found[0].get("flags", "").split()) if found else frozenset()
+    return frozenset(_first_processor(cpuinfo).get("flags", "").split())
 
 
 def cpu_vendor(cpuinfo: str | None = None) -> str:
     """The first processor's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; empty where unknown)."""
-    found = processors(cpuinfo)
-    return found[0].get("vendor_id", "") if found else ""
+    return _first_processor(cpuinfo).get("vendor_id", "")
 
 
 @lru_cache(maxsize=1)

@@ -28,10 +28,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
+
+from corerun.platform import host
 
 _INT_MM = hasattr(torch, "_int_mm")
 EXACT_FLOAT32 = 2**24 // (127 * 128)  # input features whose products (activations to 127, weights to -128) sum exactly in float32
@@ -52,15 +53,6 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> t
     else:
         scale = input_scale.float().reshape(1, 1).to(x.device)
     return torch.div(xf, scale).round_().clamp_(-127, 127).to(torch.int8), scale
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 @dataclass(frozen=True)
@@ -91,7 +83,7 @@ def _probe() -> list[str]:
     """The integer CPU products exact here (``"onednn"``, with AMX-INT8 only; ``"int_mm"``): each is run on codes
     whose pairs overflow int16 (a u8 x s8 multiply-add without VNNI saturates there) and sums past 2**24,
     against int64."""
-    flags = _cpu_flags()
+    flags = host.cpu_flags()
     if not flags & set(INTEGER_DOT_FLAGS):
         return []
     g = torch.Generator().manual_seed(0)
