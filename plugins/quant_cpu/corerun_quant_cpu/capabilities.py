@@ -11,7 +11,7 @@ CPU: batches of up to ``BF16_MAX_TOKENS`` rows (``BF16_AMX_MAX_TOKENS`` where th
 C++ bfloat16 product, larger ones through oneDNN's prepacked bfloat16 product.
 
 ``compressed_tensors_cpu`` reads what the built-in ``compressed-tensors`` reads, CPU only; its W8A8 layers
-with per-token activations multiply every batch on AMX-INT8 tiles.
+with per-token activations multiply every batch on AMX-INT8 tiles or with AVX-512 VNNI.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import torch
 logger = logging.getLogger("corerun_quant_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
-SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("bf16_gemv.cpp", "int8_amx.cpp")))  # one library; the others add their ops
-HEADERS = (Path(__file__).parent / "csrc" / "amx_tiles.h",)  # included by the sources: in the build key too
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("bf16_gemv.cpp", "int8_amx.cpp", "int8_vnni.cpp")))  # one library; the others add their ops
+HEADERS = tuple(Path(__file__).parent / "csrc" / n for n in ("amx_tiles.h", "w8a8_quantize.h"))  # included by the sources: in the build key too
 NAME = "corerun_quant_cpu"
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # ordered: each runs where the ones above it do
@@ -203,6 +203,25 @@ def int8_amx_linear(out: torch.Tensor, packed: torch.Tensor, weight_scale: torch
     contiguous, ``packed`` :func:`repack_int8`'s, ``weight_scale`` float32 ``[rows]``, ``out`` ``[T, rows]``
     of ``x``'s dtype with a contiguous last dimension."""
     torch.ops.corerun_quant_cpu.int8_amx_linear(out, packed, weight_scale, x)
+
+
+def int8_vnni_available() -> bool:
+    """Whether :func:`int8_vnni_linear` runs here: AVX-512 F/BW/VL/DQ with VNNI."""
+    return bool(torch.ops.corerun_quant_cpu.int8_vnni_available())
+
+
+def int8_corrections(weight: torch.Tensor) -> torch.Tensor:
+    """What :func:`int8_vnni_linear` starts each row's sum from: int32 ``[ceil(rows / 16) * 16]``, ``-128`` times
+    the row's sum of codes (its unsigned activation codes are ``q + 128``), zeros past the last row."""
+    rows = weight.shape[0]
+    corr = torch.zeros((rows + 15) // 16 * 16, dtype=torch.int32)
+    corr[:rows] = weight.sum(dim=1, dtype=torch.int32).mul_(-128)
+    return corr
+
+
+def int8_vnni_linear(out: torch.Tensor, packed: torch.Tensor, corrections: torch.Tensor, weight_scale: torch.Tensor, x: torch.Tensor) -> None:
+    """:func:`int8_amx_linear`'s product on AVX-512 VNNI: the same operands, and :func:`int8_corrections` of the weight."""
+    torch.ops.corerun_quant_cpu.int8_vnni_linear(out, packed, corrections, weight_scale, x)
 
 
 AMX_TUNING = ("large_tokens", "group_bytes", "chunk_tokens", "order")

@@ -39,10 +39,11 @@ def corerun_quantization_methods(register):
         "corerun_quant_cpu.w8a8_method:CompressedTensorsCpuMethod",
         capabilities=COMPRESSED_TENSORS_CPU,
         probe="corerun_quant_cpu.probe:probe_w8a8",
-        # above the built-in compressed-tensors (0), so `quantization: auto` takes it for such a folder on a CPU with AMX-INT8
+        # above the built-in compressed-tensors (0), so `quantization: auto` takes it for such a folder on a CPU with
+        # AMX-INT8 or AVX-512 VNNI
         priority={"cpu": 20, "default": -10},
         description=(
-            "compressed-tensors checkpoints as the built-in reads them; W8A8 products of up to 64 tokens with per-token "
-            "activations in C++ on AMX-INT8 tiles (activations quantized, multiplied and scaled in one call)"
+            "compressed-tensors checkpoints as the built-in reads them; W8A8 products of every batch with per-token "
+            "activations in C++ on AMX-INT8 tiles or AVX-512 VNNI (activations quantized, multiplied and scaled in one call)"
         ),
     )

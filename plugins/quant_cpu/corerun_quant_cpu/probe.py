@@ -23,12 +23,12 @@ def probe_dense() -> list[str]:
 
 
 def probe_w8a8() -> list[str]:
-    """Reasons ``compressed_tensors_cpu`` cannot run here: those of :func:`probe`, or a CPU without AMX-INT8
-    (or a kernel that does not grant the tile state), where the built-in's oneDNN int8 product is the one to keep."""
+    """Reasons ``compressed_tensors_cpu`` cannot run here: those of :func:`probe`, or a CPU with neither AMX-INT8
+    (granted by the kernel) nor AVX-512 VNNI, where the built-in's exact float product is the one to keep."""
     from corerun_quant_cpu import kernels
 
     reasons = kernels.load()
-    if not reasons and not kernels.int8_amx_available():
-        reasons = ["this CPU lacks AMX-INT8 (or Linux does not grant the process the tile state); "
-                   "quantization: compressed-tensors multiplies W8A8 with oneDNN"]
+    if not reasons and not kernels.int8_amx_available() and not kernels.int8_vnni_available():
+        reasons = ["this CPU has neither AMX-INT8 (granted by Linux) nor AVX-512 VNNI; "
+                   "quantization: compressed-tensors multiplies W8A8 with its own exact product"]
     return reasons

@@ -1,16 +1,23 @@
-"""``compressed_tensors_cpu``: the built-in ``compressed-tensors`` method with its W8A8 decode steps on AMX.
+"""``compressed_tensors_cpu``: the built-in ``compressed-tensors`` method with its W8A8 products in C++, on AMX
+or AVX-512 VNNI.
 
 Storage and loading are ``compressed-tensors``' (every scheme it reads: W8A8, W8A16, W4A16, FP8), and so
 is every product but one: a W8A8 layer whose activations are quantized per token (``dynamic``, what
-``corerun quantize --method int8`` and llm-compressor's W8A8 write), on a CPU with AMX-INT8, multiplies
-in C++ (:func:`~corerun_quant_cpu.kernels.int8_amx_linear`), decode steps and prefills alike: the activations quantized per token in one pass,
-TDPBSSD tiles on the int8 codes repacked at load (:func:`~corerun_quant_cpu.kernels.repack_int8`), the
-int32 sums scaled by the row's and the token's scale in the same pass that writes the output.  That is
-``int8_matmul``'s arithmetic (the same codes, the same exact sums, the scales applied in the same order),
-without its dozen torch operators per call (a decode step of 32 requests spent about 11 ms in them and
-25 us per layer in oneDNN's call): through the default model's 120 decoder products 2.0-2.9x faster
-than the built-in from 1 to 512 tokens (``benchmarks/int8_amx_bench.py``).  Static activation scales,
-widths that are not a multiple of 64 and other schemes take the built-in's path.
+``corerun quantize --method int8`` and llm-compressor's W8A8 write) multiplies in C++, decode steps and
+prefills alike: the activations quantized per token in one pass, the int8 codes repacked at load
+(:func:`~corerun_quant_cpu.kernels.repack_int8`: 16 rows by 4 columns), the int32 sums scaled by the row's
+and the token's scale in the same pass that writes the output.  That is ``int8_matmul``'s arithmetic (the
+same codes, the same exact sums, the scales applied in the same order), without its dozen torch operators
+per call (a decode step of 32 requests spent 11 ms in them on a Sapphire Rapids, 33 ms on an AMD EPYC).
+Two kernels, the first the CPU has:
+
+- AMX-INT8 (:func:`~corerun_quant_cpu.kernels.int8_amx_linear`): TDPBSSD tiles; through the default model's 120
+  decoder products 2.0-2.9x faster than the built-in from 1 to 512 tokens (``benchmarks/int8_amx_bench.py``);
+- AVX-512 VNNI (:func:`~corerun_quant_cpu.kernels.int8_vnni_linear`, AMD Zen 4, Intel before Sapphire Rapids):
+  VPDPBUSD on the codes + 128, each sum started from the row's ``-128 * sum(W)``; 1.3-2.8x the built-in's
+  ``torch._int_mm`` there (the same benchmark).
+
+Static activation scales, widths that are not a multiple of 64 and other schemes take the built-in's path.
 
 The LM head, which such checkpoints leave in bfloat16 or float32: in a model run in bfloat16 on a CPU that
 multiplies bfloat16 natively, :meth:`lm_head` gives it a ``dense_cpu`` layer (AVX512_BF16 / AMX tiles,
@@ -45,28 +52,32 @@ class CompressedTensorsCpuMethod(CompressedTensorsMethod):
         reasons = kernels.load()
         if reasons:
             raise RuntimeError("quantization method compressed_tensors_cpu cannot run here: " + "; ".join(reasons))
-        self.amx = kernels.int8_amx_available()
+        self.kernel = "amx" if kernels.int8_amx_available() else "vnni" if kernels.int8_vnni_available() else None
         self.model_dtype: torch.dtype | None = None  # the default dtype the layers were made in (the model's)
 
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Any) -> None:
         super().create_weights(layer, in_features, shard_sizes)
         self.model_dtype = torch.get_default_dtype()
-        layer.int8_amx = None  # (packed codes, weight scales [out]) once a W8A8 layer is whole
+        layer.int8_kernel = None  # (packed codes, weight scales [out], VNNI's corrections or None) once a W8A8 layer is whole
 
     def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
         super().load_weight(layer, loaded, shard_id)
         w8 = layer.int8  # the merged W8A8 shards, once every shard is in (None before, or for other schemes)
-        if w8 is not None and self.amx and w8.input_scale is None and w8.weight.device.type == "cpu" and w8.weight.shape[1] % 64 == 0:
-            layer.int8_amx = (kernels.repack_int8(w8.weight), w8.weight_scale.reshape(-1).float().contiguous())
+        if w8 is not None and self.kernel and w8.input_scale is None and w8.weight.device.type == "cpu" and w8.weight.shape[1] % 64 == 0:
+            corrections = kernels.int8_corrections(w8.weight) if self.kernel == "vnni" else None
+            layer.int8_kernel = (kernels.repack_int8(w8.weight), w8.weight_scale.reshape(-1).float().contiguous(), corrections)
             layer.int8 = replace(w8, packed=None)  # oneDNN's copy: no call reaches it now
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype."""
-        amx = layer.__dict__.get("int8_amx")
-        if amx is not None and x.dim() == 2 and x.dtype in _DTYPES and x.device.type == "cpu":
-            packed, scale = amx
+        found = layer.__dict__.get("int8_kernel")
+        if found is not None and x.dim() == 2 and x.dtype in _DTYPES and x.device.type == "cpu":
+            packed, scale, corrections = found
             out = torch.empty(x.shape[0], scale.shape[0], dtype=x.dtype)
-            kernels.int8_amx_linear(out, packed, scale, x.contiguous())
+            if corrections is None:
+                kernels.int8_amx_linear(out, packed, scale, x.contiguous())
+            else:
+                kernels.int8_vnni_linear(out, packed, corrections, scale, x.contiguous())
             return out
         return super().apply(layer, x)
 

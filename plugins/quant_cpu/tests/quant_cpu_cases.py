@@ -1,4 +1,4 @@
-"""Definitions the kernel tests of this folder share: which AMX units this machine offers, the float64
+"""Definitions the kernel tests of this folder share: which AMX units and W8A8 kernels this machine offers, the float64
 definitions of the products with their rounding bounds, and a poisoned output that shows stray writes."""
 
 from __future__ import annotations
@@ -10,6 +10,21 @@ from corerun_quant_cpu import kernels
 
 def amx_int8() -> bool:
     return not kernels.load() and kernels.int8_amx_available()
+
+
+def int8_kernels() -> list[str]:
+    """The W8A8 kernels this CPU runs (``amx``, ``vnni``), or none when the library does not build."""
+    if kernels.load():
+        return []
+    return [k for k, ok in (("amx", kernels.int8_amx_available()), ("vnni", kernels.int8_vnni_available())) if ok]
+
+
+def int8_linear(kernel: str, out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    """``out`` = W8A8 of ``x`` by the int8 codes ``w`` (``[rows, cols]``) with row scales ``scale``, through ``kernel``."""
+    if kernel == "amx":
+        kernels.int8_amx_linear(out, kernels.repack_int8(w), scale, x)
+    else:
+        kernels.int8_vnni_linear(out, kernels.repack_int8(w), kernels.int8_corrections(w), scale, x)
 
 
 def amx_bf16() -> bool:

@@ -35,6 +35,7 @@
 #include <immintrin.h>
 
 #include "amx_tiles.h"
+#include "w8a8_quantize.h"
 
 namespace {
 
@@ -84,59 +85,15 @@ std::vector<int64_t> amx_tuning(std::vector<int64_t> values) {
     return before;
 }
 
-// One token's codes and scale, as int8_matmul.quantize_activations: the division in float32 (not a
-// multiplication by the reciprocal), rounded to nearest even, clamped to +-127.  cols is a multiple of 64.
-INT8_AMX_FN inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-INT8_AMX_FN inline __m512 load16(const c10::BFloat16* x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-
-template <typename T>
-INT8_AMX_FN void quantize_row(const T* x, int64_t cols, int8_t* q, float* scale) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < cols; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + i)));
-    const float s = std::max(_mm512_reduce_max_ps(amax) / 127.f, FLT_MIN);
-    const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
-    for (int64_t i = 0; i < cols; i += 16) {
-        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
-    *scale = s;
-}
-
 void int8_amx_linear(at::Tensor out, const at::Tensor& packed, const at::Tensor& w_scale, const at::Tensor& x) {
     TORCH_CHECK(int8_amx_available(), "int8_amx_linear: this CPU (or kernel) offers no AMX-INT8");
-    TORCH_CHECK(packed.device().is_cpu() && x.device().is_cpu() && out.device().is_cpu() && w_scale.device().is_cpu(), "int8_amx_linear: CPU tensors only");
-    TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
-                "int8_amx_linear: x must be contiguous float32 or bfloat16 [T, cols], got ", x.scalar_type(), " ", x.sizes());
+    corerun_w8a8::check_linear("int8_amx_linear", out, packed, w_scale, x);
     const int64_t T = x.size(0), cols = x.size(1), rows = out.size(1);
-    TORCH_CHECK(cols % 64 == 0, "int8_amx_linear: columns must be a multiple of 64 (whole tiles), got ", cols);
-    TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == T && out.stride(1) == 1,
-                "int8_amx_linear: out must be [", T, ", rows] of x's dtype with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
-    TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.is_contiguous() && packed.size(0) == (rows + 15) / 16 &&
-                    packed.size(1) == cols * 16,
-                "int8_amx_linear: packed must be contiguous int8 [", (rows + 15) / 16, ", ", cols * 16, "] (int8_repack's, for ", rows,
-                " rows of ", cols, " columns), got ", packed.scalar_type(), " ", packed.sizes());
-    TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == rows,
-                "int8_amx_linear: w_scale must be contiguous float32 with ", rows, " values, got ", w_scale.scalar_type(), " ", w_scale.sizes());
     if (T == 0 || rows == 0) return;
     const int64_t Tpad = (T + 15) / 16 * 16;
-    thread_local std::vector<int8_t> code_buffer;  // kept between calls (a decode step makes many)
-    thread_local std::vector<float> scale_buffer;
-    if (code_buffer.size() < static_cast<size_t>(Tpad * cols)) code_buffer.resize(static_cast<size_t>(Tpad * cols));
-    if (scale_buffer.size() < static_cast<size_t>(T)) scale_buffer.resize(static_cast<size_t>(T));
-    int8_t* codes = code_buffer.data();  // rows < T written below, the padding rows up to Tpad zeroed here
-    std::memset(codes + T * cols, 0, static_cast<size_t>((Tpad - T) * cols));
-    float* xs = scale_buffer.data();
-    // one thread under about 64 KiB of activations (a decode step: waking the pool would cost more)
-    const int64_t quantize_grain = std::max<int64_t>(1, (64 * 1024) / (cols * static_cast<int64_t>(x.element_size())));
-    at::parallel_for(0, T, quantize_grain, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-            if (x.scalar_type() == at::kFloat) quantize_row(x.data_ptr<float>() + t * cols, cols, codes + t * cols, &xs[t]);
-            else quantize_row(x.data_ptr<at::BFloat16>() + t * cols, cols, codes + t * cols, &xs[t]);
-        }
-    });
+    const corerun_w8a8::Codes q = corerun_w8a8::quantize_tokens<false>(x, Tpad);
+    int8_t* codes = q.codes;
+    const float* xs = q.scales;
     const Int8Tiles kernel{xs, w_scale.data_ptr<float>(), out.data_ptr(), x.scalar_type() == at::kBFloat16, rows, T, out.stride(0)};
     const corerun_amx::Operands o{reinterpret_cast<const char*>(packed.data_ptr<int8_t>()), reinterpret_cast<const char*>(codes),
                                   cols, cols, cols * 16, Tpad};
