@@ -205,6 +205,9 @@ def int8_amx_linear(out: torch.Tensor, packed: torch.Tensor, weight_scale: torch
     torch.ops.corerun_quant_cpu.int8_amx_linear(out, packed, weight_scale, x)
 
 
+INT8_MAX_COLS = 65536  # the widest W8A8 layer either kernel takes (int32 sums of 255 x 128 per column; csrc/w8a8_quantize.h)
+
+
 def int8_vnni_available() -> bool:
     """Whether :func:`int8_vnni_linear` runs here: AVX-512 F/BW/VL/DQ with VNNI."""
     return bool(torch.ops.corerun_quant_cpu.int8_vnni_available())

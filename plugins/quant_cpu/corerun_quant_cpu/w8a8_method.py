@@ -13,11 +13,12 @@ Two kernels, the first the CPU has:
 
 - AMX-INT8 (:func:`~corerun_quant_cpu.kernels.int8_amx_linear`): TDPBSSD tiles; through the default model's 120
   decoder products 2.0-2.9x faster than the built-in from 1 to 512 tokens (``benchmarks/int8_amx_bench.py``);
-- AVX-512 VNNI (:func:`~corerun_quant_cpu.kernels.int8_vnni_linear`, AMD Zen 4, Intel before Sapphire Rapids):
+- AVX-512 VNNI (:func:`~corerun_quant_cpu.kernels.int8_vnni_linear`; AMD Zen 4, Intel Cascade Lake to Ice Lake):
   VPDPBUSD on the codes + 128, each sum started from the row's ``-128 * sum(W)``; 1.3-2.8x the built-in's
   ``torch._int_mm`` there (the same benchmark).
 
-Static activation scales, widths that are not a multiple of 64 and other schemes take the built-in's path.
+Static activation scales, widths that are not a multiple of 64 or exceed ``kernels.INT8_MAX_COLS`` (65,536) and other
+schemes take the built-in's path.
 
 The LM head, which such checkpoints leave in bfloat16 or float32: in a model run in bfloat16 on a CPU that
 multiplies bfloat16 natively, :meth:`lm_head` gives it a ``dense_cpu`` layer (AVX512_BF16 / AMX tiles,
@@ -63,7 +64,9 @@ class CompressedTensorsCpuMethod(CompressedTensorsMethod):
     def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
         super().load_weight(layer, loaded, shard_id)
         w8 = layer.int8  # the merged W8A8 shards, once every shard is in (None before, or for other schemes)
-        if w8 is not None and self.kernel and w8.input_scale is None and w8.weight.device.type == "cpu" and w8.weight.shape[1] % 64 == 0:
+        cols = w8.weight.shape[1] if w8 is not None else 0
+        if (w8 is not None and self.kernel and w8.input_scale is None and w8.weight.device.type == "cpu"
+                and 0 < cols <= kernels.INT8_MAX_COLS and cols % 64 == 0):
             corrections = kernels.int8_corrections(w8.weight) if self.kernel == "vnni" else None
             layer.int8_kernel = (kernels.repack_int8(w8.weight), w8.weight_scale.reshape(-1).float().contiguous(), corrections)
             layer.int8 = replace(w8, packed=None)  # oneDNN's copy: no call reaches it now

@@ -78,6 +78,21 @@ def test_extreme_codes_sum_exactly(kernel: str) -> None:
     assert ((out.double() - ref).abs() <= bound(ref, torch.float32)).all()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_widest_layer_sums_exactly(kernel: str) -> None:
+    """``INT8_MAX_COLS`` columns of -128 against codes of 127: the largest sum either kernel takes, exact."""
+    cols = kernels.INT8_MAX_COLS
+    w = torch.full((16, cols), -128, dtype=torch.int8)
+    w[1:] = torch.randint(-128, 128, (15, cols), generator=torch.Generator().manual_seed(8), dtype=torch.int8)
+    x = torch.ones(2, cols)
+    x[1, ::2] = -1.0
+    scale = torch.full((16,), 2.0**-10)
+    out = torch.empty(2, 16)
+    int8_linear(kernel, out, w, scale, x)
+    ref = reference(x, w, scale)
+    assert ((out.double() - ref).abs() <= bound(ref, torch.float32)).all()
+
+
 @needs_kernel
 def test_vnni_refuses_corrections_of_the_wrong_size() -> None:
     if "vnni" not in int8_kernels():
@@ -153,9 +168,9 @@ def test_merged_layer_out_of_order_goes_through_the_kernel(monkeypatch: pytest.M
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["static input scale", "width 96"])
+@pytest.mark.parametrize("case", ["static input scale", "width 96", "width past INT8_MAX_COLS"])
 def test_other_layers_keep_the_built_in_product(case: str) -> None:
-    cols = 96 if case == "width 96" else 64
+    cols = {"width 96": 96, "width past INT8_MAX_COLS": kernels.INT8_MAX_COLS + 64}.get(case, 64)
     shard, w, scale = _shard(32, cols, 5, "int8-static" if case == "static input scale" else "int8-dynamic")
     layer = Linear(cols, 32, quant=_method())
     layer.weight.weight_loader(layer.weight, shard)

@@ -76,7 +76,7 @@ inline void check_linear(const char* op, const at::Tensor& out, const at::Tensor
     TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
                 op, ": x must be contiguous float32 or bfloat16 [T, cols], got ", x.scalar_type(), " ", x.sizes());
     const int64_t T = x.size(0), cols = x.size(1), rows = out.size(1);
-    TORCH_CHECK(cols % 64 == 0, op, ": columns must be a multiple of 64 (the repacked layout's blocks), got ", cols);
+    TORCH_CHECK(cols > 0 && cols % 64 == 0, op, ": columns must be a positive multiple of 64 (the repacked layout's blocks), got ", cols);
     TORCH_CHECK(cols <= 65536, op, ": at most 65536 columns (int32 sums of 255 x 128 per column), got ", cols);
     TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == T && out.stride(1) == 1,
                 op, ": out must be [", T, ", rows] of x's dtype with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
