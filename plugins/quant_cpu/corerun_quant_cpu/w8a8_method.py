@@ -64,9 +64,8 @@ class CompressedTensorsCpuMethod(CompressedTensorsMethod):
     def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
         super().load_weight(layer, loaded, shard_id)
         w8 = layer.int8  # the merged W8A8 shards, once every shard is in (None before, or for other schemes)
-        cols = w8.weight.shape[1] if w8 is not None else 0
         if (w8 is not None and self.kernel and w8.input_scale is None and w8.weight.device.type == "cpu"
-                and 0 < cols <= kernels.INT8_MAX_COLS and cols % 64 == 0):
+                and 0 < w8.weight.shape[1] <= kernels.INT8_MAX_COLS and w8.weight.shape[1] % 64 == 0):
             corrections = kernels.int8_corrections(w8.weight) if self.kernel == "vnni" else None
             layer.int8_kernel = (kernels.repack_int8(w8.weight), w8.weight_scale.reshape(-1).float().contiguous(), corrections)
             layer.int8 = replace(w8, packed=None)  # oneDNN's copy: no call reaches it now

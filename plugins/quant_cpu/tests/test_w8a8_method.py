@@ -46,6 +46,14 @@ def test_int8_linear_matches_float64(kernel: str, dtype: torch.dtype, rows: int,
     assert torch.isnan(wide[:, :1].float()).all() and torch.isnan(wide[:, rows + 1 :].float()).all()
 
 
+def assert_float32_within_bound(kernel: str, w: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    """``kernel``'s float32 output for ``x`` against the float64 definition, within its one rounding."""
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"))
+    int8_linear(kernel, out, w, scale, x)
+    ref = reference(x, w, scale)
+    assert ((out.double() - ref).abs() <= bound(ref, torch.float32)).all()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_codes_are_int8_matmuls_on_a_tie(kernel: str) -> None:
     """Values that fall exactly half-way between two codes round to even, as torch.round does: a wrong
@@ -55,10 +63,7 @@ def test_codes_are_int8_matmuls_on_a_tie(kernel: str) -> None:
     x[0, 0] = 127.0  # the scale is then exactly 1
     x[0, 1:8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 4.5])
     x[0, 8:] = torch.randn(56, generator=torch.Generator().manual_seed(2)).clamp(-100, 100)
-    out = torch.empty(1, 16)
-    int8_linear(kernel, out, w, scale, x)
-    ref = reference(x, w, scale)
-    assert ((out.double() - ref).abs() <= bound(ref, torch.float32)).all()
+    assert_float32_within_bound(kernel, w, scale, x)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -72,10 +77,7 @@ def test_extreme_codes_sum_exactly(kernel: str) -> None:
     x[1] = -1.0
     x[2, ::2] = -1.0
     scale = torch.full((32,), 2.0**-10)
-    out = torch.empty(3, 32)
-    int8_linear(kernel, out, w, scale, x)
-    ref = reference(x, w, scale)
-    assert ((out.double() - ref).abs() <= bound(ref, torch.float32)).all()
+    assert_float32_within_bound(kernel, w, scale, x)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -87,16 +89,11 @@ def test_the_widest_layer_sums_exactly(kernel: str) -> None:
     x = torch.ones(2, cols)
     x[1, ::2] = -1.0
     scale = torch.full((16,), 2.0**-10)
-    out = torch.empty(2, 16)
-    int8_linear(kernel, out, w, scale, x)
-    ref = reference(x, w, scale)
-    assert ((out.double() - ref).abs() <= bound(ref, torch.float32)).all()
+    assert_float32_within_bound(kernel, w, scale, x)
 
 
-@needs_kernel
+@pytest.mark.skipif("'vnni' not in int8_kernels()", reason="this CPU lacks AVX-512 VNNI")
 def test_vnni_refuses_corrections_of_the_wrong_size() -> None:
-    if "vnni" not in int8_kernels():
-        pytest.skip("this CPU lacks AVX-512 VNNI")
     w, scale = weights(20, 64, 6)
     with pytest.raises(RuntimeError, match=r"w_corr must be contiguous int32 with 32 values"):
         kernels.int8_vnni_linear(torch.empty(1, 20), kernels.repack_int8(w), torch.zeros(20, dtype=torch.int32), scale, torch.randn(1, 64))

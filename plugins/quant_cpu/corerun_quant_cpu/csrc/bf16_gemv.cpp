@@ -33,6 +33,8 @@
 #include <vector>
 #include <immintrin.h>
 
+#include "bf16_round.h"
+
 #include "amx_tiles.h"
 
 namespace {
@@ -92,11 +94,7 @@ void blocks_scalar(const Bf16Problem& p, int64_t begin, int64_t end) {
 #define BF16_DP_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 BF16_AVX512_FN inline void store_sums_avx512(const Bf16Problem& p, __m512 s, int64_t t, int64_t j0) {
-    // round to nearest even in integers (vcvtneps2bf16 is AVX512_BF16's), NaNs left aside: the sums of finite bfloat16 products
-    const __m512i bits = _mm512_castps_si512(s);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __m256i h = _mm512_cvtepi32_epi16(r);
+    const __m256i h = corerun_bf16::round16(s);  // vcvtneps2bf16 is AVX512_BF16's
     const int64_t n = std::min<int64_t>(16, p.rows - j0);
     uint16_t* o = p.out + t * p.out_stride + j0;
     if (n == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), h);

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "bf16_round.h"
 #include "w8a8_quantize.h"
 
 namespace {
@@ -56,15 +57,6 @@ struct Vnni {
     bool bf16_out;
     int64_t rows, cols, out_stride;
 };
-
-// float32 -> bfloat16, rounded to nearest even (as torch's .to(torch.bfloat16)), NaN kept NaN; without AVX512_BF16
-INT8_VNNI_FN inline __m256i to_bf16(__m512 y) {
-    const __m512i bits = _mm512_castps_si512(y);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 // RB row blocks from block b0 against tokens t0 .. t0 + NT: the sums, then scaled and stored.  The loops over
 // rb and n are unrolled whole, so that the accumulators stay in registers (without the pragma GCC kept
@@ -104,7 +96,7 @@ INT8_VNNI_FN void tile(const Vnni& a, int64_t b0, int64_t t0) {
         for (int n = 0; n < NT; ++n) {
             const int64_t t = t0 + n;
             const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[rb][n])), ws), _mm512_set1_ps(a.xs[t]));
-            if (a.bf16_out) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + t * a.out_stride + j, mask, to_bf16(y));
+            if (a.bf16_out) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + t * a.out_stride + j, mask, corerun_bf16::round16(y));
             else _mm512_mask_storeu_ps(static_cast<float*>(a.out) + t * a.out_stride + j, mask, y);
         }
     }
