@@ -46,7 +46,7 @@ def run(req):
     elapsed = fake["elapsed"][nth] if isinstance(fake["elapsed"], list) else fake["elapsed"]
     result = {{
         "engine": req["engine"], "version": "9.9", "elapsed_s": elapsed, "load_s": 0.5, "output_token_ids": outs,
-        "ttft_s": fake.get("ttft", []), "tpot_s": fake.get("tpot", []), "threads": req["threads"], "peak_rss_bytes": 1, "details": {{"kind": "fake", "mark": os.environ.get("FAKE_MARK")}},
+        "ttft_s": fake.get("ttft", []), "tpot_s": fake.get("tpot", []), "threads": req["threads"], "peak_rss_bytes": 1, "details": {{"kind": "fake", "mark": os.environ.get("FAKE_MARK"), "policy": os.environ.get("OMP_WAIT_POLICY")}},
     }}
     if fake.get("drop"):
         del result[fake["drop"]]
@@ -231,6 +231,22 @@ def test_baseline_runs_with_its_environment(fake, monkeypatch):
     for bad in ("NOVALUE", "=1", "A-B=1"):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             parse_env([bad])
+
+
+def test_peers_start_without_the_openmp_policy_corerun_set(fake, monkeypatch):
+    from corerun.platform import host
+
+    # corerun's import put PASSIVE into this process's environment: no engine inherits it (corerun sets it again itself)
+    monkeypatch.setitem(host._SET_BY_PREPARE, "OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    results, _ = _compare(["corerun", BASELINE], fake)
+    assert {name: r.runs[0].details["policy"] for name, r in results.items()} == {"corerun": None, BASELINE: None}
+    # a policy the user chose reaches every engine
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    results, _ = _compare(["corerun", BASELINE], fake)
+    assert {name: r.runs[0].details["policy"] for name, r in results.items()} == {"corerun": "ACTIVE", BASELINE: "ACTIVE"}
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
+    assert host.environment_for_others(env) == {"GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
 
 
 def test_vllm_refuses_float32_for_a_w8a8_folder_before_starting(monkeypatch):

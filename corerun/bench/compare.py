@@ -28,6 +28,7 @@ from corerun.bench.memory import PeakMemory
 from corerun.bench.result import RunResult
 from corerun.bench.workload import Workload, warmup_prompt
 from corerun.errors import CorerunError
+from corerun.platform.host import environment_for_others
 
 PEERS = ("hf", "llama.cpp", "vllm")
 BASELINE = "corerun-baseline"  # corerun again, with --baseline-env's environment (a before/after in one run)
@@ -200,7 +201,9 @@ def run_worker(
     req_path, out_path, log_path = (workdir / f"{stem}.{ext}" for ext in ("request.json", "result.json", "log"))
     req_path.write_text(json.dumps(request), encoding="utf-8")
     out_path.unlink(missing_ok=True)
-    env = dict(os.environ, **request.get("env", {}), OMP_NUM_THREADS=str(request["threads"]), PYTHONUNBUFFERED="1")
+    # every engine starts from the user's environment: not the OpenMP policy corerun's import set in this one
+    env = dict(environment_for_others(os.environ), **request.get("env", {}), OMP_NUM_THREADS=str(request["threads"]),
+               PYTHONUNBUFFERED="1")
     with open(log_path, "w", encoding="utf-8") as log:
         try:
             proc = subprocess.run([str(python), str(worker), str(req_path), str(out_path)], stdout=log, stderr=subprocess.STDOUT,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,8 @@ def parallel_tokens(dtype: str) -> int:
     """The step size in tokens from which ``threads: auto`` runs a step of a ``dtype`` model on every thread."""
     return AUTO_PARALLEL_TOKENS_FLOAT32 if dtype == "float32" else AUTO_PARALLEL_TOKENS
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
+_SET_BY_PREPARE: dict[str, str] = {}  # what prepare_openmp put into os.environ
+
 
 def prepare_openmp() -> bool:
     """Set ``OMP_WAIT_POLICY=PASSIVE`` for the OpenMP runtime torch is about to load; ``True`` if it was set.
@@ -121,8 +124,15 @@ def prepare_openmp() -> bool:
     """
     if "torch" in sys.modules or any(name in os.environ for name in WAIT_POLICY_ENV):
         return False
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["OMP_WAIT_POLICY"] = _SET_BY_PREPARE["OMP_WAIT_POLICY"] = "PASSIVE"
     return True
+
+
+def environment_for_others(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` (this process's environment) less what :func:`prepare_openmp` put into it, for a process started
+    from this one: a peer engine started by ``corerun bench --compare`` then runs with its own OpenMP defaults, as
+    its users run it (a corerun process sets the policy again when it imports corerun).  A value the user set is kept."""
+    return {k: v for k, v in env.items() if _SET_BY_PREPARE.get(k) != v}
 
 
 OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")  # GNU, Intel, LLVM
