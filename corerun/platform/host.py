@@ -111,6 +111,8 @@ AUTO_PARALLEL_TOKENS_FLOAT32 = 16
 def parallel_tokens(dtype: str) -> int:
     """The step size in tokens from which ``threads: auto`` runs a step of a ``dtype`` model on every thread."""
     return AUTO_PARALLEL_TOKENS_FLOAT32 if dtype == "float32" else AUTO_PARALLEL_TOKENS
+
+
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
 _SET_BY_PREPARE: dict[str, str] = {}  # what prepare_openmp put into os.environ
 

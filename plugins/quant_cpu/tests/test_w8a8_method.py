@@ -92,6 +92,15 @@ def test_the_widest_layer_sums_exactly(kernel: str) -> None:
     assert_float32_within_bound(kernel, w, scale, x)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_block_past_the_widest_layer_is_refused(kernel: str) -> None:
+    """The kernels' own bound is the one the method reads (``kernels.INT8_MAX_COLS``, written in Python and in C++)."""
+    cols = kernels.INT8_MAX_COLS + 64
+    w = torch.randint(-128, 128, (16, cols), generator=torch.Generator().manual_seed(9), dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=rf"at most {kernels.INT8_MAX_COLS} columns"):
+        int8_linear(kernel, torch.empty(1, 16), w, torch.full((16,), 2.0**-10), torch.randn(1, cols))
+
+
 @pytest.mark.skipif("'vnni' not in int8_kernels()", reason="this CPU lacks AVX-512 VNNI")
 def test_vnni_refuses_corrections_of_the_wrong_size() -> None:
     w, scale = weights(20, 64, 6)
