@@ -23,12 +23,16 @@ step's own K/V instead of through the cache, by one of two routes:
   prefill attention (tenth session)"): ahead of the paged kernel from 24 tokens (below it the kernel
   keeps them) and of SDPA at every length; one layer, 24 prompts of 32-256 tokens 2.6x the route
   before it, one prompt of 2048 tokens 2.0x SDPA.
-* otherwise a prompt of at least ``SDPA_MIN_TOKENS[dtype]`` tokens goes to torch's
+* otherwise a prompt of at least ``sdpa_min_tokens(dtype, CPU flags)`` tokens goes to torch's
   ``scaled_dot_product_attention``, one call per prompt: its CPU flash kernel multiplies larger tiles
   through oneDNN's brgemm micro-kernels.  The thresholds are measured (benchmarks/RESULTS.md, "prefill
-  attention"): in bfloat16 without AMX SDPA is ahead from about 128 tokens (2.5-3x at 1-2k), in float32
-  the kernel's query tiles keep up with it to about 2k tokens; float16 never goes there.  In bfloat16
-  its probabilities are rounded to bfloat16 before the product with V, as flash attention's are.
+  attention" and "Seventeenth session"): in bfloat16 on a CPU with AMX-BF16 (where corerun's own AMX call
+  is unavailable) SDPA is ahead from about 128 tokens (2.5-3x at 1-2k), since oneDNN multiplies on the
+  tiles; on a CPU without AMX (an AMD EPYC with AVX512_BF16) it is behind the kernel at every length (one
+  layer, one thread: 8.5 against 3.4 ms for a 512-token prompt, 82 against 52 at 2048), so bfloat16 stays
+  in the kernel there; in float32 the kernel's query tiles keep up with SDPA to about 2k tokens; float16
+  never goes there.  In bfloat16 SDPA's probabilities are rounded to bfloat16 before the product with V,
+  as flash attention's are.
 
 ``plan`` sends such prompts there and the runs of other requests between them to the kernel, one call
 per run; without a soft cap, a sliding window or a quantized cache.  Whether AMX is usable is asked once
@@ -63,12 +67,23 @@ logger = logging.getLogger("corerun_attention_cpu")
 IMPLEMENTATION = "attention backend 'cpu'"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # enum DType in the source
 KV_TYPE_CODES = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}  # enum KVType in the source
-# a fresh prompt at least this long goes to torch's SDPA, per dtype (module docstring); None: never
+# a fresh prompt at least this long goes to torch's SDPA, per dtype (module docstring); None: never.
+# bfloat16's figure holds only where the CPU has AMX-BF16 (sdpa_min_tokens)
 SDPA_MIN_TOKENS: dict[torch.dtype, int | None] = {torch.bfloat16: 128, torch.float32: 2048, torch.float16: None}
 # bfloat16 with AMX: a fresh prompt at least this long goes to csrc/prefill_amx.cpp (module docstring)
 AMX_MIN_TOKENS = 24
 AMX_HEAD_SIZES = (64, 128)
 AMX_NO_AMX = 7  # the call's code for "no AMX path here"
+
+
+def sdpa_min_tokens(dtype: torch.dtype, cpu_flags: frozenset[str]) -> int | None:
+    """The shortest fresh prompt that goes to torch's SDPA on a CPU with these flags (None: none does).
+
+    bfloat16 goes there only on a CPU with AMX-BF16, whose tiles oneDNN multiplies on under SDPA; without
+    them SDPA is behind the kernel at every length (module docstring)."""
+    if dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags:
+        return None
+    return SDPA_MIN_TOKENS.get(dtype)
 
 
 @dataclass
@@ -129,6 +144,7 @@ class CpuAttentionBackend(DenseKVCache):
         self.amx_prefill = bool(
             spec.dtype == torch.bfloat16 and spec.head_size in AMX_HEAD_SIZES and lib.corerun_cpu_prefill_amx_available()
         )
+        self.sdpa_min_tokens = sdpa_min_tokens(spec.dtype, kernels.cpu_flags())
         logger.info(
             "cpu attention: %s, %d/%d heads of size %d, block size %d, %s",
             dtype_name(spec.dtype), spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
@@ -155,7 +171,7 @@ class CpuAttentionBackend(DenseKVCache):
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
         )
-        fresh_min = AMX_MIN_TOKENS if self.amx_prefill else SDPA_MIN_TOKENS.get(self.spec.dtype)
+        fresh_min = AMX_MIN_TOKENS if self.amx_prefill else self.sdpa_min_tokens
         if fresh_min is not None and not self.soft_cap and not self._kv_code:
             self._plan_fresh_prompts(md, fresh_min)
             if self.amx_prefill and md.fresh_prompts:

@@ -22,6 +22,7 @@ with a renamed copy, where the system's would otherwise be a second runtime.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -74,6 +75,12 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The first processor's flags (``/proc/cpuinfo``; empty where there is no such file)."""
+    return frozenset(_cpu_flags().split()) if Path("/proc/cpuinfo").exists() else frozenset()
 
 
 def build_dir() -> Path:

@@ -77,15 +77,34 @@ def test_matches_float64_reference(case, dtype):
         ([(0, 200), (0, 65)], ((0, 200), (200, 265)), ()),
     ],
 )
-def test_bf16_plan_sends_the_fresh_prompts_to_sdpa(requests, fresh, kernel_runs, monkeypatch):
-    monkeypatch.setitem(backend_module.SDPA_MIN_TOKENS, torch.bfloat16, 64)
+def test_bf16_plan_sends_the_fresh_prompts_to_sdpa(requests, fresh, kernel_runs):
     backend = CpuAttentionBackend(make_spec(dtype=torch.bfloat16))
     backend.amx_prefill = False  # the route without AMX (tests/test_prefill_amx.py covers the other)
+    backend.sdpa_min_tokens = 64  # as on a CPU with AMX-BF16 (the threshold lowered to fit the cases)
     batch = make_step(backend, backend.spec, requests).batch
     md = backend.plan(batch)
     assert (md.fresh_prompts, md.kernel_runs) == (fresh, kernel_runs)
     assert md.fresh_amx is None
     assert CpuAttentionBackend(make_spec(dtype=torch.float32)).plan(batch).fresh_prompts == ()
+
+
+def test_bf16_prompts_go_to_sdpa_only_on_a_cpu_with_amx():
+    """Without AMX-BF16 torch's SDPA is behind the kernel at every length in bfloat16 (backend docstring)."""
+    amd_epyc = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+    sapphire_rapids = amd_epyc | {"amx_bf16", "amx_tile", "amx_int8"}
+    assert backend_module.sdpa_min_tokens(torch.bfloat16, amd_epyc) is None
+    assert backend_module.sdpa_min_tokens(torch.bfloat16, sapphire_rapids) == 128
+    for flags in (amd_epyc, sapphire_rapids):
+        assert backend_module.sdpa_min_tokens(torch.float32, flags) == 2048
+        assert backend_module.sdpa_min_tokens(torch.float16, flags) is None
+
+
+@needs_compiler
+def test_bf16_plan_keeps_fresh_prompts_in_the_kernel_without_amx():
+    backend = CpuAttentionBackend(make_spec(dtype=torch.bfloat16))
+    backend.amx_prefill, backend.sdpa_min_tokens = False, None  # an AMD EPYC
+    md = backend.plan(make_step(backend, backend.spec, [(0, 300), (16, 150), (0, 200)]).batch)
+    assert (md.fresh_prompts, md.kernel_runs, md.fresh_amx) == ((), (), None)
 
 
 @needs_compiler

@@ -176,11 +176,12 @@ class _Recording:
 
 @needs_compiler
 def test_no_amx_keeps_the_sdpa_route(monkeypatch):
-    """A library without the AMX path (or a CPU without AMX) plans for SDPA; a refusal at run time falls back."""
+    """On a CPU with AMX-BF16, a library without the AMX path plans for SDPA; a refusal at run time falls back."""
     spec = make_spec(dtype=torch.bfloat16)
     backend = CpuAttentionBackend(spec)
     step = make_step(backend, spec, [(3, 1), (0, 200), (0, 40)], seed=5)
     backend.amx_prefill = False
+    backend.sdpa_min_tokens = backend_module.sdpa_min_tokens(torch.bfloat16, frozenset({"amx_bf16"}))
     md = backend.plan(step.batch)
     assert md.fresh_prompts == ((1, 201),) and md.fresh_amx is None
     backend.amx_prefill = True
