@@ -34,7 +34,8 @@ CASES = {
     "three-decodes": (dict(), [(200, 1), (16, 1), (33, 1)]),
     # prefills whose last tile (32 tokens of 3 heads) holds one token, and a decode after them
     "one-token-tiles": (dict(), [(0, 1), (40, 33), (7, 65), (0, 33)]),
-    # prompts with nothing cached (in bfloat16 through torch's SDPA, the requests between them through the kernel)
+    # prompts with nothing cached (in bfloat16 on a CPU with AMX through corerun's AMX call or torch's SDPA, the
+    # requests between them through the kernel)
     "fresh-prompts-mixed": (dict(), [(300, 1), (0, 70), (16, 150), (0, 300), (0, 20), (0, 64)]),
     "fresh-prompts-only-mha-hd128": (dict(num_heads=4, num_kv_heads=4, head_size=128), [(0, 200), (0, 65)]),
     # the kernel's prefill tiles (block size 16, head size 64 / 128): prompts of several lengths in one step,
@@ -115,6 +116,29 @@ def test_bf16_refusal_between_fresh_prompts_names_the_request():
     step.batch.block_tables[1, 0] = 10**6
     with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 1000000 is not a block of this cache"):
         backend.forward(step.query, step.key, step.value, step.cache, backend.plan(step.batch))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_prefill_tiles_ignore_non_finite_slots_past_the_sequence(dtype, head_size):
+    """A block's slots past a request's last token hold whatever an earlier request left there, NaN or inf
+    included: the tiles mask those keys and read their V rows as zeros (never 0 * inf)."""
+    heads, kv_heads = (9, 3) if head_size == 64 else (6, 2)
+    spec = make_spec(dtype=dtype, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size)
+    backend = CpuAttentionBackend(spec)
+    backend.sdpa_min_tokens = None  # every prompt through the kernel's tiles
+    step = make_step(backend, spec, [(0, 37), (20, 45), (0, 90)], seed=7)
+    k, v = backend.kv_cache_view(step.cache)
+    bs = spec.block_size
+    for i, (ctx, qlen) in enumerate(step.requests):
+        last = int(step.batch.block_tables[i, (ctx + qlen - 1) // bs])
+        k[last, (ctx + qlen) % bs or bs:] = float("inf")
+        v[last, (ctx + qlen) % bs or bs:] = float("nan")
+    out = backend.forward(step.query, step.key, step.value, step.cache, backend.plan(step.batch))
+    assert torch.isfinite(out).all()
+    rms, mx = relative_errors(out, reference(backend, spec, step))
+    assert rms <= TOLERANCE[dtype][0] and mx <= TOLERANCE[dtype][1], (rms, mx)
 
 
 @needs_compiler

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -661,7 +662,8 @@ void decode_item(const Args& a, const Item& it, const Item* next, float* buf) {
 //   - the online softmax in base 2 on those vectors: the block's maximum by vertical maxima, 2^(s_j - m)
 //     by a polynomial and VSCALEFPS, the running sum by vertical adds; the probabilities stored key-major;
 //   - P . V for 384 / HD rows at a time (each V row loaded once for them, their accumulators in registers).
-// Row vectors wholly before the block's first visible key skip it.  Any dtype (float32 arithmetic); block
+// Row vectors wholly before the block's first visible key skip it.  Any dtype (float32 arithmetic; bfloat16
+// with AVX512_BF16 goes to prefill_tile_bf16, the same steps on vdpbf16ps); block
 // size 16, head size 64 or 128; no quantized cache, sliding window or soft cap (those take attend_item's
 // general path).  Measured against the per-row softmax it replaces (horizontal maximum and sum per row and
 // block, K transposed per block): benchmarks/RESULTS.md, "Thirteenth session".
@@ -738,18 +740,89 @@ inline void scores_by_key(const float* qT, int64_t mp, const float* kf, __m512* 
     }
 }
 
+// A prefill tile's rows: M = its tokens x the G query heads of its KV head, padded to MP (a multiple of 16);
+// the first query token's index in the step, the keys its first and last token see, its request's block table.
+struct TileShape {
+    int64_t G, M, MP, q0, first_hz, max_hz;
+    const int32_t* table;
+};
+
+inline TileShape tile_shape(const Args& a, const Item& it) {
+    TileShape t;
+    t.G = a.num_heads / a.num_kv_heads;
+    t.M = it.count * t.G;
+    t.MP = (t.M + 15) / 16 * 16;
+    const int64_t q0 = a.qsl[it.req], qlen = a.qsl[it.req + 1] - q0;
+    t.q0 = q0 + it.first;
+    t.first_hz = a.seq_lens[it.req] - qlen + it.first + 1;
+    t.max_hz = t.first_hz + it.count - 1;
+    t.table = a.bt + it.req * a.bt_stride;
+    return t;
+}
+
+// Each row's horizon (padding rows: the first row's), running maximum and sum; the accumulators [MP][HD] zeroed.
+inline void tile_start(const TileShape& t, int64_t HD, int32_t* hz, float* mrow, float* lrow, float* acc) {
+    for (int64_t m = 0; m < t.MP; ++m) {
+        hz[m] = static_cast<int32_t>(m < t.M ? t.first_hz + m / t.G : t.first_hz);
+        mrow[m] = -INFINITY;
+        lrow[m] = 0.0f;
+    }
+    for (int64_t i = 0; i < t.MP * HD; ++i) acc[i] = 0.0f;
+}
+
+// The online softmax's first half for sixteen rows (from m) against the block of keys from start: keys at or
+// past a row's horizon masked in s (also those past the block's live keys, whose rows may hold anything), the
+// block's maximum folded into the running maximum (stored, and returned), the old sum's factor into alpha.
+inline __m512 tile_max16(__m512* s, const int32_t* hz, int64_t start, float* mrow, float* alpha) {
+    if (start + 16 > hz[0]) {  // some key of the block is at or past some row's horizon: mask them
+        const __m512i rows_hz = _mm512_loadu_si512(hz);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+            const __mmask16 live = _mm512_cmpgt_epi32_mask(rows_hz, _mm512_set1_epi32(static_cast<int>(start + j)));
+            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s[j]);
+        }
+    }
+    __m512 bmax = s[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 16; ++j) bmax = _mm512_max_ps(bmax, s[j]);
+    const __m512 mold = _mm512_loadu_ps(mrow);
+    const __m512 mnew = _mm512_max_ps(mold, bmax);
+    // every row sees key 0, so a row's maximum is finite from the first block on
+    _mm512_storeu_ps(alpha, exp2_nonpos16(_mm512_sub_ps(mold, mnew)));
+    _mm512_storeu_ps(mrow, mnew);
+    return mnew;
+}
+
+// The rows of this block's P . V (from v0, the first row vector that sees the block), RP at a time, then 2, then 1.
+template <int RP, typename PV>
+inline void tile_pv_rows(int64_t v0, int64_t M, PV pv) {
+    int64_t m = v0;
+    for (; m + RP <= M; m += RP) pv(m, std::integral_constant<int, RP>{});
+    for (; m + 2 <= M; m += 2) pv(m, std::integral_constant<int, 2>{});
+    if (m < M) pv(m, std::integral_constant<int, 1>{});
+}
+
+// Each row's output: its accumulator over its running sum, in the query's dtype.
+template <int DT, int HD>
+inline void tile_finish(const Args& a, const Item& it, const TileShape& t, const float* acc, const float* lrow) {
+    using E = Elem<DT>;
+    typename E::T* obase = static_cast<typename E::T*>(a.out);
+    for (int64_t m = 0; m < t.M; ++m) {
+        typename E::T* dst = obase + (t.q0 + m / t.G) * a.o_st + (it.h0 * t.G + m % t.G) * a.o_sh;
+        const float inv = 1.0f / lrow[m];
+        const float* ar = acc + m * HD;
+#pragma omp simd
+        for (int64_t d = 0; d < HD; ++d) dst[d] = E::store(ar[d] * inv);
+    }
+}
+
 template <int DT, int HD>
 void prefill_tile(const Args& a, const Item& it, float* buf) {
     using E = Elem<DT>;
     using T = typename E::T;
     constexpr int64_t BS = 16, RP = 384 / HD;  // rows per P . V pass: 24 accumulators (four at 256 / HD were 2-3 % slower)
-    const int64_t G = a.num_heads / a.num_kv_heads, h = it.h0;
-    const int64_t M = it.count * G, MP = (M + 15) / 16 * 16;
-    const int64_t q0 = a.qsl[it.req];
-    const int64_t qlen = a.qsl[it.req + 1] - q0;
-    const int64_t first_hz = a.seq_lens[it.req] - qlen + it.first + 1;  // keys the tile's first token sees
-    const int64_t max_hz = first_hz + it.count - 1;                      // ... and its last
-    const int32_t* table = a.bt + it.req * a.bt_stride;
+    const TileShape t = tile_shape(a, it);
+    const int64_t G = t.G, M = t.M, MP = t.MP, h = it.h0;
 
     float* qT = buf;               // [HD][MP] scaled query rows, transposed (padding rows 0)
     float* acc = qT + HD * MP;     // [MP][HD]
@@ -765,28 +838,25 @@ void prefill_tile(const Args& a, const Item& it, float* buf) {
     const T* qbase = static_cast<const T*>(a.q);
     for (int64_t m = 0; m < MP; ++m) {
         if (m < M) {
-            const T* src = qbase + (q0 + it.first + m / G) * a.q_st + (h * G + m % G) * a.q_sh;
+            const T* src = qbase + (t.q0 + m / G) * a.q_st + (h * G + m % G) * a.q_sh;
             for (int64_t d = 0; d < HD; ++d) qT[d * MP + m] = E::load(src[d]) * qscale;
         } else {
             for (int64_t d = 0; d < HD; ++d) qT[d * MP + m] = 0.0f;
         }
-        hz[m] = static_cast<int32_t>(m < M ? first_hz + m / G : first_hz);
-        mrow[m] = -INFINITY;
-        lrow[m] = 0.0f;
     }
-    for (int64_t i = 0; i < MP * HD; ++i) acc[i] = 0.0f;
+    tile_start(t, HD, hz, mrow, lrow, acc);
 
     const T* kc = static_cast<const T*>(a.k);
     const T* vc = static_cast<const T*>(a.v);
-    const int64_t nblocks = (max_hz + BS - 1) / BS;
+    const int64_t nblocks = (t.max_hz + BS - 1) / BS;
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = b * BS;
-        const int64_t nkeys = max_hz - start < BS ? max_hz - start : BS;
+        const int64_t nkeys = t.max_hz - start < BS ? t.max_hz - start : BS;
         if (b + 1 < nblocks) {
-            const int64_t next_keys = max_hz - start - BS < BS ? max_hz - start - BS : BS;
-            prefetch_block<T>(kc, vc, static_cast<int64_t>(table[b + 1]) * a.kv_sb + h * a.kv_sh, next_keys, a.kv_st, HD);
+            const int64_t next_keys = t.max_hz - start - BS < BS ? t.max_hz - start - BS : BS;
+            prefetch_block<T>(kc, vc, static_cast<int64_t>(t.table[b + 1]) * a.kv_sb + h * a.kv_sh, next_keys, a.kv_st, HD);
         }
-        const int64_t off = static_cast<int64_t>(table[b]) * a.kv_sb + h * a.kv_sh;
+        const int64_t off = static_cast<int64_t>(t.table[b]) * a.kv_sb + h * a.kv_sh;
         for (int64_t j = 0; j < BS; ++j) {  // keys past nkeys as zeros (masked, and their probabilities are 0)
             const bool live = j < nkeys;
             for (int64_t c = 0; c < HD; c += 16) {
@@ -795,26 +865,12 @@ void prefill_tile(const Args& a, const Item& it, float* buf) {
             }
         }
         // token ti sees keys < first_hz + ti: the rows before m0 see none of this block
-        const int64_t m0 = (start >= first_hz ? start - first_hz + 1 : 0) * G;
+        const int64_t m0 = (start >= t.first_hz ? start - t.first_hz + 1 : 0) * G;
         const int64_t v0 = m0 / 16 * 16;
         for (int64_t m = v0; m < MP; m += 16) {
             __m512 s[16];
             scores_by_key<HD>(qT + m, MP, kf, s);
-            const __m512i rows_hz = _mm512_loadu_si512(hz + m);
-            if (start + BS > hz[m]) {  // some key of the block is at or past some row's horizon: mask them
-#pragma GCC unroll 16
-                for (int j = 0; j < 16; ++j) {
-                    const __mmask16 live = _mm512_cmpgt_epi32_mask(rows_hz, _mm512_set1_epi32(static_cast<int>(start + j)));
-                    s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s[j]);
-                }
-            }
-            __m512 bmax = s[0];
-#pragma GCC unroll 16
-            for (int j = 1; j < 16; ++j) bmax = _mm512_max_ps(bmax, s[j]);
-            const __m512 mold = _mm512_loadu_ps(mrow + m);
-            const __m512 mnew = _mm512_max_ps(mold, bmax);
-            // every row sees key 0, so a row's maximum is finite from the first block on
-            const __m512 al = exp2_nonpos16(_mm512_sub_ps(mold, mnew));
+            const __m512 mnew = tile_max16(s, hz + m, start, mrow + m, alpha + m);
             __m512 sum = _mm512_setzero_ps();
 #pragma GCC unroll 16
             for (int j = 0; j < 16; ++j) {
@@ -822,24 +878,152 @@ void prefill_tile(const Args& a, const Item& it, float* buf) {
                 sum = _mm512_add_ps(sum, e);
                 _mm512_storeu_ps(p + j * MP + m, e);
             }
-            _mm512_storeu_ps(lrow + m, _mm512_fmadd_ps(_mm512_loadu_ps(lrow + m), al, sum));
-            _mm512_storeu_ps(mrow + m, mnew);
-            _mm512_storeu_ps(alpha + m, al);
+            _mm512_storeu_ps(lrow + m, _mm512_fmadd_ps(_mm512_loadu_ps(lrow + m), _mm512_loadu_ps(alpha + m), sum));
         }
-        int64_t m = v0;
-        for (; m + RP <= M; m += RP) tile_pv<HD, RP>(p + m, MP, alpha + m, vf, acc + m * HD);
-        for (; m + 2 <= M; m += 2) tile_pv<HD, 2>(p + m, MP, alpha + m, vf, acc + m * HD);
-        if (m < M) tile_pv<HD, 1>(p + m, MP, alpha + m, vf, acc + m * HD);
+        tile_pv_rows<RP>(v0, M, [&](int64_t m, auto r) { tile_pv<HD, decltype(r)::value>(p + m, MP, alpha + m, vf, acc + m * HD); });
     }
+    tile_finish<DT, HD>(a, it, t, acc, lrow);
+}
+#endif
 
-    T* obase = static_cast<T*>(a.out);
-    for (int64_t m = 0; m < M; ++m) {
-        T* dst = obase + (q0 + it.first + m / G) * a.o_st + (h * G + m % G) * a.o_sh;
-        const float inv = 1.0f / lrow[m];
-        const float* ar = acc + m * HD;
-#pragma omp simd
-        for (int64_t d = 0; d < HD; ++d) dst[d] = E::store(ar[d] * inv);
+#if defined(__AVX512BF16__)
+// ---- Prefill tiles in bfloat16 on AVX512_BF16 ----
+//
+// prefill_tile with both products on vdpbf16ps, the rows read as stored (nothing widened to float32):
+//   - q . k in pairs of dimensions: the item's query rows transposed once into 32-bit pairs (qP[d / 2][m],
+//     unscaled; the scale and log2(e) multiply the sums), each key's pair of dimensions broadcast straight
+//     from the cache, so K is never converted;
+//   - P . V in pairs of keys: per block the V rows interleaved in pairs once for all the item's rows
+//     (vP[j / 2][d], dead keys as zeros), the probabilities rounded to bfloat16 in pairs (pP[j / 2][m]), as
+//     the decode path's and the AMX call's are, and the running sum adds the rounded values.
+// Half the multiply instructions of the float32 tile; the softmax steps are prefill_tile's.
+// Measured: benchmarks/RESULTS.md, "Seventeenth session".
+
+// Two sets of sixteen float32 values -> bfloat16 pairs (a's in the low half of each 32-bit lane, b's in the
+// high half), rounded to nearest even; also a + b as rounded, for the running sum.
+inline __m512i bf16_pairs(__m512 a, __m512 b, __m512& rounded_sum) {
+    const __m256i ha = (__m256i)_mm512_cvtneps_pbh(a), hb = (__m256i)_mm512_cvtneps_pbh(b);
+    const __m512i wa = _mm512_cvtepu16_epi32(ha), wb = _mm512_cvtepu16_epi32(hb);
+    rounded_sum = _mm512_add_ps(rounded_sum, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wa, 16)),
+                                                           _mm512_castsi512_ps(_mm512_slli_epi32(wb, 16))));
+    return _mm512_or_si512(wa, _mm512_slli_epi32(wb, 16));
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j p_rj v_j for R rows, from the block's pairs (pP [8][pstride], vP [8][HD]).
+template <int HD, int R>
+inline void tile_pv_bf16(const uint32_t* pP, int64_t pstride, const float* alpha, const uint32_t* vP, float* acc) {
+    constexpr int C = HD / 16;
+    __m512 o[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        const __m512 al = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + 16 * c), al);
     }
+    for (int jp = 0; jp < 8; ++jp) {
+        __m512bh pb[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) pb[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pP[jp * pstride + r]));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const __m512bh v = (__m512bh)_mm512_loadu_si512(vP + jp * HD + 16 * c);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) o[r][c] = _mm512_dpbf16_ps(o[r][c], v, pb[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * HD + 16 * c, o[r][c]);
+}
+
+// s[j] lane r = q_r . k_j (unscaled) for sixteen rows (qP: [HD / 2][mp] pairs, this vector's lanes at qP) and the
+// block's 16 key rows (kb, kstride elements apart), each key's pairs broadcast from where they are stored.
+template <int HD>
+inline void scores_by_key_bf16(const uint32_t* qP, int64_t mp, const uint16_t* kb, int64_t kstride, __m512* s) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
+    for (int dp = 0; dp < HD / 2; ++dp) {
+        const __m512bh q = (__m512bh)_mm512_loadu_si512(qP + dp * mp);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+            uint32_t pair;
+            std::memcpy(&pair, kb + j * kstride + 2 * dp, sizeof pair);
+            s[j] = _mm512_dpbf16_ps(s[j], q, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+        }
+    }
+}
+
+template <int HD>
+void prefill_tile_bf16(const Args& a, const Item& it, float* buf) {
+    constexpr int64_t BS = 16, RP = 384 / HD;
+    const TileShape t = tile_shape(a, it);
+    const int64_t G = t.G, M = t.M, MP = t.MP, h = it.h0;
+
+    // prefill_tile's layout, the pairs in the places of its float32 arrays (each half their size or less)
+    uint32_t* qP = reinterpret_cast<uint32_t*>(buf);  // [HD / 2][MP] query pairs (padding rows 0)
+    float* acc = buf + HD * MP;                      // [MP][HD]
+    float* mrow = acc + MP * HD;                     // [MP] running maximum (base 2)
+    float* lrow = mrow + MP;                         // [MP] running sum of the rounded probabilities
+    float* alpha = lrow + MP;                        // [MP]
+    int32_t* hz = reinterpret_cast<int32_t*>(alpha + MP);  // [MP] keys each row sees (padding: the first row's)
+    uint32_t* pP = reinterpret_cast<uint32_t*>(alpha + 2 * MP);  // [8][MP] probability pairs, key-pair-major
+    uint32_t* vP = reinterpret_cast<uint32_t*>(alpha + 2 * MP + BS * MP + BS * HD);  // [8][HD] V pairs
+
+    const uint16_t* qbase = static_cast<const uint16_t*>(a.q);
+    for (int64_t m = 0; m < MP; ++m) {
+        if (m < M) {
+            const uint16_t* src = qbase + (t.q0 + m / G) * a.q_st + (h * G + m % G) * a.q_sh;
+            for (int64_t dp = 0; dp < HD / 2; ++dp) std::memcpy(qP + dp * MP + m, src + 2 * dp, sizeof(uint32_t));
+        } else {
+            for (int64_t dp = 0; dp < HD / 2; ++dp) qP[dp * MP + m] = 0;
+        }
+    }
+    tile_start(t, HD, hz, mrow, lrow, acc);
+
+    const uint16_t* kc = static_cast<const uint16_t*>(a.k);
+    const uint16_t* vc = static_cast<const uint16_t*>(a.v);
+    const int64_t nblocks = (t.max_hz + BS - 1) / BS;
+    const __m512 qs = _mm512_set1_ps(a.scale * 1.44269504088896341f);
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = b * BS;
+        const int64_t nkeys = t.max_hz - start < BS ? t.max_hz - start : BS;
+        if (b + 1 < nblocks) {
+            const int64_t next_keys = t.max_hz - start - BS < BS ? t.max_hz - start - BS : BS;
+            prefetch_block<uint16_t>(kc, vc, static_cast<int64_t>(t.table[b + 1]) * a.kv_sb + h * a.kv_sh, next_keys, a.kv_st, HD);
+        }
+        const int64_t off = static_cast<int64_t>(t.table[b]) * a.kv_sb + h * a.kv_sh;
+        for (int64_t jp = 0; jp < 8; ++jp) {  // V rows 2jp and 2jp + 1 interleaved; keys past nkeys as zeros
+            const __mmask16 l0 = 2 * jp < nkeys ? 0xffff : 0, l1 = 2 * jp + 1 < nkeys ? 0xffff : 0;
+            const uint16_t* r0 = vc + off + 2 * jp * a.kv_st;
+            const uint16_t* r1 = r0 + a.kv_st;
+            for (int64_t c = 0; c < HD; c += 16) {
+                const __m512i w0 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(l0, r0 + c));
+                const __m512i w1 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(l1, r1 + c));
+                _mm512_storeu_si512(vP + jp * HD + c, _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
+            }
+        }
+        // token ti sees keys < first_hz + ti: the rows before m0 see none of this block
+        const int64_t m0 = (start >= t.first_hz ? start - t.first_hz + 1 : 0) * G;
+        const int64_t v0 = m0 / 16 * 16;
+        for (int64_t m = v0; m < MP; m += 16) {
+            __m512 s[16];
+            scores_by_key_bf16<HD>(qP + m, MP, kc + off, a.kv_st, s);
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; ++j) s[j] = _mm512_mul_ps(s[j], qs);
+            const __m512 mnew = tile_max16(s, hz + m, start, mrow + m, alpha + m);
+            __m512 sum = _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int jp = 0; jp < 8; ++jp) {
+                const __m512 e0 = exp2_nonpos16(_mm512_sub_ps(s[2 * jp], mnew));
+                const __m512 e1 = exp2_nonpos16(_mm512_sub_ps(s[2 * jp + 1], mnew));
+                _mm512_storeu_si512(pP + jp * MP + m, bf16_pairs(e0, e1, sum));
+            }
+            _mm512_storeu_ps(lrow + m, _mm512_fmadd_ps(_mm512_loadu_ps(lrow + m), _mm512_loadu_ps(alpha + m), sum));
+        }
+        tile_pv_rows<RP>(v0, M, [&](int64_t m, auto r) { tile_pv_bf16<HD, decltype(r)::value>(pP + m, MP, alpha + m, vP, acc + m * HD); });
+    }
+    tile_finish<BF16, HD>(a, it, t, acc, lrow);
 }
 #endif
 
@@ -860,6 +1044,12 @@ void attend_item(const Args& a, const Item& it, const Item* next, float* buf) {
     if constexpr (HD == 64 || HD == 128) {
         if (it.count > 1 && it.nh == 1 && a.block_size == 16 && a.window == 0 && a.soft_cap == 0.0f &&
             a.kv_type == KV_SAME) {
+#if defined(__AVX512BF16__)
+            if constexpr (DT == BF16) {
+                prefill_tile_bf16<HD>(a, it, buf);
+                return;
+            }
+#endif
             prefill_tile<DT, HD>(a, it, buf);
             return;
         }
