@@ -13,8 +13,9 @@ import torch
 from corerun.config import load_config
 from corerun.errors import ConfigError
 from corerun.models.layers import MATMUL_MIN_ROWS, Linear, LMHead, PackedWeight
+from corerun.platform import host
 from corerun.platform.host import (
-    AUTO_PARALLEL_TOKENS, AUTO_PARALLEL_TOKENS_FLOAT32, cpu_vendor, parallel_tokens, physical_cores, resolve_threads,
+    AUTO_PARALLEL_TOKENS, AUTO_PARALLEL_TOKENS_BF16_NO_AMX, AUTO_PARALLEL_TOKENS_FLOAT32, cpu_vendor, parallel_tokens, physical_cores, resolve_threads,
     step_pools, step_threads,
 )
 from tests.helpers.tiny_models import make_tiny_model
@@ -118,13 +119,17 @@ def test_step_threads():
     assert [step_threads(n, 4, auto=True) for n in (1, 32, big - 1, big, 4 * big)] == [1, 1, 1, 4, 4]
     assert {step_threads(n, 3, auto=False) for n in (1, big, 4 * big)} == {3}  # an integer setting: every step
     assert step_pools(4, auto=True) == (1, 4) and step_pools(3, auto=False) == (3, 3)  # (below, from) 512 tokens
-    assert parallel_tokens("float32") == AUTO_PARALLEL_TOKENS_FLOAT32 < 32 and parallel_tokens("bfloat16") == big
+    sapphire_rapids = "processor\t: 0\nflags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    amd_epyc = "processor\t: 0\nflags\t\t: avx512f avx512_bf16 avx512_vnni\n"
+    assert parallel_tokens("float32") == AUTO_PARALLEL_TOKENS_FLOAT32 < 32
+    assert parallel_tokens("bfloat16", sapphire_rapids) == big  # AMX: one thread streams the weights
+    assert parallel_tokens("bfloat16", amd_epyc) == AUTO_PARALLEL_TOKENS_BF16_NO_AMX < 16  # compute-bound products
+    assert parallel_tokens("float16", amd_epyc) == big
     assert [step_threads(n, 2, True, parallel_tokens("float32")) for n in (1, 4, 16, 32)] == [1, 1, 2, 2]
 
 
 def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
     from corerun import LLM, SamplingParams
-    from corerun.platform import host
 
     model = str(make_tiny_model(tmp_path))
     seen: list[tuple[int, int]] = []
@@ -152,7 +157,7 @@ def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_auto_runs_a_float32_step_of_16_tokens_on_every_thread(tmp_path, dtype):
     """In float32 a step of AUTO_PARALLEL_TOKENS_FLOAT32 tokens (a 16-request decode, a short prompt) takes
-    the whole pool; in bfloat16 it stays on one thread."""
+    the whole pool; in bfloat16 it does on a CPU without AMX (parallel_tokens), and stays on one thread with it."""
     from corerun import LLM, SamplingParams
 
     seen: list[tuple[int, int]] = []
@@ -170,7 +175,8 @@ def test_auto_runs_a_float32_step_of_16_tokens_on_every_thread(tmp_path, dtype):
         prompt = list(range(5, 5 + AUTO_PARALLEL_TOKENS_FLOAT32))
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
         pool = resolve_threads("auto")
-        assert seen == [(len(prompt), pool if dtype == "float32" else 1), (1, 1)]
+        takes_pool = dtype == "float32" or "amx_bf16" not in host.cpu_flags()
+        assert seen == [(len(prompt), pool if takes_pool else 1), (1, 1)]
     finally:
         torch.set_num_threads(saved)
 
@@ -234,7 +240,6 @@ def test_cpu_flags():
 def test_many_row_float32_products_go_to_mkl_on_intel_only(monkeypatch, vendor, mkl_rows):
     """MKL's GEMM beat oneDNN's pack from 384 rows on a Sapphire Rapids and lost at every size on an EPYC."""
     from corerun.models import layers
-    from corerun.platform import host
 
     assert cpu_vendor("processor : 0\nvendor_id : AuthenticAMD\n") == "AuthenticAMD" and cpu_vendor("") == ""
     monkeypatch.setattr(host, "cpu_vendor", lambda: vendor)

@@ -106,11 +106,20 @@ AUTO_PARALLEL_TOKENS = 512  # threads: auto runs steps of fewer tokens on one th
 # pays for its barriers: a 32-request decode step took 0.75x one thread's time on two, 16 requests 0.81x,
 # 4 requests 1.06x (docs/benchmarks.md); bfloat16 and quantized products stream their weights, 0.95-1.03x
 AUTO_PARALLEL_TOKENS_FLOAT32 = 16
+# ... and bfloat16 on a CPU without AMX-BF16, whose products multiply on AVX512_BF16 and are compute-bound from a
+# few rows too: a decode step on two threads took, against one, 1.12x the time at 1 request, 1.20x at 4, 0.78x at
+# 8, 0.62x at 16, 0.60x at 32 (an AMD EPYC; benchmarks/RESULTS.md, "Seventeenth session")
+AUTO_PARALLEL_TOKENS_BF16_NO_AMX = 8
 
 
-def parallel_tokens(dtype: str) -> int:
-    """The step size in tokens from which ``threads: auto`` runs a step of a ``dtype`` model on every thread."""
-    return AUTO_PARALLEL_TOKENS_FLOAT32 if dtype == "float32" else AUTO_PARALLEL_TOKENS
+def parallel_tokens(dtype: str, cpuinfo: str | None = None) -> int:
+    """The step size in tokens from which ``threads: auto`` runs a step of a ``dtype`` model on every thread
+    (on the CPU ``cpuinfo`` describes: this machine's by default)."""
+    if dtype == "float32":
+        return AUTO_PARALLEL_TOKENS_FLOAT32
+    if dtype == "bfloat16" and "amx_bf16" not in cpu_flags(cpuinfo):
+        return AUTO_PARALLEL_TOKENS_BF16_NO_AMX
+    return AUTO_PARALLEL_TOKENS
 
 
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins

@@ -24,10 +24,13 @@ from corerun.sdk import QuantizationCapabilities
 
 KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # kernels.TYPES
 KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster from here on: benchmarks/RESULTS.md)
-# above: oneDNN's prepacked bfloat16 product (benchmarks/bf16_gemv_bench.py --model): as fast or faster than
-# AVX512_BF16 from 4-8 tokens on; than the AMX tiles, from about 64 (a 128-token step: 65 against 46 ms; with
-# amx_tiles.h's blocked loop for many tokens 40.9 against 37.5, and a 128-request decode step no faster with 128 here)
-BF16_MAX_TOKENS = 4
+# above: oneDNN's prepacked bfloat16 product (benchmarks/bf16_gemv_bench.py --model). Than the AMX tiles it is as
+# fast from about 64 (a 128-token step: 65 against 46 ms; with amx_tiles.h's blocked loop for many tokens 40.9
+# against 37.5, and a 128-request decode step no faster with 128 here). On a CPU without AMX, oneDNN multiplies on
+# AVX512_BF16 too and the kernel is ahead to 16 tokens (an AMD EPYC, 269 MB of weights, one thread: 8 tokens 16.4
+# against 21.4 ms, 16 level at 30.4; two threads 10.6 / 15.6 at 8, 17.4 / 19.0 at 16; benchmarks/RESULTS.md,
+# "Seventeenth session"). 4 had been measured on a Sapphire Rapids, against oneDNN on AMX tiles.
+BF16_MAX_TOKENS = 16
 BF16_AMX_MAX_TOKENS = 64
 
 # the AVX-512 path quantizes activations to int8 per 32-block (llama.cpp's way); scalar and AVX2 do not
