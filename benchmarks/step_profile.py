@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--prefill-prompts", type=int, default=1, help="prompts prefilled together in one step (as the first "
                     "step of a many-request workload: 28 prompts of 32:256 tokens fill the CPU's 4096-token budget)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--kv-cache-gb", type=float, default=6.0, help="the KV cache's CPU budget (kv_cache.cpu_memory_gb): "
+                    "room for every request at once, so that no step is a recompute after a preemption")
     args = ap.parse_args()
     lo, _, hi = args.prefill.partition(":")
     prefill_range = (int(lo), int(hi or lo))
@@ -99,7 +101,7 @@ def main() -> None:
     from corerun import LLM, SamplingParams
 
     llm = LLM(model=args.model, device="cpu", dtype=args.dtype, attention=args.attention, fused_ops=args.fused_ops,
-              threads=args.threads)
+              threads=args.threads, kv_cache={"cpu_memory_gb": args.kv_cache_gb})
     runner = llm.engine.runner
     _wrap(runner.attention, "forward", "corerun.attention")
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary") if runner.fused_ops is not None else ():
@@ -126,8 +128,8 @@ def main() -> None:
     runner.execute = execute
     rng = random.Random(0)
     # enough tokens that the first request prefilled still decodes after the last one's prefill, then --repeat
-    # whole-batch decodes
-    prefill_steps = -(-args.batch * args.context // runner.max_num_batched_tokens)
+    # whole-batch decodes (the requests already decoding take their tokens of each step's budget)
+    prefill_steps = -(-args.batch * args.context // max(1, runner.max_num_batched_tokens - args.batch))
     greedy = SamplingParams(temperature=0, max_tokens=args.repeat + 1 + prefill_steps, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -165,10 +167,15 @@ def main() -> None:
     print(f"{args.model or 'default model'}, {args.dtype}, attention {args.attention}, fused_ops {runner.fused_ops_name}, "
           f"{torch.get_num_threads()} thread(s), "
           f"load {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    if engine.scheduler.num_preemptions:
+        print(f"{engine.scheduler.num_preemptions} preemption(s): some steps were recomputes; raise --kv-cache-gb")
     for kind, label in (("decode", f"one decode step ({args.batch} request{'s' if args.batch > 1 else ''}, context {args.context})"),
                         ("prefill", f"one prefill step ({args.prefill} tokens)" if args.prefill_prompts == 1
                          else f"one prefill step ({args.prefill_prompts} prompts of {args.prefill} tokens)")):
         runs = steps[kind]
+        if not runs:
+            print(f"\n{label}: no such step was seen (a decode step counts only with all {args.batch} requests in it)")
+            continue
         total = statistics.median(r[2] for r in runs)
         print(f"\n{label}: {total:.2f} ms profiled, {plain[kind]:.2f} ms without the profiler (median of {len(runs)})")
         for part in PARTS:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from corerun.bench.compare import (
-    BASELINE, GGUF_DIR, PeerError, build_compare_report, build_request, compare, compare_model_dir, find_python, llamacpp_gguf,
-    parse_compare,
+    BASELINE, GGUF_DIR, PeerError, build_compare_report, build_request, compare, compare_model_dir, find_python, kv_cache_gib,
+    llamacpp_gguf, parse_compare,
     parse_env, parse_peer_pythons, render_compare, result_from_json,
 )
 from corerun.bench.report import base_report
@@ -263,3 +263,34 @@ def test_vllm_refuses_float32_for_a_w8a8_folder_before_starting(monkeypatch):
     vllm_worker._check_dtype({"dtype": "bfloat16", "model_dir": "m"}, w8a8)
     vllm_worker._check_dtype({"dtype": "float32", "model_dir": "m"}, w8a16)
     vllm_worker._check_dtype({"dtype": "float32", "model_dir": "m"}, {})
+
+
+def test_every_engine_gets_the_kv_cache_the_workload_needs(monkeypatch):
+    """One figure for vLLM's VLLM_CPU_KVCACHE_SPACE and corerun's kv_cache.cpu_memory_gb: twice the workload's
+    tokens (plus 16k) at the model's K/V bytes per token, so neither engine preempts; a budget the user set wins."""
+    from corerun.config import load_config
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "corerun" / "bench" / "peers"))
+    import corerun_worker
+
+    big = make_workload(128, "64:512", "64:256", seed=0, vocab_size=100)
+    tokens = sum(map(len, big.prompts)) + sum(big.output_lens)
+    # the default model: 30 layers, 3 KV heads of 64; float32 K and V are 46,080 bytes a token
+    want = -(-2 * (tokens + 16384) * 46080 // 2**30)
+    assert want > 2  # more than corerun's own default budget, which preempted in this workload
+    assert kv_cache_gib(big, 30, 3, 64, "float32") == want
+    assert kv_cache_gib(big, 30, 3, 64, "bfloat16") == -(-2 * (tokens + 16384) * 23040 // 2**30)
+    assert kv_cache_gib(make_workload(1, "4", "4", seed=0, vocab_size=100), 1, 1, 8, "float32") == 1
+    req = build_request("vllm", big, model_dir="m", dtype="float32", threads=1, temperature=0.0, warmup=False,
+                        max_model_len=800, vocab_size=100, gguf=None, options={}, kv_cache_gib=want)
+    assert req["kv_cache_gib"] == want
+    cfg = load_config()
+    corerun_worker.apply_kv_budget(cfg, want)
+    assert cfg.kv_cache.cpu_memory_gb == want
+    for sets in (["kv_cache.cpu_memory_gb=3"], ["kv_cache.num_blocks=100"]):
+        cfg = load_config(sets=sets)
+        corerun_worker.apply_kv_budget(cfg, want)
+        assert cfg.kv_cache.cpu_memory_gb == (3.0 if "cpu" in sets[0] else 2.0)
+    cfg = load_config()
+    corerun_worker.apply_kv_budget(cfg, None)
+    assert cfg.kv_cache.cpu_memory_gb == 2.0

@@ -110,7 +110,7 @@ def _reference(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]
     return out
 
 
-def test_a_skipped_request_samples_from_its_whole_penalty_history(model_dir: Path) -> None:
+def test_a_skipped_request_samples_from_its_whole_penalty_history(model_dir: Path, caplog) -> None:
     # a KV cache too small for the five requests at once: the youngest are preempted, wait, and are
     # recomputed, missing sampling steps while they hold outputs (and a penalty history)
     llm = LLM(model=str(model_dir), device="cpu", dtype="float32", attention="torch",
@@ -132,3 +132,7 @@ def test_a_skipped_request_samples_from_its_whole_penalty_history(model_dir: Pat
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [_reference(model_dir, p, 10) for p in prompts]
     assert sc.num_preemptions > 0 and sum(skipped.values()) >= 5, (sc.num_preemptions, skipped)
+    # the first preemption says so, naming the cache and the settings that give it room
+    warned = [r.getMessage() for r in caplog.records if r.name == "corerun.engine" and "preempted" in r.getMessage()]
+    assert warned and "KV cache full" in warned[0] and "11 blocks of" in warned[0] and "kv_cache.cpu_memory_gb" in warned[0]
+    assert len(warned) == sum(n in (1, 10, 100) for n in range(1, sc.num_preemptions + 1)), (warned, sc.num_preemptions)

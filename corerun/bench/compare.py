@@ -220,9 +220,20 @@ def run_worker(
     return result_from_json(name, doc, workload)
 
 
+def kv_cache_gib(workload: Workload, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """GiB of KV cache for every engine that keeps one (vLLM's ``VLLM_CPU_KVCACHE_SPACE``, corerun's
+    ``kv_cache.cpu_memory_gb`` where the user sets neither it nor ``kv_cache.num_blocks``): twice what every
+    request of the workload holds at once, plus 16k tokens, rounded up, so that no engine preempts and none
+    is measured with a cache the others do not get."""
+    per_token = 2 * num_layers * num_kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    tokens = sum(len(p) for p in workload.prompts) + sum(workload.output_lens) + 16 * 1024
+    return max(1, -(-2 * tokens * per_token // 2**30))
+
+
 def build_request(
     name: str, workload: Workload, *, model_dir: str, dtype: str, threads: int, temperature: float, warmup: bool,
     max_model_len: int, vocab_size: int, gguf: Path | None, options: dict[str, Any], env: dict[str, str] | None = None,
+    kv_cache_gib: int | None = None,
 ) -> dict[str, Any]:
     return {
         "engine": name,
@@ -236,6 +247,7 @@ def build_request(
         "warmup_tokens": WARMUP_TOKENS,
         "temperature": temperature,
         "max_model_len": max_model_len,
+        "kv_cache_gib": kv_cache_gib,
         "options": options,
         "env": dict(env or {}),
     }

@@ -392,7 +392,7 @@ def _run_compare(
     from pathlib import Path
 
     from corerun.bench.compare import (BASELINE, PeerError, build_compare_report, build_request, compare, compare_model_dir,
-                                       find_python, llamacpp_gguf)
+                                       find_python, kv_cache_gib, llamacpp_gguf)
     from corerun.bench.report import base_report
     from corerun.runner.model_runner import resolve_device, resolve_dtype
     from corerun.models.config import ModelConfig
@@ -408,7 +408,8 @@ def _run_compare(
     dtype = str(resolve_dtype(cfg.dtype, resolve_device("cpu"), mc.torch_dtype)).removeprefix("torch.")
     threads = resolve_threads(cfg.threads)
     common = dict(model_dir=str(model_dir), dtype=dtype, threads=threads, temperature=temperature, warmup=warmup,
-                  max_model_len=min(max_len, workload.input_len.hi + workload.output_len.hi + 16), vocab_size=mc.vocab_size)
+                  max_model_len=min(max_len, workload.input_len.hi + workload.output_len.hi + 16), vocab_size=mc.vocab_size,
+                  kv_cache_gib=kv_cache_gib(workload, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype))
     gguf = llamacpp_gguf(cfg.model, dtype, Path(gguf_path) if gguf_path else None)
     options = {
         "corerun": {"config_path": config_path, "sets": list(sets), "overrides": {k: v for k, v in cfg_args.items() if v is not None and k not in ("dtype", "threads")},

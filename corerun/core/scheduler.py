@@ -26,6 +26,7 @@ from corerun.protocols.kv_cache import KVCacheManager
 __all__ = ["ScheduledBatch", "Scheduler", "SchedulingError", "StepResult"]
 
 logger = logging.getLogger("corerun.engine")
+PREEMPTION_WARNINGS = (1, 10, 100)  # the preemptions that log a warning; then every 100th
 FINISHED = SequenceStatus.FINISHED
 _EMPTY: frozenset[int] = frozenset()
 
@@ -295,6 +296,15 @@ class Scheduler(InFlightSteps):
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if self.num_preemptions in PREEMPTION_WARNINGS or self.num_preemptions % PREEMPTION_WARNINGS[-1] == 0:
+            kv = self.kv
+            logger.warning(
+                "KV cache full: request %r preempted, its %d tokens to be computed again (%d preemption(s) so far; "
+                "the cache holds %d blocks of %d tokens). Throughput and latency suffer: give the cache more room "
+                "(kv_cache.cpu_memory_gb on a CPU, kv_cache.memory_fraction on a GPU, or kv_cache.num_blocks), or "
+                "lower scheduler.max_num_seqs", seq.request_id, seq.num_tokens, self.num_preemptions,
+                kv.num_blocks, kv.block_size,
+            )
 
     def stuck(self, batch: ScheduledBatch) -> tuple[Sequence, str] | None:
         """After an empty ``batch``: with nothing running and nothing preempted, the head of the queue

@@ -2,7 +2,9 @@
 
 ``options``: ``config_path``, ``sets`` and ``overrides`` exactly as ``corerun bench`` got them; the
 request's ``dtype`` and ``threads`` are applied on top (``threads_setting``, where given, instead of
-``threads``: ``auto`` stays ``auto``, while ``threads`` is the count the peers and OpenMP get).
+``threads``: ``auto`` stays ``auto``, while ``threads`` is the count the peers and OpenMP get).  The KV
+cache's CPU budget is the request's ``kv_cache_gib``, the figure vLLM's worker gets, unless the configuration
+sets ``kv_cache.cpu_memory_gb`` or ``kv_cache.num_blocks`` itself.
 """
 
 from __future__ import annotations
@@ -10,6 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import peer_protocol
+
+
+def apply_kv_budget(cfg: Any, gib: int | None) -> None:
+    """The KV cache's CPU budget to ``gib`` GiB (the peers' figure), unless the configuration sizes the cache
+    itself (``kv_cache.cpu_memory_gb`` or ``kv_cache.num_blocks`` set) or there is no figure."""
+    if gib and not {"cpu_memory_gb", "num_blocks"} & cfg.kv_cache.model_fields_set:
+        cfg.kv_cache.cpu_memory_gb = float(gib)
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:
@@ -26,6 +35,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     # threads: the setting itself where the request names it ("auto" sizes each step); the count otherwise
     overrides = dict(opts.get("overrides") or {}, dtype=req["dtype"], threads=opts.get("threads_setting", req["threads"]))
     cfg = with_local_model(load_config(opts.get("config_path"), overrides=overrides, sets=list(opts.get("sets") or ())))
+    apply_kv_budget(cfg, req.get("kv_cache_gib"))
     lens = [len(p) for p in req["prompts"]]
     workload = Workload(req["prompts"], req["output_lens"], 0, LengthRange(min(lens), max(lens)),
                         LengthRange(min(req["output_lens"]), max(req["output_lens"])))
@@ -41,7 +51,8 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         "tpot_s": res.tpot_s,
         "threads": torch.get_num_threads(),
         "peak_rss_bytes": res.peak_memory.bytes,
-        "details": {"backends": res.details["backends"], "model": res.details["model"]},
+        "details": {"backends": res.details["backends"], "model": res.details["model"],
+                    "kv_cache_cpu_memory_gb": cfg.kv_cache.cpu_memory_gb, "preemptions": getattr(getattr(llm.engine, "scheduler", None), "num_preemptions", None)},
     }
 
 

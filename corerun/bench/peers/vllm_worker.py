@@ -3,7 +3,8 @@
 The model folder is corerun's (the same safetensors weights); prompts go in as token ids.  vLLM's
 CPU worker binds its OpenMP threads to cores: ``VLLM_CPU_OMP_THREADS_BIND`` is set to the first
 ``threads`` CPUs this process may use unless the environment already sets it, and the KV cache space
-(``VLLM_CPU_KVCACHE_SPACE``, GiB) to what the workload needs with room to spare.  TTFT (from the moment
+(``VLLM_CPU_KVCACHE_SPACE``, GiB) to the request's ``kv_cache_gib`` (``corerun.bench.compare.kv_cache_gib``: what
+the workload needs with room to spare, the same figure corerun's worker gets).  TTFT (from the moment
 the request is queued) and TPOT come from the request's engine timestamps when vLLM fills them in;
 otherwise only throughput is reported.
 
@@ -37,16 +38,6 @@ def _check_dtype(req: dict[str, Any], cfg: dict[str, Any]) -> None:
         )
 
 
-def _kv_space_gib(req: dict[str, Any], cfg: dict[str, Any]) -> int:
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    elt = 4 if req["dtype"] == "float32" else 2
-    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * elt
-    tokens = sum(len(p) + n for p, n in zip(req["prompts"], req["output_lens"])) + 16 * 1024
-    return max(1, -(-2 * tokens * per_token // 2**30))
-
-
 def _timings(outputs: list[Any], lens: list[int]) -> tuple[list[float], list[float]]:
     """Per-request TTFT (queued -> first token) and TPOT from vLLM's engine-core timestamps (one monotonic clock)."""
     ttft, tpot = [], []
@@ -68,7 +59,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     cfg = _config(req)
     _check_dtype(req, cfg)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_space_gib(req, cfg)))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req["kv_cache_gib"]))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     import vllm
     from vllm import LLM, SamplingParams
