@@ -24,6 +24,7 @@ import os
 import random
 import time
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 from dtype_greedy_check import TEXTS  # the same chat prompts as the greedy check (this folder is on sys.path)

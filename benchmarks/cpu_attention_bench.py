@@ -35,6 +35,7 @@ import os
 import statistics
 import time
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 from corerun.attention.torch_backend import TorchAttentionBackend

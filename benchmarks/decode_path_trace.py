@@ -118,6 +118,7 @@ class PathTrace:
 
 def trace_decode_step(attention: str = "cpu", sampler: str = "full", warmup: int = 2, seed: int = 0) -> dict:
     """Build the engine, run the prefill and ``warmup`` decodes, trace one decode step; the report."""
+    import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
     import torch
 
     from corerun.sampling_params import SamplingParams

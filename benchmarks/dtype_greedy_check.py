@@ -17,6 +17,7 @@ import os
 import random
 import time
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 TEXTS = [

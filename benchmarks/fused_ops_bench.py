@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable
 from unittest import mock
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 from corerun.models.layers import RMSNorm, SiluAndMul

@@ -31,6 +31,7 @@ import statistics
 import time
 
 import numpy as np
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 import torch.nn.functional as F
 

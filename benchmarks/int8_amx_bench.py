@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 from corerun.quantization import int8_matmul

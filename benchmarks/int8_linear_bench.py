@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 import torch.nn.functional as F
 from linear_bench import LAYERS, best_ms, parse_args  # benchmarks/ is the script's folder: on sys.path

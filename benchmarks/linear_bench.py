@@ -16,6 +16,7 @@ import argparse
 import os
 import time
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 import torch.nn.functional as F
 

@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import os
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 from linear_bench import best_ms  # benchmarks/ is the script's folder: on sys.path
 

@@ -29,6 +29,7 @@ import os
 import time
 from typing import Any
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 

@@ -45,6 +45,7 @@ TEXT = (
 
 
 def perplexity(model: Any, ids: list[int]) -> float:
+    import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
     import torch
 
     from corerun.testing.tiny_models import corerun_logits

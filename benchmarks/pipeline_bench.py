@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 

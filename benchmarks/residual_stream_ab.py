@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
 
+    import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
     import torch
 
     import corerun.models.layers as layers

@@ -42,6 +42,7 @@ import statistics
 import time
 from datetime import date
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 
 from corerun.core.batch import NewRequest, ScheduledBatch

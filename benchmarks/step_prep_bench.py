@@ -54,6 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch  # noqa: E402
 
 from corerun.config import load_config  # noqa: E402

@@ -96,9 +96,9 @@ def main() -> None:
     lo, _, hi = args.prefill.partition(":")
     prefill_range = (int(lo), int(hi or lo))
 
-    import torch
+    from corerun import LLM, SamplingParams  # (before torch: its OpenMP settings, corerun.platform.host)
 
-    from corerun import LLM, SamplingParams
+    import torch
 
     llm = LLM(model=args.model, device="cpu", dtype=args.dtype, attention=args.attention, fused_ops=args.fused_ops,
               threads=args.threads, kv_cache={"cpu_memory_gb": args.kv_cache_gb})

@@ -3,8 +3,7 @@
 Every round runs ``corerun bench --json`` once per arm, in this order: ``--threads 1``; no
 ``--threads`` (the config's ``threads: auto``); and with ``--old`` the behaviour before each step was
 sized, all steps on every core with OpenMP's default spinning wait (``--threads N`` for the physical
-cores, ``GOMP_SPINCOUNT=300000``, libgomp's default, which also keeps corerun from asking for
-``OMP_WAIT_POLICY=PASSIVE``).  It prints, per run, the output tokens/s, the ms per output token
+cores, ``GOMP_SPINCOUNT=300000``, libgomp's default, in place of corerun's shorter spin).  It prints, per run, the output tokens/s, the ms per output token
 (elapsed / output tokens) and the TPOT median, with the 1-minute load average before the run; then
 each arm's median and best.  The machine's other load changes between runs: the interleaving gives
 every arm the same share of it.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from corerun.platform.host import prepare_openmp
 
-prepare_openmp()  # before torch loads OpenMP: idle threads sleep instead of spinning (corerun.platform.host)
+prepare_openmp()  # before torch loads OpenMP: idle threads spin a fraction of a millisecond, then sleep (corerun.platform.host)
 
 from corerun._version import PROTOCOL_VERSION, __version__
 from corerun.plugin.capabilities import (

@@ -46,7 +46,7 @@ def run(req):
     elapsed = fake["elapsed"][nth] if isinstance(fake["elapsed"], list) else fake["elapsed"]
     result = {{
         "engine": req["engine"], "version": "9.9", "elapsed_s": elapsed, "load_s": 0.5, "output_token_ids": outs,
-        "ttft_s": fake.get("ttft", []), "tpot_s": fake.get("tpot", []), "threads": req["threads"], "peak_rss_bytes": 1, "details": {{"kind": "fake", "mark": os.environ.get("FAKE_MARK"), "policy": os.environ.get("OMP_WAIT_POLICY")}},
+        "ttft_s": fake.get("ttft", []), "tpot_s": fake.get("tpot", []), "threads": req["threads"], "peak_rss_bytes": 1, "details": {{"kind": "fake", "mark": os.environ.get("FAKE_MARK"), "policy": os.environ.get("GOMP_SPINCOUNT")}},
     }}
     if fake.get("drop"):
         del result[fake["drop"]]
@@ -236,17 +236,18 @@ def test_baseline_runs_with_its_environment(fake, monkeypatch):
 def test_peers_start_without_the_openmp_policy_corerun_set(fake, monkeypatch):
     from corerun.platform import host
 
-    # corerun's import put PASSIVE into this process's environment: no engine inherits it (corerun sets it again itself)
-    monkeypatch.setitem(host._SET_BY_PREPARE, "OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    # corerun's import put its spin count into this process's environment: no engine inherits it (corerun sets it
+    # again itself)
+    monkeypatch.setitem(host._SET_BY_PREPARE, "GOMP_SPINCOUNT", str(host.SPIN_COUNT))
+    monkeypatch.setenv("GOMP_SPINCOUNT", str(host.SPIN_COUNT))
     results, _ = _compare(["corerun", BASELINE], fake)
     assert {name: r.runs[0].details["policy"] for name, r in results.items()} == {"corerun": None, BASELINE: None}
-    # a policy the user chose reaches every engine
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    # a spin count the user chose reaches every engine
+    monkeypatch.setenv("GOMP_SPINCOUNT", "777")
     results, _ = _compare(["corerun", BASELINE], fake)
-    assert {name: r.runs[0].details["policy"] for name, r in results.items()} == {"corerun": "ACTIVE", BASELINE: "ACTIVE"}
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
-    assert host.environment_for_others(env) == {"GOMP_SPINCOUNT": "1000", "PATH": "/bin"}
+    assert {name: r.runs[0].details["policy"] for name, r in results.items()} == {"corerun": "777", BASELINE: "777"}
+    env = {"GOMP_SPINCOUNT": str(host.SPIN_COUNT), "OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"}
+    assert host.environment_for_others(env) == {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"}
 
 
 def test_vllm_refuses_float32_for_a_w8a8_folder_before_starting(monkeypatch):

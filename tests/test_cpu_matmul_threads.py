@@ -125,7 +125,8 @@ def test_step_threads():
     assert parallel_tokens("bfloat16", sapphire_rapids) == big  # AMX: one thread streams the weights
     assert parallel_tokens("bfloat16", amd_epyc) == AUTO_PARALLEL_TOKENS_BF16_NO_AMX < 16  # compute-bound products
     assert parallel_tokens("float16", amd_epyc) == big
-    assert [step_threads(n, 2, True, parallel_tokens("float32")) for n in (1, 4, 16, 32)] == [1, 1, 2, 2]
+    assert [step_threads(n, 2, True, parallel_tokens("float32")) for n in (1, 3, 4, 16)] == [1, 1, 2, 2]
+    assert [step_threads(n, 2, True, parallel_tokens("bfloat16", amd_epyc)) for n in (1, 4)] == [2, 2]
 
 
 def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
@@ -155,9 +156,10 @@ def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_auto_runs_a_float32_step_of_16_tokens_on_every_thread(tmp_path, dtype):
-    """In float32 a step of AUTO_PARALLEL_TOKENS_FLOAT32 tokens (a 16-request decode, a short prompt) takes
-    the whole pool; in bfloat16 it does on a CPU without AMX (parallel_tokens), and stays on one thread with it."""
+def test_auto_runs_a_step_of_parallel_tokens_on_every_thread(tmp_path, dtype):
+    """In float32 a step of AUTO_PARALLEL_TOKENS_FLOAT32 tokens (a 4-request decode, a short prompt) takes the
+    whole pool and a one-token step one thread; in bfloat16 on a CPU without AMX (parallel_tokens) every step
+    takes the pool, with AMX both stay on one thread."""
     from corerun import LLM, SamplingParams
 
     seen: list[tuple[int, int]] = []
@@ -175,24 +177,62 @@ def test_auto_runs_a_float32_step_of_16_tokens_on_every_thread(tmp_path, dtype):
         prompt = list(range(5, 5 + AUTO_PARALLEL_TOKENS_FLOAT32))
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
         pool = resolve_threads("auto")
-        takes_pool = dtype == "float32" or "amx_bf16" not in host.cpu_flags()
-        assert seen == [(len(prompt), pool if takes_pool else 1), (1, 1)]
+        no_amx_bf16 = dtype == "bfloat16" and "amx_bf16" not in host.cpu_flags()
+        takes_pool = dtype == "float32" or no_amx_bf16
+        assert seen == [(len(prompt), pool if takes_pool else 1), (1, pool if no_amx_bf16 else 1)]
     finally:
         torch.set_num_threads(saved)
 
 
-def test_import_asks_openmp_to_sleep_when_idle():
+def _run_python(code: str, **extra: str) -> list[str]:
     import os
     import subprocess
     import sys
 
-    code = "import os, corerun, torch; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
-    run = lambda code, **extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
-                                               text=True, check=True).stdout.split()
-    assert run(code) == ["PASSIVE", "None"]
-    assert run(code, GOMP_SPINCOUNT="1000") == ["None", "1000"]  # the user's own choice stays
-    assert run("import os, torch, corerun; print(os.environ.get('OMP_WAIT_POLICY'))") == ["None"]  # too late: left alone
+    return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+def test_import_asks_openmp_to_spin_briefly_when_idle():
+    code = "import os, corerun, torch; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    assert _run_python(code) == ["None", str(host.SPIN_COUNT)]
+    assert _run_python(code, GOMP_SPINCOUNT="1000") == ["None", "1000"]  # the user's own choice stays
+    assert _run_python(code, OMP_WAIT_POLICY="PASSIVE") == ["PASSIVE", "None"]
+    assert _run_python("import os, torch, corerun; print(os.environ.get('GOMP_SPINCOUNT'))") == ["None"]  # too late: left alone
+
+
+RELEASE_CHECK = """
+import os, corerun, torch
+from corerun.platform import host
+tasks = lambda: len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)
+x = torch.randn(1 << 20)
+torch.add(x, 1)  # a parallel region on this thread: its OpenMP pool (one more thread), or the one it has
+a = tasks()
+{release}
+b = tasks()
+torch.add(x, 1)
+print(a - b, tasks() - b)
+"""
+
+
+def test_the_engine_frees_its_constructing_threads_openmp_pool(tmp_path):
+    """release_openmp_threads ends the calling thread's idle OpenMP threads (a later region makes them again), and
+    building an engine on a CPU calls it: the steps' thread then holds the only pool (GNU OpenMP spins less when it
+    manages more threads than there are processors)."""
+    if not host.openmp_runtimes() or resolve_threads("auto") < 2:
+        pytest.skip("needs an OpenMP runtime and two cores")
+    # a pool made on this thread, then freed: its thread ends, and the next region starts it again
+    assert _run_python(RELEASE_CHECK.format(release="host.release_openmp_threads()")) == ["1", "1"]
+    # not freed: the pool stays and the next region adds no thread
+    assert _run_python(RELEASE_CHECK.format(release="pass")) == ["0", "0"]
+    # building an engine frees it: the first region on this thread after the build starts a pool again
+    build = ("x = torch.randn(1 << 20)\ntorch.add(x, 1)\nfrom corerun import LLM\n"
+             f"llm = LLM(model={str(make_tiny_model(tmp_path))!r}, device='cpu', dtype='float32', attention='torch', "
+             "threads=2, kv_cache={'num_blocks': 8})\ntorch.set_num_threads(2)\nn = len(os.listdir('/proc/self/task'))\n"
+             "torch.add(x, 1)\nprint(len(os.listdir('/proc/self/task')) - n)")
+    assert _run_python("import os, corerun, torch\n" + build) == ["1"]
 
 
 def test_openmp_runtimes_from_maps():

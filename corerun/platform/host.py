@@ -13,9 +13,13 @@ runner keeps the two counts (:func:`step_pools`) and sets the pool of the thread
 before each step whose count differs from it; the benchmark reports it.
 
 :func:`prepare_openmp` (called when ``corerun`` is imported) asks the OpenMP runtime torch loads to
-let idle threads sleep at once (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning for milliseconds
-after each operator, which took one core from everything else and made two threads up to ten
-times slower than one on a loaded machine.
+spin an idle thread for a short while (``GOMP_SPINCOUNT``, :data:`SPIN_COUNT`: a fraction of a millisecond)
+before it sleeps: long enough to bridge the Python between one step's operators, whose next parallel
+region then starts without waking a sleeping thread (on a virtual machine a wake-up took about 55 us
+a region), short enough not to hold a core between steps.  GNU OpenMP keeps one pool of threads per
+thread that starts parallel regions, and spins less (about 1,000 rounds) while it manages more threads
+than there are processors: so the engine's construction frees the constructing thread's pool when it is
+done (:func:`release_openmp_threads`), and the thread that runs the steps holds the process's only pool.
 
 ``native_bfloat16()``: the CPU has bfloat16 dot-product instructions (AVX512_BF16, or AMX's bfloat16
 tiles) and torch's oneDNN uses them.  There bfloat16 weights are multiplied at about twice to three
@@ -102,14 +106,14 @@ def native_bfloat16() -> bool:
 
 
 AUTO_PARALLEL_TOKENS = 512  # threads: auto runs steps of fewer tokens on one thread (docs/benchmarks.md)
-# ... except in float32, whose products from about 16 rows on are compute-bound enough that a second core
-# pays for its barriers: a 32-request decode step took 0.75x one thread's time on two, 16 requests 0.81x,
-# 4 requests 1.06x (docs/benchmarks.md); bfloat16 and quantized products stream their weights, 0.95-1.03x
-AUTO_PARALLEL_TOKENS_FLOAT32 = 16
-# ... and bfloat16 on a CPU without AMX-BF16, whose products multiply on AVX512_BF16 and are compute-bound from a
-# few rows too: a decode step on two threads took, against one, 1.12x the time at 1 request, 1.20x at 4, 0.78x at
-# 8, 0.62x at 16, 0.60x at 32 (an AMD EPYC; benchmarks/RESULTS.md, "Seventeenth session")
-AUTO_PARALLEL_TOKENS_BF16_NO_AMX = 8
+# ... except in float32: a decode step on two threads took, against one, 1.06x the time at 1 request, 0.74x at 4,
+# 0.70x at 8, 0.69x at 16 (an AMD EPYC, with the OpenMP pool and spin of prepare_openmp / release_openmp_threads;
+# benchmarks/RESULTS.md, "Eighteenth session")
+AUTO_PARALLEL_TOKENS_FLOAT32 = 4
+# ... and bfloat16 on a CPU without AMX-BF16, whose products multiply on AVX512_BF16: 0.69x at 1 request, 0.75x
+# at 4, 0.71x at 8, 0.65x at 16 (the same).  (The 512 above, for bfloat16 with AMX and other dtypes, was measured
+# on a Sapphire Rapids before that OpenMP change, when every parallel region of a step paid a wake-up.)
+AUTO_PARALLEL_TOKENS_BF16_NO_AMX = 1
 
 
 def parallel_tokens(dtype: str, cpuinfo: str | None = None) -> int:
@@ -123,11 +127,16 @@ def parallel_tokens(dtype: str, cpuinfo: str | None = None) -> int:
 
 
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
+# rounds of GNU OpenMP's spin-wait (a PAUSE each) before an idle thread sleeps: about 0.2-0.6 ms.  One request's
+# two-thread decode step, bfloat16, on an AMD EPYC VM: 21.7 ms under OMP_WAIT_POLICY=PASSIVE (every region a
+# wake-up), 11.5 ms under this (docs/benchmarks.md, "CPU settings that matter")
+SPIN_COUNT = 20000
 _SET_BY_PREPARE: dict[str, str] = {}  # what prepare_openmp put into os.environ
 
 
 def prepare_openmp() -> bool:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` for the OpenMP runtime torch is about to load; ``True`` if it was set.
+    """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` for the OpenMP runtime torch is about to load; ``True`` if it
+    was set.
 
     OpenMP reads its environment once, when it loads (with torch), so this acts only before torch is
     imported and only where the environment names no wait policy (``OMP_WAIT_POLICY``,
@@ -135,8 +144,29 @@ def prepare_openmp() -> bool:
     """
     if "torch" in sys.modules or any(name in os.environ for name in WAIT_POLICY_ENV):
         return False
-    os.environ["OMP_WAIT_POLICY"] = _SET_BY_PREPARE["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = _SET_BY_PREPARE["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     return True
+
+
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_kind_t (OpenMP 5.0)
+
+
+def release_openmp_threads() -> bool:
+    """Free the OpenMP thread pool of the calling thread (``omp_pause_resource_all``: its idle threads exit);
+    ``True`` if a runtime did.  Call it outside any parallel region, on a thread that is done with parallel
+    work for now: a later region on it makes a new pool.  The engine calls it once it is built, so that the
+    thread running the steps is the only one holding OpenMP threads (module docstring)."""
+    import ctypes
+
+    freed = False
+    for path in openmp_runtimes():
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all  # (already loaded: the same library)
+        except (OSError, AttributeError):
+            continue
+        pause.restype, pause.argtypes = ctypes.c_int, [ctypes.c_int]
+        freed |= pause(OMP_PAUSE_SOFT) == 0
+    return freed
 
 
 def environment_for_others(env: Mapping[str, str]) -> dict[str, str]:
