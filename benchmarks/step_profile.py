@@ -34,7 +34,7 @@ from typing import Any
 
 LINEAR_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise", "aten::bmm",
               "corerun_quant_cpu::bf16_gemv", "corerun_quant_cpu::gguf_gemv", "corerun_quant_cpu::gguf_gemv_q8_0r",
-              "corerun_quant_cpu::int8_amx_linear",
+              "corerun_quant_cpu::int8_amx_linear", "corerun_quant_cpu::f32_gemv", "corerun_quant_cpu::int8_vnni_linear",
               "onednn::qlinear_pointwise", "aten::_int_mm"}
 PARTS = ("linears", "attention", "norms / elementwise / other ops", "sampling", "host")
 RANGES = {"corerun.attention": "attention", "corerun.sampling": "sampling", "corerun.lm_head": "linears",

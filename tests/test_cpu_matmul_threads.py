@@ -127,6 +127,9 @@ def test_step_threads():
     assert parallel_tokens("float16", amd_epyc) == big
     assert [step_threads(n, 2, True, parallel_tokens("float32")) for n in (1, 3, 4, 16)] == [1, 1, 2, 2]
     assert [step_threads(n, 2, True, parallel_tokens("bfloat16", amd_epyc)) for n in (1, 4)] == [2, 2]
+    # a quantization method's own size (its parallel_tokens): the smaller of the two
+    assert parallel_tokens("float32", products=1) == 1 and parallel_tokens("float32", products=64) == AUTO_PARALLEL_TOKENS_FLOAT32
+    assert parallel_tokens("bfloat16", sapphire_rapids, products=16) == 16 and parallel_tokens("float16", products=None) == big
 
 
 def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
@@ -137,7 +140,7 @@ def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
     saved = torch.get_num_threads()
     try:
         for setting in ("auto", 2):
-            llm = LLM(model=model, device="cpu", dtype="float32", attention="torch", threads=setting,
+            llm = LLM(model=model, device="cpu", dtype="float32", attention="torch", threads=setting, quantization="none",
                       kv_cache={"num_blocks": 8}, scheduler={"max_model_len": 64})
             forward = llm.engine.runner._forward
 
@@ -159,14 +162,15 @@ def test_auto_sizes_each_step_and_an_integer_does_not(tmp_path):
 def test_auto_runs_a_step_of_parallel_tokens_on_every_thread(tmp_path, dtype):
     """In float32 a step of AUTO_PARALLEL_TOKENS_FLOAT32 tokens (a 4-request decode, a short prompt) takes the
     whole pool and a one-token step one thread; in bfloat16 on a CPU without AMX (parallel_tokens) every step
-    takes the pool, with AMX both stay on one thread."""
+    takes the pool, with AMX both stay on one thread.  ``quantization: none``: the dtype's own rule (a method may
+    lower it, its ``parallel_tokens``; corerun-quant-cpu's tests check dense_cpu's)."""
     from corerun import LLM, SamplingParams
 
     seen: list[tuple[int, int]] = []
     saved = torch.get_num_threads()
     try:
         llm = LLM(model=str(make_tiny_model(tmp_path)), device="cpu", dtype=dtype, attention="torch", threads="auto",
-                  kv_cache={"num_blocks": 8}, scheduler={"max_model_len": 64})
+                  quantization="none", kv_cache={"num_blocks": 8}, scheduler={"max_model_len": 64})
         forward = llm.engine.runner._forward
 
         def spy(inputs):
@@ -219,7 +223,7 @@ print(a - b, tasks() - b)
 
 def test_the_engine_frees_its_constructing_threads_openmp_pool(tmp_path):
     """release_openmp_threads ends the calling thread's idle OpenMP threads (a later region makes them again), and
-    building an engine on a CPU calls it: the steps' thread then holds the only pool (GNU OpenMP spins less when it
+    building an engine on a CPU calls it (the runner's construction, last): the steps' thread then holds the only pool (GNU OpenMP spins less when it
     manages more threads than there are processors)."""
     if not host.openmp_runtimes() or resolve_threads("auto") < 2:
         pytest.skip("needs an OpenMP runtime and two cores")

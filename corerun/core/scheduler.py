@@ -18,7 +18,7 @@ from typing import Iterable
 
 from corerun.core.batch import _NOTHING_IN_FLIGHT, InFlight, ScheduledBatch, StepResult, Told, make_batch
 from corerun.core.in_flight import InFlightSteps
-from corerun.core.sequence import Sequence, SequenceStatus
+from corerun.core.sequence import Sequence, SequenceStatus, pools_every_token, verified_tokens
 from corerun.errors import StepError
 from corerun.lora.slots import LoRASlots
 from corerun.protocols.kv_cache import KVCacheManager
@@ -200,7 +200,7 @@ class Scheduler(InFlightSteps):
             seq = self._current = self.waiting[0]
             if self.lora_slots is not None and not self._lora_ready(seq):
                 break  # its adapter waits for a slot, and everything behind it waits too: no adapter starves
-            if seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs and not _pools_every_token(seq):
+            if seq.num_computed_tokens == 0 and not seq.wants_prompt_logprobs and not pools_every_token(seq):
                 # (prompt logprobs and mean / cls pooling need the prompt's hidden states: no prefix reuse)
                 seq.num_computed_tokens = self.kv.get_computed_prefix(seq.seq_id, seq.token_ids)
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -336,7 +336,7 @@ class Scheduler(InFlightSteps):
             kv_tokens = seq.token_ids
             d = batch.drafts.get(seq.seq_id)
             if d:
-                n, kv_tokens = _verified(seq, n, d, emitted.get(seq.seq_id, []))
+                n, kv_tokens = verified_tokens(seq, n, d, emitted.get(seq.seq_id, []))
             seq.num_computed_tokens += n
             try:
                 self._current = seq
@@ -443,17 +443,3 @@ class Scheduler(InFlightSteps):
             logger.error("KV-cache manager '%s' failed to free the blocks of request %r: %s: %s",
                          self.kv_name, seq.request_id, type(exc).__name__, exc)
 
-
-def _verified(seq: Sequence, n: int, drafts: tuple[int, ...], emitted: list[int]) -> tuple[int, list[int]]:
-    """A decode with ``drafts`` that emitted ``emitted``: the tokens it computed (``n`` less the rejected
-    drafts) and the tokens whose K/V the cache now holds.  K/V of rejected drafts stay in their slots,
-    overwritten when those positions are computed."""
-    accepted = len(emitted) - 1
-    n -= len(drafts) - max(accepted, 0)
-    return n, (seq.token_ids + emitted[:accepted] if accepted > 0 else seq.token_ids)
-
-
-def _pools_every_token(seq: Sequence) -> bool:
-    """An embedding request that reads hidden states other than its last token's (mean, cls)."""
-    pooling = seq.params.pooling
-    return pooling is not None and pooling.pooling_type != "last"

@@ -117,3 +117,18 @@ class Sequence:
         return self.params.prompt_logprobs is not None and (
             self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens
         )
+
+
+def verified_tokens(seq: Sequence, n: int, drafts: tuple[int, ...], emitted: list[int]) -> tuple[int, list[int]]:
+    """A decode with ``drafts`` that emitted ``emitted``: the tokens it computed (``n`` less the rejected
+    drafts) and the tokens whose K/V the cache now holds.  K/V of rejected drafts stay in their slots,
+    overwritten when those positions are computed."""
+    accepted = len(emitted) - 1
+    n -= len(drafts) - max(accepted, 0)
+    return n, (seq.token_ids + emitted[:accepted] if accepted > 0 else seq.token_ids)
+
+
+def pools_every_token(seq: Sequence) -> bool:
+    """An embedding request that reads hidden states other than its last token's (mean, cls)."""
+    pooling = seq.params.pooling
+    return pooling is not None and pooling.pooling_type != "last"

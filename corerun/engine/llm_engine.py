@@ -24,7 +24,6 @@ from corerun.lora.request import LoRARequest
 from corerun.executor.select import make_runner
 from corerun.errors import ConfigError, EngineClosedError, RequestError, StepError
 from corerun.outputs import RequestOutput
-from corerun.platform import host
 from corerun.plugin.registry import Registry
 from corerun.runner.model_runner import ModelRunner
 from corerun.sampling_params import SamplingParams
@@ -78,8 +77,6 @@ class LLMEngine:
         self.queue = BatchQueue(runner)  # asynchronous scheduling: the step in flight (corerun.engine.batch_queue)
         self.stages: deque[ScheduledBatch] = deque()  # pipeline parallelism: micro-batches in flight, oldest first
         self.scheduler.max_batch_seqs = -(-sc.max_num_seqs // runner.pipeline_depth)  # (one micro-batch per stage)
-        if runner.device.type == "cpu":  # the steps may run on another thread: theirs is then the only OpenMP pool
-            host.release_openmp_threads()
 
     @property
     def proposer(self) -> Any:

@@ -85,8 +85,10 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {}) or {}
     checkpoint_name = {(ours, shard): ckpt for ckpt, (ours, shard) in packed.items()}
     targets: dict[str, LoRATarget] = {}
+    # an LM head's layer from its quantization method (LMHead.quantized, a method's lm_head()): the head is no target
+    heads = {id(q) for m in model.modules() if isinstance(q := getattr(m, "quantized", None), nn.Module)}
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear) or not _is_linear(module) or in_moe_block(name):
+        if isinstance(module, LoRALinear) or not _is_linear(module) or in_moe_block(name) or id(module) in heads:
             continue  # (a mixture-of-experts block's router and shared expert are not targets: its experts are not linear layers)
         leaf = name.rpartition(".")[2]
         ranges = getattr(module, "shard_ranges", None)

@@ -18,7 +18,7 @@ before it sleeps: long enough to bridge the Python between one step's operators,
 region then starts without waking a sleeping thread (on a virtual machine a wake-up took about 55 us
 a region), short enough not to hold a core between steps.  GNU OpenMP keeps one pool of threads per
 thread that starts parallel regions, and spins less (about 1,000 rounds) while it manages more threads
-than there are processors: so the engine's construction frees the constructing thread's pool when it is
+than there are processors: so a CPU runner's construction frees the constructing thread's pool when it is
 done (:func:`release_openmp_threads`), and the thread that runs the steps holds the process's only pool.
 
 ``native_bfloat16()``: the CPU has bfloat16 dot-product instructions (AVX512_BF16, or AMX's bfloat16
@@ -116,14 +116,18 @@ AUTO_PARALLEL_TOKENS_FLOAT32 = 4
 AUTO_PARALLEL_TOKENS_BF16_NO_AMX = 1
 
 
-def parallel_tokens(dtype: str, cpuinfo: str | None = None) -> int:
+def parallel_tokens(dtype: str, cpuinfo: str | None = None, products: int | None = None) -> int:
     """The step size in tokens from which ``threads: auto`` runs a step of a ``dtype`` model on every thread
-    (on the CPU ``cpuinfo`` describes: this machine's by default)."""
+    (on the CPU ``cpuinfo`` describes: this machine's by default).  ``products``: the size from which the
+    model's quantization method says its products gain from every thread (its ``parallel_tokens``), where it
+    says so; the smaller of the two is taken."""
     if dtype == "float32":
-        return AUTO_PARALLEL_TOKENS_FLOAT32
-    if dtype == "bfloat16" and "amx_bf16" not in cpu_flags(cpuinfo):
-        return AUTO_PARALLEL_TOKENS_BF16_NO_AMX
-    return AUTO_PARALLEL_TOKENS
+        rule = AUTO_PARALLEL_TOKENS_FLOAT32
+    elif dtype == "bfloat16" and "amx_bf16" not in cpu_flags(cpuinfo):
+        rule = AUTO_PARALLEL_TOKENS_BF16_NO_AMX
+    else:
+        rule = AUTO_PARALLEL_TOKENS
+    return rule if products is None else max(1, min(rule, products))
 
 
 WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # a user's choice of wait policy wins
@@ -154,7 +158,7 @@ OMP_PAUSE_SOFT = 1  # omp_pause_resource_kind_t (OpenMP 5.0)
 def release_openmp_threads() -> bool:
     """Free the OpenMP thread pool of the calling thread (``omp_pause_resource_all``: its idle threads exit);
     ``True`` if a runtime did.  Call it outside any parallel region, on a thread that is done with parallel
-    work for now: a later region on it makes a new pool.  The engine calls it once it is built, so that the
+    work for now: a later region on it makes a new pool.  A CPU runner calls it last in its construction, so that the
     thread running the steps is the only one holding OpenMP threads (module docstring)."""
     import ctypes
 

@@ -225,6 +225,8 @@ class QuantizationCapabilities:
     - ``int8_activations``: its layers may quantize the activations to int8 (scale ``max|x| / 127`` per
       token, or per smaller group of a token's values) before the product, as W8A8 formats do and as
       llama.cpp does for GGUF blocks; its conformance bound then adds half an activation step.
+    - ``compiles``: its layers trace under torch.compile (``graph.runner: compile``); ``False`` for one whose
+      products are opaque C++ or oneDNN-packed weights the compiler cannot lower.
 
     ``fits(checkpoint)`` lists why it cannot read a :class:`corerun.quantization.CheckpointFormat` (its
     ``dtype``, when known, checked against ``activation_dtypes``).
@@ -239,6 +241,7 @@ class QuantizationCapabilities:
     activation_dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     int8_activations: bool = False
+    compiles: bool = True
 
     def reads(self) -> str:
         """What it reads, in words (for errors)."""
@@ -261,6 +264,8 @@ class QuantizationCapabilities:
         dtype = getattr(need, "dtype", None)
         if dtype is not None and dtype not in self.activation_dtypes:
             reasons.append(f"the model runs in {dtype}; its layers take {_fmt(self.activation_dtypes)}")
+        if getattr(need, "compiled", False) and not self.compiles:
+            reasons.append("the model runs under graph.runner: compile; its layers do not trace under torch.compile")
         return reasons
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,6 +273,7 @@ class QuantizationCapabilities:
             "quant_methods": sorted(self.quant_methods), "gguf_types": sorted(self.gguf_types), "dense": self.dense,
             "bits": sorted(self.bits), "group_sizes": sorted(self.group_sizes), "zero_point": self.zero_point,
             "activation_dtypes": sorted(self.activation_dtypes), "devices": sorted(self.devices),
+            "compiles": self.compiles,
         }
 
 

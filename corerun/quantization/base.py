@@ -29,6 +29,11 @@ from the checkpoint's tensor for it as read (``lm_head.weight``, or the tied emb
 :class:`~corerun.models.layers.LMHead` in place of its float weight; ``None`` keeps the float head.
 Called once after loading, for a model on one rank.
 
+Optional: ``parallel_tokens``, read once the model is loaded: the step size in tokens from which the method's
+products run faster on every thread than on one (a kernel that splits one token's rows over the threads: 1).
+``threads: auto`` runs a step that large on every thread, or from the dtype's own size if that is smaller
+(:func:`corerun.platform.host.parallel_tokens`).  ``None`` (the default) keeps the dtype's.
+
 ``capabilities`` (:class:`~corerun.plugin.capabilities.QuantizationCapabilities`) say what it reads and
 where it runs; ``quantization: auto`` picks from the checkpoint (:func:`corerun.quantization.select`).
 """
@@ -49,6 +54,9 @@ class QuantizationMethod(ABC):
     capabilities: ClassVar[QuantizationCapabilities]
     dense: ClassVar[bool] = False  # True: the layers keep their plain float path (no per-call dispatch)
     quantizes_lm_head: ClassVar[bool] = False  # True: the loader offers the LM head's tensor to lm_head()
+    # from how many tokens a step's products gain from every thread, once the layers are made (None: the dtype's
+    # rule, corerun.platform.host.parallel_tokens; the smaller of the two is taken under threads: auto)
+    parallel_tokens: int | None = None
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None: ...

@@ -14,12 +14,14 @@ GGUF_MARKER = "corerun-gguf.json"  # in a folder made for a .gguf file: {"gguf":
 class CheckpointFormat:
     """``quant_method``: ``quantization_config.quant_method`` of ``config.json`` (``None``: absent);
     ``gguf_types``: the GGML types of a GGUF file's tensors (empty: not GGUF); ``device``: where the model runs;
-    ``dtype``: the dtype it runs in, by name (``"bfloat16"``; ``None``: not known, not checked)."""
+    ``dtype``: the dtype it runs in, by name (``"bfloat16"``; ``None``: not known, not checked);
+    ``compiled``: it runs under ``graph.runner: compile`` (torch.compile traces the layers' products)."""
 
     device: Any
     quant_method: str | None = None
     gguf_types: frozenset[str] = frozenset()
     dtype: str | None = None
+    compiled: bool = False
 
     def describe(self) -> str:
         if self.gguf_types:

@@ -32,7 +32,7 @@ from corerun.protocols.sampler import SamplingMetadata
 from corerun.runner import profile
 from corerun.runner.profile import StepMemory
 from corerun.sampling_params import SamplingParams
-from corerun.platform.host import apply_threads, keep_freed_memory, parallel_tokens, step_pools
+from corerun.platform.host import apply_threads, keep_freed_memory, parallel_tokens, release_openmp_threads, step_pools
 
 logger = logging.getLogger("corerun.runner")
 
@@ -51,6 +51,8 @@ def build(runner: Any, tp: Any) -> None:
     capture(runner, limits)
     if warms_up(runner, tp):
         warm_up(runner)
+    if runner.device.type == "cpu":  # the steps may run on another thread (the engine's loop): theirs is then the only OpenMP pool
+        release_openmp_threads()
     mc = runner.model_config
     logger.info(
         "model %s (%s) on %s/%s: attention=%s fused_ops=%s kv_cache=%s (%d blocks of %d) graph=%s sampler=%s",
@@ -89,7 +91,7 @@ def load(runner: Any, tp: Any) -> None:
     mc = runner.model_config
     runner.dtype = next(runner.model.parameters()).dtype
     dtype = str(runner.dtype).removeprefix("torch.")
-    runner.parallel_tokens = parallel_tokens(dtype)  # threads: auto's large step
+    runner.parallel_tokens = parallel_tokens(dtype, products=getattr(quant, "parallel_tokens", None))  # threads: auto's large step
     runner.vocab_size = mc.vocab_size
     runner.block_size = config.kv_cache.block_size
     ml = config.scheduler.max_model_len
@@ -395,7 +397,8 @@ def select_quantization(runner: Any, device: Any) -> Any:
     from corerun.quantization.checkpoint import checkpoint_format
 
     choice = runner.config.quantization
-    found = checkpoint_format(runner.model_dir, device, _run_dtype(runner, device))
+    found = replace(checkpoint_format(runner.model_dir, device, _run_dtype(runner, device)),
+                    compiled=runner.config.graph.runner.name == "compile")
     runner.quantization_name = runner.registry.select("quantization", choice.name, found).name
     method = runner.registry.create("quantization", runner.quantization_name, options=choice.options)
     return None if method.dense else method

@@ -6,9 +6,10 @@ matmul above that; every other type through ``gguf``'s own decode-and-multiply. 
 with AVX-512 and VNNI the product quantizes the activations to int8 per 32-value block, as llama.cpp
 does (``int8_activations``: the conformance bound adds half an activation step).
 
-``dense_cpu`` reads unquantized checkpoints, as the built-in ``none`` does, for a model run in bfloat16 on
-CPU: batches of up to ``BF16_MAX_TOKENS`` rows (``BF16_AMX_MAX_TOKENS`` where the CPU has AMX) go through the
-C++ bfloat16 product, larger ones through oneDNN's prepacked bfloat16 product.
+``dense_cpu`` reads unquantized checkpoints, as the built-in ``none`` does, for a model run in bfloat16 or float32
+on CPU: bfloat16 batches of up to ``BF16_MAX_TOKENS`` rows (``BF16_AMX_MAX_TOKENS`` where the CPU has AMX) go
+through the C++ bfloat16 product, float32 ones of up to ``F32_MAX_TOKENS`` through the C++ float32 product, larger
+ones through oneDNN's prepacked product.
 
 ``compressed_tensors_cpu`` reads what the built-in ``compressed-tensors`` reads, CPU only; its W8A8 layers
 with per-token activations multiply every batch on AMX-INT8 tiles or with AVX-512 VNNI.
@@ -32,10 +33,16 @@ KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster f
 # "Seventeenth session"). 4 had been measured on a Sapphire Rapids, against oneDNN on AMX tiles.
 BF16_MAX_TOKENS = 16
 BF16_AMX_MAX_TOKENS = 64
+# above: oneDNN's prepacked float32 product. The default model's 538 MB of float32 weights (benchmarks/f32_gemv_bench.py,
+# an AMD EPYC whose memory gives one thread 26 GB/s and two 33; ms per step, kernel / oneDNN): one thread 21.7 / 38.0
+# at 1 token, 33.7 / 41.7 at 8, 44.7 / 45.1 at 12, 56.2 / 53.7 at 16; two threads 16.5 / 23.5 at 1, 19.0 / 23.5 at
+# 8, 22.9 / 26.3 at 12, 29.7 / 30.8 at 16 (benchmarks/RESULTS.md, "Nineteenth session").
+F32_MAX_TOKENS = 12
 
 # the AVX-512 path quantizes activations to int8 per 32-block (llama.cpp's way); scalar and AVX2 do not
 GGUF_CPU = replace(GGUF, devices=frozenset({"cpu"}), int8_activations=True)
 COMPRESSED_TENSORS_CPU = replace(COMPRESSED_TENSORS, devices=frozenset({"cpu"}))
 DENSE_CPU = QuantizationCapabilities(
-    dense=True, bits=frozenset({16.0}), activation_dtypes=frozenset({"bfloat16"}), devices=frozenset({"cpu"}),
+    dense=True, bits=frozenset({16.0, 32.0}), activation_dtypes=frozenset({"bfloat16", "float32"}), devices=frozenset({"cpu"}),
+    compiles=False,  # its C++ ops and oneDNN's packed weights do not lower in inductor: graph.runner compile keeps none
 )

@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger("corerun_quant_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
-SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("bf16_gemv.cpp", "int8_amx.cpp", "int8_vnni.cpp")))  # one library; the others add their ops
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("bf16_gemv.cpp", "f32_gemv.cpp", "int8_amx.cpp", "int8_vnni.cpp")))  # one library; the others add their ops
 HEADERS = tuple(Path(__file__).parent / "csrc" / n for n in ("amx_tiles.h", "w8a8_quantize.h", "bf16_round.h"))  # included by the sources: in the build key too
 NAME = "corerun_quant_cpu"
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
@@ -180,6 +180,33 @@ def bf16_gemv(out: torch.Tensor, packed: torch.Tensor, x: torch.Tensor, isa: str
     ``x`` bfloat16 ``[T, cols]`` contiguous; ``out`` bfloat16 ``[T, rows]`` with a contiguous last dimension;
     ``isa`` one of :data:`BF16_ISAS`.  Tokens go 8 to a pass over the weights."""
     torch.ops.corerun_quant_cpu.bf16_gemv(out, packed, x, BF16_ISAS[isa])
+
+
+# f32_gemv's: AVX-512 F multiplies 16 rows a column at a time
+F32_ISAS = {"scalar": 0, "avx512": 1}
+
+
+def f32_best_isa() -> str:
+    """The best instruction set :func:`f32_gemv` runs here: ``avx512`` where the CPU has AVX-512 F/BW/VL, else ``scalar``."""
+    best = torch.ops.corerun_quant_cpu.f32_isa()
+    return next(name for name, number in F32_ISAS.items() if number == best)
+
+
+def repack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[rows, cols]`` as :func:`f32_gemv` reads it: float32 ``[ceil(rows / 16), cols * 16]``, 16 rows at a
+    time column by column (``packed[b, i * 16 + r] = weight[16 b + r, i]``), zeros past the last row."""
+    rows, cols = weight.shape
+    packed = torch.empty((rows + 15) // 16, cols * 16, dtype=torch.float32)
+    torch.ops.corerun_quant_cpu.f32_repack(packed, weight.to(torch.float32).contiguous())
+    return packed
+
+
+def f32_gemv(out: torch.Tensor, packed: torch.Tensor, x: torch.Tensor, isa: str) -> None:
+    """``out[t, j] = sum_i x[t, i] * W[j, i]`` in float32, ``W`` repacked by :func:`repack_f32`.
+
+    ``x`` float32 ``[T, cols]`` contiguous; ``out`` float32 ``[T, rows]`` with a contiguous last dimension;
+    ``isa`` one of :data:`F32_ISAS`.  Tokens go 8 to a pass over the weights."""
+    torch.ops.corerun_quant_cpu.f32_gemv(out, packed, x, F32_ISAS[isa])
 
 
 def int8_amx_available() -> bool:

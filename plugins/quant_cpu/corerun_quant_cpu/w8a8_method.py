@@ -22,7 +22,7 @@ schemes take the built-in's path.
 
 The LM head, which such checkpoints leave in bfloat16 or float32: in a model run in bfloat16 on a CPU that
 multiplies bfloat16 natively, :meth:`lm_head` gives it a ``dense_cpu`` layer (AVX512_BF16 / AMX tiles,
-as the unquantized model's), in place of oneDNN's product.
+as the unquantized model's), in place of oneDNN's product; in float32 there, ``dense_cpu``'s float32 layer.
 
 Such a layer keeps its codes (the built-in's fallbacks and ``dequantized`` read them) and the repacked
 copy, and drops oneDNN's packed one: the same memory as the built-in.
@@ -85,9 +85,14 @@ class CompressedTensorsCpuMethod(CompressedTensorsMethod):
 
     def lm_head(self, loaded: Any) -> nn.Module | None:
         """A ``dense_cpu`` layer holding the head ``loaded`` ``[vocab, hidden]`` when the model runs in bfloat16
-        here and this CPU multiplies bfloat16 natively; else ``None`` (the model's own head)."""
-        if self.model_dtype != torch.bfloat16 or kernels.bf16_best_isa() not in kernels.BF16_NATIVE:
+        here and this CPU multiplies bfloat16 natively, or in float32 and it has AVX-512; else ``None`` (the
+        model's own head)."""
+        bf16 = self.model_dtype == torch.bfloat16 and kernels.bf16_best_isa() in kernels.BF16_NATIVE
+        f32 = self.model_dtype == torch.float32 and kernels.bf16_best_isa() in kernels.BF16_NATIVE and kernels.f32_best_isa() == "avx512"
+        if not (bf16 or f32):
             return None
         from corerun_quant_cpu.dense_method import DenseCpuMethod
 
-        return DenseCpuMethod().lm_head(loaded)
+        head = DenseCpuMethod()
+        head.model_dtype = self.model_dtype
+        return head.lm_head(loaded)

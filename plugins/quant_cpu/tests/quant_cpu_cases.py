@@ -54,6 +54,14 @@ def bf16_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Ten
     return 2.0**-8 * ref.abs() + 8 * x.shape[1] ** 0.5 * eps32 * (x.double().abs() @ w.double().abs().T) + 1e-30
 
 
+def f32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A float32 sum's rounding, ``4 sqrt(in) eps(float32) (|x| @ |W|.T)``: a sum of ``in`` products in float32 in
+    any order is within ``in eps (|x| @ |W|)`` of the exact one, and within about ``sqrt(in)`` of that for random
+    signs; the factor 4 covers the tail of the random walk."""
+    eps32 = torch.finfo(torch.float32).eps
+    return 4 * x.shape[1] ** 0.5 * eps32 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
 def poisoned_columns(tokens: int, rows: int, left: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A NaN-filled ``[tokens, rows + left + 3]`` tensor and its column slice ``left .. left + rows`` (the output a
     kernel writes, with a row stride wider than its rows)."""

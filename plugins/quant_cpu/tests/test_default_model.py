@@ -76,3 +76,29 @@ def test_dense_cpu_in_bfloat16_matches_none() -> None:
         assert {ka[i], kb[i]} <= set(lp_mine) & set(lp_none), (p, i, lp_mine, lp_none)
         assert lp_none[kb[i]].logprob - lp_none[ka[i]].logprob < NEAR_TIE, (p, i, lp_none)
     assert parted <= 1, f"{parted} of {len(PROMPTS)} prompts parted from none's greedy tokens"
+
+
+@pytest.mark.timeout(600)
+def test_dense_cpu_in_float32_matches_none_and_takes_every_thread() -> None:
+    """The default model in float32: ``dense_cpu`` (picked by ``auto``; decode steps and the LM head in the float32
+    kernel, on every thread from one token) against ``none`` (oneDNN and MKL): both sum in float32, in other
+    orders, so the greedy tokens are equal and each step's top log-probabilities agree to float32 noise."""
+    from corerun_quant_cpu import kernels
+
+    if kernels.bf16_best_isa() not in kernels.BF16_NATIVE or kernels.f32_best_isa() != "avx512":
+        pytest.skip("this CPU lacks AVX512_BF16 or AVX-512: the probe refuses dense_cpu, auto keeps none")
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    mine = LLM(dtype="float32", threads="auto")
+    try:
+        runner = mine.engine.runner
+        assert runner.quantization_name == "dense_cpu" and runner.model.lm_head.quantized is not None
+        assert runner.parallel_tokens == 1  # threads: auto runs a one-token step on every thread
+        got = mine.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        mine.shutdown()
+    want = LLM(dtype="float32", threads=1, quantization="none").generate(PROMPTS, params, use_tqdm=False)
+    for p, a, b in zip(PROMPTS, got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, p
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token, lp in lb.items():
+                assert abs(la[token].logprob - lp.logprob) < 1e-3, (p, token, la[token], lp)

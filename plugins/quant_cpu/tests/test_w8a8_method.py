@@ -14,7 +14,7 @@ from corerun.sdk.models import Linear, MergedLinear
 from corerun.sdk.quantization import QuantizedTensor, int8_scheme
 
 from corerun_quant_cpu import kernels
-from quant_cpu_cases import int8_kernels, int8_linear, w8a8_bound as bound, w8a8_reference as reference
+from quant_cpu_cases import f32_bound, int8_kernels, int8_linear, w8a8_bound as bound, w8a8_reference as reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -242,21 +242,33 @@ def test_default_model_quantized_agrees_with_the_built_in(tmp_path) -> None:
 
 @needs_kernel
 @pytest.mark.skipif("not int8_kernels() or kernels.bf16_best_isa() not in kernels.BF16_NATIVE", reason="this CPU does not multiply bfloat16 natively")
-def test_lm_head_only_in_bfloat16() -> None:
+def test_lm_head_in_the_model_dtype_float16_keeps_the_model_s() -> None:
+    """The head goes to a dense_cpu layer in the dtype the model's layers were made in (bfloat16 or float32), and
+    stays the model's own in float16; each checked against float64 within its dtype's bound."""
+    from quant_cpu_cases import f32_bound
+
     head = torch.randn(300, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     method = _method()
     previous = torch.get_default_dtype()
+    f32_kernel = kernels.f32_best_isa() == "avx512"
+    layers = {}
     try:
-        for dtype, want in ((torch.float32, False), (torch.bfloat16, True)):
+        for dtype, want in ((torch.float16, False), (torch.float32, f32_kernel), (torch.bfloat16, True)):
             torch.set_default_dtype(dtype)
             method.create_weights(nn.Module(), 64, {None: 16})  # as the model's layers are made, in its dtype
             torch.set_default_dtype(torch.float32)  # the loader offers the head after the model's load
-            layer = method.lm_head(head)
-            assert (layer is not None) == want, dtype
+            layers[dtype] = method.lm_head(head)
+            assert (layers[dtype] is not None) == want, dtype
     finally:
         torch.set_default_dtype(previous)
     x = torch.randn(3, 64).bfloat16()
     with torch.no_grad():
-        y = layer(x)
+        y = layers[torch.bfloat16](x)
     ref = x.double() @ head.double().T
     assert ((y.double() - ref).abs() <= 2.0**-7 * ref.abs() + 64 * 2.0**-24 * (x.double().abs() @ head.double().abs().T)).all()
+    if f32_kernel:
+        x = torch.randn(3, 64)
+        with torch.no_grad():
+            y = layers[torch.float32](x)
+        assert y.dtype == torch.float32 and layers[torch.float32].f32_packed is not None
+        assert ((y.double() - x.double() @ head.double().T).abs() <= f32_bound(x, head.float())).all()
