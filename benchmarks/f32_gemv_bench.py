@@ -12,25 +12,15 @@ measured in this one process, side by side.
 from __future__ import annotations
 
 import argparse
-import time
 
 import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
 import torch
 import torch.nn.functional as F
 
 from corerun_quant_cpu import kernels
+from linear_bench import LAYERS, LM_HEAD, SHAPES as LAYER_SHAPES, best_ms  # benchmarks/ is the script's folder: on sys.path
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-
-
-def _best(fn, rounds: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+SHAPES = [(out, inp) for inp, out in LAYER_SHAPES] * LAYERS + [LM_HEAD[::-1]]  # (rows, cols) of each weight in turn
 
 
 def main() -> None:
@@ -69,8 +59,8 @@ def main() -> None:
                 for (rows, cols), w in zip(SHAPES, column_major):
                     F.linear(xs[cols], w)
 
-        times = [_best(fn) for fn in (ours, theirs, plain)]
-        print(f"{T:>4} " + " ".join(f"{t * 1e3:8.2f} ({total / t / 1e9:4.1f})" for t in times))
+        times = [best_ms(fn, 3) for fn in (ours, theirs, plain)]
+        print(f"{T:>4} " + " ".join(f"{ms:8.2f} ({total / ms / 1e6:4.1f})" for ms in times))
 
 
 if __name__ == "__main__":

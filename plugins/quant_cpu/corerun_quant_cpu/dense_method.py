@@ -70,7 +70,14 @@ class DenseCpuMethod(DenseMethod):
         default model's 538 MB, one token: 16.5 ms on two threads against 21.7 on one, as fast as the memory
         serves them; oneDNN's 23.5 / 38.0).  Else ``None``: the dtype's rule (bfloat16 without AMX already runs
         every step on every thread)."""
-        return 1 if self.model_dtype == torch.float32 and self.f32_isa == "avx512" else None
+        return 1 if self.model_dtype == torch.float32 and self.repacks(torch.float32) else None
+
+    def repacks(self, dtype: torch.dtype) -> bool:
+        """Whether a CPU weight of ``dtype`` gets this method's kernel here: bfloat16 where oneDNN multiplies
+        bfloat16 (its copy takes the large batches), float32 where the CPU has AVX-512."""
+        if not torch.backends.mkldnn.is_available():
+            return False
+        return (dtype == torch.bfloat16 and _onednn_bf16()) or (dtype == torch.float32 and self.f32_isa == "avx512")
 
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Mapping[Hashable, int]) -> None:
         """``none``'s ``layer.weight`` ``[sum of shard_sizes, in_features]`` in the default dtype (the model's)."""
@@ -93,14 +100,12 @@ class DenseCpuMethod(DenseMethod):
 
     def _repack(self, layer: nn.Module) -> None:
         w = layer.weight.data
-        if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if w.device.type != "cpu" or not self.repacks(w.dtype):
             return
-        if w.dtype == torch.bfloat16 and _onednn_bf16():
+        if w.dtype == torch.bfloat16:
             layer.bf16_packed = kernels.repack_bf16(w)
-        elif w.dtype == torch.float32 and self.f32_isa == "avx512":
-            layer.f32_packed = kernels.repack_f32(w)
         else:
-            return
+            layer.f32_packed = kernels.repack_f32(w)
         with torch.inference_mode():  # made outside it, the same reorder multiplied 10% slower at 16 tokens (RESULTS.md)
             layer.dense_onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         layer.weight.data = w.new_empty(0)  # both copies above hold it
@@ -130,9 +135,7 @@ class DenseCpuMethod(DenseMethod):
         """A layer of this method holding the head ``loaded`` ``[vocab, hidden]`` (a float tensor), in the model's
         dtype (the one its layers were made in; bfloat16 when none were) where this method repacks that dtype."""
         dtype = self.model_dtype or torch.bfloat16
-        if not isinstance(loaded, torch.Tensor) or loaded.dim() != 2 or not torch.backends.mkldnn.is_available():
-            return None
-        if not ((dtype == torch.bfloat16 and _onednn_bf16()) or (dtype == torch.float32 and self.f32_isa == "avx512")):
+        if not isinstance(loaded, torch.Tensor) or loaded.dim() != 2 or not self.repacks(dtype):
             return None
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # called after the model's load, outside its default dtype

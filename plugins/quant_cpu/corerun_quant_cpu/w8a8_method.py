@@ -87,12 +87,10 @@ class CompressedTensorsCpuMethod(CompressedTensorsMethod):
         """A ``dense_cpu`` layer holding the head ``loaded`` ``[vocab, hidden]`` when the model runs in bfloat16
         here and this CPU multiplies bfloat16 natively, or in float32 and it has AVX-512; else ``None`` (the
         model's own head)."""
-        bf16 = self.model_dtype == torch.bfloat16 and kernels.bf16_best_isa() in kernels.BF16_NATIVE
-        f32 = self.model_dtype == torch.float32 and kernels.bf16_best_isa() in kernels.BF16_NATIVE and kernels.f32_best_isa() == "avx512"
-        if not (bf16 or f32):
+        if self.model_dtype is None or kernels.bf16_best_isa() not in kernels.BF16_NATIVE:  # (dense_cpu's probe)
             return None
         from corerun_quant_cpu.dense_method import DenseCpuMethod
 
         head = DenseCpuMethod()
         head.model_dtype = self.model_dtype
-        return head.lm_head(loaded)
+        return head.lm_head(loaded)  # (None where dense_cpu does not repack the model's dtype: float16)

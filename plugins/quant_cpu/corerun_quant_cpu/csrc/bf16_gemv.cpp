@@ -36,6 +36,7 @@
 #include "bf16_round.h"
 
 #include "amx_tiles.h"
+#include "cpu_features.h"
 
 namespace {
 
@@ -248,19 +249,12 @@ struct Bf16Tiles {
 
 bool cpu_has_amx_bf16() { return corerun_amx::available(22); }
 
-bool cpu_has_avx512f() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 bool cpu_has_avx512bf16() {
-    __builtin_cpu_init();
-    return cpu_has_avx512f() && __builtin_cpu_supports("avx512bf16");
+    return corerun_cpu::has_avx512() && __builtin_cpu_supports("avx512bf16");
 }
 
 int64_t bf16_isa() {
-    if (!cpu_has_avx512bf16()) return cpu_has_avx512f() ? BF_AVX512 : BF_SCALAR;
+    if (!cpu_has_avx512bf16()) return corerun_cpu::has_avx512() ? BF_AVX512 : BF_SCALAR;
     return cpu_has_amx_bf16() ? BF_AMX : BF_AVX512BF16;
 }
 

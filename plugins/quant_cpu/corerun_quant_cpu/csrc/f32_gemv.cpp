@@ -33,6 +33,8 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "cpu_features.h"
+
 namespace {
 
 enum F32Isa : int64_t { F32_SCALAR = 0, F32_AVX512 = 1 };
@@ -134,12 +136,7 @@ F32_AVX512_FN void f32_blocks_avx512(const F32Problem& p, int64_t begin, int64_t
     }
 }
 
-int64_t f32_isa() {
-    __builtin_cpu_init();
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return avx512 ? F32_AVX512 : F32_SCALAR;
-}
+int64_t f32_isa() { return corerun_cpu::has_avx512() ? F32_AVX512 : F32_SCALAR; }
 
 void f32_gemv(at::Tensor out, const at::Tensor& packed, const at::Tensor& x, int64_t isa) {
     TORCH_CHECK(isa >= F32_SCALAR && isa <= f32_isa(), "f32_gemv: isa ", isa, " is not available on this CPU (best: ", f32_isa(), ")");
