@@ -86,7 +86,8 @@ def main() -> None:
 
     from corerun import LLM, SamplingParams
 
-    llm = LLM(model=args.model, attention=args.attention, threads=args.threads, scheduler={"async_scheduling": True})
+    llm = LLM(model=args.model, attention=args.attention, threads=args.threads, scheduler={"async_scheduling": True},
+              graph={"runner": {"name": "eager"}})  # eager: the profile wraps Python calls a replayed step never makes
     rng = random.Random(0)
     vocab = llm.engine.runner.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)]

@@ -116,7 +116,7 @@ def steps(dtype: str, prefill: int, batch: int, samples: int, baseline: ctypes.C
     from corerun import LLM, SamplingParams
 
     def llm(fused_ops: str) -> LLM:
-        return LLM(device="cpu", dtype=dtype, attention="cpu", threads=1, fused_ops=fused_ops)
+        return LLM(device="cpu", dtype=dtype, attention="cpu", threads=1, fused_ops=fused_ops, graph={"runner": {"name": "eager"}})  # the ops as called eagerly
 
     llms = {name: llm(name) for name in ("torch", "cpu")}
     if baseline is not None:  # the plugin's class, its instances built with the baseline's kernels

@@ -46,7 +46,7 @@ def main() -> None:
             return False
         return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
-    llm = LLM(model=None, device="cpu", dtype=args.dtype, attention="cpu", threads=args.threads)
+    llm = LLM(model=None, device="cpu", dtype=args.dtype, attention="cpu", threads=args.threads, graph={"runner": {"name": "eager"}})
     engine, model = llm.engine, llm.engine.runner.model.model
     variants = {"two adds": (two_adds, packable_asked_per_product, False),
                 "stream": (LlamaDecoderLayer.forward, layers._packable, True)}

@@ -101,7 +101,8 @@ def main() -> None:
     import torch
 
     llm = LLM(model=args.model, device="cpu", dtype=args.dtype, attention=args.attention, fused_ops=args.fused_ops,
-              threads=args.threads, kv_cache={"cpu_memory_gb": args.kv_cache_gb})
+              threads=args.threads, kv_cache={"cpu_memory_gb": args.kv_cache_gb},
+              graph={"runner": {"name": "eager"}})  # eager: the profile wraps Python calls a replayed step never makes
     runner = llm.engine.runner
     _wrap(runner.attention, "forward", "corerun.attention")
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary") if runner.fused_ops is not None else ():

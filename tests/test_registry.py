@@ -126,16 +126,16 @@ def test_hook_corerun_kv_cache_managers() -> None:
 
 def test_hook_corerun_graph_runners() -> None:
     reg = builtins_only()
-    assert reg.names("graph") == ["compile", "cuda", "eager"]
+    assert reg.names("graph") == ["compile", "cuda", "eager", "replay"]
     assert reg.get("graph", "eager").available
     assert reg.get("graph", "cuda").capabilities == GraphRunnerCapabilities(devices=frozenset({"cuda"}), captures=True)
     if not torch.cuda.is_available():
         assert not reg.get("graph", "cuda").available
         assert any("CUDA" in r for r in reg.get("graph", "cuda").unavailable_reasons())
 
-    plugin = Provides(graph=[("replay", Recorder(), {})])
-    reg = builtins_only((plugin, "replay", "corerun-replay"))
-    assert reg.create("graph", "replay", "model", "attention", "limits") == (("model", "attention", "limits"), {})
+    plugin = Provides(graph=[("recorder", Recorder(), {})])
+    reg = builtins_only((plugin, "recorder", "corerun-recorder"))
+    assert reg.create("graph", "recorder", "model", "attention", "limits") == (("model", "attention", "limits"), {})
 
 
 def test_hook_corerun_samplers() -> None:
@@ -546,7 +546,8 @@ def test_listing_document_and_tables(capsys: pytest.CaptureFixture[str], monkeyp
         {"plugin": "crashes", "distribution": "corerun-crashes", "error": "hook corerun_samplers raised ImportError: no module named libfoo"}
     ]
     assert [(i["kind"], i["name"]) for i in doc["implementations"]] == [
-        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "compile"), ("graph", "cuda"), ("graph", "eager"), ("sampler", "full"),
+        ("attention", "torch"), ("kv_cache", "paged"), ("graph", "compile"), ("graph", "cuda"), ("graph", "eager"), ("graph", "replay"),
+        ("sampler", "full"),
         ("tool_parser", "hermes"), ("tool_parser", "llama3_json"), ("tool_parser", "mistral"),
         ("reasoning_parser", "deepseek_r1"), ("reasoning_parser", "qwen3"),
         ("model", "Gemma2ForCausalLM"), ("model", "Gemma3ForCausalLM"), ("model", "LlamaForCausalLM"), ("model", "MistralForCausalLM"), ("model", "MixtralForCausalLM"),

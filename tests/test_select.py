@@ -49,7 +49,7 @@ def test_a_third_party_graph_runner_is_chosen_by_auto_once_certified(caplog: pyt
     # the choice in one line at the default level; why each other one was passed over at -v (INFO)
     assert choice == (
         "graph.runner: auto chose 'turbo' from corerun-graph-turbo 1.2.3 (certified, priority 50 on cpu); "
-        "passed over compile, eager, cuda (corerun -v says why)"
+        "passed over compile, eager, cuda, replay (corerun -v says why)"
     )
     assert reasons.startswith("graph.runner: auto passed over ")
     assert "eager: lower priority (0 < 50)" in reasons and "compile: lower priority (-10 < 50)" in reasons
@@ -154,7 +154,7 @@ def test_llm_with_every_kind_on_auto(tmp_path: Path, caplog: pytest.LogCaptureFi
         llm = LLM(model=str(model_dir), device="cpu", dtype="float32", sampler="auto",
                   kv_cache={"manager": "auto", "block_size": 4, "num_blocks": 32}, scheduler={"max_model_len": 64})
     runner = llm.engine.runner
-    assert (runner.sampler_name, runner.kv_manager_name, runner.graph_name) == ("full", "paged", "eager")
+    assert (runner.sampler_name, runner.kv_manager_name, runner.graph_name) == ("full", "paged", "replay")  # attention: cpu
     said = [r.message for r in caplog.records]
     assert any(m.startswith("sampler: auto chose 'full' from corerun ") and m.endswith("(corerun -v says why)") for m in said)
     assert any(m.startswith("sampler: auto passed over ") and "basic: lower priority" in m for m in said)

@@ -107,7 +107,8 @@ def _twin(letter: str, extra: str = "") -> PluginPackage:
 
 TWIN_A = _twin("a")
 TWIN_B = _twin("b", 'register("solo", "corerun_twin_b.sampler:Solo")')
-BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("graph", "compile"), ("sampler", "full")}
+BUILTINS = {("attention", "torch"), ("kv_cache", "paged"), ("graph", "eager"), ("graph", "cuda"), ("graph", "compile"), ("graph", "replay"),
+            ("sampler", "full")}
 # the model layer's built-ins: families, quantization methods, tool-call and reasoning parsers; the executors,
 # LoRA kernels and fused ops
 MODEL_LAYER_BUILTINS = {
@@ -202,6 +203,7 @@ def test_third_party_backend_is_listed_in_json(listing: dict) -> None:
             "devices": ["cpu"],
             "gqa": True,
             "cuda_graph_decode": False,
+            "replay_decode": False,
             "emulated_on": [],
             "sliding_window": False,
             "logits_soft_cap": False,

@@ -54,6 +54,13 @@ def corerun_graph_runners(register: Register) -> None:
         description="captures pure-decode steps in CUDA graphs by batch-size bucket, replays them",
     )
     register(
+        "replay",
+        "corerun.graph.replay:ReplayGraphRunner",
+        capabilities=GraphRunnerCapabilities(devices=frozenset({"cpu"}), captures=False, tensor_parallel=False, records=True),
+        priority=5,  # above eager on a CPU, with a backend that declares replay_decode (each recording is checked too)
+        description="records a CPU's pure-decode steps by batch-size bucket and replays their calls without Python",
+    )
+    register(
         "compile",
         "corerun.graph.compiled:CompileGraphRunner",
         capabilities=GraphRunnerCapabilities(devices=frozenset({"cpu", "cuda"}), captures=False, tensor_parallel=False),

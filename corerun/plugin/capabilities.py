@@ -58,6 +58,9 @@ class AttentionCapabilities:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     gqa: bool = True  # num_kv_heads < num_heads (including MQA)
     cuda_graph_decode: bool = False  # a pure-decode step may be captured in a CUDA graph
+    # a pure-decode step may be recorded by the CPU's ``replay`` graph runner: its C calls go through
+    # corerun.protocols.replay.native and its plan reads the batch's tensors in place (``auto`` asks it)
+    replay_decode: bool = False
     max_head_size: int | None = None  # for backends that take "any head size up to N"
     # device types where it runs in an interpreter or emulator, not native code (Triton on CPU): named
     # explicitly there, it is used as asked and corerun warns once that it is slow
@@ -113,6 +116,7 @@ class AttentionCapabilities:
             "devices": sorted(self.devices),
             "gqa": self.gqa,
             "cuda_graph_decode": self.cuda_graph_decode,
+            "replay_decode": self.replay_decode,
             "emulated_on": sorted(self.emulated_on),
             "sliding_window": self.sliding_window,
             "logits_soft_cap": self.logits_soft_cap,
@@ -162,6 +166,9 @@ class GraphRunnerCapabilities:
     # its ``run`` is ``attention.plan(batch)`` then the model, nothing more (``eager``): the model runner
     # then plans and calls the model itself, a hop less per step (the runner's ``stats`` stay zero)
     passthrough: bool = False
+    # records steps and replays their calls on the CPU (``replay``): ``auto`` takes it only with an attention
+    # backend that declares replay_decode
+    records: bool = False
 
     def fits(self, need: Need) -> list[str]:
         reasons = device_reasons(self.devices, need.device)
@@ -179,11 +186,16 @@ class GraphRunnerCapabilities:
                                "CUDA-graph safe (cuda_graph_decode=False)")
             if need.tensor_parallel:
                 reasons.append("captures graphs, and tensor-parallel steps run collectives, which are not captured")
+        if self.records:
+            attention = getattr(need.attention, "capabilities", need.attention)
+            if not getattr(attention, "replay_decode", False):
+                reasons.append("records decode steps, and the attention backend does not declare them recordable "
+                               "(replay_decode=False)")
         return reasons
 
     def to_dict(self) -> dict[str, Any]:
         return {"devices": sorted(self.devices), "captures": self.captures, "tensor_parallel": self.tensor_parallel,
-                "passthrough": self.passthrough}
+                "passthrough": self.passthrough, "records": self.records}
 
 
 @dataclass(frozen=True)

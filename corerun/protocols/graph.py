@@ -40,6 +40,7 @@ class GraphLimits:
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
+    lora: bool = False  # steps may carry LoRA adapters (lora.enabled), whose per-step state is set outside the model
 
 
 @dataclass

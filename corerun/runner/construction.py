@@ -130,6 +130,7 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
         hidden_size=runner.model_config.hidden_size,
         dtype=runner.dtype,
         device=runner.device,
+        lora=config.lora.enabled,
     )
     runner.sampler_name = choose("sampler", config.sampler.name, need).name
     runner.sampler = registry.create("sampler", runner.sampler_name, runner.vocab_size, runner.device,

@@ -55,6 +55,7 @@ from typing import ClassVar
 import torch
 
 from corerun.protocols import kv_quant
+from corerun.protocols.replay import native
 from corerun.sdk import AttentionCapabilities
 from corerun.errors import UnsupportedError
 from corerun.protocols.attention import AttentionBatch, AttentionSpec, dtype_name
@@ -258,16 +259,19 @@ class CpuAttentionBackend(DenseKVCache):
         if n == 0:
             return
         k_st, v_st = key.stride(), value.stride()
-        rc = self.lib.corerun_cpu_write_kv(
-            self._elem_size, key.data_ptr(), k_st[0], k_st[1], value.data_ptr(), v_st[0], v_st[1], *cache[:5],
-            slots.data_ptr(), n, s.num_kv_heads, self._row, s.block_size, cache[5], self._err_ptr,
-        )
-        if rc:
+
+        def refused(rc: int) -> None:
             _, token, slot, num_slots = list(self._err)
             raise ValueError(
                 f"cpu attention: slot_mapping[{token}] = {slot} is outside the cache (valid: -1 for none, or "
                 f"0 .. {num_slots - 1} for {cache[5]} blocks of {s.block_size}); nothing was written"
             )
+
+        native(
+            self.lib.corerun_cpu_write_kv,
+            self._elem_size, key.data_ptr(), k_st[0], k_st[1], value.data_ptr(), v_st[0], v_st[1], *cache[:5],
+            slots.data_ptr(), n, s.num_kv_heads, self._row, s.block_size, cache[5], self._err_ptr, check=refused,
+        )
 
     def forward(
         self,
@@ -350,15 +354,18 @@ class CpuAttentionBackend(DenseKVCache):
         the whole step's query)."""
         first, batch = run
         q_st, o_st = q.stride(), target.stride()
-        rc = self.lib.corerun_cpu_attention(
-            self._dtype_code, q.data_ptr(), q_st[0], q_st[1], *cache[:5], target.data_ptr(), o_st[0], o_st[1],
-            *batch, q.shape[0], cache[5], *self._shape_args, window, *self._value_args,
-            torch.get_num_threads(), self._err_ptr,
-        )
-        if rc:
+
+        def refused(rc: int) -> None:
             if rc <= 4:
                 self._err[1] += first  # the request's index in the whole step
             raise ValueError(self._explain(rc, md, cache[5]))
+
+        native(
+            self.lib.corerun_cpu_attention,
+            self._dtype_code, q.data_ptr(), q_st[0], q_st[1], *cache[:5], target.data_ptr(), o_st[0], o_st[1],
+            *batch, q.shape[0], cache[5], *self._shape_args, window, *self._value_args,
+            torch.get_num_threads(), self._err_ptr, check=refused,
+        )
 
     def _explain(self, rc: int, md: CpuAttentionMetadata, num_blocks: int) -> str:
         _, a, b, c = list(self._err)

@@ -22,6 +22,7 @@ CPU_CAPABILITIES = AttentionCapabilities(
     devices=frozenset({"cpu"}),
     gqa=True,
     cuda_graph_decode=False,
+    replay_decode=True,  # backend.py's C calls go through corerun.protocols.replay.native; plan keeps the batch's tensors
     sliding_window=True,
     logits_soft_cap=True,
     kv_cache_dtypes=frozenset({"fp8_e4m3", "fp8_e5m2", "int8"}),

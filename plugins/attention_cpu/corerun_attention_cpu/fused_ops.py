@@ -11,10 +11,11 @@ than two strided leading dimensions) raises ``ValueError`` saying so; nothing fa
 from __future__ import annotations
 
 import ctypes
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
+from corerun.protocols.replay import native
 from corerun.sdk import FusedOpsCapabilities
 from corerun_attention_cpu import kernels
 from corerun_attention_cpu.capabilities import FUSED_OPS_CAPABILITIES
@@ -54,9 +55,13 @@ def _leading(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, int, int
     return n0, s0, n1, s1
 
 
-def _check(rc: int, op: str, shape: torch.Size) -> None:
-    if rc:
+def _refused(op: str, shape: torch.Size) -> Callable[[int], None]:
+    """The check of a kernel's return code (:func:`~corerun.protocols.replay.native`): nonzero raises."""
+
+    def check(rc: int) -> None:
         raise ValueError(f"cpu fused ops: the {op} kernel refused shape {tuple(shape)} (error {rc})")
+
+    return check
 
 
 class CpuFusedOps:
@@ -93,10 +98,8 @@ class CpuFusedOps:
         else:
             n0, s0, n1, s1 = _leading(x.shape, x.stride())
         out = torch.empty_like(x, memory_format=torch.contiguous_format)  # 0.8 us, torch.empty 1.8
-        rc = self._rms_norm(
-            code, x.data_ptr(), n0, s0, n1, s1, hidden, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads()
-        )
-        _check(rc, "rms_norm", x.shape)
+        native(self._rms_norm, code, x.data_ptr(), n0, s0, n1, s1, hidden, weight.data_ptr(), eps, out.data_ptr(),
+               torch.get_num_threads(), check=_refused("rms_norm", x.shape))
         return out
 
     def add_rms_norm(
@@ -118,11 +121,11 @@ class CpuFusedOps:
             )
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
-        rc = self._add_rms_norm(
-            code, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), x.shape[0], hidden,
-            weight.data_ptr(), eps, out.data_ptr(), new_residual.data_ptr(), torch.get_num_threads(),
+        native(
+            self._add_rms_norm, code, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), x.shape[0],
+            hidden, weight.data_ptr(), eps, out.data_ptr(), new_residual.data_ptr(), torch.get_num_threads(),
+            check=_refused("add_rms_norm", x.shape),
         )
-        _check(rc, "add_rms_norm", x.shape)
         return out, new_residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,8 +139,8 @@ class CpuFusedOps:
             )
         tokens, inter = x.shape[0], x.shape[1] // 2
         out = torch.empty((tokens, inter), dtype=x.dtype)
-        rc = self._silu_and_mul(code, x.data_ptr(), tokens, x.stride(0), inter, out.data_ptr(), torch.get_num_threads())
-        _check(rc, "silu_and_mul", x.shape)
+        native(self._silu_and_mul, code, x.data_ptr(), tokens, x.stride(0), inter, out.data_ptr(), torch.get_num_threads(),
+               check=_refused("silu_and_mul", x.shape))
         return out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,9 +161,8 @@ class CpuFusedOps:
                     f"on the CPU, got {tuple(t.shape)} {t.dtype} strides {t.stride()} on {t.device}"
                 )
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        rc = self._rotary(
-            code, x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1),
-            cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        native(
+            self._rotary, code, x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1),
+            cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads(), check=_refused("rotary", x.shape),
         )
-        _check(rc, "rotary", x.shape)
         return out
