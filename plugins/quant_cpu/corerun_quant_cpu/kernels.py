@@ -27,7 +27,7 @@ logger = logging.getLogger("corerun_quant_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
 SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("bf16_gemv.cpp", "f32_gemv.cpp", "int8_amx.cpp", "int8_vnni.cpp")))  # one library; the others add their ops
-HEADERS = tuple(Path(__file__).parent / "csrc" / n for n in ("amx_tiles.h", "w8a8_quantize.h", "bf16_round.h", "cpu_features.h"))  # included by the sources: in the build key too
+HEADERS = tuple(Path(__file__).parent / "csrc" / n for n in ("amx_tiles.h", "w8a8_quantize.h", "bf16_round.h", "cpu_features.h", "row_streams.h"))  # included by the sources: in the build key too
 NAME = "corerun_quant_cpu"
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # ordered: each runs where the ones above it do

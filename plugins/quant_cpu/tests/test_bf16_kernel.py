@@ -11,7 +11,7 @@ import torch
 from corerun_quant_cpu import kernels
 from quant_cpu_cases import bf16_bound as bound, poisoned_columns, untouched_outside
 
-SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536), (48, 96)]
+SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536), (48, 96), (100, 40)]  # 100: 7 row blocks, four streams and three left
 
 
 @pytest.mark.parametrize("isa", list(kernels.BF16_ISAS))
@@ -30,6 +30,25 @@ def test_bf16_gemv_matches_float64(isa: str, rows: int, cols: int, tokens: int) 
     assert torch.isfinite(out).all()
     assert (err <= bound(x, w, ref)).all(), f"worst {(err / bound(x, w, ref)).max().item():.2f} of the bound"
     assert untouched_outside(wide, 2, rows)  # nothing outside
+
+
+def test_one_token_over_two_threads_matches_float64() -> None:
+    """The row blocks split over the threads, each range in four streams with a remainder: every row written, once."""
+    if kernels.BF16_ISAS[kernels.bf16_best_isa()] < kernels.BF16_ISAS["avx512_bf16"]:
+        pytest.skip("the one-token streams are AVX512_BF16's")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(4)
+        for rows in (3072, 3088, 49 * 16 + 5, 9 * 16):
+            w, x = torch.randn(rows, 576, generator=g).bfloat16(), torch.randn(1, 576, generator=g).bfloat16()
+            ref = x.double() @ w.double().T
+            wide, out = poisoned_columns(1, rows, 2, torch.bfloat16)
+            kernels.bf16_gemv(out, kernels.repack_bf16(w), x, "avx512_bf16")
+            err = (out.double() - ref).abs()
+            assert (err <= bound(x, w, ref)).all() and untouched_outside(wide, 2, rows), rows
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_repack_layout_is_its_definition() -> None:

@@ -11,7 +11,7 @@ import torch
 from corerun_quant_cpu import kernels
 from quant_cpu_cases import f32_bound, poisoned_columns, untouched_outside
 
-SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536), (48, 96), (49, 576)]
+SHAPES = [(16, 32), (37, 19), (960, 576), (33, 1), (7, 64), (576, 1536), (48, 96), (49, 576), (100, 40)]  # 100: 7 row blocks, four streams and three left
 
 
 @pytest.mark.parametrize("isa", list(kernels.F32_ISAS))
@@ -34,7 +34,7 @@ def test_f32_gemv_matches_float64(isa: str, rows: int, cols: int, tokens: int) -
 
 
 def test_one_token_over_two_threads_matches_float64() -> None:
-    """The row blocks split over the threads, two at a time within each: every row written, once."""
+    """The row blocks split over the threads, each range in four streams with a remainder: every row written, once."""
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

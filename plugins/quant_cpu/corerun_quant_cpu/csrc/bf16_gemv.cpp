@@ -18,7 +18,8 @@
 //   bf16_isa() -> the best isa this CPU runs.
 //
 // Tokens go in tiles of up to 8, each tile one pass over the weights (a step of 8 tokens or fewer reads
-// them once); one token alone goes through two row blocks at a time; row blocks are split over
+// them once); one token alone goes through four row blocks at a time, each from its own quarter of the
+// range (one_token_dp_blocks); row blocks are split over
 // at::parallel_for (torch's thread pool and OpenMP runtime).
 
 #include <ATen/Parallel.h>
@@ -37,6 +38,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_features.h"
+#include "row_streams.h"
 
 namespace {
 
@@ -176,16 +178,14 @@ BF16_DP_FN void block_dp(const Bf16Problem& p, const uint16_t* wb, int64_t t0, i
 BF16_DISPATCH(block_avx512, BF16_AVX512_FN)
 BF16_DISPATCH(block_dp, BF16_DP_FN)
 
-// One token, NB row blocks side by side: NB streams from memory in flight at once.  Through the default
-// model's 269 MB of weights (one thread, a loaded machine) two blocks took 21.2-23.5 ms per token against
-// 23.7-30.1 ms one block after the other; three and four were no better than two within the noise.
+// One token, NB row blocks side by side (blk[k], anywhere in the weight): NB streams from memory in flight.
 template <int NB>
-BF16_DP_FN void blocks_dp_one_token(const Bf16Problem& p, int64_t b, int64_t j0) {
+BF16_DP_FN void blocks_dp_one_token(const Bf16Problem& p, const int64_t* blk) {
     __m512 a0[NB], a1[NB];
     const uint16_t* w[NB];
     for (int k = 0; k < NB; ++k) {
         a0[k] = a1[k] = _mm512_setzero_ps();
-        w[k] = p.w + (b + k) * p.npairs * 32;
+        w[k] = p.w + blk[k] * p.npairs * 32;
     }
     const uint32_t* xt = p.xp;
     int64_t q = 0;
@@ -205,18 +205,18 @@ BF16_DP_FN void blocks_dp_one_token(const Bf16Problem& p, int64_t b, int64_t j0)
     }
     for (int k = 0; k < NB; ++k) {
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[k], a1[k]));
-        const int64_t j = j0 + 16 * k, n = std::min<int64_t>(16, p.rows - j);
+        const int64_t j = blk[k] * 16, n = std::min<int64_t>(16, p.rows - j);
         if (n == 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out + j), h);
         else _mm256_mask_storeu_epi16(p.out + j, static_cast<__mmask16>((1u << n) - 1), h);
     }
 }
 
+// The range's row blocks in corerun_cpu::ONE_TOKEN_STREAMS streams (row_streams.h, with what it gained).
 BF16_DP_FN void one_token_dp_blocks(const Bf16Problem& p, int64_t begin, int64_t end) {
-    int64_t b = begin;
-    for (; b + 2 <= end; b += 2) blocks_dp_one_token<2>(p, b, b * 16);
-    for (; b < end; ++b) blocks_dp_one_token<1>(p, b, b * 16);
+    constexpr int S = corerun_cpu::ONE_TOKEN_STREAMS;
+    const int64_t rest = corerun_cpu::row_block_streams<S>(begin, end, [&](const int64_t* blk) { blocks_dp_one_token<S>(p, blk); });
+    for (int64_t b = rest; b < end; ++b) blocks_dp_one_token<1>(p, &b);
 }
-
 
 // AMX (isa 3): TDPBF16PS multiplies 16 tokens x 32 columns (A, bfloat16) by 16 column pairs x 16 rows (B,
 // bfloat16 pairs) into 16 tokens x 16 rows (C, float32).  The packed layout above is AMX's B layout as it

@@ -19,9 +19,9 @@
 // 35.8 ms a token on two threads against 33.8 on one, benchmarks/RESULTS.md).  Here every thread streams
 // whole row blocks of its own.
 //
-// Tokens go in tiles of up to 8, each tile one pass over the weights; one token alone goes through two
-// row blocks at a time (two streams from memory in flight); row blocks are split over at::parallel_for
-// (torch's thread pool and OpenMP runtime).
+// Tokens go in tiles of up to 8, each tile one pass over the weights; one token alone goes through four
+// row blocks at a time, each from its own quarter of the range (four streams from memory in flight); row
+// blocks are split over at::parallel_for (torch's thread pool and OpenMP runtime).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include "cpu_features.h"
+#include "row_streams.h"
 
 namespace {
 
@@ -88,37 +89,43 @@ F32_AVX512_FN void f32_block(const F32Problem& p, const float* wb, int64_t t0, i
     for (int k = 0; k < NT; ++k) f32_store(p, acc[k], t0 + k, j0);
 }
 
-// One token, two row blocks side by side, two sums each over alternate columns (FMA's latency).
-F32_AVX512_FN void f32_two_blocks_one_token(const F32Problem& p, int64_t b) {
-    const float* w0 = p.w + b * p.cols * 16;
-    const float* w1 = w0 + p.cols * 16;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, c0 = a0, c1 = a0;
+// One token, NB row blocks side by side (blk[k], anywhere in the weight), two sums each over alternate columns
+// (FMA's latency): NB streams from memory in flight.
+template <int NB>
+F32_AVX512_FN void f32_blocks_one_token(const F32Problem& p, const int64_t* blk) {
+    const float* w[NB];
+    __m512 a0[NB], a1[NB];
+    for (int k = 0; k < NB; ++k) {
+        w[k] = p.w + blk[k] * p.cols * 16;
+        a0[k] = a1[k] = _mm512_setzero_ps();
+    }
     int64_t i = 0;
     for (; i + 2 <= p.cols; i += 2) {
         const __m512 x0 = _mm512_set1_ps(p.x[i]), x1 = _mm512_set1_ps(p.x[i + 1]);
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + i * 16) + F32_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + i * 16) + F32_PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + i * 16) + F32_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + i * 16) + F32_PREFETCH + 64, _MM_HINT_T0);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i * 16), x0, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i * 16 + 16), x1, a1);
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + i * 16), x0, c0);
-        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + i * 16 + 16), x1, c1);
+        for (int k = 0; k < NB; ++k) {
+            const float* v = w[k] + i * 16;
+            _mm_prefetch(reinterpret_cast<const char*>(v) + F32_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(v) + F32_PREFETCH + 64, _MM_HINT_T0);
+            a0[k] = _mm512_fmadd_ps(_mm512_loadu_ps(v), x0, a0[k]);
+            a1[k] = _mm512_fmadd_ps(_mm512_loadu_ps(v + 16), x1, a1[k]);
+        }
     }
     if (i < p.cols) {
         const __m512 x0 = _mm512_set1_ps(p.x[i]);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i * 16), x0, a0);
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + i * 16), x0, c0);
+        for (int k = 0; k < NB; ++k) a0[k] = _mm512_fmadd_ps(_mm512_loadu_ps(w[k] + i * 16), x0, a0[k]);
     }
-    f32_store(p, _mm512_add_ps(a0, a1), 0, b * 16);
-    f32_store(p, _mm512_add_ps(c0, c1), 0, b * 16 + 16);
+    for (int k = 0; k < NB; ++k) f32_store(p, _mm512_add_ps(a0[k], a1[k]), 0, blk[k] * 16);
+}
+
+// One token: the range's row blocks in corerun_cpu::ONE_TOKEN_STREAMS streams (row_streams.h, with what it gained).
+F32_AVX512_FN int64_t f32_one_token_streams(const F32Problem& p, int64_t begin, int64_t end) {
+    constexpr int S = corerun_cpu::ONE_TOKEN_STREAMS;
+    return corerun_cpu::row_block_streams<S>(begin, end, [&](const int64_t* blk) { f32_blocks_one_token<S>(p, blk); });
 }
 
 F32_AVX512_FN void f32_blocks_avx512(const F32Problem& p, int64_t begin, int64_t end) {
     int64_t b = begin;
-    if (p.T == 1) {
-        for (; b + 2 <= end; b += 2) f32_two_blocks_one_token(p, b);
-    }
+    if (p.T == 1) b = f32_one_token_streams(p, begin, end);
     for (; b < end; ++b) {
         const float* wb = p.w + b * p.cols * 16;
         for (int64_t t0 = 0; t0 < p.T; t0 += F32_TILE) {
