@@ -196,3 +196,14 @@ def test_lora_steps_are_not_recorded() -> None:
         assert llm.engine.runner.graph._graphs == {}
         out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_replay_with_a_quantized_kv_cache(kv_dtype: str) -> None:
+    """The K/V quantized in torch before the C write: replayed as the operators it is, the same tokens as eager."""
+    pytest.importorskip("corerun_attention_cpu")
+    kv = {"kv_cache": {"dtype": kv_dtype}, "attention": "cpu"}
+    eager_tokens, _, _ = _generate(3, graph={"runner": {"name": "eager"}}, **kv)
+    tokens, _, (replays, sizes, refusals) = _generate(3, graph={"runner": {"name": "replay"}}, **kv)
+    assert refusals == {} and sizes == [1, 2, 4, 8] and replays >= 10
+    assert tokens == eager_tokens
