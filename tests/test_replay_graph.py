@@ -207,3 +207,27 @@ def test_replay_with_a_quantized_kv_cache(kv_dtype: str) -> None:
     tokens, _, (replays, sizes, refusals) = _generate(3, graph={"runner": {"name": "replay"}}, **kv)
     assert refusals == {} and sizes == [1, 2, 4, 8] and replays >= 10
     assert tokens == eager_tokens
+
+
+def test_graph_suite_rejects_a_false_replay_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cpu backend with its C calls made directly (what a backend that declares replay_decode without routing
+    them through ``native`` does): the runner refuses every bucket, and ``corerun conformance graph:replay
+    --attention cpu`` fails the declaration.  Unpatched, the same run passes."""
+    pytest.importorskip("corerun_attention_cpu")
+    from corerun.conformance.runner import run_suite
+    from corerun_attention_cpu import backend
+
+    def failed(results: list) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for r in results:
+            if r.outcome == "failed":
+                out.setdefault(r.check, []).append(r)
+        return out
+
+    results, _ = run_suite("graph:replay", attention="cpu", keyword="decode_matches_eager")
+    assert results and not failed(results)
+    monkeypatch.setattr(backend, "native", lambda fn, *args, check=None: fn(*args))
+    results, _ = run_suite("graph:replay", attention="cpu", keyword="decode_matches_eager")
+    bad = failed(results)
+    assert set(bad) == {"decode_matches_eager"}
+    assert "declares replay_decode, yet the runner recorded []" in bad["decode_matches_eager"][0].reason

@@ -208,6 +208,17 @@ class GraphRunnerSuite(ConformanceSuite):
                 problems.append(f"declares captures but stats.captured_sizes is {stats.captured_sizes} after capture()")
             elif stats.replays <= replays_before:
                 problems.append("declares captures but stats.replays did not grow over pure-decode batches")
+        # a runner that records (replay) must replay pure decodes when the backend declares them recordable: a
+        # backend whose C calls the tape cannot see is refused at capture, and its declaration is then wrong
+        records = bool(getattr(case.target.capabilities, "records", False))
+        if records and not problems and getattr(w.attention.capabilities, "replay_decode", False):
+            stats = w.runner.stats
+            if not stats.captured_sizes or stats.replays <= replays_before:
+                why = "; ".join(f"bucket {b}: {r}" for b, r in sorted(getattr(w.runner, "refusals", {}).items())[:1])
+                problems.append(
+                    f"attention backend '{self._attention_name(case.config)}' declares replay_decode, yet the runner "
+                    f"recorded {stats.captured_sizes} and replayed {stats.replays - replays_before} steps" + (f" ({why})" if why else "")
+                )
         if problems:
             self._fail(case, "decode batches", problems)
 
