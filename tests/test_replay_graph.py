@@ -168,20 +168,22 @@ def test_replay_matches_eager(attention: str, n: int) -> None:
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
 
 
-def test_a_call_outside_the_tape_is_caught(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A fused op that calls C directly (not through ``native``): the check refuses every bucket, the steps run
-    eagerly, and the output is still the eager one."""
+@pytest.mark.parametrize("bypassed", ["silu_and_mul", "write_kv"])
+def test_a_call_outside_the_tape_is_caught(bypassed: str, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A C call made directly, not through ``native`` (a fused op's; the K/V write, whose absence only a later
+    attention would show): the check refuses every bucket, the steps run eagerly, and the output is the eager one."""
     pytest.importorskip("corerun_attention_cpu")
-    from corerun_attention_cpu.fused_ops import CpuFusedOps
-
-    def silu_and_mul(self: CpuFusedOps, x: torch.Tensor) -> torch.Tensor:
-        tokens, inter = x.shape[0], x.shape[1] // 2
-        out = torch.empty((tokens, inter), dtype=x.dtype)
-        self._silu_and_mul(0, x.data_ptr(), tokens, x.stride(0), inter, out.data_ptr(), 1)
-        return out
+    from corerun_attention_cpu import backend, fused_ops
 
     eager_tokens, _, _ = _generate(2, attention="cpu", fused_ops="cpu", graph={"runner": {"name": "eager"}})
-    monkeypatch.setattr(CpuFusedOps, "silu_and_mul", silu_and_mul)
+    module, name = (fused_ops, "corerun_cpu_silu_and_mul") if bypassed == "silu_and_mul" else (backend, "corerun_cpu_write_kv")
+    kept = module.native
+
+    def native(fn, *args, **kw):  # type: ignore[no-untyped-def]
+        return fn(*args) if getattr(fn, "__name__", "") == name else kept(fn, *args, **kw)
+
+    monkeypatch.setattr(module, "native", native)
     with caplog.at_level(logging.WARNING, logger="corerun.graph"):
         tokens, _, (replays, sizes, refusals) = _generate(2, attention="cpu", fused_ops="cpu",
                                                           graph={"runner": {"name": "replay"}})
@@ -191,11 +193,71 @@ def test_a_call_outside_the_tape_is_caught(monkeypatch: pytest.MonkeyPatch, capl
     assert tokens == eager_tokens
 
 
-def test_lora_steps_are_not_recorded() -> None:
-    with make_llm(graph={"runner": {"name": "replay"}}, lora={"enabled": True, "max_lora_rank": 8}) as llm:
-        assert llm.engine.runner.graph._graphs == {}
+def test_reading_the_data_in_python_is_refused_on_the_recording_thread_only() -> None:
+    import threading
+
+    x = torch.arange(4)
+    for read in (torch.Tensor.tolist, torch.Tensor.numpy):
+        with pytest.raises(NotRecordable, match="read the data"):
+            with record():
+                read(x)
+    seen: list = []
+    with record():
+        other = threading.Thread(target=lambda: seen.append(x.tolist()))  # another thread is not recording
+        other.start()
+        other.join()
+    assert seen == [[0, 1, 2, 3]] and x.tolist() == [0, 1, 2, 3]
+
+
+def test_a_thread_count_is_read_again_at_each_replay() -> None:
+    got: list[tuple] = []
+
+    def kernel(*args: int) -> int:
+        got.append(args)
+        return 0
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with record() as tape:
+            native(kernel, 7, 1, 9, threads_at=-2)
+            native(kernel, 7, 1, 9)
+        torch.set_num_threads(2)
+        tape.replay()
+    finally:
+        torch.set_num_threads(saved)
+    assert got == [(7, 1, 9), (7, 1, 9), (7, 2, 9), (7, 1, 9)]
+
+
+def test_a_bucket_whose_check_cannot_run_stays_eager() -> None:
+    """Six blocks: the checks of 4 and 8 requests need 8 and 16 (two a row); those buckets run eagerly, 1 and 2 replay."""
+    pytest.importorskip("corerun_attention_cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for runner in ("eager", "replay"):
+        with make_llm(attention="cpu", kv_cache={"num_blocks": 6}, graph={"runner": {"name": runner}}) as llm:
+            outs[runner] = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+            graph = llm.engine.runner.graph
+            if runner == "replay":
+                assert sorted(graph._graphs) == [1, 2] and sorted(graph.refusals) == [4, 8]
+                assert all("ValueError" in r and "block" in r for r in graph.refusals.values())
+                assert graph.stats.replays >= 4
+    assert outs["replay"] == outs["eager"]
+
+
+def test_lora_steps_are_not_recorded_and_auto_keeps_eager() -> None:
+    pytest.importorskip("corerun_attention_cpu")
+    lora = {"enabled": True, "max_lora_rank": 8}
+    with make_llm(graph={"runner": {"name": "replay"}}, attention="cpu", lora=lora) as llm:
+        graph = llm.engine.runner.graph
+        assert graph._graphs == {}
         out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+        assert graph.stats.fallbacks.get("not_recorded", 0) >= 3 and "not_captured" not in graph.stats.fallbacks
+    with make_llm(attention="cpu", lora=lora) as llm:  # graph.runner: auto
+        assert llm.engine.runner.graph_name == "eager"
+    with make_llm(attention="cpu") as llm:
+        assert llm.engine.runner.graph_name == "replay"
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
@@ -226,7 +288,7 @@ def test_graph_suite_rejects_a_false_replay_decode(monkeypatch: pytest.MonkeyPat
 
     results, _ = run_suite("graph:replay", attention="cpu", keyword="decode_matches_eager")
     assert results and not failed(results)
-    monkeypatch.setattr(backend, "native", lambda fn, *args, check=None: fn(*args))
+    monkeypatch.setattr(backend, "native", lambda fn, *args, **_: fn(*args))
     results, _ = run_suite("graph:replay", attention="cpu", keyword="decode_matches_eager")
     bad = failed(results)
     assert set(bad) == {"decode_matches_eager"}

@@ -39,6 +39,7 @@ BATCH_TOO_LARGE = "batch_too_large"
 SEQ_TOO_LONG = "seq_too_long"
 NOT_GRAPH_SAFE = "attention_not_graph_safe"
 NOT_CAPTURED = "not_captured"
+NOT_RECORDED = "not_recorded"
 FALLBACK_REASONS: dict[str, str] = {
     PREFILL: "the step has no decodes; graphs hold pure-decode steps only",
     MIXED: "the step mixes prefill chunks and decodes; graphs hold pure-decode steps only",
@@ -46,6 +47,7 @@ FALLBACK_REASONS: dict[str, str] = {
     SEQ_TOO_LONG: "a sequence is longer than max_model_len, which sized the captured block table",
     NOT_GRAPH_SAFE: "the attention backend does not declare cuda_graph_decode",
     NOT_CAPTURED: "capture() has not been called",
+    NOT_RECORDED: "the replay runner kept no recording (LoRA adapters, or every bucket refused: see its warning at capture)",
 }
 
 

@@ -18,7 +18,7 @@ largest bucket, run eagerly.  What differs is the capture:
   the same threads).  A component that computes outside the tape's sight (a C call not made through
   :func:`~corerun.protocols.replay.native`) shows here, and its bucket stays eager;
 - steps with LoRA adapters are not recorded (the adapters' per-step state lives outside the model): with
-  ``lora.enabled`` every step runs eagerly.
+  ``lora.enabled`` every step runs eagerly, counted as ``not_recorded`` (``auto`` does not pick this runner then).
 
 Option ``max_batch_size`` (default :data:`DEFAULT_MAX_BATCH`) caps the largest bucket below
 ``graph.max_batch_size``: each bucket holds its own intermediate tensors (about 1.3 MB a token for the
@@ -36,9 +36,10 @@ import torch
 
 from corerun.errors import ConfigError
 from corerun.graph.buckets import capture_sizes
-from corerun.graph.cuda import CudaGraphRunner
-from corerun.protocols.attention import AttentionBackend
-from corerun.protocols.graph import GraphLimits, ModelFn
+from corerun.graph.cuda import NOT_RECORDED, CudaGraphRunner
+from corerun.protocols.attention import AttentionBackend, AttentionBatch
+from corerun.protocols.graph import GraphLimits, ModelFn, ModelInputs
+from corerun.protocols.step_layout import requests_step
 from corerun.protocols.replay import NotRecordable, Tape, record
 
 logger = logging.getLogger("corerun.graph")
@@ -81,12 +82,14 @@ class ReplayGraphRunner(CudaGraphRunner):
         super().__init__(model, attention, limits, capturer=TapeCapturer(), progress=False)
         self.graph_safe = True  # each recording is checked instead (capture)
         self.refusals: dict[int, str] = {}  # bucket -> why it runs eagerly
+        self._recorded = False  # capture() ran (with or without a tape kept)
 
     @torch.no_grad()
     def capture(self) -> None:
         """Record, check and keep one tape per bucket, largest first; idempotent."""
-        if self._graphs:
+        if self._graphs or self._recorded:
             return
+        self._recorded = True
         if self.limits.lora:
             logger.info("graph: runner 'replay' does not record steps with LoRA adapters; every step runs eagerly")
             return
@@ -100,8 +103,11 @@ class ReplayGraphRunner(CudaGraphRunner):
             except NotRecordable as exc:
                 self.refusals[size] = str(exc)
                 continue
+            except Exception as exc:  # the check's own steps refused (a cache too small for them): eager, not a crash
+                self.refusals[size] = f"{type(exc).__name__}: {exc}"
+                continue
             finally:
-                self.static.pad(0, size)
+                self.static.pad(0, self.limits.max_batch_size)
             self._graphs[size] = (tape, None)
         self.sizes = sorted(self._graphs)
         self.stats.capture_seconds = time.perf_counter() - start
@@ -114,6 +120,12 @@ class ReplayGraphRunner(CudaGraphRunner):
         logger.info("graph: replay recorded decode steps of %s requests in %.2f s (%d calls at the largest)",
                     ", ".join(map(str, self.sizes)) or "no", self.stats.capture_seconds, calls)
 
+    def fallback_reason(self, batch: AttentionBatch) -> str | None:
+        """As the ``cuda`` runner's, with ``not_recorded`` when capture kept no tape (LoRA, or every bucket refused)."""
+        if self._recorded and not self._graphs:
+            return NOT_RECORDED
+        return super().fallback_reason(batch)
+
     def _step(self, size: int, metadata: Any) -> Callable[[], None]:
         """The recorded work for bucket ``size``: plan and model on the static rows, into the static hidden buffer
         (the plan inside the recording: a backend that copies the batch's tensors has its copies replayed)."""
@@ -124,19 +136,32 @@ class ReplayGraphRunner(CudaGraphRunner):
 
         return step
 
+    def _eager(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch))
+
     def _check(self, size: int, tape: Tape) -> None:
-        """Other inputs (module docstring), an eager step and a replay: the same hidden states or NotRecordable."""
-        st, n = self.static, size
-        st.input_ids[:n].fill_(1)
-        st.block_tables[:n, 1:2].fill_(1)  # block_tables[:, :2] = [0, 1]: position p is slot p at any block size
-        for position in (0, 1):  # the first fills slot 0 (eagerly), which the second step's attention reads
-            st.positions[:n].fill_(position)
-            st.seq_lens[:n].fill_(position + 1)
-            st.slot_mapping[:n].fill_(position)
-            inputs = st.inputs(n)
-            eager = self.model(inputs.input_ids, inputs.positions, self.attention.plan(inputs.batch)).clone()
+        """The recording against an eager step on other inputs (module docstring); NotRecordable when they differ.
+
+        Row ``i`` owns blocks ``2 (n - 1 - i) + 1`` and ``2 (n - 1 - i)`` (in that order: a block table that is not
+        the identity) and token ``i % 2``.  A prefill writes each row's first block (positions ``0 .. B - 1``); a
+        decoy decode of the other tokens writes position ``B``'s slot in the second block; then the tape replays
+        the decode of the row's own token at position ``B`` and the same decode runs eagerly.  A replay that wrote
+        no K/V would attend over the decoy's, one that read stale lengths, positions or block tables over the
+        wrong positions, one with a stale embedding the wrong token."""
+        n, bs = size, self.limits.block_size
+        if self.static.max_blocks_per_seq < 2:
+            raise NotRecordable(f"max_model_len {self.limits.max_model_len} is under two blocks of {bs}: too short for the check")
+        tables = [[2 * (n - 1 - i) + 1, 2 * (n - 1 - i)] for i in range(n)]
+        tokens = [i % 2 for i in range(n)]
+        dev = self.limits.device
+        self._eager(requests_step([0] * n, [bs] * n, tables, bs, dev, input_ids=[t for t in tokens for _ in range(bs)]))
+        decoy = requests_step([bs] * n, [1] * n, tables, bs, dev, input_ids=[1 - t for t in tokens])
+        self.static.load(decoy)
+        self._eager(self.static.inputs(n))
+        self.static.load(requests_step([bs] * n, [1] * n, tables, bs, dev, input_ids=tokens))
         tape.replay()
-        replayed = self.hidden[:n]
+        replayed = self.hidden[:n].clone()
+        eager = self._eager(self.static.inputs(n))
         if not torch.equal(eager, replayed):
             worst = (eager.float() - replayed.float()).abs().max().item()
             raise NotRecordable(

@@ -43,6 +43,7 @@ class Need:
     attention: Any = None  # graph runners: the chosen attention backend (or its capabilities)
     tensor_parallel: bool = False  # graph runners: a step runs collectives across ranks
     params: frozenset[str] = frozenset()  # logits processors: the SamplingParams fields to serve
+    lora: bool = False  # graph runners: steps may carry LoRA adapters (lora.enabled)
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ class GraphRunnerCapabilities:
             if not getattr(attention, "replay_decode", False):
                 reasons.append("records decode steps, and the attention backend does not declare them recordable "
                                "(replay_decode=False)")
+            if getattr(need, "lora", False):
+                reasons.append("records decode steps, and LoRA adapters set their per-step state outside the model")
         return reasons
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,14 +19,18 @@ What is kept, and how:
 
 What a recorded step must respect:
 
-- every value a call takes by value is frozen: shapes, pointers, ``torch.get_num_threads()``.  What changes
-  from step to step (token ids, positions, lengths, block tables, slots) must be read from tensors, and
+- every value a call takes by value is frozen: shapes, pointers (``native``'s ``threads_at`` marks a thread count
+  to be read again at each replay).  What changes from step to step (token ids, positions, lengths, block tables, slots) must be read from tensors, and
   those tensors must be the ones the runner refills (its static inputs), not copies made while recording;
-- Python that decides from the data (``.item()``, an operator whose output shape depends on values) cannot be
-  replayed: :class:`NotRecordable` is raised while recording and the runner runs such steps eagerly.
+- Python that decides from the data cannot be replayed: an operator whose result is a Python value or whose
+  output shape depends on values (``.item()``, ``nonzero``, a boolean mask), ``Tensor.tolist()`` and
+  ``Tensor.numpy()`` (which read the data without an operator; guarded on the recording thread only) raise
+  :class:`NotRecordable` while recording, and the runner runs such steps eagerly.  Other ways of reading the
+  data (the buffer protocol, ``data_ptr()`` arithmetic in Python) are not seen: the runner's check is the net.
 
-The runner checks each recording before it trusts it: it fills its static inputs with other values, runs
-the step eagerly and replays the tape, and keeps the tape only when both give the same hidden states.
+The runner checks each recording before it trusts it (:class:`corerun.graph.replay.ReplayGraphRunner`): other
+tokens per row, at a position in a second block, after a decoy step wrote other K/V to the same slots; the tape
+replays, the same step runs eagerly, and the tape is kept only when both give the same hidden states.
 """
 
 from __future__ import annotations
@@ -59,14 +63,17 @@ def recording() -> "Tape | None":
     return _state.tape
 
 
-def native(fn: Callable[..., Any], *args: Any, check: Callable[[Any], None] | None = None) -> Any:
+def native(fn: Callable[..., Any], *args: Any, check: Callable[[Any], None] | None = None,
+           threads_at: int | None = None) -> Any:
     """``fn(*args)``, kept by the tape being recorded, if any; returns what ``fn`` returned.
 
     ``fn``: a call torch does not see (a ``ctypes`` function); its arguments are bound as they are, so pass
     addresses of tensors that stay put and numbers that do not change from step to step.  ``check``: called
-    with the result when it is truthy (a C function's error code), now and at every replay; it raises."""
+    with the result when it is truthy (a C function's error code), now and at every replay; it raises.
+    ``threads_at``: the position in ``args`` (negative from the end) of a thread count, which a replay takes
+    from ``torch.get_num_threads()`` at each call (the runner sets it per step: ``threads: auto``)."""
     tape = _state.tape
-    rc = fn(*args) if tape is None else tape.call(fn, *args, check=check)
+    rc = fn(*args) if tape is None else tape.call(fn, *args, check=check, threads_at=threads_at)
     if rc and check is not None:
         check(rc)
     return rc
@@ -93,14 +100,24 @@ class Tape:
         self.output: Any = None
         self._inside = 0  # > 0 while a kept call runs: the operators it dispatches are its own
 
-    def call(self, fn: Callable[..., Any], *args: Any, check: Callable[[Any], None] | None = None) -> Any:
-        """Run ``fn(*args)`` now and keep it; ``check`` as for :func:`native` (at replay)."""
+    def call(self, fn: Callable[..., Any], *args: Any, check: Callable[[Any], None] | None = None,
+             threads_at: int | None = None) -> Any:
+        """Run ``fn(*args)`` now and keep it; ``check`` and ``threads_at`` as for :func:`native`."""
         self._inside += 1
         try:
             result = fn(*args)
         finally:
             self._inside -= 1
-        self.calls.append((functools.partial(fn, *args), check, getattr(fn, "__name__", repr(fn))))
+        if threads_at is None:
+            kept: Callable[[], Any] = functools.partial(fn, *args)
+        else:
+            k = threads_at % len(args)
+            head, tail = args[:k], args[k + 1 :]
+
+            def kept() -> Any:
+                return fn(*head, torch.get_num_threads(), *tail)
+
+        self.calls.append((kept, check, getattr(fn, "__name__", repr(fn))))
         return result
 
     def replay(self) -> None:
@@ -172,11 +189,38 @@ class _Recorder(TorchDispatchMode):
         return self.tape._operator(func, args, kwargs or {})
 
 
+def _refuse_on_recording_thread(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.<name>`` that raises :class:`NotRecordable` on a thread that is recording (elsewhere: the original).
+    ``tolist`` and ``numpy`` read a tensor's values without dispatching an operator, so the mode cannot see them."""
+
+    @functools.wraps(original)
+    def guarded(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _state.tape is not None and not _state.tape._inside:
+            raise NotRecordable(f"Tensor.{name}() ran while recording: Python read the data, which a replay cannot repeat")
+        return original(self, *args, **kwargs)
+
+    guarded.corerun_replay_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+_READERS = ("tolist", "numpy")
+_guard_lock = threading.Lock()
+
+
+def _install_guards() -> None:
+    with _guard_lock:
+        for name in _READERS:
+            current = getattr(torch.Tensor, name)
+            if not getattr(current, "corerun_replay_guard", False):
+                setattr(torch.Tensor, name, _refuse_on_recording_thread(name, current))
+
+
 @contextmanager
 def record() -> Iterator[Tape]:
     """Record this thread's calls into a new :class:`Tape` while the block runs (see the module docstring)."""
     if _state.tape is not None:
         raise RuntimeError("record(): this thread is already recording a step")
+    _install_guards()  # once per process; they only act on a thread that is recording
     tape = Tape()
     _state.tape = tape
     try:

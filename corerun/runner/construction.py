@@ -114,7 +114,8 @@ def select(runner: Any, tp: Any) -> tuple[GraphLimits, Need]:
     choose = registry.select  # explicit names as asked; `auto` by priority among what fits (registry.py)
     runner.attention_name = choose("attention", config.attention.name, spec).name
     runner.attention = registry.create("attention", runner.attention_name, spec, options=config.attention.options)
-    need = Need(runner.device, attention=runner.attention, tensor_parallel=tp is not None and tp.world_size > 1)
+    need = Need(runner.device, attention=runner.attention, tensor_parallel=tp is not None and tp.world_size > 1,
+                lora=config.lora.enabled)
     graph = config.graph.runner.name
     placement = getattr(runner, "placement", None)
     if placement is not None and placement.pipeline_parallel_size > 1:  # a stage's input arrives between steps

@@ -173,7 +173,7 @@ class CpuAttentionBackend(DenseKVCache):
             num_tokens=batch.num_tokens,
         )
         fresh_min = AMX_MIN_TOKENS if self.amx_prefill else self.sdpa_min_tokens
-        if fresh_min is not None and not self.soft_cap and not self._kv_code:
+        if fresh_min is not None and batch.max_query_len >= fresh_min and not self.soft_cap and not self._kv_code:
             self._plan_fresh_prompts(md, fresh_min)
             if self.amx_prefill and md.fresh_prompts:
                 md.fresh_amx = torch.tensor(md.fresh_prompts, dtype=torch.int32).reshape(-1, 2)
@@ -364,7 +364,7 @@ class CpuAttentionBackend(DenseKVCache):
             self.lib.corerun_cpu_attention,
             self._dtype_code, q.data_ptr(), q_st[0], q_st[1], *cache[:5], target.data_ptr(), o_st[0], o_st[1],
             *batch, q.shape[0], cache[5], *self._shape_args, window, *self._value_args,
-            torch.get_num_threads(), self._err_ptr, check=refused,
+            torch.get_num_threads(), self._err_ptr, check=refused, threads_at=-2,
         )
 
     def _explain(self, rc: int, md: CpuAttentionMetadata, num_blocks: int) -> str:

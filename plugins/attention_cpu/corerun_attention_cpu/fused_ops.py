@@ -99,7 +99,7 @@ class CpuFusedOps:
             n0, s0, n1, s1 = _leading(x.shape, x.stride())
         out = torch.empty_like(x, memory_format=torch.contiguous_format)  # 0.8 us, torch.empty 1.8
         native(self._rms_norm, code, x.data_ptr(), n0, s0, n1, s1, hidden, weight.data_ptr(), eps, out.data_ptr(),
-               torch.get_num_threads(), check=_refused("rms_norm", x.shape))
+               torch.get_num_threads(), check=_refused("rms_norm", x.shape), threads_at=-1)
         return out
 
     def add_rms_norm(
@@ -124,7 +124,7 @@ class CpuFusedOps:
         native(
             self._add_rms_norm, code, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), x.shape[0],
             hidden, weight.data_ptr(), eps, out.data_ptr(), new_residual.data_ptr(), torch.get_num_threads(),
-            check=_refused("add_rms_norm", x.shape),
+            check=_refused("add_rms_norm", x.shape), threads_at=-1,
         )
         return out, new_residual
 
@@ -140,7 +140,7 @@ class CpuFusedOps:
         tokens, inter = x.shape[0], x.shape[1] // 2
         out = torch.empty((tokens, inter), dtype=x.dtype)
         native(self._silu_and_mul, code, x.data_ptr(), tokens, x.stride(0), inter, out.data_ptr(), torch.get_num_threads(),
-               check=_refused("silu_and_mul", x.shape))
+               check=_refused("silu_and_mul", x.shape), threads_at=-1)
         return out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -163,6 +163,6 @@ class CpuFusedOps:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         native(
             self._rotary, code, x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1),
-            cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads(), check=_refused("rotary", x.shape),
+            cos.data_ptr(), sin.data_ptr(), out.data_ptr(), torch.get_num_threads(), check=_refused("rotary", x.shape), threads_at=-1,
         )
         return out
