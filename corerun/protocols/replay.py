@@ -91,13 +91,11 @@ def _integer_indexing(func: Any, args: tuple) -> bool:
 
 
 class Tape:
-    """The calls of one recorded step; :meth:`replay` runs them again.  ``output``: the step's result
-    (the runner sets it: a tensor made while recording, which every replay rewrites)."""
+    """The calls of one recorded step; :meth:`replay` runs them again."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Callable[[], Any], Callable[[Any], None] | None, str]] = []
         self.held: list[torch.Tensor] = []  # every tensor made while recording: its memory stays put
-        self.output: Any = None
         self._inside = 0  # > 0 while a kept call runs: the operators it dispatches are its own
 
     def call(self, fn: Callable[..., Any], *args: Any, check: Callable[[Any], None] | None = None,

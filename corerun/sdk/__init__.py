@@ -6,7 +6,8 @@
 - :mod:`corerun.sdk.sampling`: per-request seeded generators (:func:`seeded_generator`,
   :func:`row_seed`, :func:`exponential_race`), host lists to device without a sync, and the logits check.
 - :mod:`corerun.sdk.kv_cache` / :mod:`corerun.sdk.graph`: corerun's ``paged`` KV-cache manager and
-  ``eager`` graph runner, as base classes to start a plugin from.
+  ``eager`` graph runner, as base classes to start a plugin from; :func:`corerun.sdk.graph.native`, through
+  which a kernel's ``ctypes`` calls go so that the CPU's ``replay`` runner can record them.
 - :mod:`corerun.sdk.quantization`: the built-in ``gguf`` method and its block decoder, to build a
   GGUF method on (``GGUF_CAPABILITIES``, what ``gguf`` declares, importable here without torch), and
   the built-in ``none`` and ``compressed-tensors`` methods (``COMPRESSED_TENSORS_CAPABILITIES``).
