@@ -16,8 +16,9 @@ float rows the loader decoded.
 
 Q8_0 on a CPU with AVX-512 + VNNI: at load the layer's blocks are also repacked
 (:func:`~corerun_quant_cpu.kernels.repack_q8_0`: codes in the order the integer dot products sum them,
-scales apart) and small batches multiply those (``gguf_cpu_q8_0``); the blocks stay for prefill's decoder
-and ``gguf``'s own paths, so such a layer holds its weight twice.  ``$CORERUN_QUANT_CPU_Q8_0_REPACK=0``
+scales apart) and batches of every size multiply those (``gguf_cpu_q8_0``; prompts too: that product is ahead
+of decode-then-matmul to 1024 tokens, :meth:`GGUFCpuMethod._any_size`); the blocks stay for ``gguf``'s own
+paths, so such a layer holds its weight twice.  ``$CORERUN_QUANT_CPU_Q8_0_REPACK=0``
 skips the repack (the product then reads the blocks, as on other CPUs).
 """
 
@@ -89,9 +90,16 @@ class GGUFCpuMethod(GGUFMethod):
         else:
             kernels.gguf_gemv(out, shard.data, x32, shard.type_name, self.isa)
 
+    def _any_size(self, layer: nn.Module) -> bool:
+        """The layer's Q8_0 blocks are repacked for AVX-512 + VNNI: that product is ahead of decode-then-matmul at
+        every step size measured (0.45-0.62x its time from 16 to 192 tokens, 0.51-0.70x at 512, 0.69-0.84x at 1024;
+        one thread, benchmarks/RESULTS.md "Twentieth session"), so prompts take it too."""
+        return self.isa == "avx512" and layer.__dict__.get("gguf_cpu_q8_0") is not None
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         whole = layer.__dict__.get("gguf_cpu_whole")
-        if whole is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_TOKENS and x.device.type == "cpu":
+        if (whole is not None and x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+                and (x.shape[0] <= KERNEL_MAX_TOKENS or self._any_size(layer))):
             out = torch.empty(x.shape[0], whole.data.shape[0], dtype=torch.float32)  # the decode step's path, kept short
             self._gemv(layer, out, whole, x.contiguous())
             return out
@@ -100,7 +108,7 @@ class GGUFCpuMethod(GGUFMethod):
         shards = [whole] if whole is not None else self.shards(layer)
         if not any(s.type_name in KERNEL_TYPES for s in shards):
             return super().apply(layer, x)
-        small = x.shape[0] <= KERNEL_MAX_TOKENS
+        small = x.shape[0] <= KERNEL_MAX_TOKENS or self._any_size(layer)
         x32 = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], sum(s.data.shape[0] for s in shards), dtype=torch.float32)
         at = 0

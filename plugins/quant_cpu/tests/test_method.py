@@ -100,3 +100,40 @@ def test_shards_of_one_type_go_in_one_call(monkeypatch: pytest.MonkeyPatch) -> N
     step = x.double().reshape(2, -1, 32).abs().amax(-1, keepdim=True).expand(2, -1, 32).reshape(2, -1) / 254
     bound = 16 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T) + step @ w.abs().T
     assert ((got.double() - x.double() @ w.T).abs() <= bound).all()
+
+
+def test_repacked_q8_0_takes_prompts_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AVX-512 + VNNI a whole Q8_0 layer multiplies steps of every size with its repacked product (ahead of
+    decode-then-matmul to 1024 tokens); elsewhere a prompt above KERNEL_MAX_TOKENS is decoded.  Both within the
+    int8-activation bound of float64 on the dequantized weight."""
+    from corerun.sdk.models import Linear
+    from corerun.sdk.quantization import GGUFTensor
+
+    from corerun_quant_cpu.capabilities import KERNEL_MAX_TOKENS
+    from corerun_quant_cpu.method import GGUFCpuMethod
+
+    rng = np.random.default_rng(25)
+    cols, rows = 128, 44
+    layer = Linear(cols, rows, quant=GGUFCpuMethod())
+    w32 = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    packed = gguf.quants.quantize(w32, gguf.GGMLQuantizationType.Q8_0)
+    w = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).astype(np.float64))
+    layer.weight.weight_loader(layer.weight, GGUFTensor("blk.0.attn_output.weight", "Q8_0", torch.from_numpy(packed), cols))
+    repacked = layer.quant.isa == "avx512" and "gguf_cpu_q8_0" in layer.__dict__
+    calls: list[str] = []
+    for fn in ("gguf_gemv", "gguf_gemv_q8_0_repacked", "gguf_dequantize"):
+        real = getattr(kernels, fn)
+        monkeypatch.setattr(kernels, fn, lambda *a, _fn=fn, _real=real: (calls.append(_fn), _real(*a))[1])
+    gen = torch.Generator().manual_seed(26)
+    for tokens in (1, KERNEL_MAX_TOKENS, KERNEL_MAX_TOKENS + 1, 100):
+        calls.clear()
+        x = torch.randn(tokens, cols, generator=gen)
+        with torch.no_grad():
+            got = layer(x)
+        if repacked:
+            assert calls == ["gguf_gemv_q8_0_repacked"], (tokens, calls)
+        else:
+            assert calls == (["gguf_gemv"] if tokens <= KERNEL_MAX_TOKENS else ["gguf_dequantize"]), (tokens, calls)
+        step = x.double().reshape(tokens, -1, 32).abs().amax(-1, keepdim=True).expand(tokens, -1, 32).reshape(tokens, -1) / 254
+        bound = 16 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T) + step @ w.abs().T
+        assert ((got.double() - x.double() @ w.T).abs() <= bound).all(), tokens
