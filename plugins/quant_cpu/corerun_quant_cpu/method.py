@@ -92,7 +92,7 @@ class GGUFCpuMethod(GGUFMethod):
 
     def _any_size(self, layer: nn.Module) -> bool:
         """The layer's Q8_0 blocks are repacked for AVX-512 + VNNI: that product is ahead of decode-then-matmul at
-        every step size measured (0.45-0.62x its time from 16 to 192 tokens, 0.51-0.70x at 512, 0.69-0.84x at 1024;
+        every step size measured (0.41-0.65x its time from 16 to 192 tokens, 0.51-0.70x at 512, 0.69-0.84x at 1024;
         one thread, benchmarks/RESULTS.md "Twentieth session"), so prompts take it too."""
         return self.isa == "avx512" and layer.__dict__.get("gguf_cpu_q8_0") is not None
 
