@@ -100,11 +100,8 @@ class ReplayGraphRunner(CudaGraphRunner):
                 self.capturer.warmup(step)
                 tape = self.capturer.capture(step)
                 self._check(size, tape)
-            except NotRecordable as exc:
-                self.refusals[size] = str(exc)
-                continue
-            except Exception as exc:  # the check's own steps refused (a cache too small for them): eager, not a crash
-                self.refusals[size] = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # NotRecordable, or the check's own steps refused (a cache too small): eager, not a crash
+                self.refusals[size] = str(exc) if isinstance(exc, NotRecordable) else f"{type(exc).__name__}: {exc}"
                 continue
             finally:
                 self.static.pad(0, self.limits.max_batch_size)

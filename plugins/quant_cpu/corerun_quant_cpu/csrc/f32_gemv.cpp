@@ -159,9 +159,8 @@ void f32_gemv(at::Tensor out, const at::Tensor& packed, const at::Tensor& x, int
     if (T == 0 || rows == 0) return;
     const F32Problem p{packed.data_ptr<float>(), x.data_ptr<float>(), out.data_ptr<float>(), cols, rows, T, out.stride(0)};
     const int64_t blocks = (rows + 15) / 16;
-    // about 256 KiB of weights per task, an even number of blocks (one token takes them two at a time)
-    int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, cols * 64));
-    grain += grain & 1;
+    // about 256 KiB of weights per task (one token: each task's range in row_streams.h's streams, any length)
+    const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, cols * 64));
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
         if (isa == F32_AVX512) f32_blocks_avx512(p, begin, end);
         else f32_blocks_scalar(p, begin, end);
