@@ -518,10 +518,12 @@ void rows_avx512(const uint8_t* blocks, const XQ& xq, float* out, int64_t type, 
 // order; vpdpbusd of (w + 128) with qx adds 128 sum(qx) over the lane's bytes, so each lane starts
 // from minus that sum (once per call and token).  Integer sums stay below 2^24: exact in float32.
 
-// Software prefetch, bytes ahead in the codes' stream, on the one-token passes.  With the weights in
-// the L3 cache (as in a model's step) this product took 0.81-1.10x the blocks path's time without it,
-// 0.54-0.92x at 2048, 0.76-0.97x at 1024, 0.63-0.90x at 4096 (gguf_kernel_bench.py --copies 8).
-constexpr int64_t Q8R_PREFETCH = 2048;
+// One token takes a group's four rows through q8r_one_token, with no software prefetch: a model's
+// step reads its weights from memory (the default model's 120 Q8_0 products: 113 MB of codes), and
+// there a prefetch 2048 bytes ahead made the step's products 1.43x slower on one thread (9.14 against
+// 6.38 ms) and 1.37x on two; it helped only with the weights in the L3 cache.  Splitting a thread's
+// groups into 2, 3 or 4 streams read side by side (as the bfloat16 product does) was no faster here
+// (benchmarks/RESULTS.md, "Twenty-first session").
 
 struct Span {
     int64_t b0, g;  // first block, blocks
@@ -639,9 +641,7 @@ AVX512_FN __attribute__((always_inline)) inline void q8r_span(const Q8R& p, int6
             __m512i xv[N];
             for (int n = 0; n < N; ++n) xv[n] = _mm512_loadu_si512(xq + n * p.cols + 64 * k);
             for (int r = 0; r < R; ++r) {
-                const uint8_t* wp = chunk(gbase, rg, r0 + r, off, k, 64);
-                if (N == 1) _mm_prefetch(reinterpret_cast<const char*>(wp + Q8R_PREFETCH), _MM_HINT_T0);
-                const __m512i w = _mm512_loadu_si512(wp);
+                const __m512i w = _mm512_loadu_si512(chunk(gbase, rg, r0 + r, off, k, 64));
                 for (int n = 0; n < N; ++n) d[r][n] = _mm512_dpbusd_epi32(d[r][n], w, xv[n]);
             }
         }
@@ -679,9 +679,7 @@ AVX512_FN void q8r_tile(const Q8R& p, const uint8_t* gbase, int64_t rg, int64_t 
         }
     }
     alignas(16) float y[4];
-    if constexpr (R == 4 && N == 1) {
-        _mm_storeu_ps(p.out + t0 * p.out_stride + j, reduce4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
-    } else if constexpr (R == 2 && N % 2 == 0) {
+    if constexpr (R == 2 && N % 2 == 0) {
         for (int n = 0; n < N; n += 2) {
             _mm_store_ps(y, reduce4(acc[0][n], acc[1][n], acc[0][n + 1], acc[1][n + 1]));
             float* o = p.out + (t0 + n) * p.out_stride + j;
@@ -696,8 +694,47 @@ AVX512_FN void q8r_tile(const Q8R& p, const uint8_t* gbase, int64_t rg, int64_t 
     }
 }
 
+// token t on the four rows of group q (rows 4q ... 4q + 3): q8r_span's work for R = 4, N = 1 with the
+// span's blocks a value rather than a template argument.  This loop, not the unrolled tile, is what one
+// token takes: the step's products 0.83-0.93x the time of q8r_tile<4, 1> on one and two threads.
+AVX512_FN void q8r_one_token(const Q8R& p, int64_t q, int64_t t) {
+    __m512 acc[4];
+    for (int r = 0; r < 4; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* gbase = p.codes + 4 * q * p.cols;
+    const int8_t* xt = p.xr.q.data() + t * p.cols;
+    for (size_t si = 0; si < p.spans.size(); ++si) {
+        const int64_t b0 = p.spans[si].b0, g = p.spans[si].g, off = b0 * QK;
+        const int32_t* corr = p.xr.corr.data() + t * p.ns + static_cast<int64_t>(si) * 16;
+        const float* dxl = p.xr.dxl.data() + t * p.ns + static_cast<int64_t>(si) * 16;
+        if (g == 1) {  // one block in a 256-bit vector per row
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr));
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + off));
+            for (int r = 0; r < 4; ++r) {
+                const __m256i d = _mm256_dpbusd_epi32(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk(gbase, 4, r, off, 0, 32))), xv);
+                const float dw = _cvtsh_ss(p.scales[(4 * q + r) * p.nb + b0]);
+                acc[r] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(d)), _mm512_set1_ps(dw * dxl[0]), acc[r]);
+            }
+            continue;
+        }
+        __m512i d[4];
+        const __m512i c = _mm512_loadu_si512(corr);
+        for (int r = 0; r < 4; ++r) d[r] = c;
+        for (int64_t k = 0; k < g / 2; ++k) {
+            const __m512i xv = _mm512_loadu_si512(xt + off + 64 * k);
+            for (int r = 0; r < 4; ++r) d[r] = _mm512_dpbusd_epi32(d[r], _mm512_loadu_si512(chunk(gbase, 4, r, off, k, 64)), xv);
+        }
+        const __m512 dx = _mm512_loadu_ps(dxl);
+        for (int r = 0; r < 4; ++r) {
+            const uint16_t* sc = p.scales + (4 * q + r) * p.nb + b0;
+            const __m512 dw = g == 16 ? q8r_scales<16>(sc) : g == 8 ? q8r_scales<8>(sc) : g == 4 ? q8r_scales<4>(sc) : q8r_scales<2>(sc);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]), _mm512_mul_ps(dw, dx), acc[r]);
+        }
+    }
+    _mm_storeu_ps(p.out + t * p.out_stride + 4 * q, reduce4(acc[0], acc[1], acc[2], acc[3]));
+}
+
 // groups [begin, end) of four rows (read from memory once, from L1 for the other tokens): tokens in
-// tiles of 4 on 2 rows at a time, the rest one token on 4 rows; group rows / 4 is the last rows % 4,
+// tiles of 4 on 2 rows at a time, the rest one token at a time; group rows / 4 is the last rows % 4,
 // one at a time
 AVX512_FN void q8r_groups(const Q8R& p, int64_t T, int64_t rows, int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
@@ -709,7 +746,7 @@ AVX512_FN void q8r_groups(const Q8R& p, int64_t T, int64_t rows, int64_t begin, 
                 q8r_tile<2, 4>(p, gbase, 4, 0, j0, t);
                 q8r_tile<2, 4>(p, gbase, 4, 2, j0 + 2, t);
             }
-            for (; t < T; ++t) q8r_tile<4, 1>(p, gbase, 4, 0, j0, t);
+            for (; t < T; ++t) q8r_one_token(p, q, t);
             continue;
         }
         for (int64_t j = j0; j < rows; ++j) {
