@@ -44,9 +44,12 @@ namespace {
 
 enum Bf16Isa : int64_t { BF_SCALAR = 0, BF_AVX512 = 1, BF_AVX512BF16 = 2, BF_AMX = 3 };
 constexpr int64_t TILE = 8;  // tokens per pass over the weights
-// Software prefetch, bytes ahead in a row block's stream, each 64-byte line once.  Streaming the default
-// model's 269 MB of weights (benchmarks/RESULTS.md) took 27-28 ms per token without it, 23.7-25 ms at 1024
-// and 2048 bytes, 26-27 ms at 4096 (one thread, a shared machine: differences under 1 ms are noise).
+// Software prefetch, bytes ahead in a row block's stream, each 64-byte line once, for tiles of tokens.
+// Streaming the default model's 269 MB of weights (benchmarks/RESULTS.md) took 27-28 ms per token without it,
+// 23.7-25 ms at 1024 and 2048 bytes, 26-27 ms at 4096 (one thread, a shared machine, one stream).  One token
+// through four streams (blocks_dp_one_token) goes without: there the hardware's prefetchers keep up, and the
+// default model's 120 products inside a replayed step took 0.84-0.87x the time without it on one thread of an
+// AMD EPYC (Zen 4), 0.77-1.00x on two (RESULTS.md, "Twenty-first session").
 constexpr int64_t BF_PREFETCH = 2048;
 
 struct Bf16Problem {
@@ -178,7 +181,8 @@ BF16_DP_FN void block_dp(const Bf16Problem& p, const uint16_t* wb, int64_t t0, i
 BF16_DISPATCH(block_avx512, BF16_AVX512_FN)
 BF16_DISPATCH(block_dp, BF16_DP_FN)
 
-// One token, NB row blocks side by side (blk[k], anywhere in the weight): NB streams from memory in flight.
+// One token, NB row blocks side by side (blk[k], anywhere in the weight): NB streams from memory in flight,
+// no software prefetch (see BF_PREFETCH).
 template <int NB>
 BF16_DP_FN void blocks_dp_one_token(const Bf16Problem& p, const int64_t* blk) {
     __m512 a0[NB], a1[NB];
@@ -193,8 +197,6 @@ BF16_DP_FN void blocks_dp_one_token(const Bf16Problem& p, const int64_t* blk) {
         const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[q])), x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[q + 1]));
         for (int k = 0; k < NB; ++k) {
             const uint16_t* v = w[k] + q * 32;
-            _mm_prefetch(reinterpret_cast<const char*>(v) + BF_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(v) + BF_PREFETCH + 64, _MM_HINT_T0);
             a0[k] = _mm512_dpbf16_ps(a0[k], (__m512bh)_mm512_loadu_si512(v), x0);
             a1[k] = _mm512_dpbf16_ps(a1[k], (__m512bh)_mm512_loadu_si512(v + 32), x1);
         }

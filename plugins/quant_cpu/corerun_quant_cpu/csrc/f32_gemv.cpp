@@ -40,7 +40,9 @@ namespace {
 
 enum F32Isa : int64_t { F32_SCALAR = 0, F32_AVX512 = 1 };
 constexpr int64_t F32_TILE = 8;  // tokens per pass over the weights
-constexpr int64_t F32_PREFETCH = 2048;  // bytes ahead in a row block's stream (bf16_gemv.cpp's measure)
+// bytes ahead in a row block's stream for tiles of tokens (bf16_gemv.cpp's measure); one token through four
+// streams goes without, as in bf16_gemv.cpp (the default model's products in a replayed step: 0.89-0.98x the time)
+constexpr int64_t F32_PREFETCH = 2048;
 
 struct F32Problem {
     const float* w;  // packed
@@ -90,7 +92,7 @@ F32_AVX512_FN void f32_block(const F32Problem& p, const float* wb, int64_t t0, i
 }
 
 // One token, NB row blocks side by side (blk[k], anywhere in the weight), two sums each over alternate columns
-// (FMA's latency): NB streams from memory in flight.
+// (FMA's latency): NB streams from memory in flight, no software prefetch (see F32_PREFETCH).
 template <int NB>
 F32_AVX512_FN void f32_blocks_one_token(const F32Problem& p, const int64_t* blk) {
     const float* w[NB];
@@ -104,8 +106,6 @@ F32_AVX512_FN void f32_blocks_one_token(const F32Problem& p, const int64_t* blk)
         const __m512 x0 = _mm512_set1_ps(p.x[i]), x1 = _mm512_set1_ps(p.x[i + 1]);
         for (int k = 0; k < NB; ++k) {
             const float* v = w[k] + i * 16;
-            _mm_prefetch(reinterpret_cast<const char*>(v) + F32_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(v) + F32_PREFETCH + 64, _MM_HINT_T0);
             a0[k] = _mm512_fmadd_ps(_mm512_loadu_ps(v), x0, a0[k]);
             a1[k] = _mm512_fmadd_ps(_mm512_loadu_ps(v + 16), x1, a1[k]);
         }

@@ -2,7 +2,8 @@
 //
 // A one-token product is bound by how fast one core pulls the weights from memory.  Taking S row blocks side
 // by side, each from its own part of the range and walking that part front to back, keeps S sequential
-// streams in flight, and each stream's software prefetch runs on into its own next block.  Through the default
+// streams in flight (these streams measured faster with no software prefetch: the hardware's prefetchers follow
+// each; bf16_gemv.cpp's BF_PREFETCH).  Through the default
 // model's weights on one thread of an AMD EPYC (Zen 4), ratio to oneDNN's time in the same run
 // (benchmarks/bf16_gemv_bench.py --model, benchmarks/f32_gemv_bench.py; benchmarks/RESULTS.md, "Twentieth
 // session"): bfloat16 with 2 adjacent blocks side by side 0.70, 2 streams over halves 0.70, 3 0.61, 4 0.54-0.59,
