@@ -16,6 +16,9 @@ kernel reads, and a few token counts, the time of ``y = x @ W.T`` by:
 - ``q8act``: llama.cpp's way, for comparison only (``gguf_gemv_q8``, not used by ``gguf_cpu``): the
   activations quantized to int8 per 32-block once per call, integer dot products per block.
 
+``--types Q4_K,Q5_K,Q6_K``: the K types (``csrc/gguf_k.cpp``), on random super-blocks (the gguf package only
+decodes them), for the shapes whose columns are a multiple of 256.
+
 Interleaved rounds, median of ``--repeats``; "GB/s" is the weight's stored bytes (packed for the
 GGUF paths, 4 bytes a value for dense) over the time.  One thread unless ``--threads``.  ``--copies N``
 makes N copies of each weight and multiplies by each in turn, so that a product finds its weight in
@@ -39,6 +42,8 @@ from corerun.quantization.gguf_tensor import GGUFTensor
 from corerun_quant_cpu import kernels
 
 SHAPES = [(576, 576), (576, 1536), (1536, 576), (192, 576), (576, 960), (576, 3072)]  # (in, out)
+# the K types' rows are 256-value super-blocks: of these shapes only 1536 columns take them; --shapes 2048x2048,2048x5632
+# for a 1B model's
 
 
 def _time(fn, inner: int, clock=time.perf_counter) -> float:
@@ -52,6 +57,23 @@ def _cdecoded(packed: torch.Tensor, rows: int, cols: int, type_name: str, isa: s
     w = torch.empty(rows, cols)
     kernels.gguf_dequantize(w, packed, type_name, isa)
     return w
+
+
+def _packed(gguf, type_name: str, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:
+    """A weight of that type: quantized by the gguf package, or (the K types, which it only decodes) random
+    super-blocks, every code and 6-bit scale random, float16 ``d`` and ``dmin`` of a weight's size."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name not in kernels.K_TYPES:
+        w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        return torch.from_numpy(gguf.quants.quantize(w, qtype))
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    scales = (rng.uniform(2e-4, 1e-3, size=(raw.shape[0], 2))).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        raw[:, -2:] = scales[:, :2]  # d last
+    else:
+        raw[:, :4] = scales  # d, dmin first
+    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 def main() -> None:
@@ -81,10 +103,11 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for type_name in args.types.split(","):
         for cols, rows in shapes:
+            if cols % (256 if type_name in kernels.K_TYPES else 32):
+                continue  # not a whole number of that type's blocks per row
             copies = []
             for _ in range(args.copies):
-                w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-                packed = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name]))
+                packed = _packed(gguf, type_name, rows, cols, rng)
                 tensor = GGUFTensor("w", type_name, packed, cols)
                 repacked = kernels.repack_q8_0(packed) if type_name == "Q8_0" and isa == "avx512" else None
                 copies.append((packed, tensor, tensor.dequantize(torch.float32), repacked))
@@ -105,6 +128,8 @@ def main() -> None:
                 paths = {p: (lambda f=f: [f(c) for c in copies]) for p, f in one.items()}
                 if repacked is None:
                     del paths["repacked"]
+                if type_name in kernels.K_TYPES:  # llama.cpp's way for comparison exists for the 32-value types only
+                    del paths["q8act"]
                 if args.paths != "all":  # the others are not timed, and leave the caches alone
                     paths = {p: fn for p, fn in paths.items() if p == "kernel" or p in args.paths.split(",")}
                 if "avx2" not in kernels.runnable_isas():  # both AVX2 code, refused on a CPU without it: not timed

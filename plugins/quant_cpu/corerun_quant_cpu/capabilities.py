@@ -23,7 +23,7 @@ from corerun.sdk import COMPRESSED_TENSORS_CAPABILITIES as COMPRESSED_TENSORS
 from corerun.sdk import GGUF_CAPABILITIES as GGUF
 from corerun.sdk import QuantizationCapabilities
 
-KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # kernels.TYPES
+KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})  # kernels.TYPES and kernels.K_TYPES
 KERNEL_MAX_TOKENS = 16  # above: decoded once per call, torch's matmul (faster from here on: benchmarks/RESULTS.md)
 # above: oneDNN's prepacked bfloat16 product (benchmarks/bf16_gemv_bench.py --model). Than the AMX tiles it is as
 # fast from about 64 (a 128-token step: 65 against 46 ms; with amx_tiles.h's blocked loop for many tokens 40.9

@@ -26,12 +26,13 @@ import torch
 logger = logging.getLogger("corerun_quant_cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
-SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("bf16_gemv.cpp", "f32_gemv.cpp", "int8_amx.cpp", "int8_vnni.cpp")))  # one library; the others add their ops
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / n for n in ("gguf_k.cpp", "bf16_gemv.cpp", "f32_gemv.cpp", "int8_amx.cpp", "int8_vnni.cpp")))  # one library; the others add their ops
 HEADERS = tuple(Path(__file__).parent / "csrc" / n for n in ("amx_tiles.h", "w8a8_quantize.h", "bf16_round.h", "cpu_features.h", "row_streams.h"))  # included by the sources: in the build key too
 NAME = "corerun_quant_cpu"
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # ordered: each runs where the ones above it do
-TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the GGML types the kernel reads
+TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the 32-value GGML types gguf_gemv reads
+K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # the 256-value ones gguf_k_gemv reads (GGML's numbers)
 ISA_ENV = "CORERUN_QUANT_CPU_ISA"
 
 _lock = threading.Lock()
@@ -121,17 +122,26 @@ def chosen_isa() -> str:
 def gguf_gemv(out: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, type_name: str, isa: str) -> None:
     """``out[t, j] = sum_i x[t, i] * W[j, i]`` with ``W`` the GGML rows ``blocks``, decoded in registers.
 
-    ``blocks`` uint8 ``[rows, cols / 32 * block_bytes]`` contiguous; ``x`` float32 ``[T, cols]``
+    ``blocks`` uint8 ``[rows, cols / block_size * block_bytes]`` contiguous; ``x`` float32 ``[T, cols]``
     contiguous; ``out`` float32 ``[T, rows]`` whose last dimension is contiguous (a column slice of a
-    wider output); ``type_name`` one of :data:`TYPES`; ``isa`` one of :data:`ISAS`.
+    wider output); ``type_name`` one of :data:`TYPES` (32-value blocks) or :data:`K_TYPES` (256-value
+    super-blocks, ``cols`` a multiple of 256: ``csrc/gguf_k.cpp``, whose ``avx2`` is its scalar path);
+    ``isa`` one of :data:`ISAS`.
     """
-    torch.ops.corerun_quant_cpu.gguf_gemv(out, blocks, x, TYPES[type_name], ISAS[isa])
+    if type_name in K_TYPES:
+        torch.ops.corerun_quant_cpu.gguf_k_gemv(out, blocks, x, K_TYPES[type_name], ISAS[isa])
+    else:
+        torch.ops.corerun_quant_cpu.gguf_gemv(out, blocks, x, TYPES[type_name], ISAS[isa])
 
 
 def gguf_dequantize(out: torch.Tensor, blocks: torch.Tensor, type_name: str, isa: str) -> None:
     """``out`` (float32 ``[rows, cols]``, contiguous) = the GGML rows ``blocks`` decoded, for calls too
-    large for :func:`gguf_gemv` (prefill), whose product then goes to torch's matmul."""
-    torch.ops.corerun_quant_cpu.gguf_dequantize(out, blocks, TYPES[type_name], ISAS[isa])
+    large for :func:`gguf_gemv` (prefill), whose product then goes to torch's matmul.  The K types have
+    one (scalar) decoder, whatever ``isa``."""
+    if type_name in K_TYPES:
+        torch.ops.corerun_quant_cpu.gguf_k_dequantize(out, blocks, K_TYPES[type_name])
+    else:
+        torch.ops.corerun_quant_cpu.gguf_dequantize(out, blocks, TYPES[type_name], ISAS[isa])
 
 
 def repack_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

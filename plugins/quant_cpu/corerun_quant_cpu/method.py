@@ -2,13 +2,13 @@
 
 Storage and loading are ``gguf``'s (packed blocks, one buffer per shard).  ``apply`` on a CPU batch of
 at most :data:`~corerun_quant_cpu.capabilities.KERNEL_MAX_TOKENS` rows in float32, bfloat16 or
-float16 writes each Q8_0 / Q4_0 / Q4_1 shard's columns of the output with the kernel
-(:func:`corerun_quant_cpu.kernels.gguf_gemv`), in float32 (a merged layer whose shards share one such
+float16 writes each Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K shard's columns of the output with the kernel
+(:func:`corerun_quant_cpu.kernels.gguf_gemv`; the K types' 256-value super-blocks in ``csrc/gguf_k.cpp``), in float32 (a merged layer whose shards share one such
 type in one call, its shards' rows moved into one buffer at load); a larger batch (prefill) has those shards
 decoded by :func:`~corerun_quant_cpu.kernels.gguf_dequantize` and multiplied by torch; any other
 shard is decoded in torch.  float64 and other devices take ``gguf``'s path unchanged.
 
-The LM head too, when the file's tensor for it is Q8_0 / Q4_0 / Q4_1 (``output``, or ``token_embd``
+The LM head too, when the file's tensor for it is one of those types (``output``, or ``token_embd``
 for a tied head): :meth:`lm_head` gives the model a layer of this method holding those blocks, so the
 logits go through the kernel instead of a float32 ``[vocab, hidden]`` product (the default model's
 ``token_embd`` is Q8_0: 30 MB read per token instead of 113 MB).  The embedding lookup keeps the

@@ -3,9 +3,12 @@ definitions of the products with their rounding bounds, and a poisoned output th
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from corerun_quant_cpu import kernels
+
+K_SIZES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per 256-value super-block
 
 
 def amx_int8() -> bool:
@@ -72,3 +75,35 @@ def poisoned_columns(tokens: int, rows: int, left: int, dtype: torch.dtype) -> t
 def untouched_outside(wide: torch.Tensor, left: int, rows: int) -> bool:
     """Whether every column of ``wide`` outside ``left .. left + rows`` is still NaN."""
     return bool(torch.isnan(wide[:, :left].float()).all() and torch.isnan(wide[:, left + rows :].float()).all())
+
+
+def k_blocks(type_name: str, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K-type super-blocks (every code, scale and minimum bit random) with float16 ``d`` and ``dmin`` of a
+    weight's size, and their float64 decoding by the gguf package (which decodes these types, not quantizes)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    size = K_SIZES[type_name]
+    raw = rng.integers(0, 256, size=(rows, cols // 256 * size), dtype=np.uint8)
+    sb = raw.reshape(-1, size)
+    halves = (rng.uniform(0.2, 1.0, size=(sb.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        sb[:, 208:210] = halves[:, 0:2]
+    else:
+        sb[:, 0:4] = halves.reshape(-1, 4)
+    decoded = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float64)
+    return torch.from_numpy(raw), torch.from_numpy(decoded)
+
+
+def matmul_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 products and sums of decoded values (each within half an ulp of float64's): the matmul bound."""
+    return 8 * x.shape[1] ** 0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T) + 1e-30
+
+
+def int8_activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x quantized per token and 32-block to dx round(x / dx), dx = max|x_b| / 127: within dx / 2 of x, so
+    |sum_i w_i (x_i - x^_i)| <= sum_i |w_i| max|x_b(i)| / 254; the integer dot products are exact, the scaling
+    and sums in float32 add the float bound of |x^| <= |x| + dx / 2."""
+    T, cols = x.shape
+    half_step = x.double().reshape(T, -1, 32).abs().amax(-1, keepdim=True).expand(T, cols // 32, 32).reshape(T, cols) / 254
+    return half_step @ w.abs().T * (1 + 2.0**-20) + matmul_bound(x.abs() + half_step.float() * 1.01, w)

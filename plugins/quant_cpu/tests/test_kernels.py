@@ -10,6 +10,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from corerun_quant_cpu import kernels  # noqa: E402
+from quant_cpu_cases import int8_activation_bound as _act_bound  # noqa: E402
+from quant_cpu_cases import matmul_bound as _bound  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)  # the first use in a fresh cache compiles the kernel
 
@@ -25,21 +27,6 @@ def _weights(type_name: str, rows: int, cols: int, seed: int) -> tuple[torch.Ten
 
 def _isas() -> list[str]:
     return kernels.runnable_isas()
-
-
-def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # float32 products and sums of exactly decoded values: the conformance suite's matmul bound
-    return 8 * x.shape[1] ** 0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T) + 1e-30
-
-
-def _act_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The int8-activation paths' bound: x quantized per token and 32-block to dx * round(x / dx) with
-    dx = max|x_b| / 127 is within dx / 2 of x (a hair more for dx's own float32 rounding), so
-    |sum_i w_i (x_i - x^_i)| <= sum_i |w_i| max|x_b(i)| / 254; the integer dot products are exact and the
-    scaling and sums in float32 add at most the float bound of |x^| <= |x| + dx / 2."""
-    T, cols = x.shape
-    half_step = x.double().reshape(T, -1, 32).abs().amax(-1, keepdim=True).expand(T, cols // 32, 32).reshape(T, cols) / 254
-    return half_step @ w.abs().T * (1 + 2.0**-20) + _bound(x.abs() + half_step.float() * 1.01, w)
 
 
 def _path_bound(isa: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

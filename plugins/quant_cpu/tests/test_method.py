@@ -137,3 +137,36 @@ def test_repacked_q8_0_takes_prompts_too(monkeypatch: pytest.MonkeyPatch) -> Non
         step = x.double().reshape(tokens, -1, 32).abs().amax(-1, keepdim=True).expand(tokens, -1, 32).reshape(tokens, -1) / 254
         bound = 16 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T) + step @ w.abs().T
         assert ((got.double() - x.double() @ w.T).abs() <= bound).all(), tokens
+
+
+def test_a_k_quant_mix_takes_the_k_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_K_M file's mix in one layer (gate Q4_K, up Q6_K; Q5_K as a third shard): each shard its own kernel call
+    up to 16 tokens, the library's decoder then torch's matmul above, all within float64's bound."""
+    from corerun.sdk.models import MergedLinear
+    from corerun.sdk.quantization import GGUFTensor
+
+    from corerun_quant_cpu.method import GGUFCpuMethod
+    from quant_cpu_cases import int8_activation_bound, k_blocks, matmul_bound
+
+    cols, sizes = 512, {"gate": 24, "up": 16, "extra": 8}
+    layer = MergedLinear(cols, sizes, quant=GGUFCpuMethod())
+    refs = []
+    for i, (shard, type_name) in enumerate(zip(sizes, ("Q4_K", "Q6_K", "Q5_K"))):
+        packed, w = k_blocks(type_name, sizes[shard], cols, seed=30 + i)
+        layer.weight.weight_loader(layer.weight, GGUFTensor(f"blk.0.ffn_{shard}.weight", type_name, packed, cols), shard)
+        refs.append(w)
+    w = torch.cat(refs)
+    calls: list[tuple[str, str]] = []
+    for fn in ("gguf_gemv", "gguf_dequantize"):
+        real = getattr(kernels, fn)
+        monkeypatch.setattr(kernels, fn, lambda out, blocks, *a, _fn=fn, _real=real: (calls.append((_fn, a[-2])), _real(out, blocks, *a))[1])
+    gen = torch.Generator().manual_seed(33)
+    for tokens, fn in ((1, "gguf_gemv"), (16, "gguf_gemv"), (17, "gguf_dequantize")):
+        calls.clear()
+        x = torch.randn(tokens, cols, generator=gen)
+        with torch.no_grad():
+            got = layer(x)
+        assert calls == [(fn, "Q4_K"), (fn, "Q6_K"), (fn, "Q5_K")], f"{tokens} tokens: {calls}"
+        act = fn == "gguf_gemv" and layer.quant.isa == "avx512"
+        bound = 2 * (int8_activation_bound(x, w) if act else matmul_bound(x, w))  # the slice copy adds nothing; the stack's sums do
+        assert ((got.double() - x.double() @ w.T).abs() <= bound).all(), f"{tokens} tokens"
