@@ -25,12 +25,16 @@ def row_max(x: torch.Tensor) -> RowMax:
     on a CPU the rows are cut into chunks of :data:`ROW_MAX_CHUNK` (the last one ending at ``V``,
     overlapping the one before), ``amax`` finds each chunk's largest value, a small ``max(dim)`` the first
     chunk holding the row's, and ``max(dim)`` within that one chunk its first index.  The first chunk with
-    the row's largest value holds its first occurrence, so the index is ``max(dim)``'s.  Elsewhere, or for
-    rows shorter than two chunks, it is ``x.max(dim=-1)``.
+    the row's largest value holds its first occurrence, so the index is ``max(dim)``'s.  Elsewhere, for
+    rows shorter than two chunks, or for a single row, it is ``x.max(dim=-1)``: one row's seven operators
+    cost more than its one slow reduction inside a decode step, where every operator runs with cold caches
+    after the LM head has streamed its weights (one request, bfloat16, one thread: the sampler 0.29-0.33 ms
+    a step against 0.45-0.52, benchmarks/RESULTS.md "Twenty-first session"; warm, on its own, the chunks
+    are the faster, 38 against 44 us).
     """
     rows, vocab = x.shape
     c = ROW_MAX_CHUNK
-    if x.device.type != "cpu" or vocab < 2 * c or x.stride(-1) != 1 or rows == 0:
+    if x.device.type != "cpu" or vocab < 2 * c or x.stride(-1) != 1 or rows <= 1:
         values, indices = x.max(dim=-1)
         return RowMax(values, indices)
     whole = vocab // c

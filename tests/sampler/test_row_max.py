@@ -29,9 +29,10 @@ def _check(x: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_random_logits(vocab: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows", [37, 1])  # one row: torch's max(dim), one operator inside a decode step
+def test_random_logits(vocab: int, dtype: torch.dtype, rows: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
-    _check((torch.randn(37, vocab, generator=gen) * 4).to(dtype))
+    _check((torch.randn(rows, vocab, generator=gen) * 4).to(dtype))
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
