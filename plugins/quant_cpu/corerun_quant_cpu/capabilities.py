@@ -1,8 +1,8 @@
 """What the ``gguf_cpu`` and ``dense_cpu`` methods declare, as plain data (imported at plugin-listing time: no torch).
 
-``gguf_cpu`` reads every GGUF type the built-in ``gguf`` method reads; Q8_0, Q4_0 and Q4_1 shards go through the
-C++ product for batches of up to ``KERNEL_MAX_TOKENS`` rows and through the C++ decoder plus torch's
-matmul above that; every other type through ``gguf``'s own decode-and-multiply.  CPU only.  On a CPU
+``gguf_cpu`` reads every GGUF type the built-in ``gguf`` method reads; Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K shards go
+through the C++ products for batches of up to ``KERNEL_MAX_TOKENS`` rows and through the C++ decoders plus torch's
+matmul above that; every other type (F16, BF16, F32) through ``gguf``'s own decode-and-multiply.  CPU only.  On a CPU
 with AVX-512 and VNNI the product quantizes the activations to int8 per 32-value block, as llama.cpp
 does (``int8_activations``: the conformance bound adds half an activation step).
 

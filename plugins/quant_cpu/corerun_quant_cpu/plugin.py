@@ -16,9 +16,9 @@ def corerun_quantization_methods(register):
         # above the built-in gguf (10), so `quantization: auto` takes it for a .gguf file on CPU when it builds
         priority={"cpu": 20, "default": -10},
         description=(
-            "GGUF blocks kept packed; Q8_0 / Q4_0 / Q4_1 products of up to 16 tokens, the LM head included, in C++ "
-            "straight from the blocks (AVX-512 VNNI with int8 activations, AVX2 or scalar, chosen at run time), "
-            "the rest decoded per call as gguf does"
+            "GGUF blocks kept packed; Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K products of up to 16 tokens, the LM head "
+            "included, in C++ straight from the blocks (AVX-512 VNNI with int8 activations, AVX2 or scalar, chosen at "
+            "run time), the float types decoded per call as gguf does"
         ),
     )
     register(

@@ -107,3 +107,14 @@ def int8_activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     T, cols = x.shape
     half_step = x.double().reshape(T, -1, 32).abs().amax(-1, keepdim=True).expand(T, cols // 32, 32).reshape(T, cols) / 254
     return half_step @ w.abs().T * (1 + 2.0**-20) + matmul_bound(x.abs() + half_step.float() * 1.01, w)
+
+
+def int8_activation_sigma_bound(x: torch.Tensor, w: torch.Tensor, sigmas: float = 6.0) -> torch.Tensor:
+    """The int8 activations' typical error, where :func:`int8_activation_bound` is the worst case: each ``x_i``'s
+    rounding error lies evenly in ``[-dx / 2, dx / 2]``, independent of the others', so ``y_j``'s error has the
+    standard deviation ``sqrt(sum_i w_ji^2 dx_b(i)^2 / 12)``; ``sigmas`` of them plus the float32 bound.  Activations
+    rounded toward zero, a code offset off by one or a scale taken from the next group shift the error well past this
+    while staying inside the worst case."""
+    T, cols = x.shape
+    dx = x.double().reshape(T, -1, 32).abs().amax(-1, keepdim=True).expand(T, cols // 32, 32).reshape(T, cols) / 127
+    return sigmas * ((dx**2 / 12) @ (w**2).T).sqrt() + matmul_bound(x.abs() + dx.float() * 0.51, w)

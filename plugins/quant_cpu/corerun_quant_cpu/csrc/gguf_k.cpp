@@ -328,13 +328,17 @@ void gguf_k_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, 
     TORCH_CHECK(isa < 2 || cpu_has_k512(), "gguf_k_gemv: isa 2 needs AVX-512 (F, BW, VL, DQ) with VNNI, which this CPU lacks");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
                 "gguf_k_gemv: x must be contiguous float32 [T, cols] on the CPU, got ", x.scalar_type(), " ", x.sizes());
-    const int64_t T = x.size(0), cols = x.size(1), rows = blocks.size(0);
-    const int64_t nsb = check_blocks("gguf_k_gemv", blocks, cols, type);
+    const int64_t T = x.size(0), cols = x.size(1);
+    const int64_t nsb = check_blocks("gguf_k_gemv", blocks, cols, type), rows = blocks.size(0);
     TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == rows &&
-                    out.stride(1) == 1,
-                "gguf_k_gemv: out must be float32 [", T, ", ", rows, "] with a contiguous last dimension, got ", out.scalar_type(), " ",
-                out.sizes());
+                    out.stride(1) == 1 && (T <= 1 || out.stride(0) >= rows),
+                "gguf_k_gemv: out must be float32 [", T, ", ", rows, "] with a contiguous last dimension and rows that do not overlap, got ",
+                out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
     if (T == 0 || rows == 0) return;
+    if (cols == 0) {  // an empty sum
+        out.zero_();
+        return;
+    }
     const int64_t row_bytes = blocks.size(1);
     const int64_t grain = std::max<int64_t>(1, (64 * 1024) / row_bytes);  // about 64 KiB of super-blocks per task
     if (isa == 2) {
@@ -354,11 +358,11 @@ void gguf_k_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, 
 
 void gguf_k_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type) {
     check_type("gguf_k_dequantize", type);
-    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() &&
-                    out.size(0) == blocks.size(0),
-                "gguf_k_dequantize: out must be contiguous float32 [", blocks.size(0), ", cols], got ", out.scalar_type(), " ", out.sizes());
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(),
+                "gguf_k_dequantize: out must be contiguous float32 [rows, cols], got ", out.scalar_type(), " ", out.sizes());
     const int64_t cols = out.size(1), rows = out.size(0);
     const int64_t nsb = check_blocks("gguf_k_dequantize", blocks, cols, type);
+    TORCH_CHECK(blocks.size(0) == rows, "gguf_k_dequantize: out has ", rows, " rows, blocks ", blocks.size(0));
     const uint8_t* bp = blocks.data_ptr<uint8_t>();
     float* wp = out.data_ptr<float>();
     const int64_t row_bytes = blocks.size(1), bb = k_block_bytes(type);
