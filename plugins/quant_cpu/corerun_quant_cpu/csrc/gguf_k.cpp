@@ -36,7 +36,7 @@
 // 32-byte halves assembled the same way), multiplied by the chunk's 64 qx with vpdpbusd into 16 int32 lanes,
 // four values each, exact.  Lane l of chunk c sums values 64c + 4l .. + 3, so its 32-block is 2c + l / 8 and
 // (Q6_K) its scale 4c + l / 4: the per-lane scales are one vector per chunk, d sc (per row) times dx (per
-// token, stored per lane), and the sums stay in float32 lanes until the row ends.  Q4_K / Q5_K's minimums
+// token: lanes 0-7 take block 2c's, 8-15 block 2c + 1's), and the sums stay in float32 lanes until the row ends.  Q4_K / Q5_K's minimums
 // add -dmin m_j dx_j sum(qx) per sub-block (a scalar per token); Q6_K's -32 starts each lane at -32 times
 // the sum of its four qx.  Error: at most half an activation step per value on top of float32's rounding.
 
@@ -153,16 +153,16 @@ void rows_k_scalar(const KProblem& p, int64_t begin, int64_t end) {
 
 struct KX {  // one call's quantized activations, per token, all in the values' natural order
     std::vector<int8_t> q;       // [T, cols]
-    std::vector<float> dxl;      // [T, cols / 4]: dx of the 32-block each int32 lane's four values are in
-    std::vector<int32_t> c32;    // [T, cols / 4]: -32 times the sum of each lane's four codes (Q6_K's offset)
+    std::vector<float> dx;       // [T, cols / 32]: each 32-block's step
+    std::vector<int32_t> c32;    // [T, cols / 4]: -32 times the sum of each int32 lane's four codes (Q6_K's offset only)
     std::vector<float> sx;       // [T, cols / 32]: dx sum(qx) per 32-block (Q4_K / Q5_K's minimums)
 };
 
-K512_FN void quantize_x_k(const float* x, int64_t T, int64_t cols, KX& r) {
+K512_FN void quantize_x_k(const float* x, int64_t T, int64_t cols, bool offsets, KX& r) {
     const int64_t nb = cols / 32;
     r.q.resize(static_cast<size_t>(T * cols));
-    r.dxl.resize(static_cast<size_t>(T * cols / 4));
-    r.c32.resize(static_cast<size_t>(T * cols / 4));
+    r.dx.resize(static_cast<size_t>(T * nb));
+    r.c32.resize(offsets ? static_cast<size_t>(T * cols / 4) : 0);
     r.sx.resize(static_cast<size_t>(T * nb));
     const __m256i ones = _mm256_set1_epi8(1);
     for (int64_t t = 0; t < T; ++t) {
@@ -177,8 +177,8 @@ K512_FN void quantize_x_k(const float* x, int64_t T, int64_t cols, KX& r) {
             _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(i0));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(i1));
             r.sx[t * nb + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
-            float* dl = r.dxl.data() + t * cols / 4 + b * 8;
-            for (int l = 0; l < 8; ++l) dl[l] = d;
+            r.dx[t * nb + b] = d;
+            if (!offsets) continue;
             // the sums of each four codes: vpdpbusd of ones (unsigned) with the codes (signed)
             const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
             const __m256i s4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
@@ -270,12 +270,13 @@ K512_FN void row_k512(const KP512& p, int64_t j, int64_t t0) {
         for (int k = 0; k < NT; ++k) {
             const int64_t t = t0 + k;
             const int8_t* xq = p.xk.q.data() + t * p.cols + s * QK_K;
-            const float* dxl = p.xk.dxl.data() + t * lanes + s * 64;
+            const float* dx = p.xk.dx.data() + t * nb + s * 8;
             for (int c = 0; c < 4; ++c) {
                 __m512i start = _mm512_setzero_si512();
                 if constexpr (TYPE == Q6_K) start = _mm512_loadu_si512(p.xk.c32.data() + t * lanes + s * 64 + 16 * c);
                 const __m512i dot = _mm512_dpbusd_epi32(start, w[c], _mm512_loadu_si512(xq + 64 * c));
-                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ds[c], _mm512_loadu_ps(dxl + 16 * c)), acc[k]);
+                const __m512 dxv = _mm512_insertf32x8(_mm512_set1_ps(dx[2 * c]), _mm256_set1_ps(dx[2 * c + 1]), 1);  // lanes 0-7: block 2c
+                acc[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ds[c], dxv), acc[k]);
             }
             if constexpr (TYPE != Q6_K) {
                 const float* sx = p.xk.sx.data() + t * nb + s * 8;
@@ -343,7 +344,7 @@ void gguf_k_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, 
     const int64_t grain = std::max<int64_t>(1, (64 * 1024) / row_bytes);  // about 64 KiB of super-blocks per task
     if (isa == 2) {
         KX xk;
-        quantize_x_k(x.data_ptr<float>(), T, cols, xk);
+        quantize_x_k(x.data_ptr<float>(), T, cols, type == Q6_K, xk);
         const KP512 p{blocks.data_ptr<uint8_t>(), xk, out.data_ptr<float>(), cols, nsb, row_bytes, out.stride(0)};
         at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
             if (type == Q4_K) rows_k512_typed<Q4_K>(p, T, begin, end);
