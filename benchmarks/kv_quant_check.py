@@ -15,8 +15,10 @@ cache with the whole model in bfloat16 (``--floor``).
 ``amax / 448``; then the agreement of variants, each fake-quantized where a layer's K/V enter attention (the
 cache then holds the rounded values): ``e4m3`` (scale 1), ``e4m3-calibrated`` (per layer ``amax / 448`` from the
 first forward with tokens, then frozen, as vLLM's ``calculate_kv_scales``), ``e4m3-centred`` (per layer and
-KV head, the mean K of that first forward subtracted before rounding and added back) and ``int8-f16scale``
-(int8 rows with a float16 scale).
+KV head, the mean K of that first forward subtracted before rounding and added back), ``e4m3-rotated`` (each
+64-value head row of K and V turned by one orthonormal Hadamard matrix with random signs before rounding and
+turned back after: attention is unchanged by the turn, and an outlier channel's rounding is spread over the row)
+and ``int8-f16scale`` (int8 rows with a float16 scale).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class FakeQuant:
             return fp8(k, 1.0), fp8(v, 1.0)
         if self.mode == "int8-f16scale":
             return int8_f16(k), int8_f16(v)
+        if self.mode == "e4m3-rotated":
+            return rotated_fp8(k), rotated_fp8(v)
         if layer not in self.calibration and k.shape[0]:  # the first forward with tokens, then frozen
             mu = k.float().mean(0, keepdim=True) if self.mode == "e4m3-centred" else torch.zeros_like(k[:1]).float()
             calibrated = self.mode == "e4m3-calibrated"
@@ -92,6 +96,20 @@ def fp8(x, scale: float):
     import torch
 
     return ((x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def rotated_fp8(x, head_size: int = 64):
+    """``x`` ``[..., heads * head_size]`` rounded to e4m3 (scale 1) in a turned basis: ``fp8(x R) R^T`` per head row,
+    ``R`` a Hadamard matrix with random signs, scaled to be orthonormal."""
+    import torch
+
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.where(torch.rand(head_size, generator=torch.Generator().manual_seed(0)) < 0.5, -1.0, 1.0)
+    r = h * signs / head_size**0.5
+    rows = x.float().reshape(-1, head_size)
+    return (fp8(rows @ r, 1.0).float() @ r.T).reshape(x.shape).to(x.dtype)
 
 
 def int8_f16(x):
@@ -125,7 +143,7 @@ def explore(args) -> None:
         ka, va = k.abs().max().item(), v.abs().max().item()
         print(f"{layer:5d}: {ka:6.2f} {(k.abs() < 2**-6).float().mean():6.1%} {va:6.2f} {(v.abs() < 2**-6).float().mean():6.1%}"
               f" | {err(k, 1):.4f} {err(v, 1):.4f}; {err(k, ka / 448):.4f} {err(v, va / 448):.4f}")
-    for mode in ("e4m3", "e4m3-calibrated", "e4m3-centred", "int8-f16scale"):
+    for mode in ("e4m3", "e4m3-calibrated", "e4m3-centred", "e4m3-rotated", "int8-f16scale"):
         hook = FakeQuant(mode)
         r = run(args.tokens, args.attention, args.dtype, "auto", base, on_new_engine=lambda: hook.calibration.clear())
         same = sum(o == x for o, x in zip(r["outs"], base["outs"]))

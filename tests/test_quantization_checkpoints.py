@@ -139,7 +139,7 @@ def test_an_engine_reads_a_gptq_folder_with_quantization_auto(float_dir: Path, t
     want = _hf_greedy(float_dir, write_quantized(float_dir, fmt, folder), 4)
     extra = {"tensor_parallel_size": ranks, "distributed": {"start_method": "forkserver"}} if ranks > 1 else {}
     with make_llm(folder, quantization="auto", **extra) as llm:
-        assert llm.engine.runner.quantization_name == "gptq"
+        assert llm.engine.runner.quantization_name in ("gptq", "gptq_cpu")  # gptq_cpu: corerun-quant-cpu runs here
         out = llm.generate([IDS], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == want
 

@@ -69,6 +69,16 @@ def test_auto_picks_the_builtin_that_reads_each_quant_method(quant_method: str) 
     assert reg.select("quantization", "auto", CheckpointFormat("cpu", quant_method=quant_method)).name == quant_method
 
 
+@pytest.mark.parametrize("quant_method,name", [("gptq", "gptq_cpu"), ("awq", "awq_cpu"), ("compressed-tensors", "compressed_tensors_cpu")])
+def test_auto_prefers_corerun_quant_cpus_kernels_where_they_run(quant_method: str, name: str) -> None:
+    reg = Registry.from_environment()
+    if name not in reg.registrations["quantization"] or reg.get("quantization", name).unavailable_reasons():
+        pytest.skip(f"{name} is not installed or cannot run here")
+    for dtype in ("float32", "bfloat16"):
+        assert reg.select("quantization", "auto", CheckpointFormat("cpu", quant_method=quant_method, dtype=dtype)).name == name
+    assert reg.select("quantization", "auto", CheckpointFormat("cuda", quant_method=quant_method)).name == quant_method
+
+
 def test_checkpoint_format_reads_config_json(tmp_path: Any) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
     assert checkpoint_format(tmp_path, "cpu") == CheckpointFormat("cpu", quant_method="awq")

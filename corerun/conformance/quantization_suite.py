@@ -139,7 +139,7 @@ class QuantizationSuite(ConformanceSuite):
                 f"{name}: checkpoint_weights turned the parts {sorted(ref.tensors)} of {prefix} into {[n for n, _ in out]}; "
                 f"expected one packed tensor named {prefix}.weight"
             )
-        return out[0][1], ref.weight, ref.act_step
+        return out[0][1], ref.weight, ref.act_step or case.target.capabilities.int8_activations
 
     def _plain(self, case: Case, rows: int, tokens: int, seed: int, cols: int | None = None) -> None:
         from corerun.models.layers import Linear

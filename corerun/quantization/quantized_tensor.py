@@ -37,15 +37,34 @@ class Axes:
 
 
 @dataclass(frozen=True)
+class Codes:
+    """A group-wise integer format's values, unpacked: ``w[j, i] = scales[j, g] * (q[j, i] - zeros[j, g])``
+    with ``g = groups[i]``.  ``q`` int32 ``[out, in]``, unsigned (``0 .. 2**bits - 1``); ``zeros`` int32
+    ``[out, G]`` on the same scale; ``scales`` float32 ``[out, G]``; ``groups`` int64 ``[in]``."""
+
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    groups: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[out, in]``: the integer difference first, then one multiply (exact to float32's rounding)."""
+        return (self.q - self.zeros[:, self.groups]).float() * self.scales[:, self.groups]
+
+
+@dataclass(frozen=True)
 class Scheme:
     """A quantized format: its parts' axes, its decoder ``(parts, out, in) -> float32 [out, in]``, and
-    ``activations`` (``"int8-dynamic"``, ``"int8-static"`` or ``None``: the activations stay float)."""
+    ``activations`` (``"int8-dynamic"``, ``"int8-static"`` or ``None``: the activations stay float).
+    ``codes`` (group-wise integer formats: GPTQ, AWQ, pack-quantized) gives the parts unpacked as
+    :class:`Codes`, for kernels that multiply the codes; ``decode`` is then ``codes(...).dequantize()``."""
 
     name: str  # in words, for errors and logs: "GPTQ 4-bit, groups of 128"
     axes: dict[str, Axes]
     decode: Callable[[dict[str, torch.Tensor], int, int], torch.Tensor]
     bits: int = 4
     activations: str | None = None
+    codes: Callable[[dict[str, torch.Tensor], int, int], Codes] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +106,10 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values, ``[out_features, in_features]`` in ``dtype`` (decoded in float32)."""
         return self.scheme.decode(self.parts, self.out_features, self.in_features).to(dtype)
+
+    def codes(self) -> Codes | None:
+        """The unpacked codes of a group-wise integer format (:class:`Codes`); ``None`` for the others."""
+        return None if self.scheme.codes is None else self.scheme.codes(self.parts, self.out_features, self.in_features)
 
 
 def dense_scheme() -> Scheme:

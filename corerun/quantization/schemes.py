@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from corerun.quantization.int_packing import AWQ_ORDER, per_word, unpack
-from corerun.quantization.quantized_tensor import Axes, QuantizedLoadError, Scheme
+from corerun.quantization.quantized_tensor import Axes, Codes, QuantizedLoadError, Scheme
 
 
 def _groups(parts: dict[str, torch.Tensor], key: str, cols: int, group: int) -> torch.Tensor:
@@ -37,50 +37,52 @@ def _groups(parts: dict[str, torch.Tensor], key: str, cols: int, group: int) -> 
     return torch.arange(cols, device=next(iter(parts.values())).device) // group
 
 
+def _decode(codes):
+    return lambda p, out, cols: codes(p, out, cols).dequantize()
+
+
 def gptq(bits: int, group_size: int, zeros_offset: int) -> Scheme:
     n = per_word(bits)
 
-    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
-        q = unpack(p["qweight"], bits, 0)  # [in, out]
-        z = unpack(p["qzeros"], bits, 1) + zeros_offset  # [G, out]
-        g = p["g_idx"].long()
-        return ((q - z[g]).float() * p["scales"].float()[g]).t()
+    def codes(p: dict[str, torch.Tensor], out: int, cols: int) -> Codes:
+        q = unpack(p["qweight"], bits, 0).t()  # [out, in]
+        z = (unpack(p["qzeros"], bits, 1) + zeros_offset).t()  # [out, G]
+        return Codes(q, z, p["scales"].float().t(), p["g_idx"].long())
 
     axes = {"qweight": Axes(1, 1, 0, n), "qzeros": Axes(1, n, 0, 0), "scales": Axes(1, 1, 0, 0), "g_idx": Axes(None, 1, 0, 1)}
-    return Scheme(f"GPTQ {bits}-bit, groups of {group_size}", axes, decode, bits=bits)
+    return Scheme(f"GPTQ {bits}-bit, groups of {group_size}", axes, _decode(codes), bits=bits, codes=codes)
 
 
 def awq(group_size: int) -> Scheme:
-    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
-        q = unpack(p["qweight"], 4, 1, AWQ_ORDER)  # [in, out]
-        z = unpack(p["qzeros"], 4, 1, AWQ_ORDER)  # [G, out]
-        g = torch.arange(cols, device=q.device) // group_size
-        return ((q - z[g]).float() * p["scales"].float()[g]).t()
+    def codes(p: dict[str, torch.Tensor], out: int, cols: int) -> Codes:
+        q = unpack(p["qweight"], 4, 1, AWQ_ORDER).t()  # [out, in]
+        z = unpack(p["qzeros"], 4, 1, AWQ_ORDER).t()  # [out, G]
+        return Codes(q, z, p["scales"].float().t(), torch.arange(cols, device=q.device) // group_size)
 
     axes = {"qweight": Axes(1, 8, 0, 1), "qzeros": Axes(1, 8, 0, group_size), "scales": Axes(1, 1, 0, group_size)}
-    return Scheme(f"AWQ 4-bit, groups of {group_size}", axes, decode, bits=4)
+    return Scheme(f"AWQ 4-bit, groups of {group_size}", axes, _decode(codes), bits=4, codes=codes)
 
 
 def pack_quantized(bits: int, group_size: int | None, symmetric: bool, actorder: bool) -> Scheme:
     """compressed-tensors ``pack-quantized``; ``group_size`` ``None``: one scale per output channel."""
     n, offset = per_word(bits), 1 << (bits - 1)
 
-    def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
-        q = unpack(p["weight_packed"], bits, 1)[:, :cols] - offset  # [out, in]
+    def codes(p: dict[str, torch.Tensor], out: int, cols: int) -> Codes:
+        q = unpack(p["weight_packed"], bits, 1)[:, :cols]  # [out, in], each code + offset: unsigned
         s = p["weight_scale"].float()  # [out, G]
-        g = _groups(p, "weight_g_idx", cols, group_size or cols)
-        w = q.float()
-        if not symmetric:
-            z = unpack(p["weight_zero_point"], bits, 0)[:out] - offset  # [out, G]
-            w = w - z[:, g].float()
-        return w * s[:, g]
+        if symmetric:
+            z = torch.full(s.shape, offset, dtype=q.dtype, device=q.device)
+        else:
+            z = unpack(p["weight_zero_point"], bits, 0)[:out]  # [out, G], + offset as the codes
+        return Codes(q, z, s, _groups(p, "weight_g_idx", cols, group_size or cols))
 
     per_group = 0 if actorder else (group_size or 0)
     scale_in = Axes(0, 1, 1 if group_size else None, per_group)
     axes = {"weight_packed": Axes(0, 1, 1, n), "weight_scale": scale_in, "weight_zero_point": Axes(0, n, scale_in.in_dim, per_group),
             "weight_g_idx": Axes(None, 1, 0, 1), "weight_shape": Axes()}
     what = f"groups of {group_size}" if group_size else "per channel"
-    return Scheme(f"compressed-tensors pack-quantized {bits}-bit, {what}{'' if symmetric else ', zero points'}", axes, decode, bits=bits)
+    return Scheme(f"compressed-tensors pack-quantized {bits}-bit, {what}{'' if symmetric else ', zero points'}", axes, _decode(codes),
+                  bits=bits, codes=codes)
 
 
 def int8(channel: bool, activations: str | None) -> Scheme:
@@ -89,9 +91,15 @@ def int8(channel: bool, activations: str | None) -> Scheme:
     def decode(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:
         return p["weight"].float() * p["weight_scale"].float().reshape(-1, 1)
 
+    def codes(p: dict[str, torch.Tensor], out: int, cols: int) -> Codes:  # one group per row: codes + 128, zero point 128
+        q = p["weight"].to(torch.int32) + 128
+        s = p["weight_scale"].float().reshape(-1, 1).expand(out, 1).contiguous()
+        return Codes(q, torch.full((out, 1), 128, dtype=torch.int32, device=q.device), s,
+                     torch.zeros(cols, dtype=torch.int64, device=q.device))
+
     axes = {"weight": Axes(0, 1, 1, 1), "weight_scale": Axes(0 if channel else None), "input_scale": Axes()}
     act = {"int8-dynamic": ", int8 activations per token", "int8-static": ", int8 activations, static scale"}.get(activations or "", "")
-    return Scheme(f"int8 weights per {'channel' if channel else 'tensor'}{act}", axes, decode, bits=8, activations=activations)
+    return Scheme(f"int8 weights per {'channel' if channel else 'tensor'}{act}", axes, decode, bits=8, activations=activations, codes=codes)
 
 
 def fp8(channel: bool) -> Scheme:

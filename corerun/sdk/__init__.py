@@ -10,7 +10,8 @@
   which a kernel's ``ctypes`` calls go so that the CPU's ``replay`` runner can record them.
 - :mod:`corerun.sdk.quantization`: the built-in ``gguf`` method and its block decoder, to build a
   GGUF method on (``GGUF_CAPABILITIES``, what ``gguf`` declares, importable here without torch), and
-  the built-in ``none`` and ``compressed-tensors`` methods (``COMPRESSED_TENSORS_CAPABILITIES``).
+  the built-in ``none``, ``compressed-tensors``, ``gptq`` and ``awq`` methods (``COMPRESSED_TENSORS_CAPABILITIES``,
+  ``GPTQ_CAPABILITIES``, ``AWQ_CAPABILITIES``).
 - :mod:`corerun.sdk.executor`: what an executor builds on (the protocol's types, ``run_rank``, the
   errors it raises, corerun's ``local`` executor as a base class).
 - :func:`require_spec` / :func:`require_params`: raise :class:`corerun.UnsupportedError` for what
@@ -50,12 +51,14 @@ from corerun.plugin.capabilities import (
 from corerun.lora.request import LoRARequest
 from corerun.plugin.hookspecs import Register, hookimpl
 from corerun.plugin.registry import Registration, Registry, get_registry, resolve
+from corerun.quantization.capabilities import AWQ as AWQ_CAPABILITIES
 from corerun.quantization.capabilities import COMPRESSED_TENSORS as COMPRESSED_TENSORS_CAPABILITIES
 from corerun.quantization.capabilities import GGUF as GGUF_CAPABILITIES
+from corerun.quantization.capabilities import GPTQ as GPTQ_CAPABILITIES
 from corerun.sdk.checks import require_params, require_spec
 
 __all__ = [
-    "COMPRESSED_TENSORS_CAPABILITIES", "ENGINE_PARAMS", "GGUF_CAPABILITIES", "PROCESSOR_PARAMS", "AttentionCapabilities", "ExecutorCapabilities", "FusedOpsCapabilities", "GraphRunnerCapabilities",
+    "AWQ_CAPABILITIES", "COMPRESSED_TENSORS_CAPABILITIES", "ENGINE_PARAMS", "GGUF_CAPABILITIES", "GPTQ_CAPABILITIES", "PROCESSOR_PARAMS", "AttentionCapabilities", "ExecutorCapabilities", "FusedOpsCapabilities", "GraphRunnerCapabilities",
     "KVCacheCapabilities", "LoRAKernelCapabilities", "LoRARequest", "LogitsProcessorCapabilities", "ModelCapabilities", "Need", "QuantizationCapabilities", "Register",
     "Registration", "Registry", "SamplerCapabilities", "cache_dir", "get_registry", "hookimpl", "require_params",
     "require_spec", "resolve",

@@ -8,8 +8,11 @@
   and ``corerun quantize`` write; W8A8 layers merged once loaded into an ``Int8Weight``, ``layer.int8``:
   int8 codes ``weight`` ``[out, in]``, float32 ``weight_scale`` ``[out, 1]``, ``input_scale`` ``None``
   when the activations are quantized per token); subclass it to route some products to a kernel.
+- :class:`GPTQMethod`, :class:`AWQMethod`: the built-in ``gptq`` and ``awq`` methods (``PackedMethod``s as
+  ``compressed-tensors`` is: one :class:`QuantizedTensor` per shard in ``layer.quantized``, decoded per call).
 - :class:`QuantizedTensor`: one shard of a packed checkpoint as ``load_weight`` receives it (``parts``
-  by name, ``scheme``, ``out_features`` x ``in_features``), and :func:`int8_scheme` (``channel``,
+  by name, ``scheme``, ``out_features`` x ``in_features``; ``codes()``: a group-wise integer format's codes,
+  zero points, scales and groups unpacked, :class:`Codes`), and :func:`int8_scheme` (``channel``,
   ``activations``: ``"int8-dynamic"``, ``"int8-static"`` or ``None``), the compressed-tensors int8
   scheme a reader gives such a shard: to build W8A8 shards by hand, as a method's tests do.
 - :class:`GGUFMethod`: the built-in ``gguf`` method (packed blocks kept as stored, dequantized per
@@ -28,10 +31,11 @@ from corerun.models.default import find_default_gguf
 from corerun.quantization.dense import DenseMethod
 from corerun.quantization.gguf_method import GGUFMethod
 from corerun.quantization.gguf_tensor import GGUFTensor
-from corerun.quantization.packed_method import CompressedTensorsMethod
-from corerun.quantization.quantized_tensor import QuantizedTensor
+from corerun.quantization.packed_method import AWQMethod, CompressedTensorsMethod, GPTQMethod
+from corerun.quantization.quantized_tensor import Codes, QuantizedTensor
 from corerun.quantization.schemes import int8 as int8_scheme
 
 __all__ = [
-    "CompressedTensorsMethod", "DenseMethod", "GGUFMethod", "GGUFTensor", "QuantizedTensor", "find_default_gguf", "int8_scheme",
+    "AWQMethod", "Codes", "CompressedTensorsMethod", "DenseMethod", "GGUFMethod", "GGUFTensor", "GPTQMethod", "QuantizedTensor",
+    "find_default_gguf", "int8_scheme",
 ]

@@ -12,15 +12,20 @@ through the C++ bfloat16 product, float32 ones of up to ``F32_MAX_TOKENS`` throu
 ones through oneDNN's prepacked product.
 
 ``compressed_tensors_cpu`` reads what the built-in ``compressed-tensors`` reads, CPU only; its W8A8 layers
-with per-token activations multiply every batch on AMX-INT8 tiles or with AVX-512 VNNI.
+with per-token activations multiply every batch on AMX-INT8 tiles or with AVX-512 VNNI, its W4A16 layers
+(``pack-quantized``) batches of up to 16 rows with AVX-512 VNNI.  ``gptq_cpu`` and ``awq_cpu`` read what the
+built-in ``gptq`` and ``awq`` read, CPU only, their 4-bit layers multiplied as ``compressed_tensors_cpu``'s W4A16
+ones.  The 4-bit products quantize the activations to int8 per 32-value block (``int8_activations``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from corerun.sdk import AWQ_CAPABILITIES as AWQ
 from corerun.sdk import COMPRESSED_TENSORS_CAPABILITIES as COMPRESSED_TENSORS
 from corerun.sdk import GGUF_CAPABILITIES as GGUF
+from corerun.sdk import GPTQ_CAPABILITIES as GPTQ
 from corerun.sdk import QuantizationCapabilities
 
 KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})  # kernels.TYPES and kernels.K_TYPES
@@ -41,7 +46,10 @@ F32_MAX_TOKENS = 12
 
 # the AVX-512 path quantizes activations to int8 per 32-block (llama.cpp's way); scalar and AVX2 do not
 GGUF_CPU = replace(GGUF, devices=frozenset({"cpu"}), int8_activations=True)
-COMPRESSED_TENSORS_CPU = replace(COMPRESSED_TENSORS, devices=frozenset({"cpu"}))
+# W8A8 quantizes activations per token, the 4-bit products per 32-block: the suite's bound adds the step to every format
+COMPRESSED_TENSORS_CPU = replace(COMPRESSED_TENSORS, devices=frozenset({"cpu"}), int8_activations=True)
+GPTQ_CPU = replace(GPTQ, devices=frozenset({"cpu"}), int8_activations=True)
+AWQ_CPU = replace(AWQ, devices=frozenset({"cpu"}), int8_activations=True)
 DENSE_CPU = QuantizationCapabilities(
     dense=True, bits=frozenset({16.0, 32.0}), activation_dtypes=frozenset({"bfloat16", "float32"}), devices=frozenset({"cpu"}),
     compiles=False,  # its C++ ops and oneDNN's packed weights do not lower in inductor: graph.runner compile keeps none

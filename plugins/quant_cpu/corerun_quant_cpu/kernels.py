@@ -161,6 +161,54 @@ def gguf_gemv_q8_0_repacked(out: torch.Tensor, codes: torch.Tensor, scales: torc
     torch.ops.corerun_quant_cpu.gguf_gemv_q8_0r(out, codes, scales, x)
 
 
+W4_GRANULES = (4, 2, 1)  # blocks of 32 features per scale that w4_gemv reads, the widest first
+
+
+def repack_w4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    """Group-wise 4-bit codes (``corerun.quantization.quantized_tensor.Codes``: ``w[j, i] = scales[j, g] * (q[j, i] -
+    zeros[j, g])``, ``g = groups[i]``) as :func:`w4_gemv` reads them: ``(codes, scales, negzs, gb)``.
+
+    ``codes`` uint8 ``[rows, cols / 2]``: per row and 32-block 16 bytes, byte ``i`` holding value ``i`` (low nibble) and
+    ``16 + i`` (high), GGML's Q4 order; ``scales`` and ``negzs`` float32 ``[rows, ceil(cols / 32 / gb)]``: per granule
+    of ``gb`` blocks (4, 2 or 1, the widest inside one group everywhere) its scale and ``-scale * zero``.
+    ``None`` where the kernel cannot take them: ``cols`` not a multiple of 32, codes outside 0..15, or a group
+    that is not whole 32-blocks in order (activation order: permute the columns first)."""
+    rows, cols = q.shape
+    if cols == 0 or cols % 32 or q.min() < 0 or q.max() > 15:
+        return None
+    nb = cols // 32
+    by_block = groups.reshape(nb, 32)
+    if not bool((by_block == by_block[:, :1]).all()) or not bool((groups[1:] >= groups[:-1]).all()):
+        return None
+    first = by_block[:, 0]  # the group of each block
+    gb = next(n for n in W4_GRANULES if all(bool((first[u : u + n] == first[u]).all()) for u in range(0, nb, n)))
+    g = first[::gb]
+    s = scales[:, g].float()
+    halves = q.to(torch.uint8).reshape(rows, nb, 2, 16)
+    codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+    return codes, s.contiguous(), (-(s.double() * zeros[:, g].double())).float().contiguous(), gb
+
+
+def w4_available() -> bool:
+    """Whether :func:`w4_gemv` runs here: AVX-512 F/BW/VL/DQ/VBMI with VNNI (``gguf_gemv``'s ``avx512``)."""
+    return best_isa() == "avx512"
+
+
+def w4_gemv(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, negzs: torch.Tensor, x: torch.Tensor, gb: int) -> None:
+    """``out[t, j] = sum_i x[t, i] * W[j, i]`` with ``W`` :func:`repack_w4`'s (AVX-512 + VNNI only; ``x`` quantized
+    to int8 per token and 32-block as the GGUF products do): ``x`` float32 ``[T, cols]`` contiguous, ``out`` float32
+    ``[T, rows]`` with a contiguous last dimension."""
+    torch.ops.corerun_quant_cpu.w4_gemv(out, codes, scales, negzs, x, gb)
+
+
+def w4_dequantize(codes: torch.Tensor, scales: torch.Tensor, negzs: torch.Tensor, gb: int) -> torch.Tensor:
+    """:func:`repack_w4`'s weights decoded: float32 ``[rows, cols]`` (``s q - s z``; for calls too large for
+    :func:`w4_gemv`, whose product then goes to torch's matmul)."""
+    out = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
+    torch.ops.corerun_quant_cpu.w4_dequantize(out, codes, scales, negzs, gb)
+    return out
+
+
 # bf16_gemv's: AVX-512 F widens to float32, BF16 has vdpbf16ps, AMX multiplies 16 x 32 tiles (columns a multiple of 32)
 BF16_ISAS = {"scalar": 0, "avx512": 1, "avx512_bf16": 2, "amx": 3}
 BF16_NATIVE = ("avx512_bf16", "amx")  # the ones that multiply bfloat16 natively: where dense_cpu is worth picking

@@ -1,9 +1,9 @@
-"""Entry point of corerun-quant-cpu: registers the ``gguf_cpu``, ``dense_cpu`` and ``compressed_tensors_cpu``
-methods (imports no torch, compiles nothing)."""
+"""Entry point of corerun-quant-cpu: registers the ``gguf_cpu``, ``dense_cpu``, ``compressed_tensors_cpu``, ``gptq_cpu``
+and ``awq_cpu`` methods (imports no torch, compiles nothing)."""
 
 from corerun import hookimpl
 
-from corerun_quant_cpu.capabilities import COMPRESSED_TENSORS_CPU, DENSE_CPU, GGUF_CPU
+from corerun_quant_cpu.capabilities import AWQ_CPU, COMPRESSED_TENSORS_CPU, DENSE_CPU, GGUF_CPU, GPTQ_CPU
 
 
 @hookimpl
@@ -44,6 +44,20 @@ def corerun_quantization_methods(register):
         priority={"cpu": 20, "default": -10},
         description=(
             "compressed-tensors checkpoints as the built-in reads them; W8A8 products of every batch with per-token "
-            "activations in C++ on AMX-INT8 tiles or AVX-512 VNNI (activations quantized, multiplied and scaled in one call)"
+            "activations in C++ on AMX-INT8 tiles or AVX-512 VNNI (activations quantized, multiplied and scaled in one call), "
+            "W4A16 products of up to 16 tokens from the 4-bit codes on AVX-512 VNNI (int8 activations per 32 values)"
         ),
     )
+    for name, cls, caps, what in (("gptq_cpu", "GptqCpuMethod", GPTQ_CPU, "GPTQ"), ("awq_cpu", "AwqCpuMethod", AWQ_CPU, "AWQ")):
+        register(
+            name,
+            f"corerun_quant_cpu.w4_method:{cls}",
+            capabilities=caps,
+            probe="corerun_quant_cpu.probe:probe_w4",
+            # above the built-in (0), so `quantization: auto` takes it for such a checkpoint on a CPU with AVX-512 VNNI
+            priority={"cpu": 20, "default": -10},
+            description=(
+                f"{what} checkpoints as the built-in reads them; 4-bit products of up to 16 tokens in C++ straight from the "
+                "codes, repacked at load (AVX-512 VNNI, int8 activations per 32 values), larger ones decoded as the built-in does"
+            ),
+        )

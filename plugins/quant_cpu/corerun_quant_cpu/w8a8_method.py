@@ -1,5 +1,5 @@
 """``compressed_tensors_cpu``: the built-in ``compressed-tensors`` method with its W8A8 products in C++, on AMX
-or AVX-512 VNNI.
+or AVX-512 VNNI, and its W4A16 ones on AVX-512 VNNI.
 
 Storage and loading are ``compressed-tensors``' (every scheme it reads: W8A8, W8A16, W4A16, FP8), and so
 is every product but one: a W8A8 layer whose activations are quantized per token (``dynamic``, what
@@ -18,7 +18,8 @@ Two kernels, the first the CPU has:
   ``torch._int_mm`` there (the same benchmark).
 
 Static activation scales, widths that are not a multiple of 64 or exceed ``kernels.INT8_MAX_COLS`` (65,536) and other
-schemes take the built-in's path.
+schemes take the built-in's path, but for W4A16 (``pack-quantized`` 4-bit): batches of up to 16 rows of it multiply
+in C++ too, on AVX-512 VNNI (:mod:`corerun_quant_cpu.w4_method`, as ``gptq_cpu`` and ``awq_cpu`` do).
 
 The LM head, which such checkpoints leave in bfloat16 or float32: in a model run in bfloat16 on a CPU that
 multiplies bfloat16 natively, :meth:`lm_head` gives it a ``dense_cpu`` layer (AVX512_BF16 / AMX tiles,
@@ -40,11 +41,12 @@ from corerun.sdk.quantization import CompressedTensorsMethod
 
 from corerun_quant_cpu import kernels
 from corerun_quant_cpu.capabilities import COMPRESSED_TENSORS_CPU
+from corerun_quant_cpu.w4_method import W4CpuMixin
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-class CompressedTensorsCpuMethod(CompressedTensorsMethod):
+class CompressedTensorsCpuMethod(W4CpuMixin, CompressedTensorsMethod):
     name = "compressed_tensors_cpu"
     capabilities = COMPRESSED_TENSORS_CPU
     quantizes_lm_head = True  # the loader offers the head's tensor to lm_head()

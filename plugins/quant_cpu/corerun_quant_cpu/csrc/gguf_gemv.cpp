@@ -18,6 +18,10 @@
 //     and scales float16 [rows, nb] (the blocks' d), the layout gguf_gemv_q8_0r reads (see its section); once, at load
 //   gguf_gemv_q8_0r(out, codes, scales, x)   AVX-512 + VNNI only: gguf_gemv of repacked Q8_0 rows,
 //     int8 activations as in gguf_gemv's AVX-512 path (the method's Q8_0 product there)
+//   w4_gemv(out, codes, scales, negzs, x, gb)   AVX-512 + VNNI only: 4-bit codes with float32 scales and
+//     zero terms per granule of gb 32-blocks (GPTQ, AWQ, compressed-tensors W4A16 repacked at load; see its
+//     section), int8 activations as in gguf_gemv's AVX-512 path
+//   w4_dequantize(out, codes, scales, negzs, gb)   those weights decoded into float32 [rows, cols] (prefill)
 //   gguf_isa() -> the best isa this CPU runs.
 //
 // Method (scalar, AVX2): dequantize in registers, never in memory.  For a block b of row j with scale d (and
@@ -908,6 +912,144 @@ void gguf_gemv_q8_0r(at::Tensor out, const at::Tensor& codes, const at::Tensor& 
     const int64_t grain = std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(1, cols));  // groups of 4 rows: about 64 KiB of codes per task
     at::parallel_for(0, (rows + 3) / 4, grain, [&](int64_t begin, int64_t end) { q8r_groups(p, T, rows, begin, end); });
 }
+
+// ---- AVX-512 + VNNI: 4-bit codes with float32 group scales and zero points ---------------------------
+//
+// GPTQ, AWQ and compressed-tensors pack-quantized (W4A16) store w = s_g (q - z_g): 4-bit codes q, a scale s
+// and a zero point z per group of input features.  w4_gemv reads them repacked at load (kernels.py,
+// repack_w4): the codes as Q4's nibbles (per row, each group of four 32-blocks one 64-byte vector whose
+// byte 16 k + i holds values i (low nibble) and 16 + i (high) of block k; blocks after the last whole four,
+// 16 bytes each in the same order), and per granule of GB = 1, 2 or 4 blocks (32, 64 or 128 features,
+// GB dividing the group size) the scale s and c = -s z as float32.  x is quantized as for the Q4 paths
+// (dx = max|x_b| / 127 per token and 32-block, sx = dx sum(qx)), and a block's share of y[t, j] is
+//   s dx dot(q, qx) + c sx = s dx (dot(q, qx) - z sum(qx)),
+// the product of the dequantized weights with the quantized activations, the integer dot exact.  The
+// scales reach the float lanes as the block's 4 lanes need them: one broadcast (GB = 4), or a permute of
+// two or four floats.
+
+template <int GB, int NT>
+AVX512_FN void w4_row_tile(const uint8_t* codes, const float* s, const float* c, const XQ& xq, float* out,
+                           int64_t out_stride, int64_t cols, int64_t t0, int64_t j) {
+    const int64_t nb = cols / QK, groups = nb / 4;
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane l: block l / 4
+    const __m512i lane_gran = GB == 2 ? _mm512_srli_epi32(lane_block, 1) : lane_block;
+    constexpr __mmask16 per_group = GB == 1 ? 0xf : 0x3;
+    __m512 acc[NT];
+    for (int n = 0; n < NT; ++n) acc[n] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        const __m512i raw = _mm512_loadu_si512(codes + g * 64);
+        const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        __m512 d, m;
+        if (GB == 4) {
+            d = _mm512_set1_ps(s[g]);
+            m = _mm512_set1_ps(c[g]);
+        } else {
+            const int64_t u = g * 4 / GB;
+            d = _mm512_permutexvar_ps(lane_gran, _mm512_maskz_loadu_ps(per_group, s + u));
+            m = _mm512_permutexvar_ps(lane_gran, _mm512_maskz_loadu_ps(per_group, c + u));
+        }
+        for (int n = 0; n < NT; ++n) {
+            const int8_t* xg = xq.q.data() + (t0 + n) * cols + g * 128;
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
+            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512(xg + 64));
+            const float* de = xq.dxe.data() + ((t0 + n) * groups + g) * 16;
+            const float* se = xq.sxe.data() + ((t0 + n) * groups + g) * 16;  // sx / 4 on each of the block's lanes
+            acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_loadu_ps(de)), _mm512_cvtepi32_ps(p), acc[n]);
+            acc[n] = _mm512_fmadd_ps(m, _mm512_loadu_ps(se), acc[n]);
+        }
+    }
+    float tail[NT];
+    for (int n = 0; n < NT; ++n) tail[n] = 0.f;
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    for (int64_t b = groups * 4; b < nb; ++b) {  // the blocks after the last whole four, one at a time
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
+        const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        const float sb = s[b / GB], cb = c[b / GB];
+        for (int n = 0; n < NT; ++n) {
+            const int64_t t = t0 + n;
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + t * cols + b * QK));
+            const float dot = hsum8_512(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv)));
+            tail[n] += sb * xq.dx[t * nb + b] * dot + cb * xq.sx[t * nb + b];
+        }
+    }
+    for (int n = 0; n < NT; ++n) out[(t0 + n) * out_stride + j] = _mm512_reduce_add_ps(acc[n]) + tail[n];
+}
+
+template <int GB>
+AVX512_FN void w4_rows(const uint8_t* codes, const float* s, const float* c, const XQ& xq, float* out, int64_t T, int64_t cols,
+                       int64_t out_stride, int64_t begin, int64_t end) {
+    const int64_t row_bytes = cols / 2, grans = (cols / QK + GB - 1) / GB;
+    for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* row = codes + j * row_bytes;
+        const float *sj = s + j * grans, *cj = c + j * grans;
+        int64_t t = 0;
+        for (; t + TILE <= T; t += TILE) w4_row_tile<GB, TILE>(row, sj, cj, xq, out, out_stride, cols, t, j);
+        for (; t < T; ++t) w4_row_tile<GB, 1>(row, sj, cj, xq, out, out_stride, cols, t, j);
+    }
+}
+
+void w4_gemv(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& negzs, const at::Tensor& x, int64_t gb) {
+    TORCH_CHECK(cpu_has_avx512(), "w4_gemv: needs AVX-512 (F, BW, VL, DQ, VBMI) with VNNI, which this CPU lacks");
+    TORCH_CHECK(gb == 1 || gb == 2 || gb == 4, "w4_gemv: blocks per granule must be 1, 2 or 4, got ", gb);
+    TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() && negzs.device().is_cpu() && x.device().is_cpu() && out.device().is_cpu(),
+                "w4_gemv: CPU tensors only");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % QK == 0,
+                "w4_gemv: x must be contiguous float32 [T, a multiple of 32], got ", x.scalar_type(), " ", x.sizes());
+    const int64_t T = x.size(0), cols = x.size(1), rows = codes.size(0), grans = (cols / QK + gb - 1) / gb;
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == cols / 2,
+                "w4_gemv: codes must be contiguous uint8 [rows, ", cols / 2, "] (repack_w4's), got ", codes.scalar_type(), " ", codes.sizes());
+    for (const at::Tensor* t : {&scales, &negzs})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(0) == rows && t->size(1) == grans,
+                    "w4_gemv: scales and zero terms must be contiguous float32 [", rows, ", ", grans, "], got ", t->scalar_type(), " ", t->sizes());
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == T && out.size(1) == rows && out.stride(1) == 1,
+                "w4_gemv: out must be float32 [", T, ", ", rows, "] with a contiguous last dimension, got ", out.scalar_type(), " ", out.sizes());
+    TORCH_CHECK(T <= 1 || out.stride(0) >= rows, "w4_gemv: out's rows overlap (stride ", out.stride(0), " for ", rows, " columns)");
+    if (T == 0 || rows == 0 || cols == 0) {
+        if (cols == 0) out.zero_();
+        return;
+    }
+    XQ xq;
+    quantize_x_avx512(x.data_ptr<float>(), T, cols, Q4_1, xq);
+    const uint8_t* cp = codes.data_ptr<uint8_t>();
+    const float *sp = scales.data_ptr<float>(), *zp = negzs.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t os = out.stride(0);
+    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, cols / 2));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        if (gb == 4) w4_rows<4>(cp, sp, zp, xq, op, T, cols, os, begin, end);
+        else if (gb == 2) w4_rows<2>(cp, sp, zp, xq, op, T, cols, os, begin, end);
+        else w4_rows<1>(cp, sp, zp, xq, op, T, cols, os, begin, end);
+    });
+}
+
+void w4_dequantize(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& negzs, int64_t gb) {
+    TORCH_CHECK(gb == 1 || gb == 2 || gb == 4, "w4_dequantize: blocks per granule must be 1, 2 or 4, got ", gb);
+    TORCH_CHECK(out.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() && negzs.device().is_cpu(), "w4_dequantize: CPU tensors only");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(1) % QK == 0,
+                "w4_dequantize: out must be contiguous float32 [rows, a multiple of 32], got ", out.scalar_type(), " ", out.sizes());
+    const int64_t rows = out.size(0), cols = out.size(1), nb = cols / QK, grans = (nb + gb - 1) / gb;
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() && codes.size(0) == rows && codes.size(1) == cols / 2,
+                "w4_dequantize: codes must be contiguous uint8 [", rows, ", ", cols / 2, "], got ", codes.scalar_type(), " ", codes.sizes());
+    for (const at::Tensor* t : {&scales, &negzs})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->is_contiguous() && t->size(0) == rows && t->size(1) == grans,
+                    "w4_dequantize: scales and zero terms must be contiguous float32 [", rows, ", ", grans, "], got ", t->scalar_type(), " ", t->sizes());
+    const uint8_t* cp = codes.data_ptr<uint8_t>();
+    const float *sp = scales.data_ptr<float>(), *zp = negzs.data_ptr<float>();
+    float* wp = out.data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, cols / 2)), [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j)
+            for (int64_t b = 0; b < nb; ++b) {  // s q + (-s z): s (q - z) exactly where s has 11 bits or fewer (float16)
+                const float sb = sp[j * grans + b / gb], cb = zp[j * grans + b / gb];
+                const uint8_t* q = cp + j * (cols / 2) + b * 16;
+                float* w = wp + j * cols + b * QK;
+                for (int i = 0; i < 16; ++i) {
+                    w[i] = sb * static_cast<float>(q[i] & 15) + cb;
+                    w[16 + i] = sb * static_cast<float>(q[i] >> 4) + cb;
+                }
+            }
+    });
+}
 }  // namespace
 
 TORCH_LIBRARY(corerun_quant_cpu, m) {
@@ -916,6 +1058,8 @@ TORCH_LIBRARY(corerun_quant_cpu, m) {
     m.def("gguf_gemv_q8(Tensor(a!) out, Tensor blocks, Tensor x, int type) -> ()");
     m.def("gguf_q8_0_repack(Tensor(a!) codes, Tensor(b!) scales, Tensor blocks) -> ()");
     m.def("gguf_gemv_q8_0r(Tensor(a!) out, Tensor codes, Tensor scales, Tensor x) -> ()");
+    m.def("w4_gemv(Tensor(a!) out, Tensor codes, Tensor scales, Tensor negzs, Tensor x, int gb) -> ()");
+    m.def("w4_dequantize(Tensor(a!) out, Tensor codes, Tensor scales, Tensor negzs, int gb) -> ()");
     m.def("gguf_isa() -> int", gguf_isa);  // no tensor arguments: a catch-all kernel
 }
 
@@ -925,4 +1069,6 @@ TORCH_LIBRARY_IMPL(corerun_quant_cpu, CPU, m) {
     m.impl("gguf_gemv_q8", gguf_gemv_q8);
     m.impl("gguf_q8_0_repack", gguf_q8_0_repack);
     m.impl("gguf_gemv_q8_0r", gguf_gemv_q8_0r);
+    m.impl("w4_gemv", w4_gemv);
+    m.impl("w4_dequantize", w4_dequantize);
 }
