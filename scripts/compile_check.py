@@ -1,5 +1,6 @@
-"""Compile corerun's own Triton kernels (the mixture-of-experts experts kernel, corerun/models/moe_triton.py)
-for a CUDA architecture down to a cubin, without a GPU, and report registers and spills per launch.
+"""Compile corerun's own Triton kernels (the mixture-of-experts experts kernel, corerun/models/moe_triton.py, and
+the integer-weight GEMM, corerun/quantization/int_gemm_triton.py: W4A16 and W8A16) for a CUDA architecture down to
+a cubin, without a GPU, and report registers and spills per launch.
 
 It proves the compiled path (the one Triton's interpreter never runs) type-checks, lowers and does not
 spill; nothing about speed or results on a device.  The ``ptxas`` handling is the attention plugin's
@@ -26,17 +27,24 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from corerun.models import moe_triton  # noqa: E402
+from corerun.quantization import int_gemm_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-POINTERS = {"a_ptr": "act", "w_ptr": "act", "out_ptr": "act", "order_ptr": "i64", "starts_ptr": "i64",
-            "counts_ptr": "i64", "scale_ptr": "fp32"}
+POINTERS = {  # each kernel's pointer arguments: "act" is the launch's dtype
+    "experts_kernel": {"a_ptr": "act", "w_ptr": "act", "out_ptr": "act", "order_ptr": "i64", "starts_ptr": "i64",
+                       "counts_ptr": "i64", "scale_ptr": "fp32"},
+    "int_gemm_kernel": {"x_ptr": "act", "w_ptr": "i32", "s_ptr": "fp32", "c_ptr": "fp32", "out_ptr": "act"},
+}
+KERNELS = {"experts_kernel": (moe_triton.experts_kernel, moe_triton.NUM_WARPS),
+           "int_gemm_kernel": (int_gemm_triton.int_gemm_kernel, int_gemm_triton.NUM_WARPS)}
 
 
 @dataclass
 class Launch:
-    use: str  # "gate_up" or "down"
+    use: str  # "gate_up" or "down" (experts_kernel), "w4" or "w8" (int_gemm_kernel)
     dtype: str
     constexprs: dict
+    kernel: str = "experts_kernel"
     ok: bool = False
     error: str | None = None
     figures: dict = field(default_factory=dict)
@@ -58,18 +66,22 @@ def launches(dtype: str) -> list[Launch]:
     block_n = moe_triton.BLOCK_N_FP32 if dtype == "fp32" else moe_triton.BLOCK_N
     common = dict(BLOCK_M=moe_triton.BLOCK_M, BLOCK_N=block_n, BLOCK_K=moe_triton.BLOCK_K,
                   UPCAST=dtype == "fp32")
+    gemm = dict(BLOCK_M=int_gemm_triton.BLOCK_M, BLOCK_N=int_gemm_triton.BLOCK_N_FP32 if dtype == "fp32" else int_gemm_triton.BLOCK_N,
+                BLOCK_K=int_gemm_triton.BLOCK_K, UPCAST=dtype == "fp32", EMULATE=False, GROUP=128)
     return [Launch("gate_up", dtype, dict(common, A_ROW_DIV=2, GATED=True, SCALED=False)),
-            Launch("down", dtype, dict(common, A_ROW_DIV=1, GATED=False, SCALED=True))]
+            Launch("down", dtype, dict(common, A_ROW_DIV=1, GATED=False, SCALED=True)),
+            *(Launch(f"w{bits}", dtype, dict(gemm, BITS=bits), "int_gemm_kernel") for bits in (4, 8))]
 
 
 def compile_launch(launch: Launch, target: GPUTarget, ptxas: str, register_use) -> None:
-    fn = moe_triton.experts_kernel
+    fn, warps = KERNELS[launch.kernel]
+    pointers = POINTERS[launch.kernel]
     sig = {name: ("constexpr" if name in launch.constexprs
-                  else "*" + (launch.dtype if POINTERS[name] == "act" else POINTERS[name]) if name in POINTERS else "i32")
+                  else "*" + (launch.dtype if pointers[name] == "act" else pointers[name]) if name in pointers else "i32")
            for name in fn.arg_names}
     start = time.perf_counter()
     try:
-        kernel = triton.compile(ASTSource(fn, sig, launch.constexprs), target=target, options=dict(num_warps=moe_triton.NUM_WARPS))
+        kernel = triton.compile(ASTSource(fn, sig, launch.constexprs), target=target, options=dict(num_warps=warps))
         arch = f"sm_{target.arch}a" if target.arch >= 90 else f"sm_{target.arch}"
         launch.figures = dict(register_use(ptxas, kernel.asm["ptx"], arch), shared_bytes=kernel.metadata.shared)
         launch.ok = launch.figures["spill_stores"] + launch.figures["spill_loads"] == 0
@@ -84,7 +96,7 @@ def main() -> int:
     p.add_argument("--dtypes", default="fp16,bf16,fp32", help="comma-separated: fp16, bf16, fp32")
     p.add_argument("--json", help="also write every launch's figures to this file")
     args = p.parse_args()
-    if moe_triton.INTERPRET:
+    if moe_triton.INTERPRET or int_gemm_triton.INTERPRET:
         print("the kernel was built for the interpreter; run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     ptxas_path, register_use = _ptxas_tools()
@@ -98,7 +110,7 @@ def main() -> int:
         for launch in launches(dtype):
             compile_launch(launch, target, ptxas, register_use)
             state = launch.error or ("ok" if launch.ok else "FAILED (spills)")
-            print(f"sm_{args.arch} {dtype} experts_kernel {launch.use}: {state} {launch.figures} [{launch.seconds:.1f} s]")
+            print(f"sm_{args.arch} {dtype} {launch.kernel} {launch.use}: {state} {launch.figures} [{launch.seconds:.1f} s]")
             done.append(launch)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(launch) for launch in done], indent=1))

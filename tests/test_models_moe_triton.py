@@ -40,7 +40,7 @@ def test_triton_experts_equal_a_dense_per_expert_reference(top_k: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_both_launches_compile_for_sm_90_without_spills(tmp_path) -> None:
+def test_the_experts_and_int_gemm_launches_compile_for_sm_90_without_spills(tmp_path) -> None:
     import json
     import subprocess
     import sys
@@ -54,5 +54,5 @@ def test_both_launches_compile_for_sm_90_without_spills(tmp_path) -> None:
         pytest.skip(f"no ptxas for sm_90 here: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     launches = json.loads(report.read_text())
-    assert {(x["use"], x["dtype"]) for x in launches} == {(u, d) for u in ("gate_up", "down") for d in ("fp16", "bf16", "fp32")}
+    assert {(x["use"], x["dtype"]) for x in launches} == {(u, d) for u in ("gate_up", "down", "w4", "w8") for d in ("fp16", "bf16", "fp32")}
     assert all(x["ok"] and x["figures"]["spill_stores"] == 0 for x in launches)

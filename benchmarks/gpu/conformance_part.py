@@ -64,12 +64,13 @@ class Tests:
 
 
 MOE_TRITON = Tests("tests/test_models_moe_triton.py::test_triton_experts_equal_a_dense_per_expert_reference")
+INT_GEMM_TRITON = Tests("tests/test_quantization_int_gemm_triton.py::test_int_gemm_matches_float64")  # W4A16 / W8A16, 18 compiles
 
 # Most important first inside each group: a part cut short keeps what ran.
 GROUPS: dict[str, list[Suite | Tests]] = {
     "graph": [Suite("graph:cuda"), Suite("graph:cuda", attention="triton")],
     "triton": [Suite("attention:triton"), Suite("attention:triton", options={"num_splits": 4}, keyword="decode or mixed"),
-               Suite("lora:triton"), MOE_TRITON],
+               Suite("lora:triton"), MOE_TRITON, INT_GEMM_TRITON],
     "rest": [Suite("attention:torch"), Suite("sampler:full"), Suite("sampler:basic"), Suite("lora:torch"),
              Suite("lora:grouped"), Suite("attention:flash", optional=True)],
 }

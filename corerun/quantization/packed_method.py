@@ -7,6 +7,9 @@ ranks) and the method keeps one per shard, as stored.  ``apply`` per scheme:
 
 - 4-bit GPTQ / AWQ / pack-quantized, int8 weights without int8 activations (W8A16), FP8 on CPU:
   the shards are decoded into ``x.dtype`` on every call and multiplied (``F.linear``);
+- the same integer formats on CUDA (where Triton imports): packed once loaded
+  (:func:`corerun.quantization.int_gemm_triton.pack`) and multiplied by one Triton GEMM that decodes the codes
+  in registers (:func:`~corerun.quantization.int_gemm_triton.int_gemm`), merged shards in natural order one launch;
 - W8A8 (int8 activations, dynamic or static): :func:`corerun.quantization.int8_matmul.int8_linear`,
   int8 x int8 -> int32 (``torch._int_mm`` on CUDA and on a CPU with VNNI alone; oneDNN's int8 GEMM on a
   CPU with AMX).  A layer whose shards are all W8A8 alike (merged q/k/v, gate/up) is merged once loaded
@@ -45,6 +48,7 @@ class PackedMethod(QuantizationMethod):
         layer.quantized_shards = list(shard_sizes)
         layer.quantized = {}
         layer.int8 = None  # the W8A8 shards as one Int8Weight, once every shard is loaded
+        layer.int_gemm = None  # CUDA: [PackedInt] of the integer shards, once every shard is loaded
 
     def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
         w = as_quantized(f"shard {shard_id!r}", loaded).to(layer.weight.device)
@@ -55,6 +59,8 @@ class PackedMethod(QuantizationMethod):
             if layer.int8 is not None and len(shards) > 1:  # each shard's codes a view of the merged ones, not a second copy
                 for s, part in zip(shards, layer.int8.weight.split([s.parts["weight"].shape[0] for s in shards])):
                     s.parts["weight"] = part
+        elif all(s is not None for s in shards) and triton_int_gemm(layer.weight.device):
+            layer.int_gemm = _int_gemm_parts(shards)
 
     def shards(self, layer: nn.Module) -> list[QuantizedTensor]:
         return [layer.quantized[s] for s in layer.quantized_shards]
@@ -67,6 +73,17 @@ class PackedMethod(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.int8 is not None:
             return layer.int8(x)
+        parts = layer.__dict__.get("int_gemm")
+        if parts is not None and x.dim() == 2 and x.device == layer.weight.device:
+            from corerun.quantization.int_gemm_triton import DTYPES, int_gemm
+
+            if x.dtype in DTYPES:
+                out = torch.empty(x.shape[0], sum(p.words.shape[0] for p in parts), dtype=x.dtype, device=x.device)
+                at = 0
+                for p in parts:
+                    int_gemm(x, p, out[:, at : at + p.words.shape[0]])
+                    at += p.words.shape[0]
+                return out
         shards = self.shards(layer)
         if all(w.scheme.activations is None and not use_scaled_mm(w, x) for w in shards):
             return F.linear(x, self.dequantized(layer, x.dtype))
@@ -78,6 +95,36 @@ class PackedMethod(QuantizationMethod):
         if use_scaled_mm(w, x):
             return fp8_linear(x, w.parts["weight"], w.parts["weight_scale"])
         return F.linear(x, w.dequantize(x.dtype))
+
+
+def triton_int_gemm(device: torch.device) -> bool:
+    """Whether integer shards on ``device`` multiply in the Triton GEMM: a CUDA device, and Triton imports."""
+    if device.type != "cuda":
+        return False
+    try:
+        import corerun.quantization.int_gemm_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _int_gemm_parts(shards: list[QuantizedTensor]) -> list | None:
+    """The shards packed for the Triton GEMM (merged into one where all are in natural order alike); ``None`` where
+    any is not a group-wise integer format without int8 activations."""
+    from dataclasses import replace as with_
+
+    from corerun.quantization.int_gemm_triton import pack
+
+    if any(s.scheme.codes is None or s.scheme.activations is not None for s in shards):
+        return None
+    parts = [pack(s.codes(), s.scheme.bits) for s in shards]
+    if any(p is None for p in parts):
+        return None
+    first = parts[0]
+    if len(parts) > 1 and all(p.perm is None and (p.bits, p.group, p.scales.shape[1]) == (first.bits, first.group, first.scales.shape[1]) for p in parts):
+        return [with_(first, words=torch.cat([p.words for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                      negzs=torch.cat([p.negzs for p in parts]))]
+    return parts
 
 
 def _static_scale(w: QuantizedTensor) -> torch.Tensor | None:
