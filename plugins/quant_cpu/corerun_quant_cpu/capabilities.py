@@ -13,7 +13,7 @@ ones through oneDNN's prepacked product.
 
 ``compressed_tensors_cpu`` reads what the built-in ``compressed-tensors`` reads, CPU only; its W8A8 layers
 with per-token activations multiply every batch on AMX-INT8 tiles or with AVX-512 VNNI, its W4A16 layers
-(``pack-quantized``) batches of up to 16 rows with AVX-512 VNNI.  ``gptq_cpu`` and ``awq_cpu`` read what the
+(``pack-quantized``) batches of up to 32 rows (16 in bfloat16) with AVX-512 VNNI.  ``gptq_cpu`` and ``awq_cpu`` read what the
 built-in ``gptq`` and ``awq`` read, CPU only, their 4-bit layers multiplied as ``compressed_tensors_cpu``'s W4A16
 ones.  The 4-bit products quantize the activations to int8 per 32-value block (``int8_activations``).
 """

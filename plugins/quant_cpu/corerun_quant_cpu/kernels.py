@@ -190,8 +190,9 @@ def repack_w4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups
 
 
 def w4_available() -> bool:
-    """Whether :func:`w4_gemv` runs here: AVX-512 F/BW/VL/DQ/VBMI with VNNI (``gguf_gemv``'s ``avx512``)."""
-    return best_isa() == "avx512"
+    """Whether :func:`w4_gemv` runs here: AVX-512 F/BW/VL/DQ/VBMI with VNNI (``gguf_gemv``'s ``avx512``), not forced
+    off by ``$CORERUN_QUANT_CPU_ISA``."""
+    return chosen_isa() == "avx512"
 
 
 def w4_gemv(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, negzs: torch.Tensor, x: torch.Tensor, gb: int) -> None:
@@ -201,11 +202,12 @@ def w4_gemv(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, negzs:
     torch.ops.corerun_quant_cpu.w4_gemv(out, codes, scales, negzs, x, gb)
 
 
-def w4_dequantize(codes: torch.Tensor, scales: torch.Tensor, negzs: torch.Tensor, gb: int) -> torch.Tensor:
+def w4_dequantize(codes: torch.Tensor, scales: torch.Tensor, negzs: torch.Tensor, gb: int, isa: str | None = None) -> torch.Tensor:
     """:func:`repack_w4`'s weights decoded: float32 ``[rows, cols]`` (``s q - s z``; for calls too large for
-    :func:`w4_gemv`, whose product then goes to torch's matmul)."""
+    :func:`w4_gemv`, whose product then goes to torch's matmul).  ``isa`` (default :func:`chosen_isa`): ``avx512``
+    decodes 16 values a vector, the others with a scalar loop."""
     out = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
-    torch.ops.corerun_quant_cpu.w4_dequantize(out, codes, scales, negzs, gb)
+    torch.ops.corerun_quant_cpu.w4_dequantize(out, codes, scales, negzs, gb, ISAS[isa or chosen_isa()])
     return out
 
 

@@ -45,7 +45,7 @@ def corerun_quantization_methods(register):
         description=(
             "compressed-tensors checkpoints as the built-in reads them; W8A8 products of every batch with per-token "
             "activations in C++ on AMX-INT8 tiles or AVX-512 VNNI (activations quantized, multiplied and scaled in one call), "
-            "W4A16 products of up to 16 tokens from the 4-bit codes on AVX-512 VNNI (int8 activations per 32 values)"
+            "W4A16 products of up to 32 tokens (16 in bfloat16) from the 4-bit codes on AVX-512 VNNI (int8 activations per 32 values)"
         ),
     )
     for name, cls, caps, what in (("gptq_cpu", "GptqCpuMethod", GPTQ_CPU, "GPTQ"), ("awq_cpu", "AwqCpuMethod", AWQ_CPU, "AWQ")):
@@ -54,10 +54,10 @@ def corerun_quantization_methods(register):
             f"corerun_quant_cpu.w4_method:{cls}",
             capabilities=caps,
             probe="corerun_quant_cpu.probe:probe_w4",
-            # above the built-in (0), so `quantization: auto` takes it for such a checkpoint on a CPU with AVX-512 VNNI
+            # above the built-in (0), so `quantization: auto` takes it for such a checkpoint on CPU where the library builds
             priority={"cpu": 20, "default": -10},
             description=(
-                f"{what} checkpoints as the built-in reads them; 4-bit products of up to 16 tokens in C++ straight from the "
+                f"{what} checkpoints as the built-in reads them; 4-bit products of up to 32 tokens (16 in bfloat16) in C++ straight from the "
                 "codes, repacked at load (AVX-512 VNNI, int8 activations per 32 values), larger ones decoded as the built-in does"
             ),
         )

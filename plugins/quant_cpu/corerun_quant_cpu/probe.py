@@ -35,12 +35,8 @@ def probe_w8a8() -> list[str]:
 
 
 def probe_w4() -> list[str]:
-    """Reasons ``gptq_cpu`` / ``awq_cpu`` cannot run here: those of :func:`probe`, or a CPU without the AVX-512 set
-    (F, BW, VL, DQ, VBMI with VNNI) the 4-bit product needs, where the built-in's decoded product is the one to keep."""
+    """Reasons ``gptq_cpu`` / ``awq_cpu`` cannot run here: those of :func:`probe` (without AVX-512 VNNI and VBMI they
+    run, decoding in C++ for every call and multiplying in torch: still ahead of the built-in's decode)."""
     from corerun_quant_cpu import kernels
 
-    reasons = kernels.load()
-    if not reasons and not kernels.w4_available():
-        reasons = [f"this CPU lacks AVX-512 with VNNI and VBMI (gguf_gemv runs {kernels.best_isa()!r} here); "
-                   "the built-in method decodes the 4-bit weights and multiplies in torch"]
-    return reasons
+    return kernels.load()

@@ -18,8 +18,8 @@ Two kernels, the first the CPU has:
   ``torch._int_mm`` there (the same benchmark).
 
 Static activation scales, widths that are not a multiple of 64 or exceed ``kernels.INT8_MAX_COLS`` (65,536) and other
-schemes take the built-in's path, but for W4A16 (``pack-quantized`` 4-bit): batches of up to 16 rows of it multiply
-in C++ too, on AVX-512 VNNI (:mod:`corerun_quant_cpu.w4_method`, as ``gptq_cpu`` and ``awq_cpu`` do).
+schemes take the built-in's path, but for W4A16 (``pack-quantized`` 4-bit): its batches multiply
+in C++ too (up to 32 tokens, 16 in bfloat16), on AVX-512 VNNI (:mod:`corerun_quant_cpu.w4_method`, as ``gptq_cpu`` and ``awq_cpu`` do).
 
 The LM head, which such checkpoints leave in bfloat16 or float32: in a model run in bfloat16 on a CPU that
 multiplies bfloat16 natively, :meth:`lm_head` gives it a ``dense_cpu`` layer (AVX512_BF16 / AMX tiles,

@@ -14,6 +14,7 @@ from corerun.conformance import QuantizationSuite
 from corerun.conformance.reference.quantizers import FORMATS
 
 from corerun_quant_cpu import kernels
+from corerun_quant_cpu.w4_method import W4_MAX_TOKENS
 from quant_cpu_cases import int8_activation_bound, int8_activation_sigma_bound
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,11 +66,12 @@ def test_w4_gemv_matches_float64(rows: int, cols: int, group: int, gb: int, toke
     assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, rows + 1 :]).all()
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
 @pytest.mark.parametrize("rows,cols,group", [(7, 96, 32), (40, 576, 64), (10, 576, 576)])
-def test_w4_dequantize_is_exact(rows: int, cols: int, group: int) -> None:
+def test_w4_dequantize_is_exact(rows: int, cols: int, group: int, isa: str) -> None:
     """float16 scales: ``s q - s z`` is ``s (q - z)`` exactly in float32, the float64 decode bit for bit."""
     q, z, s, groups, w = codes(rows, cols, group, 11)
-    assert torch.equal(kernels.w4_dequantize(*kernels.repack_w4(q, z, s, groups)).double(), w)
+    assert torch.equal(kernels.w4_dequantize(*kernels.repack_w4(q, z, s, groups), isa=isa).double(), w)
 
 
 def test_repacked_layout_is_its_definition() -> None:
@@ -113,7 +115,7 @@ def _checkpoint(fmt: str, rows: int, cols: int, seed: int, method) -> tuple[obje
 
 @pytest.mark.parametrize("fmt,method_name,one_call", [("gptq-4bit-g32", "gptq_cpu", True), ("gptq-4bit-g32-act-order", "gptq_cpu", False),
                                                       ("awq-4bit-g32", "awq_cpu", True), ("ct-w4a16-g32", "compressed_tensors_cpu", True)])
-def test_merged_layer_multiplies_in_the_kernel_then_leaves_prefill_to_the_built_in(
+def test_merged_layer_multiplies_in_the_kernel_then_decodes_prefill_in_cpp(
         monkeypatch: pytest.MonkeyPatch, fmt: str, method_name: str, one_call: bool) -> None:
     from corerun.sdk import get_registry
     from corerun.sdk.models import MergedLinear
@@ -132,24 +134,44 @@ def test_merged_layer_multiplies_in_the_kernel_then_leaves_prefill_to_the_built_
     real, decode = kernels.w4_gemv, kernels.w4_dequantize
     monkeypatch.setattr(kernels, "w4_gemv", lambda out, *a: (calls.append(out.shape[0]), real(out, *a)))
     monkeypatch.setattr(kernels, "w4_dequantize", lambda *a: (calls.append("decoded"), decode(*a))[1])
-    for tokens, dtype in ((1, torch.float32), (7, torch.bfloat16), (16, torch.float32), (40, torch.float32)):
+    steps = ((1, torch.float32), (7, torch.bfloat16), (32, torch.float32), (33, torch.float32), (16, torch.bfloat16), (17, torch.bfloat16))
+    for tokens, dtype in steps:
         x = (torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)) * 2).to(dtype)
         with torch.no_grad():
             y = layer(x)
         assert y.dtype == dtype and y.shape == (tokens, 128)
-        err = (y.double() - x.double() @ w.T).abs()
-        bound = int8_activation_sigma_bound(x.float(), w) + (2.0**-8 * (x.double() @ w.T).abs() if dtype == torch.bfloat16 else 0)
-        if tokens > 16:  # float32 activations, the decoded weights
+        ref = x.double() @ w.T
+        err = (y.double() - ref).abs()
+        if tokens <= W4_MAX_TOKENS[dtype]:  # the kernel: int8 activations, then the output's rounding to x's dtype
+            bound = int8_activation_sigma_bound(x.float(), w) + (2.0**-8 * ref.abs() if dtype == torch.bfloat16 else 0)
+        elif dtype == torch.float32:  # float32 activations, the decoded weights
             bound = 8 * cols**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T)
+        else:  # the weights rounded to bfloat16 (2^-9), float32 sums, the output rounded (2^-9)
+            bound = 2.0**-8 * (x.double().abs() @ w.abs().T) + 2.0**-8 * ref.abs()
         assert (err <= bound).all(), (tokens, (err / bound).max().item())
     per_step = 1 if one_call else 3
-    assert calls == [1] * per_step + [7] * per_step + [16] * per_step + ["decoded"] * per_step  # 40 tokens: decoded once
+    assert calls == [n for n in (1, 7, 32, "decoded", 16, "decoded") for _ in range(per_step)]
 
 
-def test_probe_refuses_a_cpu_without_the_avx512_set(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_avx512_set_every_call_is_decoded_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AVX-512 VNNI and VBMI: the method still runs (the probe asks for the library only), every product
+    through ``w4_dequantize`` and a float32 matmul, exact to float32's rounding."""
+    from corerun.sdk import get_registry
+    from corerun.sdk.models import Linear
+
     from corerun_quant_cpu.probe import probe_w4
 
-    monkeypatch.setattr(kernels, "load", lambda: [])
-    assert probe_w4() == []
-    monkeypatch.setattr(kernels, "w4_available", lambda: False)
-    assert any("VNNI" in r for r in probe_w4())
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")  # as on such a CPU: w4_available() is False, the decode's scalar loop
+    assert not kernels.w4_available() and probe_w4() == []
+    method = get_registry().create("quantization", "gptq_cpu")
+    packed, w = _checkpoint("gptq-4bit-g32", 48, 128, 9, method)
+    layer = Linear(128, 48, quant=method)
+    layer.weight.weight_loader(layer.weight, packed)
+    monkeypatch.setattr(kernels, "w4_gemv", lambda *a: pytest.fail("the int8 product ran without AVX-512 VNNI"))
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y = layer(x)
+    bound = 8 * 128**0.5 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.abs().T)
+    assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
+
+

@@ -21,7 +21,8 @@
 //   w4_gemv(out, codes, scales, negzs, x, gb)   AVX-512 + VNNI only: 4-bit codes with float32 scales and
 //     zero terms per granule of gb 32-blocks (GPTQ, AWQ, compressed-tensors W4A16 repacked at load; see its
 //     section), int8 activations as in gguf_gemv's AVX-512 path
-//   w4_dequantize(out, codes, scales, negzs, gb)   those weights decoded into float32 [rows, cols] (prefill)
+//   w4_dequantize(out, codes, scales, negzs, gb, isa)   those weights decoded into float32 [rows, cols] (prefill;
+//     isa 2: AVX-512 F, else a scalar loop)
 //   gguf_isa() -> the best isa this CPU runs.
 //
 // Method (scalar, AVX2): dequantize in registers, never in memory.  For a block b of row j with scale d (and
@@ -927,28 +928,26 @@ void gguf_gemv_q8_0r(at::Tensor out, const at::Tensor& codes, const at::Tensor& 
 // scales reach the float lanes as the block's 4 lanes need them: one broadcast (GB = 4), or a permute of
 // two or four floats.
 
+// A group's scales (or zero terms) on the 16 float lanes of its four blocks: lane l takes block l / 4's granule.
+template <int GB>
+AVX512_FN inline __m512 w4_lanes(const float* v, int64_t g) {
+    if (GB == 4) return _mm512_set1_ps(v[g]);
+    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(GB == 2 ? _mm512_srli_epi32(lane_block, 1) : lane_block,
+                                 _mm512_maskz_loadu_ps(GB == 1 ? 0xf : 0x3, v + g * 4 / GB));
+}
+
 template <int GB, int NT>
 AVX512_FN void w4_row_tile(const uint8_t* codes, const float* s, const float* c, const XQ& xq, float* out,
                            int64_t out_stride, int64_t cols, int64_t t0, int64_t j) {
     const int64_t nb = cols / QK, groups = nb / 4;
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lane l: block l / 4
-    const __m512i lane_gran = GB == 2 ? _mm512_srli_epi32(lane_block, 1) : lane_block;
-    constexpr __mmask16 per_group = GB == 1 ? 0xf : 0x3;
-    __m512 acc[NT];
-    for (int n = 0; n < NT; ++n) acc[n] = _mm512_setzero_ps();
+    __m512 acc[NT], zacc[NT];  // the codes' sums and the zero terms: two chains of dependent adds, not one
+    for (int n = 0; n < NT; ++n) acc[n] = zacc[n] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         const __m512i raw = _mm512_loadu_si512(codes + g * 64);
         const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-        __m512 d, m;
-        if (GB == 4) {
-            d = _mm512_set1_ps(s[g]);
-            m = _mm512_set1_ps(c[g]);
-        } else {
-            const int64_t u = g * 4 / GB;
-            d = _mm512_permutexvar_ps(lane_gran, _mm512_maskz_loadu_ps(per_group, s + u));
-            m = _mm512_permutexvar_ps(lane_gran, _mm512_maskz_loadu_ps(per_group, c + u));
-        }
+        const __m512 d = w4_lanes<GB>(s, g), m = w4_lanes<GB>(c, g);
         for (int n = 0; n < NT; ++n) {
             const int8_t* xg = xq.q.data() + (t0 + n) * cols + g * 128;
             __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
@@ -956,11 +955,15 @@ AVX512_FN void w4_row_tile(const uint8_t* codes, const float* s, const float* c,
             const float* de = xq.dxe.data() + ((t0 + n) * groups + g) * 16;
             const float* se = xq.sxe.data() + ((t0 + n) * groups + g) * 16;  // sx / 4 on each of the block's lanes
             acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_loadu_ps(de)), _mm512_cvtepi32_ps(p), acc[n]);
-            acc[n] = _mm512_fmadd_ps(m, _mm512_loadu_ps(se), acc[n]);
+            zacc[n] = _mm512_fmadd_ps(m, _mm512_loadu_ps(se), zacc[n]);
         }
     }
-    float tail[NT];
-    for (int n = 0; n < NT; ++n) tail[n] = 0.f;
+    float tail[NT];  // the tail blocks' zero terms; their codes' sums stay in 8 float lanes to the end
+    __m256 tacc[NT];
+    for (int n = 0; n < NT; ++n) {
+        tail[n] = 0.f;
+        tacc[n] = _mm256_setzero_ps();
+    }
     const __m128i m4 = _mm_set1_epi8(0x0f);
     for (int64_t b = groups * 4; b < nb; ++b) {  // the blocks after the last whole four, one at a time
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
@@ -969,18 +972,19 @@ AVX512_FN void w4_row_tile(const uint8_t* codes, const float* s, const float* c,
         for (int n = 0; n < NT; ++n) {
             const int64_t t = t0 + n;
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + t * cols + b * QK));
-            const float dot = hsum8_512(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv)));
-            tail[n] += sb * xq.dx[t * nb + b] * dot + cb * xq.sx[t * nb + b];
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv));
+            tacc[n] = _mm256_fmadd_ps(_mm256_set1_ps(sb * xq.dx[t * nb + b]), dot, tacc[n]);
+            tail[n] += cb * xq.sx[t * nb + b];
         }
     }
-    for (int n = 0; n < NT; ++n) out[(t0 + n) * out_stride + j] = _mm512_reduce_add_ps(acc[n]) + tail[n];
+    for (int n = 0; n < NT; ++n) out[(t0 + n) * out_stride + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[n], zacc[n])) + hsum8_512(tacc[n]) + tail[n];
 }
 
 template <int GB>
 AVX512_FN void w4_rows(const uint8_t* codes, const float* s, const float* c, const XQ& xq, float* out, int64_t T, int64_t cols,
                        int64_t out_stride, int64_t begin, int64_t end) {
     const int64_t row_bytes = cols / 2, grans = (cols / QK + GB - 1) / GB;
-    for (int64_t j = begin; j < end; ++j) {
+    for (int64_t j = begin; j < end; ++j) {  // tiles of tokens: one row's codes from L1 for every tile
         const uint8_t* row = codes + j * row_bytes;
         const float *sj = s + j * grans, *cj = c + j * grans;
         int64_t t = 0;
@@ -1023,7 +1027,21 @@ void w4_gemv(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, 
     });
 }
 
-void w4_dequantize(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& negzs, int64_t gb) {
+// one row's blocks [b0, nb) decoded: s q + (-s z), sixteen values a vector (AVX-512 F)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void w4_decode_row_avx512(const uint8_t* q, const float* s, const float* c, float* w,
+                                                                                 int64_t nb, int64_t gb) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+        const __m512 sb = _mm512_set1_ps(s[b / gb]), cb = _mm512_set1_ps(c[b / gb]);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(0x0f))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f))));
+        _mm512_storeu_ps(w + b * QK, _mm512_add_ps(_mm512_mul_ps(sb, lo), cb));  // no FMA: the scalar path's two roundings
+        _mm512_storeu_ps(w + b * QK + 16, _mm512_add_ps(_mm512_mul_ps(sb, hi), cb));
+    }
+}
+
+void w4_dequantize(at::Tensor out, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& negzs, int64_t gb, int64_t isa) {
+    TORCH_CHECK(isa_runs(isa), "w4_dequantize: isa ", isa, " is not available on this CPU (best: ", gguf_isa(), ")");
     TORCH_CHECK(gb == 1 || gb == 2 || gb == 4, "w4_dequantize: blocks per granule must be 1, 2 or 4, got ", gb);
     TORCH_CHECK(out.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu() && negzs.device().is_cpu(), "w4_dequantize: CPU tensors only");
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(1) % QK == 0,
@@ -1037,7 +1055,12 @@ void w4_dequantize(at::Tensor out, const at::Tensor& codes, const at::Tensor& sc
     const uint8_t* cp = codes.data_ptr<uint8_t>();
     const float *sp = scales.data_ptr<float>(), *zp = negzs.data_ptr<float>();
     float* wp = out.data_ptr<float>();
+    const bool wide = isa == AVX512;
     at::parallel_for(0, rows, std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, cols / 2)), [&](int64_t begin, int64_t end) {
+        if (wide) {
+            for (int64_t j = begin; j < end; ++j) w4_decode_row_avx512(cp + j * (cols / 2), sp + j * grans, zp + j * grans, wp + j * cols, nb, gb);
+            return;
+        }
         for (int64_t j = begin; j < end; ++j)
             for (int64_t b = 0; b < nb; ++b) {  // s q + (-s z): s (q - z) exactly where s has 11 bits or fewer (float16)
                 const float sb = sp[j * grans + b / gb], cb = zp[j * grans + b / gb];
@@ -1059,7 +1082,7 @@ TORCH_LIBRARY(corerun_quant_cpu, m) {
     m.def("gguf_q8_0_repack(Tensor(a!) codes, Tensor(b!) scales, Tensor blocks) -> ()");
     m.def("gguf_gemv_q8_0r(Tensor(a!) out, Tensor codes, Tensor scales, Tensor x) -> ()");
     m.def("w4_gemv(Tensor(a!) out, Tensor codes, Tensor scales, Tensor negzs, Tensor x, int gb) -> ()");
-    m.def("w4_dequantize(Tensor(a!) out, Tensor codes, Tensor scales, Tensor negzs, int gb) -> ()");
+    m.def("w4_dequantize(Tensor(a!) out, Tensor codes, Tensor scales, Tensor negzs, int gb, int isa) -> ()");
     m.def("gguf_isa() -> int", gguf_isa);  // no tensor arguments: a catch-all kernel
 }
 
