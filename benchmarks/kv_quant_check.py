@@ -24,6 +24,7 @@ and ``int8-f16scale`` (int8 rows with a float16 scale).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -98,16 +99,22 @@ def fp8(x, scale: float):
     return ((x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
 
-def rotated_fp8(x, head_size: int = 64):
-    """``x`` ``[..., heads * head_size]`` rounded to e4m3 (scale 1) in a turned basis: ``fp8(x R) R^T`` per head row,
-    ``R`` a Hadamard matrix with random signs, scaled to be orthonormal."""
+@functools.lru_cache(maxsize=None)
+def turn(head_size: int):
+    """A Hadamard matrix with random signs, scaled to be orthonormal (made once: a replayed step cannot draw it)."""
     import torch
 
     h = torch.ones(1, 1)
     while h.shape[0] < head_size:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     signs = torch.where(torch.rand(head_size, generator=torch.Generator().manual_seed(0)) < 0.5, -1.0, 1.0)
-    r = h * signs / head_size**0.5
+    return h * signs / head_size**0.5
+
+
+def rotated_fp8(x, head_size: int = 64):
+    """``x`` ``[..., heads * head_size]`` rounded to e4m3 (scale 1) in a turned basis: ``fp8(x R) R^T`` per head row,
+    ``R`` :func:`turn`'s."""
+    r = turn(head_size)
     rows = x.float().reshape(-1, head_size)
     return (fp8(rows @ r, 1.0).float() @ r.T).reshape(x.shape).to(x.dtype)
 
