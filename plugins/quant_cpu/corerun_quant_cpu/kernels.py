@@ -125,7 +125,7 @@ def gguf_gemv(out: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, type_nam
     ``blocks`` uint8 ``[rows, cols / block_size * block_bytes]`` contiguous; ``x`` float32 ``[T, cols]``
     contiguous; ``out`` float32 ``[T, rows]`` whose last dimension is contiguous (a column slice of a
     wider output); ``type_name`` one of :data:`TYPES` (32-value blocks) or :data:`K_TYPES` (256-value
-    super-blocks, ``cols`` a multiple of 256: ``csrc/gguf_k.cpp``, whose ``avx2`` is its scalar path);
+    super-blocks, ``cols`` a multiple of 256: ``csrc/gguf_k.cpp``, whose ``avx2`` multiplies in float32);
     ``isa`` one of :data:`ISAS`.
     """
     if type_name in K_TYPES:

@@ -7,8 +7,8 @@
 //     x       float32 [T, cols], contiguous, cols a multiple of 256
 //     out     float32 [T, rows], last dimension contiguous (a column slice of a wider output is fine)
 //     type    GGML's numbers: 12 = Q4_K (144-byte super-blocks), 13 = Q5_K (176), 14 = Q6_K (210)
-//     isa     kernels.py's ISAS: 2 = AVX-512 (F, BW, VL, DQ) + VNNI with int8 activations, refused where the CPU
-//             lacks them; 0 and 1 = the scalar path (there is no AVX2 path for these types)
+//     isa     kernels.py's ISAS: 2 = AVX-512 (F, BW, VL, DQ) + VNNI with int8 activations, 1 = AVX2 + FMA + F16C
+//             (float32, the scalar path's arithmetic), each refused where the CPU lacks it; 0 = scalar
 //   gguf_k_dequantize(out, blocks, type)
 //     out     float32 [rows, cols] contiguous: the decoded weight (prefill: its product goes to torch's matmul)
 //
@@ -79,7 +79,8 @@ inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
 
 // ---- scalar ---------------------------------------------------------------------------------------
 
-void decode_super_block(int64_t type, const uint8_t* b, float* y) {
+// always inlined: rows_k_avx2 compiles it again for AVX2 (vectorized there), rows_k_scalar for the baseline
+__attribute__((always_inline)) inline void decode_super_block(int64_t type, const uint8_t* b, float* y) {
     if (type == Q6_K) {
         const float d = half_bits_to_float(b + 208);
         const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -145,6 +146,80 @@ void rows_k_scalar(const KProblem& p, int64_t begin, int64_t end) {
             for (int64_t k = 0; k < nt; ++k) p.out[(t0 + k) * p.out_stride + j] = acc[k];
         }
     }
+}
+
+// ---- AVX2 + FMA: the scalar path's decode compiled for AVX2, float32 dot products 8 lanes at a time -------------
+//
+// The same arithmetic as the scalar path (each value decoded and rounded once, float32 products), for CPUs with
+// AVX2 but not the AVX-512 set (most laptops and desktops before Zen 4, Intel's client cores): a super-block
+// decoded into 256 floats on the stack, then per token four accumulators of 8 lanes with FMA.
+
+#define K2_FN __attribute__((target("avx2,fma,f16c")))
+
+// Q6_K's decode, 8 values a vector (the compiler leaves the scalar loop's four interleaved outputs scalar): the same
+// values as decode_super_block's, (d sc) times the code, rounded once
+K2_FN void decode_q6k_avx2(const uint8_t* b, float* y) {
+    const float d = half_bits_to_float(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+    for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int l = 0; l < 32; l += 8) {
+            const int is = 8 * h + l / 16;
+            const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ql + l)));
+            const __m256i q2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ql + 32 + l)));
+            const __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh + l)));
+            const __m256i v[4] = {
+                _mm256_or_si256(_mm256_and_si256(q1, m15), _mm256_slli_epi32(_mm256_and_si256(hb, m3), 4)),
+                _mm256_or_si256(_mm256_and_si256(q2, m15), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 2), m3), 4)),
+                _mm256_or_si256(_mm256_srli_epi32(q1, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 4), m3), 4)),
+                _mm256_or_si256(_mm256_srli_epi32(q2, 4), _mm256_slli_epi32(_mm256_srli_epi32(hb, 6), 4)),
+            };
+            for (int k = 0; k < 4; ++k) {
+                const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[is + 2 * k]));
+                _mm256_store_ps(y + 128 * h + 32 * k + l, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_sub_epi32(v[k], off))));
+            }
+        }
+    }
+}
+
+K2_FN void rows_k_avx2(const KProblem& p, int64_t begin, int64_t end) {
+    alignas(32) float y[QK_K];
+    for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* row = p.blocks + j * p.row_bytes;
+        for (int64_t t0 = 0; t0 < p.T; t0 += KTILE) {
+            const int64_t nt = std::min(KTILE, p.T - t0);
+            __m256 acc[KTILE];
+            for (int64_t k = 0; k < KTILE; ++k) acc[k] = _mm256_setzero_ps();
+            for (int64_t s = 0; s < p.nsb; ++s) {
+                if (p.type == Q6_K) decode_q6k_avx2(row + s * k_block_bytes(p.type), y);
+                else decode_super_block(p.type, row + s * k_block_bytes(p.type), y);
+                for (int64_t k = 0; k < nt; ++k) {
+                    const float* xs = p.x + (t0 + k) * p.cols + s * QK_K;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int i = 0; i < QK_K; i += 32) {
+                        a0 = _mm256_fmadd_ps(_mm256_load_ps(y + i), _mm256_loadu_ps(xs + i), a0);
+                        a1 = _mm256_fmadd_ps(_mm256_load_ps(y + i + 8), _mm256_loadu_ps(xs + i + 8), a1);
+                        a2 = _mm256_fmadd_ps(_mm256_load_ps(y + i + 16), _mm256_loadu_ps(xs + i + 16), a2);
+                        a3 = _mm256_fmadd_ps(_mm256_load_ps(y + i + 24), _mm256_loadu_ps(xs + i + 24), a3);
+                    }
+                    acc[k] = _mm256_add_ps(acc[k], _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+                }
+            }
+            for (int64_t k = 0; k < nt; ++k) {
+                __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[k]), _mm256_extractf128_ps(acc[k], 1));
+                v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+                v = _mm_add_ss(v, _mm_movehdup_ps(v));
+                p.out[(t0 + k) * p.out_stride + j] = _mm_cvtss_f32(v);
+            }
+        }
+    }
+}
+
+bool cpu_has_k2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 // ---- AVX-512 + VNNI: int8 activations ----------------------------------------------------------------
@@ -325,8 +400,9 @@ int64_t check_blocks(const char* op, const at::Tensor& blocks, int64_t cols, int
 
 void gguf_k_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, int64_t type, int64_t isa) {
     check_type("gguf_k_gemv", type);
-    TORCH_CHECK(isa >= 0 && isa <= 2, "gguf_k_gemv: isa must be 0 (scalar), 1 (avx2: the scalar path) or 2 (avx512), got ", isa);
+    TORCH_CHECK(isa >= 0 && isa <= 2, "gguf_k_gemv: isa must be 0 (scalar), 1 (avx2) or 2 (avx512), got ", isa);
     TORCH_CHECK(isa < 2 || cpu_has_k512(), "gguf_k_gemv: isa 2 needs AVX-512 (F, BW, VL, DQ) with VNNI, which this CPU lacks");
+    TORCH_CHECK(isa != 1 || cpu_has_k2(), "gguf_k_gemv: isa 1 needs AVX2, FMA and F16C, which this CPU lacks");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
                 "gguf_k_gemv: x must be contiguous float32 [T, cols] on the CPU, got ", x.scalar_type(), " ", x.sizes());
     const int64_t T = x.size(0), cols = x.size(1);
@@ -354,7 +430,10 @@ void gguf_k_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, 
         return;
     }
     const KProblem p{blocks.data_ptr<uint8_t>(), x.data_ptr<float>(), out.data_ptr<float>(), T, cols, nsb, row_bytes, out.stride(0), type};
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { rows_k_scalar(p, begin, end); });
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        if (isa == 1) rows_k_avx2(p, begin, end);
+        else rows_k_scalar(p, begin, end);
+    });
 }
 
 void gguf_k_dequantize(at::Tensor out, const at::Tensor& blocks, int64_t type) {
