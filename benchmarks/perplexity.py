@@ -14,7 +14,11 @@ activations, ``exp(mean -log p(token | the tokens before it))``.  Formats:
   weights, float activations): to tell weight error from activation error;
 - ``int4 W4A16 g32`` and the ``--asymmetric`` (zero point) variants of both group sizes.
 
-    .venv/bin/python benchmarks/perplexity.py [--threads 1]
+``--kernels`` adds Q4_1 through ``gguf_cpu`` and three int4 folders through ``compressed_tensors_cpu`` (corerun-quant-cpu),
+whose few-token products quantize the activations to int8 per 32 values; ``--chunk 16`` feeds the text 16 tokens a
+step so that those products run (one prefill of the whole text takes the decoded float path).
+
+    .venv/bin/python benchmarks/perplexity.py [--threads 1] [--chunk 16 --kernels]
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ TEXT = (
 )
 
 
-def perplexity(model: Any, ids: list[int]) -> float:
+def perplexity(model: Any, ids: list[int], chunk: int = 0) -> float:
     import corerun  # noqa: F401  (before torch: its OpenMP settings, corerun.platform.host)
     import torch
 
     from corerun.testing.tiny_models import corerun_logits
 
-    logits = corerun_logits(model, ids, block_size=16).double()
+    chunks = None if not chunk else [chunk] * (len(ids) // chunk) + ([len(ids) % chunk] if len(ids) % chunk else [])
+    logits = corerun_logits(model, ids, block_size=16, chunks=chunks).double()
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean")
     return math.exp(nll.item())
 
@@ -93,6 +98,10 @@ def weights_only(int8_dir: Path, out: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=0, help="feed the text this many tokens a step (0: one prefill); "
+                        "16 takes corerun-quant-cpu's products down their few-token kernels")
+    parser.add_argument("--kernels", action="store_true", help="also the int4 formats and Q4_1 through corerun-quant-cpu's "
+                        "methods (compressed_tensors_cpu, gguf_cpu), where they run")
     args = parser.parse_args()
 
     import torch
@@ -120,16 +129,30 @@ def main() -> None:
         ("int4 g128 asym", lambda: load_model(quantize_folder(float_dir, tmp / "a128", "int4", 128, True), dtype=torch.float32, quant=CompressedTensorsMethod())),
         ("int4 g32 asym", lambda: load_model(quantize_folder(float_dir, tmp / "a32", "int4", 32, True), dtype=torch.float32, quant=CompressedTensorsMethod())),
     ]
-    print(f"load average before: {os.getloadavg()}; {len(ids)} tokens; threads {args.threads}")
+    if args.kernels:
+        from corerun.plugin.registry import Registry
+
+        reg = Registry.from_environment()
+        for name in ("gguf_cpu", "compressed_tensors_cpu"):
+            if name not in reg.registrations["quantization"] or reg.get("quantization", name).unavailable_reasons():
+                raise SystemExit(f"--kernels: {name} cannot run here")
+        formats += [
+            ("Q4_1 (gguf_cpu)", lambda: load_model(gguf_model_dir(str(find_default_gguf())), dtype=torch.float32,
+                                                   quant=reg.create("quantization", "gguf_cpu"))),
+            ("int4 g128 (ct_cpu)", lambda: load_model(tmp / "int4", dtype=torch.float32, quant=reg.create("quantization", "compressed_tensors_cpu"))),
+            ("int4 g32 (ct_cpu)", lambda: load_model(tmp / "g32", dtype=torch.float32, quant=reg.create("quantization", "compressed_tensors_cpu"))),
+            ("int4 g32 asym (ct_cpu)", lambda: load_model(tmp / "a32", dtype=torch.float32, quant=reg.create("quantization", "compressed_tensors_cpu"))),
+        ]
+    print(f"load average before: {os.getloadavg()}; {len(ids)} tokens; threads {args.threads}; chunk {args.chunk or 'all'}")
     base = None
-    print(f"{'format':<18} {'perplexity':>10} {'vs float32':>10} {'seconds':>8}")
+    print(f"{'format':<22} {'perplexity':>10} {'vs float32':>10} {'seconds':>8}")
     for name, load in formats:
         model, _ = load()
         start = time.perf_counter()
-        ppl = perplexity(model, ids)
+        ppl = perplexity(model, ids, args.chunk)
         seconds = time.perf_counter() - start
         base = base or ppl
-        print(f"{name:<18} {ppl:>10.4f} {ppl / base:>10.4f} {seconds:>8.2f}")
+        print(f"{name:<22} {ppl:>10.4f} {ppl / base:>10.4f} {seconds:>8.2f}")
         del model
     print(f"load average after: {os.getloadavg()}")
 

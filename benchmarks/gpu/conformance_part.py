@@ -64,7 +64,7 @@ class Tests:
 
 
 MOE_TRITON = Tests("tests/test_models_moe_triton.py::test_triton_experts_equal_a_dense_per_expert_reference")
-INT_GEMM_TRITON = Tests("tests/test_quantization_int_gemm_triton.py::test_int_gemm_matches_float64")  # W4A16 / W8A16, 18 compiles
+INT_GEMM_TRITON = Tests("tests/test_quantization_int_gemm_triton.py")  # W4A16 / W8A16: the kernel and the methods, about 24 compiles
 
 # Most important first inside each group: a part cut short keeps what ran.
 GROUPS: dict[str, list[Suite | Tests]] = {

@@ -25,7 +25,7 @@
 #                              then lora:triton (about 10 compiles; its CUDA-graph replay check),
 #                              then the MoE experts kernel's test (12 compiles, 0.1-0.2 s each
 #                              for sm_90 by scripts/compile_check.py: about 5 s with its runs),
-#                              then the W4A16 / W8A16 GEMM's test (18 compiles, 0.5-0.7 s each there)
+#                              then the W4A16 / W8A16 GEMM's tests (about 24 compiles, 0.5-0.7 s each there)
 #   kv-profile           100   step-memory profile vs capture and serving: torch, then triton, each
 #                              engine in its own process (40 s each, + 5 s to die) on a clean device
 #   conformance-rest      45   attention:torch, sampler:full, sampler:basic, lora:torch, lora:grouped,

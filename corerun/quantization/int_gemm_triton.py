@@ -5,7 +5,7 @@ The weights are what :class:`~corerun.quantization.quantized_tensor.Codes` gives
 activation order has its columns sorted by group first; :func:`pack` returns the permutation, and the
 activations are permuted to match).  ``q`` are unsigned 4- or 8-bit codes, ``32 / bits`` to an int32 word along
 the input features (``words[n, k // per] >> (bits * (k % per))``); ``s`` and ``c`` float32 ``[N, G]``.  This takes
-GPTQ and AWQ (4- and 8-bit, zero points), compressed-tensors ``pack-quantized`` and ``int-quantized`` W8A16
+GPTQ (4- and 8-bit) and AWQ (4-bit), zero points included, compressed-tensors ``pack-quantized`` and ``int-quantized`` W8A16
 (the int8 codes offset by 128, zero point 128, one group the whole row).
 
 :func:`int_gemm_kernel`: program ``(m, n)`` multiplies ``BLOCK_M`` rows of ``x`` by ``BLOCK_N`` output
@@ -54,24 +54,29 @@ class PackedInt:
 
 def pack(codes: Codes, bits: int) -> PackedInt | None:
     """``codes`` packed for :func:`int_gemm`; ``None`` where the groups are not runs of equal length after sorting
-    (a kernel reads ``g = k // group``)."""
+    (a kernel reads ``g = k // group``).  The groups may start past 0 (a row-parallel rank's slice of GPTQ's ``g_idx``,
+    which keeps the whole model's group numbers): only the groups used are kept."""
     q, groups = codes.q, codes.groups
-    cols = q.shape[1]
+    rows, cols = q.shape
+    if rows == 0 or cols == 0:
+        return None
     perm = None
     if cols > 1 and not bool((groups[1:] >= groups[:-1]).all()):
         perm = torch.sort(groups, stable=True).indices
         q, groups = q[:, perm], groups[perm]
-    group = int((groups == groups[0]).sum()) if cols else 1
-    if not torch.equal(groups, torch.arange(cols, device=groups.device) // group + groups[0]) or int(groups[0]) != 0:
+    g0 = int(groups[0])
+    group = int((groups == g0).sum())
+    if not torch.equal(groups, torch.arange(cols, device=groups.device) // group + g0):
         return None
     per = 32 // bits
-    padded = torch.nn.functional.pad(q.long(), (0, -cols % per)).reshape(q.shape[0], -1, per)
-    shifts = torch.arange(0, 32, bits, device=q.device, dtype=torch.int64)
-    words = (padded << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
-    used = int(groups[-1]) + 1 if cols else 0
-    s = codes.scales[:, :used].float()
-    return PackedInt(words, s.contiguous(), (-(s.double() * codes.zeros[:, :used].double())).float().contiguous(), bits, group, cols, perm)
+    q = torch.nn.functional.pad(q.to(torch.int32), (0, -cols % per))
+    words = torch.zeros(rows, q.shape[1] // per, dtype=torch.int32, device=q.device)
+    for i in range(per):  # in int32 (a shift into the sign bit wraps): no int64 copy of the weight
+        words |= q[:, i::per] << (bits * i)
+    used = int(groups[-1]) - g0 + 1
+    s = codes.scales[:, g0 : g0 + used].float()
+    negz = (-(s.double() * codes.zeros[:, g0 : g0 + used].double())).float()
+    return PackedInt(words, s.contiguous(), negz.contiguous(), bits, group, cols, perm)
 
 
 @triton.jit
@@ -107,7 +112,7 @@ def int_gemm_kernel(
     pid_n = tl.program_id(1)
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row offsets: M x N may pass 2^31
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = offs_m < M
     cols_ok = offs_n < N
@@ -144,6 +149,9 @@ def int_gemm(x: torch.Tensor, w: PackedInt, out: torch.Tensor | None = None) -> 
     m, n = x.shape[0], w.words.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
+        raise ValueError(f"int_gemm: out must be {x.dtype} [{m}, {n}] on {x.device} with contiguous, non-overlapping rows; "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}, strides {out.stride()}")
     if m == 0 or n == 0:
         return out
     fp32 = x.dtype == torch.float32

@@ -7,9 +7,11 @@ ranks) and the method keeps one per shard, as stored.  ``apply`` per scheme:
 
 - 4-bit GPTQ / AWQ / pack-quantized, int8 weights without int8 activations (W8A16), FP8 on CPU:
   the shards are decoded into ``x.dtype`` on every call and multiplied (``F.linear``);
-- the same integer formats on CUDA (where Triton imports): packed once loaded
-  (:func:`corerun.quantization.int_gemm_triton.pack`) and multiplied by one Triton GEMM that decodes the codes
-  in registers (:func:`~corerun.quantization.int_gemm_triton.int_gemm`), merged shards in natural order one launch;
+- the same integer formats on CUDA (where Triton imports; ``CORERUN_INT_GEMM_TRITON=0`` keeps the decoded path): packed
+  once loaded (:func:`corerun.quantization.int_gemm_triton.pack`) and, for up to ``INT_GEMM_MAX_TOKENS`` rows,
+  multiplied by one Triton GEMM that decodes the codes in registers
+  (:func:`~corerun.quantization.int_gemm_triton.int_gemm`), merged shards in natural order one launch; the
+  checkpoint's parts stay beside the packed copy (larger calls and ``dequantized`` read them);
 - W8A8 (int8 activations, dynamic or static): :func:`corerun.quantization.int8_matmul.int8_linear`,
   int8 x int8 -> int32 (``torch._int_mm`` on CUDA and on a CPU with VNNI alone; oneDNN's int8 GEMM on a
   CPU with AMX).  A layer whose shards are all W8A8 alike (merged q/k/v, gate/up) is merged once loaded
@@ -20,6 +22,7 @@ ranks) and the method keeps one per shard, as stored.  ``apply`` per scheme:
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar, Hashable, Iterable, Iterator, Mapping
 
 import torch
@@ -74,7 +77,7 @@ class PackedMethod(QuantizationMethod):
         if layer.int8 is not None:
             return layer.int8(x)
         parts = layer.__dict__.get("int_gemm")
-        if parts is not None and x.dim() == 2 and x.device == layer.weight.device:
+        if parts is not None and x.dim() == 2 and x.shape[0] <= INT_GEMM_MAX_TOKENS and x.device == layer.weight.device:
             from corerun.quantization.int_gemm_triton import DTYPES, int_gemm
 
             if x.dtype in DTYPES:
@@ -97,13 +100,18 @@ class PackedMethod(QuantizationMethod):
         return F.linear(x, w.dequantize(x.dtype))
 
 
+INT_GEMM_MAX_TOKENS = 64  # above (prefill): the weight decoded once per call and cuBLAS, not 16-row tiles each decoding it
+INT_GEMM_ENV = "CORERUN_INT_GEMM_TRITON"  # "0": keep the decode-and-F.linear path on CUDA too
+
+
 def triton_int_gemm(device: torch.device) -> bool:
-    """Whether integer shards on ``device`` multiply in the Triton GEMM: a CUDA device, and Triton imports."""
-    if device.type != "cuda":
+    """Whether integer shards on ``device`` multiply in the Triton GEMM: a CUDA device, Triton imports, and
+    ``$CORERUN_INT_GEMM_TRITON`` is not ``0``."""
+    if device.type != "cuda" or os.environ.get(INT_GEMM_ENV, "1").strip() == "0":
         return False
     try:
         import corerun.quantization.int_gemm_triton  # noqa: F401
-    except ImportError:
+    except Exception:  # noqa: BLE001 - no Triton, or one too old for the kernel's module (triton.knobs): the decoded path
         return False
     return True
 

@@ -81,8 +81,12 @@ def pack_quantized(bits: int, group_size: int | None, symmetric: bool, actorder:
     axes = {"weight_packed": Axes(0, 1, 1, n), "weight_scale": scale_in, "weight_zero_point": Axes(0, n, scale_in.in_dim, per_group),
             "weight_g_idx": Axes(None, 1, 0, 1), "weight_shape": Axes()}
     what = f"groups of {group_size}" if group_size else "per channel"
-    return Scheme(f"compressed-tensors pack-quantized {bits}-bit, {what}{'' if symmetric else ', zero points'}", axes, _decode(codes),
-                  bits=bits, codes=codes)
+    def decode_symmetric(p: dict[str, torch.Tensor], out: int, cols: int) -> torch.Tensor:  # no [out, in] zero points to gather
+        q = unpack(p["weight_packed"], bits, 1)[:, :cols] - offset
+        return q.float() * p["weight_scale"].float()[:, _groups(p, "weight_g_idx", cols, group_size or cols)]
+
+    return Scheme(f"compressed-tensors pack-quantized {bits}-bit, {what}{'' if symmetric else ', zero points'}", axes,
+                  decode_symmetric if symmetric else _decode(codes), bits=bits, codes=codes)
 
 
 def int8(channel: bool, activations: str | None) -> Scheme:

@@ -174,7 +174,7 @@ def repack_w4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups
     ``None`` where the kernel cannot take them: ``cols`` not a multiple of 32, codes outside 0..15, or a group
     that is not whole 32-blocks in order (activation order: permute the columns first)."""
     rows, cols = q.shape
-    if cols == 0 or cols % 32 or q.min() < 0 or q.max() > 15:
+    if rows == 0 or cols == 0 or cols % 32 or q.min() < 0 or q.max() > 15:
         return None
     nb = cols // 32
     by_block = groups.reshape(nb, 32)

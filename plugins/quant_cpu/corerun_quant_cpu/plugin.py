@@ -58,6 +58,6 @@ def corerun_quantization_methods(register):
             priority={"cpu": 20, "default": -10},
             description=(
                 f"{what} checkpoints as the built-in reads them; 4-bit products of up to 32 tokens (16 in bfloat16) in C++ straight from the "
-                "codes, repacked at load (AVX-512 VNNI, int8 activations per 32 values), larger ones decoded as the built-in does"
+                "codes, repacked at load (AVX-512 VNNI, int8 activations per 32 values), larger ones decoded in C++ and multiplied by torch"
             ),
         )

@@ -7,8 +7,8 @@ shards are repacked once loaded (:func:`~corerun_quant_cpu.kernels.repack_w4`: t
 the scales and ``-s z`` as float32 per 32, 64 or 128 features) and products of up to ``W4_MAX_TOKENS`` rows (32 in float32, 16 in bfloat16) go to
 :func:`~corerun_quant_cpu.kernels.w4_gemv` (AVX-512 + VNNI: the activations quantized to int8 per token and
 32-block, as ``gguf_cpu``'s products do; the conformance bound adds half an activation step); larger ones (prefill)
-decode the repacked weights in C++ (:func:`~corerun_quant_cpu.kernels.w4_dequantize`, AVX-512: 11 ms for the default
-model's decoder) and multiply in the activations' dtype with torch, where the built-in decodes through a dozen torch
+decode the repacked weights in C++ (:func:`~corerun_quant_cpu.kernels.w4_dequantize`, AVX-512: 8-9 ms for the default
+model's decoder on one thread) and multiply in the activations' dtype with torch, where the built-in decodes through a dozen torch
 operators (73 ms a scalar decode took, and the built-in's far longer).  Merged shards
 (q/k/v, gate/up) in natural order are one repacked weight and one call; shards in activation order (GPTQ's
 ``desc_act``, compressed-tensors' ``actorder: group``) keep their own, the columns permuted so each group is
@@ -93,19 +93,21 @@ class W4CpuMixin:
     def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: Any) -> None:
         super().create_weights(layer, in_features, shard_sizes)  # type: ignore[misc]
         layer.w4 = None  # [W4Part], once every shard is loaded and each can be repacked
+        layer.w4_kernel = False  # whether w4_gemv runs here (asked once, at load)
 
     def load_weight(self, layer: nn.Module, loaded: Any, shard_id: Hashable) -> None:
         super().load_weight(layer, loaded, shard_id)  # type: ignore[misc]
         shards = [layer.quantized.get(s) for s in layer.quantized_shards]
         if all(s is not None for s in shards):
             layer.w4 = w4_parts(shards)
+            layer.w4_kernel = kernels.w4_available()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype."""
         parts = layer.__dict__.get("w4")
         if parts is None or x.dim() != 2 or x.dtype not in _DTYPES or x.device.type != "cpu":
             return super().apply(layer, x)  # type: ignore[misc]
-        if x.shape[0] > W4_MAX_TOKENS[x.dtype] or not kernels.w4_available():  # decoded once per call in C++, torch's matmul
+        if x.shape[0] > W4_MAX_TOKENS[x.dtype] or not layer.w4_kernel:  # decoded once per call in C++, torch's matmul
             outs = [F.linear(x if p.perm is None else x.index_select(1, p.perm), kernels.w4_dequantize(p.codes, p.scales, p.negzs, p.gb).to(x.dtype))
                     for p in parts]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

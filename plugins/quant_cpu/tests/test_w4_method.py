@@ -1,9 +1,11 @@
 """The 4-bit group-wise product (``w4_gemv``, csrc/gguf_gemv.cpp) and the methods that use it (``gptq_cpu``,
 ``awq_cpu``, ``compressed_tensors_cpu``'s W4A16): the kernel against float64 dequantize-then-matmul within the
 int8-activation bounds (worst case and six standard deviations of its rounding), for every granule, whole
-groups of four blocks and the blocks after them, 1-16 tokens, a column slice of a poisoned output; the repacked
-layout against its definition; the layers through corerun's ``Linear`` / ``MergedLinear`` (merged shards in one
-call, activation order permuted per shard, prefill left to the built-in); the conformance suite for each method."""
+groups of four blocks and the blocks after them, 1-16 tokens, a column slice of a poisoned output; the decoder
+(both paths) bit for bit; the repacked layout against its definition; the layers through corerun's ``Linear`` /
+``MergedLinear`` (merged shards in one call, activation order permuted per shard, prompts decoded in C++, every
+call decoded on a CPU without the AVX-512 set); the conformance suite for each method (on any CPU: without the
+kernel its layers take the decoded path).  Tests that need ``w4_gemv`` itself skip elsewhere."""
 
 from __future__ import annotations
 
@@ -20,10 +22,7 @@ from quant_cpu_cases import int8_activation_bound, int8_activation_sigma_bound
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(autouse=True)
-def needs_the_kernel(built) -> None:  # (conftest's built: the library loads, or the module is skipped)
-    if not kernels.w4_available():
-        pytest.skip(f"the 4-bit product needs AVX-512 with VNNI and VBMI; this CPU runs {kernels.best_isa()!r}")
+needs_kernel = pytest.mark.skipif("not kernels.w4_available()", reason="the int8 product (w4_gemv) needs AVX-512 with VNNI and VBMI")
 
 
 class TestGptqCpuConformance(QuantizationSuite):
@@ -49,6 +48,7 @@ def codes(rows: int, cols: int, group: int, seed: int) -> tuple[torch.Tensor, ..
     return q, z, s, groups, (q - z[:, groups]).double() * s[:, groups].double()
 
 
+@needs_kernel
 @pytest.mark.parametrize("rows,cols,group,gb", [(7, 96, 32, 1), (40, 576, 64, 2), (33, 576, 128, 4), (17, 640, 128, 4),
                                                 (10, 576, 576, 4), (9, 256, 256, 4), (5, 32, 32, 4)])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 16])
@@ -66,7 +66,7 @@ def test_w4_gemv_matches_float64(rows: int, cols: int, group: int, gb: int, toke
     assert torch.isnan(wide[:, 0]).all() and torch.isnan(wide[:, rows + 1 :]).all()
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", pytest.param("avx512", marks=needs_kernel)])
 @pytest.mark.parametrize("rows,cols,group", [(7, 96, 32), (40, 576, 64), (10, 576, 576)])
 def test_w4_dequantize_is_exact(rows: int, cols: int, group: int, isa: str) -> None:
     """float16 scales: ``s q - s z`` is ``s (q - z)`` exactly in float32, the float64 decode bit for bit."""
@@ -93,6 +93,7 @@ def test_inputs_it_cannot_take_are_left_to_the_built_in() -> None:
     assert kernels.repack_w4(q, z, s, groups.flip(0)) is None  # groups out of order (the method permutes first)
 
 
+@needs_kernel
 def test_w4_gemv_refuses_bad_operands() -> None:
     q, z, s, groups, _ = codes(4, 64, 32, 3)
     c, sc, negz, gb = kernels.repack_w4(q, z, s, groups)
@@ -113,6 +114,7 @@ def _checkpoint(fmt: str, rows: int, cols: int, seed: int, method) -> tuple[obje
     return out[0][1], ref.weight
 
 
+@needs_kernel
 @pytest.mark.parametrize("fmt,method_name,one_call", [("gptq-4bit-g32", "gptq_cpu", True), ("gptq-4bit-g32-act-order", "gptq_cpu", False),
                                                       ("awq-4bit-g32", "awq_cpu", True), ("ct-w4a16-g32", "compressed_tensors_cpu", True)])
 def test_merged_layer_multiplies_in_the_kernel_then_decodes_prefill_in_cpp(
