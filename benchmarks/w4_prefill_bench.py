@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paths", default="decode,f32,bf16,kernel")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="decoder layers' products (30: the default model's)")
     args = ap.parse_args()
     reasons = kernels.load()
     if reasons or not kernels.w4_available():
@@ -42,7 +43,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     weights = []
-    for rows, cols in SHAPES * LAYERS:
+    shapes = SHAPES * args.layers
+    for rows, cols in shapes:
         q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.int32)
         z = torch.full((rows, cols // 64), 8, dtype=torch.int32)
         s = (torch.rand(rows, cols // 64, generator=g) * 0.01).half().float()
@@ -52,7 +54,7 @@ def main() -> None:
 
     def run(t: int, path: str) -> float:
         start = time.perf_counter()
-        for (codes, scales, negzs, gb), (rows, cols) in zip(weights, SHAPES * LAYERS):
+        for (codes, scales, negzs, gb), (rows, cols) in zip(weights, shapes):
             x = xs[(t, cols)]
             if path == "kernel":
                 kernels.w4_gemv(torch.empty(t, rows), codes, scales, negzs, x, gb)

@@ -258,3 +258,20 @@ def test_int8_amx_bench_smoke():
     for value, what in ((amx, "call ms"), (builtin, "built-in ms"), (ratio, "ratio")):
         positive_finite(value, what)
     assert abs(ratio - builtin / amx) <= 0.01 * ratio + 0.01  # the printed ratio is the two times'
+
+
+@pytest.mark.timeout(120)
+def test_w4_prefill_bench_smoke():
+    from corerun_quant_cpu import kernels
+
+    if kernels.load() or not kernels.w4_available():
+        pytest.skip("the 4-bit product does not run here")
+    out = run_script("w4_prefill_bench.py", "--layers", "1", "--tokens", "1,17", "--repeats", "1")
+    assert "4 products, 1 thread(s)" in out
+    rows = [line for line in out.splitlines() if " tokens: " in line]
+    assert [int(r.split()[0]) for r in rows] == [1, 17]
+    for r in rows:
+        times = dict(zip(r.split(":", 1)[1].split()[::2], r.split(":", 1)[1].split()[1::2]))
+        assert set(times) == {"decode", "f32", "bf16", "kernel"}
+        for path, ms in times.items():
+            positive_finite(float(ms), f"{path} ms")
