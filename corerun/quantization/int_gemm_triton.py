@@ -56,14 +56,11 @@ def pack(codes: Codes, bits: int) -> PackedInt | None:
     """``codes`` packed for :func:`int_gemm`; ``None`` where the groups are not runs of equal length after sorting
     (a kernel reads ``g = k // group``).  The groups may start past 0 (a row-parallel rank's slice of GPTQ's ``g_idx``,
     which keeps the whole model's group numbers): only the groups used are kept."""
-    q, groups = codes.q, codes.groups
-    rows, cols = q.shape
+    rows, cols = codes.q.shape
     if rows == 0 or cols == 0:
         return None
-    perm = None
-    if cols > 1 and not bool((groups[1:] >= groups[:-1]).all()):
-        perm = torch.sort(groups, stable=True).indices
-        q, groups = q[:, perm], groups[perm]
+    codes, perm = codes.in_group_order()
+    q, groups = codes.q, codes.groups
     g0 = int(groups[0])
     group = int((groups == g0).sum())
     if not torch.equal(groups, torch.arange(cols, device=groups.device) // group + g0):

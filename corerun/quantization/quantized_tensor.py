@@ -51,6 +51,16 @@ class Codes:
         """float32 ``[out, in]``: the integer difference first, then one multiply (exact to float32's rounding)."""
         return (self.q - self.zeros[:, self.groups]).float() * self.scales[:, self.groups]
 
+    def in_group_order(self) -> tuple["Codes", torch.Tensor | None]:
+        """The same weight with its input features sorted by group (activation order: GPTQ's ``desc_act``,
+        compressed-tensors' ``actorder``), and the permutation (``None`` where already in order): a kernel that reads
+        each group as a run multiplies ``x[:, perm]`` by it."""
+        g = self.groups
+        if g.numel() < 2 or bool((g[1:] >= g[:-1]).all()):
+            return self, None
+        perm = torch.sort(g, stable=True).indices
+        return Codes(self.q[:, perm], self.zeros, self.scales, g[perm]), perm
+
 
 @dataclass(frozen=True)
 class Scheme:

@@ -67,10 +67,7 @@ def w4_part(w: QuantizedTensor) -> W4Part | None:
     codes = w.codes()
     if codes is None or codes.q.device.type != "cpu":
         return None
-    perm = None
-    if codes.groups.numel() > 1 and not bool((codes.groups[1:] >= codes.groups[:-1]).all()):
-        perm = torch.sort(codes.groups, stable=True).indices
-        codes = type(codes)(codes.q[:, perm], codes.zeros, codes.scales, codes.groups[perm])
+    codes, perm = codes.in_group_order()
     packed = kernels.repack_w4(codes.q, codes.zeros, codes.scales, codes.groups)
     return None if packed is None else W4Part(*packed, perm=perm)
 

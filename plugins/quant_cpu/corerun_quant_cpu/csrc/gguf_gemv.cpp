@@ -46,6 +46,8 @@
 #include <vector>
 #include <immintrin.h>
 
+#include "cpu_features.h"
+
 namespace {
 
 enum Type : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
@@ -763,10 +765,7 @@ AVX512_FN void q8r_groups(const Q8R& p, int64_t T, int64_t rows, int64_t begin, 
     }
 }
 
-bool cpu_has_avx2() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
+bool cpu_has_avx2() { return corerun_cpu::has_avx2(); }
 
 bool cpu_has_avx512() {
     __builtin_cpu_init();

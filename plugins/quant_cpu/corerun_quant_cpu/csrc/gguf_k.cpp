@@ -52,6 +52,8 @@
 #include <vector>
 #include <immintrin.h>
 
+#include "cpu_features.h"
+
 namespace {
 
 enum KType : int64_t { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -215,11 +217,6 @@ K2_FN void rows_k_avx2(const KProblem& p, int64_t begin, int64_t end) {
             }
         }
     }
-}
-
-bool cpu_has_k2() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 // ---- AVX-512 + VNNI: int8 activations ----------------------------------------------------------------
@@ -402,7 +399,7 @@ void gguf_k_gemv(at::Tensor out, const at::Tensor& blocks, const at::Tensor& x, 
     check_type("gguf_k_gemv", type);
     TORCH_CHECK(isa >= 0 && isa <= 2, "gguf_k_gemv: isa must be 0 (scalar), 1 (avx2) or 2 (avx512), got ", isa);
     TORCH_CHECK(isa < 2 || cpu_has_k512(), "gguf_k_gemv: isa 2 needs AVX-512 (F, BW, VL, DQ) with VNNI, which this CPU lacks");
-    TORCH_CHECK(isa != 1 || cpu_has_k2(), "gguf_k_gemv: isa 1 needs AVX2, FMA and F16C, which this CPU lacks");
+    TORCH_CHECK(isa != 1 || corerun_cpu::has_avx2(), "gguf_k_gemv: isa 1 needs AVX2, FMA and F16C, which this CPU lacks");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
                 "gguf_k_gemv: x must be contiguous float32 [T, cols] on the CPU, got ", x.scalar_type(), " ", x.sizes());
     const int64_t T = x.size(0), cols = x.size(1);
